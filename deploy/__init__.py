@@ -1,0 +1,1 @@
+"""Local cluster launcher, multi-host configuration and service files."""

@@ -1,0 +1,1 @@
+"""The bundled Llama-style engine (torch) and its store connector."""

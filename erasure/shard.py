@@ -1,0 +1,128 @@
+"""The shard format: a fixed 48-byte header followed by the shard's payload.
+
+::
+
+    offset size  field                                   (little-endian)
+    ------ ----  ----------------------------------------------------------
+         0    4  magic b"KVSH"
+         4    1  format version (1)
+         5    1  backend: 1 = zfec, 2 = isal (the encodings are not interchangeable)
+         6    1  k (data shards)
+         7    1  m (parity shards)
+         8    1  shard index, 0 .. k+m-1 (0 .. k-1 hold the block's bytes in order)
+         9    3  reserved, zero
+        12    8  block length in bytes
+        20   16  block checksum: xxh3-128 of the whole block = the block's *version*
+        36    4  payload length in bytes
+        40    8  shard checksum: xxh3-64 of bytes [0, 40) followed by the payload
+        48    .  payload
+
+The shard checksum covers the header fields and the payload, so a flipped byte anywhere in a
+shard is caught before decoding; the block checksum catches a wrong reconstruction and tells
+apart two writers' versions of the same key. This module is pure: bytes in, bytes out.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.errors import ChecksumMismatch, ShardHeaderError
+
+MAGIC = b"KVSH"
+FORMAT_VERSION = 1
+HEADER_BYTES = 48
+VERSION_BYTES = 16
+BACKEND_IDS = {"zfec": 1, "isal": 2}
+BACKEND_NAMES = {v: k for k, v in BACKEND_IDS.items()}
+
+_FIELDS = struct.Struct("<4sBBBBB3xQ16sI")  # bytes [0, 40): everything but the shard checksum
+_CHECKSUM = struct.Struct("<Q")
+_VERSION_SLICE = slice(20, 36)
+assert _FIELDS.size + _CHECKSUM.size == HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    backend: str
+    k: int
+    m: int
+    index: int
+    block_len: int
+    block_checksum: bytes  # 16 bytes; the block's version
+    payload_len: int
+
+
+def block_checksum(block: bytes | memoryview) -> bytes:
+    """xxh3-128 of a whole block: its content checksum and its version id."""
+    return xxhash.xxh3_128_digest(block)
+
+
+def shard_checksum(fields: bytes | memoryview, payload: bytes | memoryview) -> int:
+    hasher = xxhash.xxh3_64(fields)
+    hasher.update(payload)
+    return hasher.intdigest()
+
+
+def pack_header(header: ShardHeader, payload: bytes | memoryview) -> bytes:
+    """The 48 header bytes for ``payload`` (which must be ``header.payload_len`` long)."""
+    if len(payload) != header.payload_len:
+        raise ShardHeaderError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+    fields = _FIELDS.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        BACKEND_IDS[header.backend],
+        header.k,
+        header.m,
+        header.index,
+        header.block_len,
+        header.block_checksum,
+        header.payload_len,
+    )
+    return fields + _CHECKSUM.pack(shard_checksum(fields, payload))
+
+
+def parse_header(shard: bytes | memoryview) -> ShardHeader:
+    """Parse (but do not checksum) a shard header; raise ShardHeaderError if malformed."""
+    if len(shard) < HEADER_BYTES:
+        raise ShardHeaderError(
+            f"shard of {len(shard)} bytes is shorter than the {HEADER_BYTES}-byte header"
+        )
+    magic, fmt, backend_id, k, m, index, block_len, version, payload_len = _FIELDS.unpack_from(
+        shard
+    )
+    if magic != MAGIC or fmt != FORMAT_VERSION:
+        raise ShardHeaderError(f"not a kvstore shard (magic {magic!r}, format {fmt})")
+    if backend_id not in BACKEND_NAMES or index >= k + m or k == 0:
+        raise ShardHeaderError(
+            f"bad shard header: backend {backend_id}, k={k}, m={m}, index {index}"
+        )
+    if len(shard) != HEADER_BYTES + payload_len:
+        raise ShardHeaderError(
+            f"shard is {len(shard)} bytes, header says {HEADER_BYTES + payload_len}"
+        )
+    return ShardHeader(BACKEND_NAMES[backend_id], k, m, index, block_len, version, payload_len)
+
+
+def verify_shard(shard: bytes | memoryview) -> ShardHeader:
+    """Parse the header and check the shard checksum; raise on any mismatch."""
+    header = parse_header(shard)
+    view = memoryview(shard)
+    (stored,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
+    if shard_checksum(view[: _FIELDS.size], view[HEADER_BYTES:]) != stored:
+        raise ChecksumMismatch(
+            f"shard {header.index} of block version "
+            f"{header.block_checksum.hex()} fails its checksum"
+        )
+    return header
+
+
+def shard_version(shard: bytes | memoryview) -> bytes:
+    """The 16-byte block version recorded in a shard header (no validation)."""
+    return bytes(memoryview(shard)[_VERSION_SLICE])
+
+
+def shard_payload(shard: bytes | memoryview) -> memoryview:
+    return memoryview(shard)[HEADER_BYTES:]

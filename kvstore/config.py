@@ -1,0 +1,242 @@
+"""Cluster configuration: one frozen dataclass per concern, loaded from one TOML file.
+
+``cluster.toml`` is the single source of truth for nodes, clients and tools::
+
+    epoch = 1                      # bumped whenever the map changes
+    [codec]
+    k = 10
+    m = 2
+    backend = "isal"               # "isal" or "zfec"; a cluster uses one
+    max_block_bytes = 16777216
+    [client]
+    read_fanout = 11               # nodes asked per read (k <= fanout <= k+m)
+    write_quorum = 11              # shards that must be stored for a put to succeed
+    timeout_s = 5.0
+    [ttl]
+    time_scale = 1.0               # virtual seconds per real second
+    origin_unix_s = 1764400000.0   # real time the virtual clock starts from
+    expiry_window_s = 3600.0       # segments group shards whose expiry falls in one window
+    [ttl.classes]
+    chat = "7d"
+    agent = "3d"
+    [node_defaults]                # any NodeConfig field; a [[nodes]] entry may override it
+    fsync = true
+    [[nodes]]
+    id = "n00"
+    address = "127.0.0.1:50100"
+    metrics_port = 50200
+    failure_domain = "host-a"
+    data_dir = "/var/lib/kvstore/n00"
+    [[groups]]
+    nodes = ["n00", "n01", ...]    # k+m node ids; shard i lives on nodes[i]
+
+Every dataclass validates itself in ``__post_init__`` and raises ``ValueError`` with advice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from ttl.policy import DEFAULT_CLASS_TO_TTL_S, TrafficClasses, parse_duration_s
+
+KEY_BYTES = 16  # block keys are xxh3-128 digests
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    k: int = 10
+    m: int = 2
+    backend: str = "isal"
+    max_block_bytes: int = 16 * MiB
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.m < 0 or self.k + self.m > 255:
+            raise ValueError(
+                f"invalid erasure code k={self.k}, m={self.m}: need k >= 1, "
+                "m >= 0 and k + m <= 255 (the default is k=10, m=2)"
+            )
+        if self.backend not in ("isal", "zfec"):
+            raise ValueError(f"codec backend {self.backend!r}: choose 'isal' or 'zfec'")
+        if self.max_block_bytes <= 0:
+            raise ValueError(f"max_block_bytes must be > 0, got {self.max_block_bytes}")
+
+    @property
+    def num_shards(self) -> int:
+        return self.k + self.m
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    read_fanout: int = 11
+    write_quorum: int = 11
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"client timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class TTLConfig:
+    classes: TrafficClasses = field(default_factory=TrafficClasses)
+    time_scale: float = 1.0
+    origin_unix_s: float = 0.0
+    expiry_window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.expiry_window_s <= 0:
+            raise ValueError(f"expiry_window_s must be > 0, got {self.expiry_window_s}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One storage node. Fields below ``data_dir`` may be set once under ``[node_defaults]``."""
+
+    id: str
+    address: str  # host:port the node's gRPC server binds and clients dial
+    metrics_port: int  # Prometheus /metrics; 0 disables it
+    failure_domain: str
+    data_dir: str
+    fsync: bool = True
+    max_bytes: int = 0  # configured byte limit for shard data; 0 = only the disk's free space
+    high_watermark: float = 0.95  # evict when used/limit passes this...
+    low_watermark: float = 0.85  # ...down to this
+    segment_max_bytes: int = 256 * MiB
+    max_shard_bytes: int = 4 * MiB  # largest shard payload accepted (block max / k, rounded up)
+    max_batch_bytes: int = 64 * MiB  # largest request a node accepts
+    inject_delay_ms: float = 0.0  # test-only: a fixed delay per request (a straggler)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("node id must not be empty")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"node {self.id}: address {self.address!r} must be 'host:port'")
+        if not 0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ValueError(f"node {self.id}: need 0 < low_watermark < high_watermark <= 1")
+        if self.max_bytes < 0 or self.inject_delay_ms < 0:
+            raise ValueError(f"node {self.id}: max_bytes and inject_delay_ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    epoch: int
+    nodes: tuple[NodeConfig, ...]
+    groups: tuple[tuple[str, ...], ...]
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    ttl: TTLConfig = field(default_factory=TTLConfig)
+
+    def __post_init__(self) -> None:
+        ids = [n.id for n in self.nodes]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate node ids in cluster map: {sorted(ids)}")
+        known = set(ids)
+        for group in self.groups:
+            if len(group) != self.codec.num_shards:
+                raise ValueError(
+                    f"group {list(group)} has {len(group)} nodes; every group "
+                    f"needs k+m = {self.codec.num_shards}"
+                )
+            if len(set(group)) != len(group) or not set(group) <= known:
+                raise ValueError(f"group {list(group)} repeats a node or names an unknown one")
+        if not self.groups:
+            raise ValueError("the cluster map has no placement groups")
+        k, n = self.codec.k, self.codec.num_shards
+        if not k <= self.client.read_fanout <= n:
+            raise ValueError(f"read_fanout {self.client.read_fanout} must be in [k={k}, k+m={n}]")
+        if not k <= self.client.write_quorum <= n:
+            raise ValueError(f"write_quorum {self.client.write_quorum} must be in [{k}, {n}]")
+
+    def node(self, node_id: str) -> NodeConfig:
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        raise ValueError(
+            f"node {node_id!r} is not in the cluster map "
+            f"(known: {', '.join(n.id for n in self.nodes)})"
+        )
+
+
+_NODE_DEFAULTS = {f.name for f in dataclasses.fields(NodeConfig)} - {
+    "id",
+    "address",
+    "metrics_port",
+    "failure_domain",
+    "data_dir",
+}
+
+
+def _ttl_from_toml(raw: Mapping[str, Any]) -> TTLConfig:
+    raw_classes = raw.get("classes", DEFAULT_CLASS_TO_TTL_S)
+    classes = TrafficClasses({name: parse_duration_s(v) for name, v in raw_classes.items()})
+    rest = {k: float(v) for k, v in raw.items() if k != "classes"}
+    return TTLConfig(classes=classes, **rest)
+
+
+def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
+    defaults = dict(raw.get("node_defaults", {}))
+    unknown = set(defaults) - _NODE_DEFAULTS
+    if unknown:
+        raise ValueError(
+            f"unknown [node_defaults] keys {sorted(unknown)}; known: {sorted(_NODE_DEFAULTS)}"
+        )
+    return ClusterConfig(
+        epoch=int(raw.get("epoch", 1)),
+        nodes=tuple(NodeConfig(**{**defaults, **n}) for n in raw.get("nodes", [])),
+        groups=tuple(tuple(g["nodes"]) for g in raw.get("groups", [])),
+        codec=CodecConfig(**raw.get("codec", {})),
+        client=ClientConfig(**raw.get("client", {})),
+        ttl=_ttl_from_toml(raw.get("ttl", {})),
+    )
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    """Read and validate ``cluster.toml``; errors name the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+        return cluster_from_dict(raw)
+    except FileNotFoundError:
+        raise ValueError(
+            f"no cluster config at {path}; start a cluster with "
+            f"`kvstore cluster up --dir {path.parent}`"
+        ) from None
+    except (tomllib.TOMLDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def _ttl_s_to_toml(ttl_s: float) -> str | float:
+    return "inf" if math.isinf(ttl_s) else ttl_s
+
+
+def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
+    ttl = dataclasses.asdict(cfg.ttl)
+    ttl["classes"] = {k: _ttl_s_to_toml(v) for k, v in cfg.ttl.classes.class_to_ttl_s.items()}
+    return {
+        "epoch": cfg.epoch,
+        "codec": dataclasses.asdict(cfg.codec),
+        "client": dataclasses.asdict(cfg.client),
+        "ttl": ttl,
+        "nodes": [dataclasses.asdict(n) for n in cfg.nodes],
+        "groups": [{"nodes": list(g)} for g in cfg.groups],
+    }
+
+
+def save_cluster(cfg: ClusterConfig, path: str | Path) -> None:
+    """Write ``cluster.toml`` atomically (temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(tomli_w.dumps(cluster_to_dict(cfg)))
+    tmp.replace(path)

@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MISS: _ClassVar[ShardStatus]
+    HIT: _ClassVar[ShardStatus]
+    CORRUPT: _ClassVar[ShardStatus]
+MISS: ShardStatus
+HIT: ShardStatus
+CORRUPT: ShardStatus
+
+class ShardPut(_message.Message):
+    __slots__ = ("key", "shard")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    shard: bytes
+    def __init__(self, key: _Optional[bytes] = ..., shard: _Optional[bytes] = ...) -> None: ...
+
+class PutShardsRequest(_message.Message):
+    __slots__ = ("tenant", "traffic_class", "shards")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    traffic_class: str
+    shards: _containers.RepeatedCompositeFieldContainer[ShardPut]
+    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ...) -> None: ...
+
+class PutShardsReply(_message.Message):
+    __slots__ = ("num_stored",)
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
+
+class GetShardsRequest(_message.Message):
+    __slots__ = ("tenant", "keys", "version")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    version: bytes
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., version: _Optional[bytes] = ...) -> None: ...
+
+class ShardResult(_message.Message):
+    __slots__ = ("status", "shards")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    status: ShardStatus
+    shards: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, status: _Optional[_Union[ShardStatus, str]] = ..., shards: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetShardsReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ShardResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ShardResult, _Mapping]]] = ...) -> None: ...
+
+class ContainsRequest(_message.Message):
+    __slots__ = ("tenant", "keys")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KeyVersions(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, versions: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ContainsReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KeyVersions]
+    def __init__(self, results: _Optional[_Iterable[_Union[KeyVersions, _Mapping]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("tenant", "keys")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteReply(_message.Message):
+    __slots__ = ("num_deleted",)
+    NUM_DELETED_FIELD_NUMBER: _ClassVar[int]
+    num_deleted: int
+    def __init__(self, num_deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClassStats(_message.Message):
+    __slots__ = ("traffic_class", "blocks", "bytes", "hits", "misses", "expired", "evicted", "youngest_evicted_age_s")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    YOUNGEST_EVICTED_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    blocks: int
+    bytes: int
+    hits: int
+    misses: int
+    expired: int
+    evicted: int
+    youngest_evicted_age_s: float
+    def __init__(self, traffic_class: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., youngest_evicted_age_s: _Optional[float] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    shards: int
+    bytes: int
+    capacity_bytes: int
+    corrupt_shards: int
+    classes: _containers.RepeatedCompositeFieldContainer[ClassStats]
+    segments: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("node_id", "epoch", "serving", "now_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NOW_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    serving: bool
+    now_s: float
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,101 @@
+"""Traffic classes, TTL math and eviction order: pure functions of ``now`` and metadata.
+
+Semantics (the store and the simulator share them):
+
+* Each block belongs to one traffic class; its TTL comes from the class (``chat`` 7 days and
+  ``agent`` 3 days by default; more classes by configuration). An unknown class is an error.
+* The TTL counts from the last access: a write or a read hit sets ``last_access_s``; an
+  existence check (``contains``, ``match_prefix``) does not.
+* ``expires_at_s = last_access_s + ttl_s``. A block is expired when ``now_s >= expires_at_s``:
+  a block touched exactly at its expiry instant is already gone (a miss), and the touch
+  re-inserts it as a new block.
+* Under capacity pressure blocks are evicted earliest expiry first (``EvictionOrder.EXPIRY``):
+  the block that would die soonest anyway goes first, so a chat block outlives an agent
+  block written at the same time. ``EvictionOrder.LRU`` (oldest last access first) is kept
+  for comparison in the simulator.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvstore.errors import UnknownTrafficClass
+
+DAY_S = 86_400.0
+DEFAULT_CLASS_TO_TTL_S: dict[str, float] = {"chat": 7 * DAY_S, "agent": 3 * DAY_S}
+
+_UNIT_TO_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY_S, "w": 7 * DAY_S}
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhdw]?)\s*$")
+
+
+def parse_duration_s(text: str | float | int) -> float:
+    """``"7d"`` -> 604800.0; ``"90m"``, ``"1.5h"``, ``"3600"`` (seconds); ``"inf"`` -> math.inf."""
+    if isinstance(text, int | float):
+        return float(text)
+    if text.strip().lower() in ("inf", "none", "never"):
+        return math.inf
+    match = _DURATION_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"bad duration {text!r}: expected a number with unit s, m, h, d or w "
+            "(e.g. '7d', '90m') or 'inf'"
+        )
+    value, unit = match.groups()
+    return float(value) * _UNIT_TO_S[unit or "s"]
+
+
+class EvictionOrder(enum.Enum):
+    EXPIRY = "expiry"  # earliest expiry first: the store's policy
+    LRU = "lru"  # least recently used first: for comparison
+
+    def priority(self, last_access_s: float, expires_at_s: float) -> float:
+        """Smaller value = evicted sooner."""
+        return expires_at_s if self is EvictionOrder.EXPIRY else last_access_s
+
+
+@dataclass(frozen=True)
+class TrafficClasses:
+    """The configured traffic classes and their TTLs (``math.inf`` = never expires)."""
+
+    class_to_ttl_s: Mapping[str, float] = field(
+        default_factory=lambda: dict(DEFAULT_CLASS_TO_TTL_S)
+    )
+
+    def __post_init__(self) -> None:
+        if not self.class_to_ttl_s:
+            raise ValueError("at least one traffic class is needed, e.g. {'chat': 604800}")
+        for name, ttl_s in self.class_to_ttl_s.items():
+            if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name):
+                raise ValueError(f"traffic class name {name!r}: use 1-32 chars of [a-z0-9_-]")
+            if not ttl_s > 0:
+                raise ValueError(f"TTL of class {name!r} must be > 0 seconds, got {ttl_s}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.class_to_ttl_s)
+
+    def ttl_s(self, traffic_class: str) -> float:
+        try:
+            return self.class_to_ttl_s[traffic_class]
+        except KeyError:
+            raise UnknownTrafficClass(
+                f"unknown traffic class {traffic_class!r}; configured classes: "
+                f"{', '.join(self.names)} (add it under [ttl.classes] in cluster.toml)"
+            ) from None
+
+    def check(self, traffic_class: str) -> str:
+        """Return ``traffic_class`` if it is configured, else raise UnknownTrafficClass."""
+        self.ttl_s(traffic_class)
+        return traffic_class
+
+    def expires_at_s(self, traffic_class: str, last_access_s: float) -> float:
+        return last_access_s + self.ttl_s(traffic_class)
+
+
+def is_expired(expires_at_s: float, now_s: float) -> bool:
+    """Expired at and after the expiry instant (see the module docstring)."""
+    return now_s >= expires_at_s
