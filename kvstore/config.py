@@ -116,6 +116,7 @@ class NodeConfig:
     max_shard_bytes: int = 4 * MiB  # largest shard payload accepted (block max / k, rounded up)
     max_batch_bytes: int = 64 * MiB  # largest request a node accepts
     inject_delay_ms: float = 0.0  # test-only: a fixed delay per request (a straggler)
+    auth_token: str = ""  # if set, requests must carry metadata ("authorization", "Bearer <token>")
 
     def __post_init__(self) -> None:
         if not self.id:
