@@ -27,6 +27,10 @@ class UnknownTrafficClass(InvalidArgument):
     """A traffic class that the cluster's configuration does not define."""
 
 
+class TraceFormatError(InvalidArgument):
+    """A request trace has a malformed record; the message names the file and line."""
+
+
 class PermissionDenied(KVStoreError):
     """Wrong token, or an operation on another tenant's data."""
 
