@@ -1,0 +1,41 @@
+"""Which nodes of a group a read asks first, and which it keeps in reserve. Pure code.
+
+A read asks ``fanout`` nodes (11 of 12 by default) and finishes at the first ``k`` valid shards
+of one version. Positions are ranked by
+
+1. suspect (recently failed) nodes last,
+2. then slow nodes (see client/node_health.py),
+3. then data shards (positions < k) before parity shards, so that with every node healthy all
+   ``k`` data shards are asked and the block is their concatenation (no decoding),
+4. then by position.
+
+The first ``fanout`` positions are asked at once, plus any slow node due for a probe (asked as
+an extra, never in place of a healthy node). The rest are the reserve, asked only when the
+first wave cannot give ``k`` shards of one version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    ask: tuple[int, ...]  # group positions asked at once
+    reserve: tuple[int, ...]  # asked only if ``ask`` cannot give k shards of one version
+
+
+def plan_read(
+    k: int,
+    fanout: int,
+    suspect: Sequence[bool],
+    slow: Sequence[bool],
+    probe: Sequence[bool],
+) -> ReadPlan:
+    """Rank the group's positions (see module doc); ``probe[i]`` adds slow node i as an extra."""
+    order = sorted(range(len(suspect)), key=lambda i: (suspect[i], slow[i], i >= k, i))
+    ask = order[:fanout]
+    extras = [i for i in order[fanout:] if probe[i] and not suspect[i]]
+    reserve = [i for i in order[fanout:] if i not in extras]
+    return ReadPlan(ask=tuple(ask + extras), reserve=tuple(reserve))

@@ -1,0 +1,129 @@
+"""Counting shards by block version: the pure core of reads and existence checks.
+
+Two writers may store different bytes under one key, and a node may hold several versions of
+a key at once. A block is only ever rebuilt from ``k`` shards of ONE version (the version is
+the block's xxh3-128, recorded in every shard header), so both tallies here group by version.
+
+* :class:`ShardCollector` takes shard bytes as they arrive for one key, verifies each one
+  (header fields against the codec, then the shard checksum), skips and counts bad ones, and
+  says when some version has ``k`` distinct shard indices.
+* :class:`PresenceTally` takes per-node version lists from ``Contains`` replies for many keys
+  and decides, key by key, whether some version is on at least ``k`` nodes.
+
+Both can also tell early that the goal is out of reach: a node contributes at most one shard
+per version, so with ``best`` shards of the leading version and ``pending`` nodes still to
+answer, ``best + pending < k`` means no version can complete.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from erasure.shard import ShardHeader, verify_shard
+from kvstore.config import CodecConfig
+from kvstore.errors import CodecError
+
+
+def can_complete(best_count: int, num_pending: int, k: int) -> bool:
+    """Whether some version can still reach ``k`` shards (one per pending node at most)."""
+    return best_count + num_pending >= k
+
+
+class ShardCollector:
+    """Valid shards of one key grouped by version, until one version has ``k`` of them."""
+
+    def __init__(self, codec: CodecConfig) -> None:
+        self.codec = codec
+        self.version_to_shards: dict[bytes, dict[int, bytes]] = {}
+        self.version_to_header: dict[bytes, ShardHeader] = {}
+        self.num_corrupt = 0
+        self._dropped: set[bytes] = set()
+
+    def add(self, shard: bytes) -> bytes | None:
+        """Offer one shard; return its version if that version now has ``k`` shards.
+
+        A shard that fails its checksum or does not fit the codec is counted in
+        ``num_corrupt`` and ignored; a duplicate index of a version is ignored.
+        """
+        try:
+            header = self._checked_header(shard)
+        except CodecError:
+            self.num_corrupt += 1
+            return None
+        version = header.block_checksum
+        if version in self._dropped:
+            return None
+        shards = self.version_to_shards.setdefault(version, {})
+        self.version_to_header.setdefault(version, header)
+        shards.setdefault(header.index, shard)
+        return version if len(shards) == self.codec.k else None
+
+    def _checked_header(self, shard: bytes) -> ShardHeader:
+        header = verify_shard(shard)
+        codec = self.codec
+        if (header.k, header.m, header.backend) != (codec.k, codec.m, codec.backend):
+            raise CodecError(
+                f"shard made by {header.backend} {header.k}+{header.m}, "
+                f"cluster uses {codec.backend} {codec.k}+{codec.m}"
+            )
+        if header.block_len > codec.max_block_bytes:
+            raise CodecError(f"shard claims a {header.block_len}-byte block, over the maximum")
+        return header
+
+    def shards(self, version: bytes) -> list[bytes]:
+        """The collected shards of ``version``, by shard index (data shards first)."""
+        index_to_shard = self.version_to_shards[version]
+        return [index_to_shard[i] for i in sorted(index_to_shard)]
+
+    def drop(self, version: bytes) -> None:
+        """Forget a version that failed to decode, and ignore its shards from now on."""
+        self._dropped.add(version)
+        self.version_to_shards.pop(version, None)
+
+    @property
+    def best_count(self) -> int:
+        """Shards held of the version with the most shards."""
+        return max((len(s) for s in self.version_to_shards.values()), default=0)
+
+
+class PresenceTally:
+    """Per key: is some version present on at least ``k`` of the nodes asked?"""
+
+    def __init__(self, num_nodes_per_key: Sequence[int], k: int) -> None:
+        self.k = k
+        self.num_pending = list(num_nodes_per_key)
+        self.version_counts: list[Counter[bytes]] = [Counter() for _ in num_nodes_per_key]
+        self.readable: list[bool | None] = [None] * len(num_nodes_per_key)
+        self.num_undecided = len(num_nodes_per_key)
+        for position in range(len(num_nodes_per_key)):
+            self._decide(position)
+
+    def add_reply(self, position: int, versions: Sequence[bytes]) -> None:
+        """One node answered for the key at ``position`` with the versions it holds."""
+        self.version_counts[position].update(set(versions))
+        self._node_finished(position)
+
+    def add_no_reply(self, position: int) -> None:
+        """One node failed to answer for the key at ``position``: it counts as absent."""
+        self._node_finished(position)
+
+    def _node_finished(self, position: int) -> None:
+        self.num_pending[position] -= 1
+        self._decide(position)
+
+    def _decide(self, position: int) -> None:
+        if self.readable[position] is not None:
+            return
+        best = max(self.version_counts[position].values(), default=0)
+        if best >= self.k:
+            self.readable[position] = True
+        elif not can_complete(best, self.num_pending[position], self.k):
+            self.readable[position] = False
+        else:
+            return
+        self.num_undecided -= 1
+
+    @property
+    def all_decided(self) -> bool:
+        return self.num_undecided == 0

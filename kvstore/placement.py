@@ -1,0 +1,141 @@
+"""Placement: which nodes hold a block's shards, and how a cluster's groups are built.
+
+Pure code: no I/O, no clock. Clients and tools call it; nodes never need it.
+
+**Key -> group** is rendezvous (highest-random-weight) hashing: every placement group scores
+``xxh3_64(group_id || key)`` and the highest score wins. A group's id is its position in the
+``[[groups]]`` list of ``cluster.toml`` (4 bytes, little-endian), so
+
+* adding a group moves only the keys the new group wins, about ``1/(G+1)`` of them, and each
+  moved key moves *to* the new group (never between old groups);
+* replacing a failed node inside a group keeps that group's keys where they are.
+
+Groups are therefore append-only: never reorder or delete entries of ``[[groups]]``.
+Shard ``i`` of a block lives on ``group[i]``.
+
+**Group generation** (:func:`make_groups`) for N nodes and groups of ``width = k + m``:
+N groups are built one after another (N >= width). Group ``g`` takes nodes one at a time,
+always picking the candidate whose failure domain is least represented in the group so far,
+then the node used in the fewest groups so far, then the node closest after position ``g``
+in the domain-interleaved ring. Consequences:
+
+* whenever the cluster has at least ``width`` failure domains, no two shards of a group share a
+  domain; with fewer domains each group spreads evenly (at most ``ceil(width / D)`` per domain);
+* every node is used, and nodes hold (nearly) equal numbers of group slots, ``width`` each in
+  balanced clusters, so reads and parity work spread evenly over the nodes;
+* for a 12-node local cluster (each node its own domain) group ``g`` is the node list rotated
+  by ``g``: every node holds each shard index once, and no node is always the idle 12th.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Sequence
+
+import xxhash
+
+from kvstore.config import KEY_BYTES, ClusterConfig
+from kvstore.errors import InvalidArgument
+
+_GROUP_ID = struct.Struct("<I")
+
+
+def group_of_key(key: bytes, num_groups: int) -> int:
+    """Index of the placement group that holds ``key`` among ``num_groups`` groups."""
+    return _highest_score(key, [_GROUP_ID.pack(g) for g in range(num_groups)])
+
+
+def _highest_score(key: bytes, group_ids: list[bytes]) -> int:
+    """Rendezvous hashing: the group whose ``xxh3_64(group_id || key)`` is highest."""
+    best_index, best_score = 0, -1
+    for index, group_id in enumerate(group_ids):
+        score = xxhash.xxh3_64_intdigest(group_id + key)
+        if score > best_score:
+            best_index, best_score = index, score
+    return best_index
+
+
+class Placement:
+    """The cluster map's placement: key -> group index -> node ids (shard i on nodes[i])."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.groups: tuple[tuple[str, ...], ...] = config.groups
+        self._group_ids = [_GROUP_ID.pack(g) for g in range(len(self.groups))]
+
+    def group_index(self, key: bytes) -> int:
+        """Which group holds ``key``; raises InvalidArgument for a key of the wrong size."""
+        return _highest_score(check_key(key), self._group_ids)
+
+    def nodes_for_key(self, key: bytes) -> tuple[str, ...]:
+        """The k+m node ids of the key's group; shard i goes to element i."""
+        return self.groups[self.group_index(key)]
+
+    def keys_by_group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """Group index -> positions in ``keys`` of the keys it holds (one pass, stable order)."""
+        group_to_positions: dict[int, list[int]] = {}
+        for position, key in enumerate(keys):
+            group_to_positions.setdefault(self.group_index(key), []).append(position)
+        return group_to_positions
+
+
+def check_key(key: object) -> bytes:
+    """Return ``key`` if it is a 16-byte bytes object, else raise InvalidArgument with advice."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        got = f"{len(key)} bytes" if isinstance(key, bytes | bytearray) else type(key).__name__
+        raise InvalidArgument(
+            f"a block key must be {KEY_BYTES} bytes (an xxh3-128 digest), got {got}; "
+            "make keys with client.block_keys(...)"
+        )
+    return key
+
+
+def interleave_domains(node_to_domain: Sequence[tuple[str, str]]) -> list[str]:
+    """Node ids ordered round-robin across failure domains (largest domains first)."""
+    domain_to_nodes: dict[str, list[str]] = {}
+    for node_id, domain in sorted(node_to_domain):
+        domain_to_nodes.setdefault(domain, []).append(node_id)
+    queues = sorted(domain_to_nodes.values(), key=lambda ids: (-len(ids), ids[0]))
+    ring: list[str] = []
+    for depth in range(max(len(q) for q in queues)):
+        ring += [q[depth] for q in queues if depth < len(q)]
+    return ring
+
+
+def make_groups(
+    node_to_domain: Sequence[tuple[str, str]], width: int, num_groups: int | None = None
+) -> list[tuple[str, ...]]:
+    """Placement groups of ``width`` nodes for ``(node_id, failure_domain)`` pairs.
+
+    Builds ``num_groups`` groups (default: one per node); see the module docstring for the rule.
+    Raises InvalidArgument when there are fewer nodes than ``width``.
+    """
+    if len(node_to_domain) < width:
+        raise InvalidArgument(
+            f"{len(node_to_domain)} nodes cannot hold groups of k+m = {width} shards; "
+            f"start at least {width} nodes"
+        )
+    ring = interleave_domains(node_to_domain)
+    num_uses: Counter[str] = Counter()
+    groups = []
+    for g in range(len(ring) if num_groups is None else num_groups):
+        group = _build_group(ring, dict(node_to_domain), num_uses, start=g, width=width)
+        num_uses.update(group)
+        groups.append(group)
+    return groups
+
+
+def _build_group(
+    ring: list[str], domain_of: dict[str, str], num_uses: Counter[str], start: int, width: int
+) -> tuple[str, ...]:
+    """Greedy: least-represented domain, then least-used node, then ring order from ``start``."""
+    rotated = ring[start % len(ring) :] + ring[: start % len(ring)]
+    group: list[str] = []
+    domain_counts: Counter[str] = Counter()
+    for _ in range(width):
+        candidates = [n for n in rotated if n not in group]
+        # min() keeps the first of equal candidates, i.e. the one nearest after ``start``.
+        best = min(candidates, key=lambda n: (domain_counts[domain_of[n]], num_uses[n]))
+        group.append(best)
+        domain_counts[domain_of[best]] += 1
+    return tuple(group)
