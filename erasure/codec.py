@@ -1,0 +1,296 @@
+"""The k+m Reed-Solomon codec: a block in, k+m self-checking shards out, and back.
+
+TODO backend reasoning.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from erasure.isal_backend import IsalBackend
+from erasure.shard import (
+    HEADER_BYTES,
+    ShardHeader,
+    block_checksum,
+    pack_header,
+    shard_payload,
+    verify_shard,
+)
+from erasure.zfec_backend import ZfecBackend
+from kvstore.config import CodecConfig
+from kvstore.errors import (
+    ChecksumMismatch,
+    InvalidArgument,
+    MixedVersions,
+    ShardHeaderError,
+    TooFewShards,
+)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Backend(Protocol):
+    """The arithmetic a backend supplies; the codec does headers, checksums and buffers."""
+
+    name: str
+
+    def encode_parity(self, data: Sequence[Buffer], parity: Sequence[memoryview]) -> None: ...
+
+    def reconstruct(
+        self, sources: Mapping[int, Buffer], wanted_ids: Sequence[int], out: Sequence[memoryview]
+    ) -> None: ...
+
+
+BACKENDS: dict[str, type[IsalBackend] | type[ZfecBackend]] = {
+    "isal": IsalBackend,
+    "zfec": ZfecBackend,
+}
+
+
+class _Scratch(threading.local):
+    """One reusable buffer per thread for padding, parity and recovered payloads.
+
+    Reusing it keeps encode and decode from touching fresh pages on every call.
+    """
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def take(self, num_bytes: int) -> memoryview:
+        if len(self.buffer) < num_bytes:
+            # Replaced, never resized: a view still alive in a traceback would forbid resizing.
+            self.buffer = bytearray(num_bytes)
+        return memoryview(self.buffer)[:num_bytes]
+
+
+_scratch = _Scratch()
+
+
+def _split(view: memoryview, part_bytes: int, num_parts: int) -> list[memoryview]:
+    return [view[i * part_bytes : (i + 1) * part_bytes] for i in range(num_parts)]
+
+
+def _byte_view(buffer: object, what: str) -> memoryview:
+    try:
+        view = memoryview(buffer)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(
+            f"{what} must be bytes-like (bytes, bytearray, memoryview, numpy array), "
+            f"got {type(buffer).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(x))")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class Codec:
+    """k data + m parity shards of a block, over the ``isal`` or ``zfec`` backend.
+
+    Shard i (0 <= i < k) holds bytes [i*P, (i+1)*P) of the block, where
+    P = :meth:`payload_bytes`; the last data payloads are zero-padded; shards k.. hold parity.
+    Every shard starts with the 48-byte :mod:`erasure.shard` header. Thread-safe.
+    """
+
+    def __init__(self, config: CodecConfig) -> None:
+        self.k = config.k
+        self.m = config.m
+        self.backend = config.backend
+        self.num_shards = config.num_shards
+        self.max_block_bytes = config.max_block_bytes
+        # Decodes that needed the backend's matrix arithmetic (no systematic fast path).
+        self.num_matrix_decodes = 0
+        self._backend: Backend = BACKENDS[config.backend](config.k, config.m)
+
+    def __repr__(self) -> str:
+        return f"Codec(k={self.k}, m={self.m}, backend={self.backend!r})"
+
+    def payload_bytes(self, block_len: int) -> int:
+        """Payload bytes of every shard of a ``block_len``-byte block: ceil(block_len / k)."""
+        return -(-block_len // self.k)
+
+    def shard_bytes(self, block_len: int) -> int:
+        """Whole shard size (header + payload) for a ``block_len``-byte block."""
+        return HEADER_BYTES + self.payload_bytes(block_len)
+
+    def encode(self, block: Buffer) -> list[bytes]:
+        """k+m shards, each = erasure.shard header (48 B) + payload; shard i has index i."""
+        view = _byte_view(block, "block")
+        if view.nbytes > self.max_block_bytes:
+            raise InvalidArgument(
+                f"block of {view.nbytes} bytes exceeds max_block_bytes={self.max_block_bytes}; "
+                "split it or raise [codec] max_block_bytes in cluster.toml"
+            )
+        payload_len = self.payload_bytes(view.nbytes)
+        version = block_checksum(view)
+        data, parity = self._payloads(view, payload_len)
+        if payload_len and self.m:
+            self._backend.encode_parity(data, parity)
+        return [
+            self._shard(index, view.nbytes, version, payload)
+            for index, payload in enumerate([*data, *parity])
+        ]
+
+    def _payloads(
+        self, view: memoryview, payload_len: int
+    ) -> tuple[list[memoryview], list[memoryview]]:
+        """Data payloads (views of the block, the tail copied and zero-padded) and parity space."""
+        if payload_len == 0:
+            return [view] * self.k, [view] * self.m
+        num_full = view.nbytes // payload_len
+        num_padded = self.k - num_full
+        spare = _scratch.take((num_padded + self.m) * payload_len)
+        tail = spare[: num_padded * payload_len]
+        rest = view[num_full * payload_len :]
+        tail[: rest.nbytes] = rest
+        tail[rest.nbytes :] = bytes(tail.nbytes - rest.nbytes)  # fewer than k bytes of padding
+        data = _split(view, payload_len, num_full) + _split(tail, payload_len, num_padded)
+        return data, _split(spare[tail.nbytes :], payload_len, self.m)
+
+    def _shard(self, index: int, block_len: int, version: bytes, payload: memoryview) -> bytes:
+        header = ShardHeader(self.backend, self.k, self.m, index, block_len, version, len(payload))
+        return pack_header(header, payload) + payload  # one allocation, one copy
+
+    def verify(self, shard: Buffer) -> ShardHeader:
+        """Check one shard's checksum and that this codec wrote it; return its header.
+
+        Raises ShardHeaderError (malformed, or another codec's shard) or ChecksumMismatch.
+        """
+        header = verify_shard(shard)
+        if (header.backend, header.k, header.m) != (self.backend, self.k, self.m):
+            raise ShardHeaderError(
+                f"shard {header.index} was written by a {header.k}+{header.m} {header.backend} "
+                f"codec, this codec is {self.k}+{self.m} {self.backend}: a cluster uses one "
+                "codec (see [codec] in cluster.toml)"
+            )
+        if header.payload_len != self.payload_bytes(header.block_len):
+            raise ShardHeaderError(
+                f"shard {header.index} has a {header.payload_len}-byte payload, a "
+                f"{header.block_len}-byte block needs {self.payload_bytes(header.block_len)}"
+            )
+        return header
+
+    def decode(
+        self, shards: Sequence[Buffer], out: bytearray | memoryview | None = None
+    ) -> bytes | memoryview:
+        """Exactly the block from any >= k shards of ONE version.
+
+        Verifies every shard's checksum and the decoded block's checksum. Raises TooFewShards,
+        MixedVersions, ShardHeaderError or ChecksumMismatch. With ``out`` (a writable buffer of
+        exactly the block's length, else InvalidArgument) the block is written there and
+        ``memoryview(out)`` returned. With every data shard that holds block bytes present,
+        no matrix decode is done: the payloads are concatenated.
+        """
+        index_to_payload, header = self._verified(shards)
+        target = None if out is None else self._target(out, header.block_len)
+        pieces = self._data_pieces(index_to_payload, header, target)
+        if target is None:
+            block: bytes | memoryview = b"".join(pieces.values())
+        else:
+            block = target
+            for start, piece in pieces.items():
+                target[start : start + piece.nbytes] = piece
+        if block_checksum(block) != header.block_checksum:
+            raise ChecksumMismatch(
+                f"decoded block does not match its version {header.block_checksum.hex()} "
+                "(shards forged or corrupted past their checksums); nothing valid was returned"
+            )
+        return block
+
+    def _verified(self, shards: Sequence[Buffer]) -> tuple[dict[int, memoryview], ShardHeader]:
+        if len(shards) < self.k:
+            raise TooFewShards(
+                f"{len(shards)} shards given; a {self.k}+{self.m} block needs any {self.k} "
+                "of one version"
+            )
+        headers = [self.verify(shard) for shard in shards]
+        first = headers[0]
+        for header in headers:
+            if header.block_checksum != first.block_checksum:
+                raise MixedVersions(
+                    f"shard {header.index} is of block version {header.block_checksum.hex()}, "
+                    f"shard {first.index} of {first.block_checksum.hex()}: group shards by "
+                    "erasure.shard.shard_version and decode one version"
+                )
+            if header.block_len != first.block_len:
+                raise ShardHeaderError(
+                    f"shards of version {first.block_checksum.hex()} disagree on the block "
+                    f"length ({first.block_len} vs {header.block_len})"
+                )
+        index_to_payload = {h.index: shard_payload(s) for h, s in zip(headers, shards, strict=True)}
+        if len(index_to_payload) < self.k:
+            raise TooFewShards(
+                f"{len(shards)} shards given but only {len(index_to_payload)} distinct "
+                f"indices; a {self.k}+{self.m} block needs {self.k}"
+            )
+        return index_to_payload, first
+
+    @staticmethod
+    def _target(out: bytearray | memoryview, block_len: int) -> memoryview:
+        target = _byte_view(out, "out")
+        if target.readonly or target.nbytes != block_len:
+            raise InvalidArgument(
+                f"out must be a writable buffer of exactly the block length {block_len} bytes, "
+                f"got {'a read-only' if target.readonly else 'a writable'} one of "
+                f"{target.nbytes} bytes"
+            )
+        return target
+
+    def _data_pieces(
+        self,
+        index_to_payload: Mapping[int, memoryview],
+        header: ShardHeader,
+        target: memoryview | None,
+    ) -> dict[int, memoryview]:
+        """Block offset -> the bytes that belong there, recovering lost data shards.
+
+        Only data shards that hold block bytes are needed: the rest hold padding alone.
+        Shards recovered straight into ``target`` are already in place and left out.
+        """
+        payload_len, block_len = header.payload_len, header.block_len
+        index_to_start = {i: i * payload_len for i in range(self.k) if i * payload_len < block_len}
+        missing = [i for i in index_to_start if i not in index_to_payload]
+        recovered = self._recover(index_to_payload, missing, header, target) if missing else {}
+        available = {**index_to_payload, **recovered}
+        return {
+            start: available[i][: block_len - start]
+            for i, start in index_to_start.items()
+            if i in available
+        }
+
+    def _recover(
+        self,
+        index_to_payload: Mapping[int, memoryview],
+        missing: list[int],
+        header: ShardHeader,
+        target: memoryview | None,
+    ) -> dict[int, memoryview]:
+        """Recover the ``missing`` data payloads; return those not written into ``target``.
+
+        A lost shard lying wholly inside the block goes straight into ``target``; the partly
+        filled last one (and every one when there is no target) goes to the scratch buffer.
+        """
+        payload_len = header.payload_len
+        spare = _split(_scratch.take(len(missing) * payload_len), payload_len, len(missing))
+        destinations, in_scratch = [], {}
+        for index, scratch in zip(missing, spare, strict=True):
+            start = index * payload_len
+            if target is not None and start + payload_len <= header.block_len:
+                destinations.append(target[start : start + payload_len])
+            else:
+                destinations.append(scratch)
+                in_scratch[index] = scratch
+        sources = {i: index_to_payload[i] for i in sorted(index_to_payload)[: self.k]}
+        self.num_matrix_decodes += 1
+        self._backend.reconstruct(sources, missing, destinations)
+        return in_scratch
+
+
+def make_codec(config: CodecConfig) -> Codec:
+    """The codec a cluster's ``[codec]`` section describes.
+
+    ``CodecConfig`` validates k and m; the isal backend also rejects (k, m) its Vandermonde
+    matrix cannot always decode. Both raise ValueError with advice.
+    """
+    return Codec(config)
