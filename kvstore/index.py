@@ -1,0 +1,494 @@
+"""The node's index: where every committed shard lives, when it expires, what each segment holds.
+
+One :class:`Index` over a small ordered key-value backend with transactions: lmdb on a node
+(:class:`LmdbBackend`) and a sorted in-memory twin (:class:`MemoryBackend`) for unit tests and
+the simulator. The index logic (key encodings, secondary indexes, derived counters) is written
+once, so both backends behave identically and one test suite runs against both.
+
+Sub-databases and their keys (``th`` = 8-byte tenant hash, integers big-endian so byte order is
+numeric order)::
+
+    entries   th(8) key(16) version(16)                -> entry value (below)
+    expiry    expires_at_us(8) th key version           -> b""    earliest expiry first: both
+                                                                   expiry and eviction are
+                                                                   range scans from the start
+    by_seg    segment_id(8) th key version              -> b""    a segment's entries, for
+                                                                   carry-forward and compaction
+    segments  segment_id(8)                             -> window_id(i64) committed_bytes(u64)
+                                                           live_bytes(u64) num_live(u64)
+    counters  name (utf-8)                              -> f64     stats kept across restarts
+
+Entry value (little-endian)::
+
+    offset size  field
+         0    8  segment id
+         8    8  offset of the record in the segment
+        16    4  shard bytes (the record adds kvstore.segments.RECORD_HEADER_BYTES)
+        20    8  shard checksum (xxh3-64 from the shard header)
+        28    8  created_s      (f64)
+        36    8  last_access_s  (f64)
+        44    8  expires_at_s   (f64, inf = never)
+        52    1  traffic class length c
+        53    c  traffic class (ascii)
+      53+c    .  tenant (utf-8): compared on every lookup, so two tenants whose hashes
+                 collide still never see each other's shards
+
+Writing the entry is the commit point of a put: the store appends and fsyncs the segment bytes
+first, then commits the transaction that adds the entry. Derived figures (per-class blocks and
+bytes, per-segment live bytes, used bytes) change only inside :meth:`IndexWriter.put_entry`,
+:meth:`IndexWriter.delete_entry` and the segment methods, in the same transaction, so they never
+drift from the entries.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+import lmdb
+import xxhash
+
+from kvstore.errors import CapacityExhausted
+from kvstore.segments import record_bytes
+
+DBS = ("entries", "expiry", "by_seg", "segments", "counters")
+ENTRY_KEY_BYTES = 40
+_ENTRY = struct.Struct("<QQIQdddB")
+_SEGMENT = struct.Struct("<qQQQ")
+_U64 = struct.Struct(">Q")
+_F64 = struct.Struct("<d")
+_MAX_U64 = (1 << 64) - 1
+USED_BYTES = "node/used_bytes"
+NEXT_SEGMENT_ID = "node/next_segment_id"
+
+
+def class_counter(traffic_class: str, name: str) -> str:
+    """Counter name of a per-class figure, e.g. ``class/chat/hits``."""
+    return f"class/{traffic_class}/{name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stored shard: who owns it, where its record is, and its TTL state."""
+
+    tenant: str
+    key: bytes
+    version: bytes
+    traffic_class: str
+    segment_id: int
+    offset: int
+    shard_bytes: int
+    shard_checksum: int
+    created_s: float
+    last_access_s: float
+    expires_at_s: float
+
+    @property
+    def index_key(self) -> bytes:
+        return entry_key(self.tenant, self.key, self.version)
+
+    @property
+    def record_bytes(self) -> int:
+        return record_bytes(self.shard_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentMeta:
+    """A segment file as the index knows it: its window and how much of it is live."""
+
+    segment_id: int
+    window_id: int
+    committed_bytes: int = 0
+    live_bytes: int = 0
+    num_live: int = 0
+
+    @property
+    def dead_bytes(self) -> int:
+        return self.committed_bytes - self.live_bytes
+
+
+def tenant_hash(tenant: str) -> bytes:
+    return xxhash.xxh3_64_digest(tenant.encode())
+
+
+def entry_key(tenant: str, key: bytes, version: bytes) -> bytes:
+    return tenant_hash(tenant) + key + version
+
+
+def _u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def _prefix_end(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key starting with ``prefix`` (None: no such key)."""
+    value = int.from_bytes(prefix, "big") + 1
+    return None if value >> (8 * len(prefix)) else value.to_bytes(len(prefix), "big")
+
+
+def _expiry_prefix(expires_at_s: float) -> bytes:
+    """Order-preserving 8 bytes for a time; inf sorts last (never expires, never evicted)."""
+    if math.isinf(expires_at_s):
+        return _u64(_MAX_U64)
+    return _u64(min(max(int(expires_at_s * 1e6), 0), _MAX_U64 - 1))
+
+
+def encode_entry(entry: Entry) -> bytes:
+    cls = entry.traffic_class.encode()
+    fixed = _ENTRY.pack(
+        entry.segment_id,
+        entry.offset,
+        entry.shard_bytes,
+        entry.shard_checksum,
+        entry.created_s,
+        entry.last_access_s,
+        entry.expires_at_s,
+        len(cls),
+    )
+    return fixed + cls + entry.tenant.encode()
+
+
+def decode_entry(index_key: bytes, value: bytes) -> Entry:
+    segment_id, offset, shard_bytes, checksum, created, last, expires, cls_len = _ENTRY.unpack_from(
+        value
+    )
+    cls_end = _ENTRY.size + cls_len
+    return Entry(
+        tenant=value[cls_end:].decode(),
+        key=index_key[8:24],
+        version=index_key[24:40],
+        traffic_class=value[_ENTRY.size : cls_end].decode(),
+        segment_id=segment_id,
+        offset=offset,
+        shard_bytes=shard_bytes,
+        shard_checksum=checksum,
+        created_s=created,
+        last_access_s=last,
+        expires_at_s=expires,
+    )
+
+
+def _encode_segment(meta: SegmentMeta) -> bytes:
+    return _SEGMENT.pack(meta.window_id, meta.committed_bytes, meta.live_bytes, meta.num_live)
+
+
+def _decode_segment(key: bytes, value: bytes) -> SegmentMeta:
+    return SegmentMeta(_U64.unpack(key)[0], *_SEGMENT.unpack(value))
+
+
+class Txn(Protocol):
+    """The backend's transaction: an ordered byte map per named sub-database."""
+
+    def get(self, db: str, key: bytes) -> bytes | None: ...
+
+    def put(self, db: str, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, db: str, key: bytes) -> None: ...
+
+    def scan(
+        self, db: str, start: bytes, stop: bytes | None, limit: int
+    ) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` items with ``start <= key < stop`` (no stop: to the end), ascending."""
+        ...
+
+
+class Backend(Protocol):
+    def begin(self, *, write: bool) -> AbstractContextManager[Txn]:
+        """A transaction: commits when the block exits normally, aborts on an exception."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _LmdbTxn:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        return self._txn.get(key, db=self._dbs[db])
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self._txn.put(key, value, db=self._dbs[db])
+
+    def delete(self, db: str, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs[db])
+
+    def scan(
+        self, db: str, start: bytes, stop: bytes | None, limit: int
+    ) -> list[tuple[bytes, bytes]]:
+        items: list[tuple[bytes, bytes]] = []
+        cursor = self._txn.cursor(db=self._dbs[db])
+        if not cursor.set_range(start):
+            return items
+        for key, value in cursor.iternext():
+            if (stop is not None and key >= stop) or len(items) >= limit:
+                break
+            items.append((key, value))
+        return items
+
+
+class LmdbBackend:
+    """lmdb environment under ``path``; ``sync`` = fsync on every commit (durability)."""
+
+    def __init__(self, path: Path, *, sync: bool, map_size_bytes: int = 1 << 36) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(path), map_size=map_size_bytes, max_dbs=len(DBS), sync=sync, readahead=False
+        )
+        self._dbs = {name: self._env.open_db(name.encode()) for name in DBS}
+
+    @contextmanager
+    def begin(self, *, write: bool) -> Iterator[Txn]:
+        try:
+            with self._env.begin(write=write) as txn:
+                yield _LmdbTxn(txn, self._dbs)
+        except lmdb.MapFullError as exc:
+            raise CapacityExhausted(
+                f"the lmdb index is full ({exc}); raise its map size or free entries"
+            ) from None
+
+    def close(self) -> None:
+        self._env.close()
+
+
+class _SortedMap:
+    """A dict with its keys kept sorted, for range scans in the in-memory twin."""
+
+    def __init__(self) -> None:
+        self.items: dict[bytes, bytes] = {}
+        self.keys: list[bytes] = []
+
+    def put(self, key: bytes, value: bytes) -> None:
+        if key not in self.items:
+            bisect.insort(self.keys, key)
+        self.items[key] = value
+
+    def delete(self, key: bytes) -> None:
+        if self.items.pop(key, None) is not None:
+            del self.keys[bisect.bisect_left(self.keys, key)]
+
+
+class _MemoryTxn:
+    def __init__(self, maps: dict[str, _SortedMap], undo: list | None) -> None:
+        self._maps = maps
+        self._undo = undo  # None: read-only
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        return self._maps[db].items.get(key)
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self._record(db, key)
+        self._maps[db].put(key, value)
+
+    def delete(self, db: str, key: bytes) -> None:
+        self._record(db, key)
+        self._maps[db].delete(key)
+
+    def scan(
+        self, db: str, start: bytes, stop: bytes | None, limit: int
+    ) -> list[tuple[bytes, bytes]]:
+        smap = self._maps[db]
+        first = bisect.bisect_left(smap.keys, start)
+        last = len(smap.keys) if stop is None else bisect.bisect_left(smap.keys, stop)
+        keys = smap.keys[first : min(last, first + limit)]
+        return [(k, smap.items[k]) for k in keys]
+
+    def _record(self, db: str, key: bytes) -> None:
+        if self._undo is None:
+            raise RuntimeError("write in a read-only transaction (open it with write=True)")
+        self._undo.append((db, key, self._maps[db].items.get(key)))
+
+    def rollback(self) -> None:
+        for db, key, old in reversed(self._undo or []):
+            if old is None:
+                self._maps[db].delete(key)
+            else:
+                self._maps[db].put(key, old)
+
+
+class MemoryBackend:
+    """The in-memory twin of :class:`LmdbBackend`: same semantics, no durability.
+
+    Transactions are serialized by one lock (a twin for tests and the simulator, not a server).
+    """
+
+    def __init__(self) -> None:
+        self._maps = {name: _SortedMap() for name in DBS}
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def begin(self, *, write: bool) -> Iterator[Txn]:
+        with self._lock:
+            txn = _MemoryTxn(self._maps, [] if write else None)
+            try:
+                yield txn
+            except BaseException:
+                txn.rollback()
+                raise
+
+    def close(self) -> None:
+        self._maps = {name: _SortedMap() for name in DBS}
+
+
+class IndexView:
+    """Queries over one transaction's snapshot."""
+
+    def __init__(self, txn: Txn) -> None:
+        self._txn = txn
+
+    def versions(self, tenant: str, key: bytes) -> list[Entry]:
+        """Every entry (all versions, expired or not) of ``key`` owned by ``tenant``."""
+        prefix = tenant_hash(tenant) + key
+        items = self._txn.scan("entries", prefix, _prefix_end(prefix), 1 << 16)
+        entries = (decode_entry(k, v) for k, v in items)
+        return [e for e in entries if e.tenant == tenant]
+
+    def entry(self, tenant: str, key: bytes, version: bytes) -> Entry | None:
+        value = self._txn.get("entries", entry_key(tenant, key, version))
+        if value is None:
+            return None
+        found = decode_entry(entry_key(tenant, key, version), value)
+        return found if found.tenant == tenant else None
+
+    def by_expiry(self, before_s: float, limit: int) -> list[Entry]:
+        """Entries with ``expires_at_s < before_s``, earliest expiry first."""
+        stop = _expiry_prefix(before_s)
+        items = self._txn.scan("expiry", b"", stop, limit)
+        return [self._entry_at(k[8:]) for k, _ in items]
+
+    def in_segment(self, segment_id: int, limit: int) -> list[Entry]:
+        prefix = _u64(segment_id)
+        items = self._txn.scan("by_seg", prefix, _u64(segment_id + 1), limit)
+        return [self._entry_at(k[8:]) for k, _ in items]
+
+    def segments(self) -> list[SegmentMeta]:
+        return [_decode_segment(k, v) for k, v in self._txn.scan("segments", b"", None, 1 << 40)]
+
+    def segment(self, segment_id: int) -> SegmentMeta | None:
+        value = self._txn.get("segments", _u64(segment_id))
+        return None if value is None else _decode_segment(_u64(segment_id), value)
+
+    def counter(self, name: str) -> float | None:
+        value = self._txn.get("counters", name.encode())
+        return None if value is None else _F64.unpack(value)[0]
+
+    def counters(self) -> dict[str, float]:
+        items = self._txn.scan("counters", b"", None, 1 << 40)
+        return {k.decode(): _F64.unpack(v)[0] for k, v in items}
+
+    def next_segment_id(self) -> int:
+        """An id above every segment ever registered."""
+        return int(self.counter(NEXT_SEGMENT_ID) or 1)
+
+    def used_bytes(self) -> int:
+        """Bytes held in segment files (live and dead records)."""
+        return int(self.counter(USED_BYTES) or 0)
+
+    def _entry_at(self, index_key: bytes) -> Entry:
+        value = self._txn.get("entries", index_key)
+        assert value is not None, f"secondary index names missing entry {index_key.hex()}"
+        return decode_entry(index_key, value)
+
+
+class IndexWriter(IndexView):
+    """Mutations in one write transaction; derived figures are kept in step here."""
+
+    def put_entry(self, entry: Entry) -> Entry | None:
+        """Insert or replace ``entry`` (same tenant, key, version); return the replaced one."""
+        old_value = self._txn.get("entries", entry.index_key)
+        old = None if old_value is None else decode_entry(entry.index_key, old_value)
+        if old is not None:
+            self._unlink(old)
+        self._txn.put("entries", entry.index_key, encode_entry(entry))
+        self._txn.put("expiry", _expiry_prefix(entry.expires_at_s) + entry.index_key, b"")
+        self._txn.put("by_seg", _u64(entry.segment_id) + entry.index_key, b"")
+        self._account(entry, +1)
+        return old
+
+    def delete_entry(self, entry: Entry) -> bool:
+        """Remove the entry stored under ``entry``'s key; False if there is none."""
+        value = self._txn.get("entries", entry.index_key)
+        if value is None:
+            return False
+        self._unlink(decode_entry(entry.index_key, value))
+        self._txn.delete("entries", entry.index_key)
+        return True
+
+    def add_segment(self, segment_id: int, window_id: int) -> None:
+        """Register a new, empty segment file; segment ids are never reused."""
+        self._put_segment(SegmentMeta(segment_id, window_id))
+        if segment_id >= self.next_segment_id():
+            self._set(NEXT_SEGMENT_ID, segment_id + 1)
+
+    def set_committed_bytes(self, segment_id: int, committed_bytes: int) -> None:
+        meta = self.segment(segment_id)
+        assert meta is not None, f"segment {segment_id} is not in the index"
+        self.add(USED_BYTES, committed_bytes - meta.committed_bytes)
+        self._put_segment(replace(meta, committed_bytes=committed_bytes))
+
+    def delete_segment(self, segment_id: int) -> None:
+        meta = self.segment(segment_id)
+        assert meta is not None and meta.num_live == 0, f"segment {segment_id} still holds data"
+        self.add(USED_BYTES, -meta.committed_bytes)
+        self._txn.delete("segments", _u64(segment_id))
+
+    def add(self, name: str, delta: float) -> None:
+        if delta:
+            self._set(name, (self.counter(name) or 0.0) + delta)
+
+    def set_min(self, name: str, value: float) -> None:
+        current = self.counter(name)
+        if current is None or value < current:
+            self._set(name, value)
+
+    def _set(self, name: str, value: float) -> None:
+        self._txn.put("counters", name.encode(), _F64.pack(value))
+
+    def _put_segment(self, meta: SegmentMeta) -> None:
+        self._txn.put("segments", _u64(meta.segment_id), _encode_segment(meta))
+
+    def _unlink(self, entry: Entry) -> None:
+        self._txn.delete("expiry", _expiry_prefix(entry.expires_at_s) + entry.index_key)
+        self._txn.delete("by_seg", _u64(entry.segment_id) + entry.index_key)
+        self._account(entry, -1)
+
+    def _account(self, entry: Entry, sign: int) -> None:
+        self.add(class_counter(entry.traffic_class, "blocks"), sign)
+        self.add(class_counter(entry.traffic_class, "bytes"), sign * entry.shard_bytes)
+        meta = self.segment(entry.segment_id)
+        assert meta is not None, f"entry {entry.index_key.hex()} names unknown segment"
+        self._put_segment(
+            replace(
+                meta,
+                live_bytes=meta.live_bytes + sign * entry.record_bytes,
+                num_live=meta.num_live + sign,
+            )
+        )
+
+
+class Index:
+    """The index of one node over a backend: ``with index.read() as view`` / ``index.write()``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @contextmanager
+    def read(self) -> Iterator[IndexView]:
+        with self.backend.begin(write=False) as txn:
+            yield IndexView(txn)
+
+    @contextmanager
+    def write(self) -> Iterator[IndexWriter]:
+        """One atomic transaction: all of its changes commit together or none do."""
+        with self.backend.begin(write=True) as txn:
+            yield IndexWriter(txn)
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,278 @@
+"""One storage node: the grpc.aio server over a :class:`~kvstore.shard_store.ShardStore`.
+
+``kvstore node --config DIR/cluster.toml --id ID [--inject-delay-ms MS]`` runs it in the
+foreground: it recovers the store, runs one expiry pass, serves gRPC on ``NodeConfig.address``
+and Prometheus on ``metrics_port`` (0 = off), prints ``node <id> serving on <address>`` when
+ready, and on SIGTERM or SIGINT finishes in-flight requests, persists pending TTL refreshes and
+closes the index.
+
+The servicer is a thin shell: it checks the token, injects the configured straggler delay,
+runs the store call in the node's one thread pool (blocking file and lmdb work never runs on
+the event loop; reads overlap, writes serialize inside the store) and maps kvstore errors to
+gRPC status codes through :func:`kvstore.errors.to_grpc_status` only.
+
+Message sizes: gRPC's send and receive limits are ``max_batch_bytes`` plus 1 MiB of slack for
+framing. A put whose shards add up to more than ``max_batch_bytes`` but fit the slack gets
+INVALID_ARGUMENT from the store; a larger message is refused by gRPC itself with
+RESOURCE_EXHAUSTED before it reaches the node. A get whose reply would pass ``max_batch_bytes``
+gets INVALID_ARGUMENT (ask for fewer keys per request).
+
+Unary vs streaming: the wire protocol is unary batches. A quick loopback measurement of a
+GetShards reply of one shard is in the project README (section "Node"); unary was kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore.config import ClusterConfig, NodeConfig, load_cluster
+from kvstore.errors import InvalidArgument, PermissionDenied, to_grpc_status
+from kvstore.metrics import NodeMetrics
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.shard_store import ShardStore, StoreStats
+from ttl.clock import make_clock
+
+log = logging.getLogger(__name__)
+
+MESSAGE_SLACK_BYTES = 1 << 20
+NUM_WORKER_THREADS = 8
+STOP_GRACE_S = 5.0
+_Reply = TypeVar("_Reply")
+
+
+def upkeep_period_s(time_scale: float, expiry_window_s: float) -> float:
+    """Real seconds between upkeep ticks: a quarter window, at least once a second, >= 50 ms."""
+    return min(1.0, max(0.05, expiry_window_s / 4 / time_scale))
+
+
+class NodeServicer(pb_grpc.ShardStoreServicer):
+    """The gRPC face of one node's store."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        node: NodeConfig,
+        epoch: int,
+        metrics: NodeMetrics,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self._store = store
+        self._node = node
+        self._epoch = epoch
+        self._metrics = metrics
+        self._executor = executor
+        self._delay_s = node.inject_delay_ms / 1000.0
+
+    async def PutShards(self, request: pb.PutShardsRequest, context: Any) -> pb.PutShardsReply:
+        return await self._serve("PutShards", context, self._put, request, delay=True)
+
+    async def GetShards(self, request: pb.GetShardsRequest, context: Any) -> pb.GetShardsReply:
+        return await self._serve("GetShards", context, self._get, request, delay=True)
+
+    async def Contains(self, request: pb.ContainsRequest, context: Any) -> pb.ContainsReply:
+        return await self._serve("Contains", context, self._contains, request, delay=True)
+
+    async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteReply:
+        return await self._serve("Delete", context, self._delete, request, delay=True)
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
+        return await self._serve("Stats", context, self._stats, request, delay=False)
+
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
+        return await self._serve("Health", context, self._health, request, delay=False)
+
+    async def _serve(
+        self,
+        rpc: str,
+        context: grpc.aio.ServicerContext,
+        handler: Callable[[Any], _Reply],
+        request: Any,
+        *,
+        delay: bool,
+    ) -> _Reply:
+        """Authorize, delay (straggler), run ``handler`` in the pool, map errors, observe."""
+        start_s = time.perf_counter()
+        code, details, reply = grpc.StatusCode.OK, "", None
+        try:
+            self._authorize(context)
+            if delay and self._delay_s:
+                await asyncio.sleep(self._delay_s)
+            loop = asyncio.get_running_loop()
+            reply = await loop.run_in_executor(self._executor, handler, request)
+        except Exception as exc:
+            code, details = to_grpc_status(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", rpc)
+        self._metrics.observe(rpc, code, time.perf_counter() - start_s)
+        if reply is None:
+            await context.abort(code, details)
+        return reply
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        token = self._node.auth_token
+        if not token:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        offered = metadata.get("authorization", "")
+        if not hmac.compare_digest(str(offered).encode(), f"Bearer {token}".encode()):
+            raise PermissionDenied(
+                "missing or wrong token: send metadata ('authorization', 'Bearer <token>') "
+                "with the token of this cluster"
+            )
+
+    def _put(self, request: pb.PutShardsRequest) -> pb.PutShardsReply:
+        items = [(s.key, s.shard) for s in request.shards]
+        num_stored = self._store.put(request.tenant, request.traffic_class, items)
+        self._metrics.put_shards.inc(num_stored)
+        return pb.PutShardsReply(num_stored=num_stored)
+
+    def _get(self, request: pb.GetShardsRequest) -> pb.GetShardsReply:
+        self._metrics.get_keys.inc(len(request.keys))
+        results = self._store.get(request.tenant, list(request.keys), request.version)
+        reply_bytes = sum(len(s) for r in results for s in r.shards)
+        if reply_bytes > self._node.max_batch_bytes:
+            raise InvalidArgument(
+                f"reply of {reply_bytes} bytes for {len(request.keys)} keys exceeds "
+                f"max_batch_bytes {self._node.max_batch_bytes}; ask for fewer keys per request"
+            )
+        return pb.GetShardsReply(
+            results=[pb.ShardResult(status=int(r.status), shards=r.shards) for r in results]
+        )
+
+    def _contains(self, request: pb.ContainsRequest) -> pb.ContainsReply:
+        found = self._store.contains(request.tenant, list(request.keys))
+        return pb.ContainsReply(results=[pb.KeyVersions(versions=v) for v in found])
+
+    def _delete(self, request: pb.DeleteRequest) -> pb.DeleteReply:
+        return pb.DeleteReply(num_deleted=self._store.delete(request.tenant, list(request.keys)))
+
+    def _stats(self, request: pb.StatsRequest) -> pb.StatsReply:
+        return stats_reply(self._node.id, self._epoch, self._store.stats())
+
+    def _health(self, request: pb.HealthRequest) -> pb.HealthReply:
+        return pb.HealthReply(
+            node_id=self._node.id, epoch=self._epoch, serving=True, now_s=self._store.clock.now()
+        )
+
+
+def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:
+    """The wire form of a store's stats."""
+    classes = [
+        pb.ClassStats(
+            traffic_class=c.traffic_class,
+            blocks=c.blocks,
+            bytes=c.bytes,
+            hits=c.hits,
+            misses=c.misses,
+            expired=c.expired,
+            evicted=c.evicted,
+            youngest_evicted_age_s=c.youngest_evicted_age_s,
+        )
+        for c in stats.classes
+    ]
+    return pb.StatsReply(
+        node_id=node_id,
+        epoch=epoch,
+        shards=stats.num_shards,
+        bytes=stats.shard_bytes,
+        capacity_bytes=stats.capacity_bytes,
+        corrupt_shards=stats.corrupt_shards,
+        classes=classes,
+        segments=stats.num_segments,
+    )
+
+
+async def _upkeep(store: ShardStore, period_s: float, executor: ThreadPoolExecutor) -> None:
+    """Expiry, refresh persistence and capacity checks, forever; errors are logged, not fatal."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await loop.run_in_executor(executor, store.tick)
+        except Exception:
+            log.exception("upkeep tick failed; retrying next period")
+
+
+def _server_options(node: NodeConfig) -> list[tuple[str, int]]:
+    limit = node.max_batch_bytes + MESSAGE_SLACK_BYTES
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -> None:
+    """Run one node until ``stop`` is set, then shut down cleanly."""
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(NUM_WORKER_THREADS, thread_name_prefix=f"node-{node.id}")
+    clock = make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
+    store = await loop.run_in_executor(executor, ShardStore, node, cluster.ttl, clock)
+    metrics = NodeMetrics(store.stats)
+    try:
+        await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
+        server = grpc.aio.server(options=_server_options(node))
+        servicer = NodeServicer(store, node, cluster.epoch, metrics, executor)
+        pb_grpc.add_ShardStoreServicer_to_server(servicer, server)
+        server.add_insecure_port(node.address)
+        await server.start()
+        if node.metrics_port:
+            metrics.serve(node.address.rpartition(":")[0], node.metrics_port)
+        period_s = upkeep_period_s(cluster.ttl.time_scale, cluster.ttl.expiry_window_s)
+        upkeep = asyncio.create_task(_upkeep(store, period_s, executor))
+        log.info("node %s serving on %s", node.id, node.address)
+        print(f"node {node.id} serving on {node.address}", flush=True)
+        await stop.wait()
+        upkeep.cancel()
+        await server.stop(STOP_GRACE_S)
+    finally:
+        metrics.close()
+        await loop.run_in_executor(executor, store.close)
+        executor.shutdown()
+    log.info("node %s stopped", node.id)
+
+
+async def _main(cluster: ClusterConfig, node: NodeConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await serve(cluster, node, stop)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="path of the cluster's cluster.toml")
+    parser.add_argument("--id", required=True, help="id of this node in the cluster map")
+    parser.add_argument(
+        "--inject-delay-ms",
+        type=float,
+        default=None,
+        help="sleep this long in every data RPC (a straggler, for tests and benchmarks)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cluster = load_cluster(args.config)
+        node = cluster.node(args.id)
+        if args.inject_delay_ms is not None:
+            node = dataclasses.replace(node, inject_delay_ms=args.inject_delay_ms)
+    except ValueError as exc:
+        print(f"kvstore node: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_main(cluster, node))
+    except RuntimeError as exc:  # e.g. the address is taken
+        log.error("node %s failed: %s", node.id, exc)
+        print(f"kvstore node {node.id}: {exc}", file=sys.stderr)
+        return 1
+    return 0
