@@ -28,7 +28,7 @@ CHANNEL_OPTIONS = (
     # gRPC's default reconnect backoff grows to 120 s; a restarted node should be found fast.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 # Status codes that say "this node is down or broken" (not "your request is wrong").

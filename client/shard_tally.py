@@ -5,7 +5,7 @@ a key at once. A block is only ever rebuilt from ``k`` shards of ONE version (th
 the block's xxh3-128, recorded in every shard header), so both tallies here group by version.
 
 * :class:`ShardCollector` takes shard bytes as they arrive for one key, verifies each one
-  (header fields against the codec, then the shard checksum), skips and counts bad ones, and
+  (``Codec.verify``: header fits the codec, shard checksum), skips and counts bad ones, and
   says when some version has ``k`` distinct shard indices.
 * :class:`PresenceTally` takes per-node version lists from ``Contains`` replies for many keys
   and decides, key by key, whether some version is on at least ``k`` nodes.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from erasure.shard import ShardHeader, verify_shard
-from kvstore.config import CodecConfig
+from erasure.codec import Codec
+from erasure.shard import ShardHeader
 from kvstore.errors import CodecError
 
 
@@ -33,7 +33,7 @@ def can_complete(best_count: int, num_pending: int, k: int) -> bool:
 class ShardCollector:
     """Valid shards of one key grouped by version, until one version has ``k`` of them."""
 
-    def __init__(self, codec: CodecConfig) -> None:
+    def __init__(self, codec: Codec) -> None:
         self.codec = codec
         self.version_to_shards: dict[bytes, dict[int, bytes]] = {}
         self.version_to_header: dict[bytes, ShardHeader] = {}
@@ -47,7 +47,7 @@ class ShardCollector:
         ``num_corrupt`` and ignored; a duplicate index of a version is ignored.
         """
         try:
-            header = self._checked_header(shard)
+            header = self.codec.verify(shard)
         except CodecError:
             self.num_corrupt += 1
             return None
@@ -58,18 +58,6 @@ class ShardCollector:
         self.version_to_header.setdefault(version, header)
         shards.setdefault(header.index, shard)
         return version if len(shards) == self.codec.k else None
-
-    def _checked_header(self, shard: bytes) -> ShardHeader:
-        header = verify_shard(shard)
-        codec = self.codec
-        if (header.k, header.m, header.backend) != (codec.k, codec.m, codec.backend):
-            raise CodecError(
-                f"shard made by {header.backend} {header.k}+{header.m}, "
-                f"cluster uses {codec.backend} {codec.k}+{codec.m}"
-            )
-        if header.block_len > codec.max_block_bytes:
-            raise CodecError(f"shard claims a {header.block_len}-byte block, over the maximum")
-        return header
 
     def shards(self, version: bytes) -> list[bytes]:
         """The collected shards of ``version``, by shard index (data shards first)."""

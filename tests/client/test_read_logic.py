@@ -11,17 +11,18 @@ from client.node_health import PROBE_EVERY, SUSPECT_MAX_S, NodeHealth
 from client.read_plan import plan_read
 from client.shard_tally import PresenceTally, ShardCollector
 from client.write_path import write_targets
+from erasure.codec import make_codec
 from erasure.shard import HEADER_BYTES, ShardHeader, pack_header
 from kvstore.config import CodecConfig
 
-CODEC = CodecConfig(k=10, m=2, backend="isal")
+CODEC = make_codec(CodecConfig(k=10, m=2, backend="isal"))
 
 
 def _shard(version_seed: int, index: int, payload_bytes: int = 64, **overrides: object) -> bytes:
     """A well-formed shard of a made-up block version (the payload is not a real encoding)."""
     version = xxhash.xxh3_128_digest(version_seed.to_bytes(8, "little"))
     payload = random.Random(version_seed * 100 + index).randbytes(payload_bytes)
-    fields = dict(backend="isal", k=10, m=2, index=index, block_len=600)
+    fields = dict(backend="isal", k=10, m=2, index=index, block_len=640)
     fields.update(overrides)
     header = ShardHeader(block_checksum=version, payload_len=len(payload), **fields)  # type: ignore[arg-type]
     return pack_header(header, payload) + payload
@@ -47,7 +48,7 @@ def test_collector_skips_and_counts_corrupt_and_foreign_shards() -> None:
     assert collector.add(bytes(flipped)) is None
     assert collector.add(b"garbage") is None
     assert collector.add(_shard(1, 1, backend="zfec")) is None
-    assert collector.add(_shard(1, 2, block_len=CODEC.max_block_bytes + 1)) is None
+    assert collector.add(_shard(1, 2, block_len=999)) is None, "payload length must fit block"
     assert collector.num_corrupt == 4
     assert collector.best_count == 0
 

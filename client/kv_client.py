@@ -1,0 +1,323 @@
+"""``KVClient``: the asyncio client of a kvstore cluster.
+
+::
+
+    kv = await KVClient.connect("DIR/cluster.toml", tenant="acme", token=None)
+    async with KVClient.connect(...) as kv: ...          # or: async with await ...connect(...)
+    await kv.put(key, data, traffic_class="chat")        # QuorumError below the write quorum
+    await kv.get(key) -> bytes | None                    # None is a miss
+    await kv.get_into(key, out) -> bool                  # decodes straight into ``out``
+    await kv.contains(keys) -> list[bool]
+    await kv.match_prefix(keys) -> int
+    await kv.delete(keys); await kv.close()
+
+What a caller sees: ``get`` returns the exact bytes some ``put`` of that key stored, or None
+(a miss, fewer than k reachable shards of one version, or the deadline passed); never a mix of
+two writers' bytes and never bytes that fail the block checksum. Misuse (a key that is not 16
+bytes, an oversized block, an unknown traffic class, a ``get_into`` buffer of the wrong size, a
+bad token) raises a kvstore.errors exception. ``contains`` and ``match_prefix`` send one
+batched RPC per node per call and do not refresh TTLs; a ``get`` hit does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+from client.node_conn import NodeConn, consume_result
+from client.read_path import BlockRead, ReadCounters
+from client.shard_tally import PresenceTally, ShardCollector
+from client.write_path import WriteCounters, write_block
+from erasure.codec import make_codec
+from kvstore.config import ClusterConfig, load_cluster
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.placement import Placement, check_key
+from kvstore.proto import kvstore_pb2 as pb
+from ttl.clock import Clock, make_clock
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class KVClient:
+    """Client of one cluster for one tenant. Create with :meth:`connect`."""
+
+    def __init__(self, config: ClusterConfig, tenant: str, token: str | None) -> None:
+        if not tenant:
+            raise InvalidArgument("tenant must be a non-empty string, e.g. tenant='acme'")
+        self.config = config
+        self.tenant = tenant
+        self.codec = make_codec(config.codec)
+        self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
+        self.placement = Placement(config)
+        self.conns = {node.id: NodeConn(node, token) for node in config.nodes}
+        self.group_conns = [[self.conns[i] for i in group] for group in config.groups]
+        self.read_counters = ReadCounters()
+        self.write_counters = WriteCounters()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    @classmethod
+    def connect(
+        cls,
+        cluster_toml: str | Path | ClusterConfig,
+        tenant: str,
+        token: str | None = None,
+        *,
+        transport: str = "grpc",
+    ) -> _Connecting:
+        """Open a client: ``await KVClient.connect(...)`` or ``async with KVClient.connect(...)``.
+
+        Channels connect lazily; a node that is down only shows up as a failed RPC later.
+        ``transport`` is reserved for a later UCX data path; only "grpc" exists today.
+        """
+        if transport != "grpc":
+            raise InvalidArgument(f"transport {transport!r} is not available; use 'grpc'")
+
+        async def open_client() -> KVClient:
+            if isinstance(cluster_toml, ClusterConfig):
+                return cls(cluster_toml, tenant, token)
+            config = await asyncio.to_thread(load_cluster, cluster_toml)
+            return cls(config, tenant, token)
+
+        return _Connecting(open_client)
+
+    async def __aenter__(self) -> KVClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _timeout_s(self, timeout_s: float | None) -> float:
+        return self.config.client.timeout_s if timeout_s is None else timeout_s
+
+    async def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        traffic_class: str = "chat",
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Store ``data`` under ``key``; QuorumError if fewer than write_quorum shards land."""
+        check_key(key)
+        self.config.ttl.classes.check(traffic_class)
+        view = self._block_view(data)
+        shards = self.codec.encode(view)
+
+        def request(position: int) -> pb.PutShardsRequest:
+            put = pb.ShardPut(key=key, shard=shards[position])
+            return pb.PutShardsRequest(
+                tenant=self.tenant, traffic_class=traffic_class, shards=[put]
+            )
+
+        self.write_counters.num_puts += 1
+        conns = self.group_conns[self.placement.group_index(key)]
+        await write_block(
+            conns,
+            request,
+            self.config.client.write_quorum,
+            self._timeout_s(timeout_s),
+            self.write_counters,
+            self._background,
+        )
+
+    def _block_view(self, data: Buffer) -> memoryview:
+        view = memoryview(data).cast("B")
+        max_bytes = self.config.codec.max_block_bytes
+        if not 0 < len(view) <= max_bytes:
+            raise InvalidArgument(
+                f"a block must be 1 to {max_bytes} bytes (max_block_bytes in cluster.toml), "
+                f"got {len(view)} bytes; split larger data into several blocks"
+            )
+        return view
+
+    async def get(self, key: bytes, *, timeout_s: float | None = None) -> bytes | None:
+        """The block stored under ``key``, or None (miss, too few shards, deadline)."""
+        block = await self._read(key, None, timeout_s)
+        return block if block is None or isinstance(block, bytes) else bytes(block)
+
+    async def get_into(self, key: bytes, out: Buffer, *, timeout_s: float | None = None) -> bool:
+        """Decode the block straight into ``out`` (writable, exactly the block's size).
+
+        Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
+        when ``out`` is read-only or its size differs from the stored block's.
+        """
+        view = memoryview(out)
+        if view.readonly or not view.c_contiguous:
+            raise InvalidArgument(
+                "get_into needs a writable, C-contiguous buffer (bytearray, numpy array, ...)"
+            )
+        return await self._read(key, view.cast("B"), timeout_s) is not None
+
+    async def _read(
+        self, key: bytes, out: memoryview | None, timeout_s: float | None
+    ) -> bytes | memoryview | None:
+        check_key(key)
+        timeout_s = self._timeout_s(timeout_s)
+        request = pb.GetShardsRequest(tenant=self.tenant, keys=[key])
+        conns = self.group_conns[self.placement.group_index(key)]
+        reader = BlockRead(
+            conns,
+            self.codec,
+            self.config.client.read_fanout,
+            request,
+            ShardCollector(self.codec),
+            self.read_counters,
+        )
+        self.read_counters.num_reads += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                block = await reader.run(timeout_s, out)
+        except TimeoutError:
+            block = None
+        if block is None:
+            self.read_counters.num_misses += 1
+        else:
+            self.read_counters.num_hits += 1
+        return block
+
+    async def contains(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> list[bool]:
+        """For each key: is its block readable (some version on >= k nodes)? TTLs not refreshed."""
+        timeout_s = self._timeout_s(timeout_s)
+        tally = PresenceTally([self.config.codec.num_shards] * len(keys), self.config.codec.k)
+        node_to_positions = self._positions_by_node(keys)
+
+        async def ask(node_id: str, positions: list[int]) -> None:
+            request = pb.ContainsRequest(tenant=self.tenant, keys=[keys[p] for p in positions])
+            try:
+                reply = await self.conns[node_id].call("Contains", request, timeout_s)
+            except PermissionDenied:
+                raise
+            except KVStoreError:
+                for position in positions:
+                    tally.add_no_reply(position)
+                return
+            for position, result in zip(positions, reply.results, strict=True):
+                tally.add_reply(position, result.versions)
+
+        calls = [ask(node_id, positions) for node_id, positions in node_to_positions.items()]
+        await _run_until(calls, lambda: tally.all_decided, timeout_s)
+        return [bool(readable) for readable in tally.readable]
+
+    async def match_prefix(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """How many leading keys have readable blocks (one batched RPC per node)."""
+        readable = await self.contains(keys, timeout_s=timeout_s)
+        return next((i for i, ok in enumerate(readable) if not ok), len(readable))
+
+    async def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> None:
+        """Delete this tenant's blocks under ``keys`` on every node of their groups.
+
+        Raises Unavailable if, for some key, fewer than m+1 nodes confirmed: then up to k of
+        its shards may survive and the block could still be readable; retry the delete.
+        """
+        node_to_positions = self._positions_by_node(keys)
+        request_of = {
+            node_id: pb.DeleteRequest(tenant=self.tenant, keys=[keys[p] for p in positions])
+            for node_id, positions in node_to_positions.items()
+        }
+        timeout_s = self._timeout_s(timeout_s)
+        replies = await asyncio.gather(
+            *(self.conns[n].call("Delete", r, timeout_s) for n, r in request_of.items()),
+            return_exceptions=True,
+        )
+        self._check_deleted(keys, node_to_positions, replies)
+
+    def _check_deleted(
+        self,
+        keys: Sequence[bytes],
+        node_to_positions: dict[str, list[int]],
+        replies: list[Any],
+    ) -> None:
+        num_confirmed = [0] * len(keys)
+        for positions, reply in zip(node_to_positions.values(), replies, strict=True):
+            if isinstance(reply, PermissionDenied):
+                raise reply
+            if isinstance(reply, BaseException):
+                continue
+            for position in positions:
+                num_confirmed[position] += 1
+        needed = self.config.codec.m + 1
+        if any(n < needed for n in num_confirmed):
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            raise Unavailable(
+                f"delete reached fewer than {needed} nodes for some keys, so their blocks may "
+                f"still be readable ({failed[:3]}); retry the delete when the nodes are back"
+            )
+
+    def _positions_by_node(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
+        """Node id -> positions of the keys it holds a shard of (one batch per node)."""
+        node_to_positions: dict[str, list[int]] = {}
+        for group_index, positions in self.placement.keys_by_group(keys).items():
+            for node_id in self.config.groups[group_index]:
+                node_to_positions.setdefault(node_id, []).extend(positions)
+        return node_to_positions
+
+    async def node_stats(
+        self, *, timeout_s: float | None = None
+    ) -> dict[str, pb.StatsReply | None]:
+        """Each node's Stats reply, or None for a node that did not answer."""
+        timeout_s = self._timeout_s(timeout_s)
+        replies = await asyncio.gather(
+            *(conn.call("Stats", pb.StatsRequest(), timeout_s) for conn in self.conns.values()),
+            return_exceptions=True,
+        )
+        return {
+            node_id: None if isinstance(reply, BaseException) else reply
+            for node_id, reply in zip(self.conns, replies, strict=True)
+        }
+
+    async def close(self) -> None:
+        """Let background shard puts finish (bounded by their deadline), then close channels."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(conn.close() for conn in self.conns.values()))
+
+
+class _Connecting:
+    """What :meth:`KVClient.connect` returns: awaitable, and an async context manager."""
+
+    def __init__(self, open_client: Callable[[], Awaitable[KVClient]]) -> None:
+        self._open_client = open_client
+        self._client: KVClient | None = None
+
+    def __await__(self) -> Generator[Any, None, KVClient]:
+        return self._open_client().__await__()
+
+    async def __aenter__(self) -> KVClient:
+        self._client = await self._open_client()
+        return self._client
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+async def _run_until(
+    calls: Sequence[Awaitable[None]], is_done: Callable[[], bool], timeout_s: float
+) -> None:
+    """Run ``calls`` concurrently until ``is_done()`` or all finish or the timeout; cancel rest.
+
+    Exceptions other than the ones the calls handle themselves propagate.
+    """
+    tasks = {asyncio.ensure_future(call) for call in calls}
+    try:
+        async with asyncio.timeout(timeout_s):
+            while tasks and not is_done():
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+    except TimeoutError:
+        log.debug("contains: deadline passed with %d nodes outstanding", len(tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+            task.add_done_callback(consume_result)

@@ -1,0 +1,274 @@
+"""Fault tests on a real 12-node local cluster (node processes, real files, real sockets).
+
+One cluster serves the whole module; every test leaves all nodes running and unmodified.
+The blocks written once by ``stored`` (200 blocks, 1 KiB to 4 MiB, about 40 MB) must read back
+byte-identical whenever at most 2 nodes are lost or corrupt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import KVClient, block_keys
+from deploy.local_cluster import LocalCluster
+from kvstore.errors import InvalidArgument, QuorumError, UnknownTrafficClass
+
+pytestmark = pytest.mark.timeout(240)
+
+KiB, MiB = 1 << 10, 1 << 20
+STRAGGLER_DELAY_MS = 2000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster.start(tmp_path_factory.mktemp("cluster"), num_nodes=12, fsync=False) as c:
+        yield c
+
+
+def _block_sizes(rng: random.Random) -> list[int]:
+    small = [rng.randint(1 * KiB, 64 * KiB) for _ in range(180)]
+    medium = [rng.randint(64 * KiB, 1 * MiB) for _ in range(15)]
+    return [*small, *medium, *[4 * MiB] * 4, 4 * MiB - 7]
+
+
+@pytest.fixture(scope="module")
+def stored(cluster: LocalCluster) -> dict[bytes, bytes]:
+    """Key -> bytes of 200 random blocks, written once for the module."""
+    rng = random.Random(1234)
+    sizes = _block_sizes(rng)
+    keys = block_keys(list(range(len(sizes) * 4)), 4, "faults", "tenant-salt")
+    key_to_block = {key: rng.randbytes(size) for key, size in zip(keys, sizes, strict=True)}
+
+    async def put_all() -> None:
+        async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+            for batch in _batches(list(key_to_block.items()), 16):
+                await asyncio.gather(*(kv.put(k, b, traffic_class="chat") for k, b in batch))
+
+    asyncio.run(put_all())
+    return key_to_block
+
+
+def _batches(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+async def _read_all(kv: KVClient, key_to_block: dict[bytes, bytes]) -> dict[bytes, bytes | None]:
+    """Read every key, half through get and half through get_into, 16 at a time."""
+
+    async def read(position: int, key: bytes) -> bytes | None:
+        if position % 2:
+            return await kv.get(key)
+        out = bytearray(len(key_to_block[key]))
+        return bytes(out) if await kv.get_into(key, out) else None
+
+    got: dict[bytes, bytes | None] = {}
+    for batch in _batches(list(enumerate(key_to_block)), 16):
+        values = await asyncio.gather(*(read(p, k) for p, k in batch))
+        got.update({k: v for (_, k), v in zip(batch, values, strict=True)})
+    return got
+
+
+def _assert_all_identical(got: dict, key_to_block: dict, why: str) -> None:
+    wrong = [k for k, block in key_to_block.items() if got[k] != block]
+    missing = [k for k in wrong if got[k] is None]
+    assert not wrong, (
+        f"{len(wrong)} of {len(key_to_block)} blocks read wrong ({len(missing)} as misses, "
+        f"{len(wrong) - len(missing)} with WRONG BYTES) {why}"
+    )
+
+
+async def _wait_reachable(kv: KVClient, timeout_s: float = 15.0) -> None:
+    """Poll Stats through the client until every node answers (its channels reconnected)."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        if all(reply is not None for reply in (await kv.node_stats(timeout_s=1.0)).values()):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("restarted nodes never became reachable through the client")
+
+
+async def test_every_block_survives_two_dead_nodes(cluster: LocalCluster, stored: dict) -> None:
+    victims = random.Random(7).sample([n.id for n in cluster.config.nodes], 2)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        try:
+            for node_id in victims:
+                cluster.kill_node(node_id)
+            got = await _read_all(kv, stored)
+            _assert_all_identical(got, stored, f"with nodes {victims} dead (10 of 12 remain)")
+        finally:
+            for node_id in victims:
+                cluster.restart_node(node_id)
+
+
+@pytest.mark.slow
+async def test_three_dead_nodes_give_clean_misses_then_restart_heals(
+    cluster: LocalCluster, stored: dict
+) -> None:
+    # With 12 nodes every group holds all 12, so 3 dead nodes are 3 of every group.
+    victims = ["n01", "n05", "n10"]
+    sample = dict(list(stored.items())[:40])
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        try:
+            for node_id in victims:
+                cluster.kill_node(node_id)
+            start_s = time.monotonic()
+            got = await _read_all(kv, sample)
+            assert all(v is None for v in got.values()), "9 of 12 shards must read as a miss"
+            assert time.monotonic() - start_s < 10, "misses should not wait for the deadline"
+            assert await kv.contains(list(sample)) == [False] * len(sample)
+            with pytest.raises(QuorumError, match="write quorum"):
+                await kv.put(b"q" * 16, b"x" * 1000)
+        finally:
+            for node_id in victims:
+                cluster.restart_node(node_id)
+        await _wait_reachable(kv)
+        got = await _read_all(kv, stored)
+        _assert_all_identical(got, stored, "after restarting the 3 killed nodes (same client)")
+        assert await kv.match_prefix(list(stored)) == len(stored)
+
+
+@pytest.mark.slow
+async def test_reads_and_writes_do_not_wait_for_a_straggler(
+    cluster: LocalCluster, stored: dict
+) -> None:
+    straggler = "n04"
+    sample = dict(list(stored.items())[150:])  # the medium and 4 MiB blocks, and some small
+    cluster.restart_node(straggler, ["--inject-delay-ms", str(STRAGGLER_DELAY_MS)])
+    try:
+        async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+            slowest_s = 0.0
+            for key, block in sample.items():
+                start_s = time.monotonic()
+                assert await kv.get(key) == block, "wrong bytes with a straggler"
+                slowest_s = max(slowest_s, time.monotonic() - start_s)
+            start_s = time.monotonic()
+            await kv.put(b"s" * 16, b"y" * 100_000)
+            put_s = time.monotonic() - start_s
+            assert kv.read_counters.num_hedged > 0, "no read finished before all asked nodes"
+        delay_s = STRAGGLER_DELAY_MS / 1000
+        assert slowest_s < delay_s / 2, (
+            f"slowest read took {slowest_s:.2f} s with a {delay_s} s straggler: "
+            "the read waited for the slow node instead of finishing at k shards"
+        )
+        assert put_s < delay_s / 2, f"put took {put_s:.2f} s: it waited past the write quorum"
+    finally:
+        cluster.restart_node(straggler)
+
+
+def _flip_bytes(paths: list[Path], rng: random.Random) -> list[tuple[Path, int, int]]:
+    """Flip one byte every ~2 KiB of each file; return (path, offset, original) to undo it."""
+    undo = []
+    for path in paths:
+        with path.open("r+b") as f:
+            size = path.stat().st_size
+            for offset in range(rng.randrange(2048), size, 2048):
+                f.seek(offset)
+                original = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([original ^ 0x5A]))
+                undo.append((path, offset, original))
+    return undo
+
+
+def _restore(undo: list[tuple[Path, int, int]]) -> None:
+    for path, offset, original in undo:
+        with path.open("r+b") as f:
+            f.seek(offset)
+            f.write(bytes([original]))
+
+
+async def test_reads_stay_correct_with_corrupt_shards_on_two_nodes(
+    cluster: LocalCluster, stored: dict
+) -> None:
+    segment_files = [
+        path
+        for node_id in ("n02", "n08")
+        for path in (cluster.root / node_id).rglob("*")
+        if path.is_file() and "segment" in str(path.relative_to(cluster.root)).lower()
+    ]
+    assert segment_files, "no segment files found under the node data dirs"
+    undo = _flip_bytes(segment_files, random.Random(3))
+    try:
+        async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+            got = await _read_all(kv, stored)
+            _assert_all_identical(got, stored, "with corrupt shard files on n02 and n08")
+            assert kv.read_counters.num_corrupt_shards > 0, (
+                "corruption went unnoticed: neither node nor client reported a corrupt shard"
+            )
+    finally:
+        _restore(undo)
+
+
+async def test_concurrent_writers_never_mix(cluster: LocalCluster) -> None:
+    rng = random.Random(99)
+    keys = block_keys(list(range(30 * 8)), 8, "writers", "salt")
+    sizes = [rng.choice([3 * KiB, 200 * KiB, 1 * MiB]) for _ in keys]
+    a = {k: rng.randbytes(n) for k, n in zip(keys, sizes, strict=True)}
+    b = {k: rng.randbytes(n) for k, n in zip(keys, sizes, strict=True)}
+    async with (
+        KVClient.connect(cluster.cluster_toml, tenant="acme") as writer_a,
+        KVClient.connect(cluster.cluster_toml, tenant="acme") as writer_b,
+        KVClient.connect(cluster.cluster_toml, tenant="acme") as reader,
+    ):
+        reads_during = asyncio.gather(*(reader.get(k) for k in keys))
+        await asyncio.gather(
+            *(writer_a.put(k, a[k]) for k in keys), *(writer_b.put(k, b[k]) for k in keys)
+        )
+        during = await reads_during
+        after = await asyncio.gather(*(reader.get(k) for k in keys))
+    for key, value in zip(keys * 2, during + after, strict=True):
+        assert value in (a[key], b[key], None), "a read returned a MIX of two writers' bytes"
+    assert all(value in (a[k], b[k]) for k, value in zip(keys, after, strict=True)), (
+        "after both writes finished every key must read as one writer's bytes"
+    )
+
+
+async def test_bad_input_raises_clear_errors(cluster: LocalCluster) -> None:
+    key = block_keys(list(range(16)), 16, "bad-input", "salt")[0]
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        await kv.put(key, b"z" * 5000)
+        with pytest.raises(InvalidArgument, match="5000 bytes"):
+            await kv.get_into(key, bytearray(4999))
+        with pytest.raises(InvalidArgument, match="writable"):
+            await kv.get_into(key, bytes(5000))
+        max_bytes = cluster.config.codec.max_block_bytes
+        with pytest.raises(InvalidArgument, match="max_block_bytes"):
+            await kv.put(key, bytes(max_bytes + 1))
+        with pytest.raises(InvalidArgument):
+            await kv.put(key, b"")
+        with pytest.raises(UnknownTrafficClass, match="chat"):
+            await kv.put(key, b"z" * 10, traffic_class="bulk")
+        with pytest.raises(InvalidArgument, match="16 bytes"):
+            await kv.get(b"short")
+        with pytest.raises(InvalidArgument, match="16 bytes"):
+            await kv.contains([key, b"short"])
+        assert await kv.get(key) == b"z" * 5000, "a rejected call must not damage stored data"
+    with pytest.raises(InvalidArgument, match="transport"):
+        KVClient.connect(cluster.cluster_toml, tenant="acme", transport="ucx")
+    with pytest.raises(ValueError, match="no cluster config"):
+        await KVClient.connect(cluster.root / "missing.toml", tenant="acme")
+
+
+async def test_tenants_are_isolated(cluster: LocalCluster) -> None:
+    key = block_keys(list(range(16)), 16, "shared-namespace", "same-salt")[0]
+    async with (
+        KVClient.connect(cluster.cluster_toml, tenant="acme") as acme,
+        KVClient.connect(cluster.cluster_toml, tenant="globex") as globex,
+    ):
+        await acme.put(key, b"acme secret" * 100)
+        assert await globex.get(key) is None, "another tenant READ acme's block"
+        assert await globex.contains([key]) == [False], "another tenant SAW acme's block"
+        await globex.delete([key])
+        assert await acme.get(key) == b"acme secret" * 100, "another tenant DELETED acme's block"
+        await globex.put(key, b"globex" * 10)
+        assert await acme.get(key) == b"acme secret" * 100
+        assert await globex.get(key) == b"globex" * 10
+        await acme.delete([key])
+        assert await acme.get(key) is None and await acme.contains([key]) == [False]
+        assert await globex.get(key) == b"globex" * 10
