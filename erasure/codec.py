@@ -36,10 +36,15 @@ class Backend(Protocol):
 
     name: str
 
-    def encode_parity(self, data: Sequence[Buffer], parity: Sequence[memoryview]) -> None: ...
+    def encode_parity(
+        self, data: Sequence[memoryview], parity: memoryview, payload_len: int
+    ) -> None: ...
 
     def reconstruct(
-        self, sources: Mapping[int, Buffer], wanted_ids: Sequence[int], out: Sequence[memoryview]
+        self,
+        sources: Mapping[int, memoryview],
+        wanted_ids: Sequence[int],
+        out: Sequence[memoryview],
     ) -> None: ...
 
 
@@ -68,8 +73,9 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def _split(view: memoryview, part_bytes: int, num_parts: int) -> list[memoryview]:
-    return [view[i * part_bytes : (i + 1) * part_bytes] for i in range(num_parts)]
+def _rows(region: memoryview, row_bytes: int) -> list[memoryview]:
+    """``region`` cut into consecutive ``row_bytes``-byte views."""
+    return [region[start : start + row_bytes] for start in range(0, region.nbytes, row_bytes)]
 
 
 def _byte_view(buffer: object, what: str) -> memoryview:
@@ -124,29 +130,29 @@ class Codec:
             )
         payload_len = self.payload_bytes(view.nbytes)
         version = block_checksum(view)
-        data, parity = self._payloads(view, payload_len)
-        if payload_len and self.m:
-            self._backend.encode_parity(data, parity)
+        if payload_len == 0:
+            return [self._shard(index, 0, version, view) for index in range(self.num_shards)]
+        head, tail, parity = self._regions(view, payload_len)
+        if self.m:
+            self._backend.encode_parity((head, tail), parity, payload_len)
+        payloads = _rows(head, payload_len) + _rows(tail, payload_len) + _rows(parity, payload_len)
         return [
             self._shard(index, view.nbytes, version, payload)
-            for index, payload in enumerate([*data, *parity])
+            for index, payload in enumerate(payloads)
         ]
 
-    def _payloads(
+    def _regions(
         self, view: memoryview, payload_len: int
-    ) -> tuple[list[memoryview], list[memoryview]]:
-        """Data payloads (views of the block, the tail copied and zero-padded) and parity space."""
-        if payload_len == 0:
-            return [view] * self.k, [view] * self.m
+    ) -> tuple[memoryview, memoryview, memoryview]:
+        """The block's whole payloads (a view), its zero-padded tail (a copy), parity space."""
         num_full = view.nbytes // payload_len
         num_padded = self.k - num_full
         spare = _scratch.take((num_padded + self.m) * payload_len)
-        tail = spare[: num_padded * payload_len]
-        rest = view[num_full * payload_len :]
+        head, tail = view[: num_full * payload_len], spare[: num_padded * payload_len]
+        rest = view[head.nbytes :]
         tail[: rest.nbytes] = rest
         tail[rest.nbytes :] = bytes(tail.nbytes - rest.nbytes)  # fewer than k bytes of padding
-        data = _split(view, payload_len, num_full) + _split(tail, payload_len, num_padded)
-        return data, _split(spare[tail.nbytes :], payload_len, self.m)
+        return head, tail, spare[tail.nbytes :]
 
     def _shard(self, index: int, block_len: int, version: bytes, payload: memoryview) -> bytes:
         header = ShardHeader(self.backend, self.k, self.m, index, block_len, version, len(payload))
@@ -272,7 +278,7 @@ class Codec:
         filled last one (and every one when there is no target) goes to the scratch buffer.
         """
         payload_len = header.payload_len
-        spare = _split(_scratch.take(len(missing) * payload_len), payload_len, len(missing))
+        spare = _rows(_scratch.take(len(missing) * payload_len), payload_len)
         destinations, in_scratch = [], {}
         for index, scratch in zip(missing, spare, strict=True):
             start = index * payload_len

@@ -16,17 +16,15 @@ inverted. ISA-L documents where it is safe; :func:`check_vand_k_m` enforces that
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import functools
 import importlib.util
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvstore.errors import CodecError
 
-Buffer = bytes | bytearray | memoryview
 _TABLE_BYTES_PER_COEFFICIENT = 32  # ec_init_tables expands each GF(2^8) coefficient to 32 B
 
 
@@ -135,7 +133,7 @@ class _PyBuffer(ctypes.Structure):
     ]
 
 
-_PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1
+_PyBUF_SIMPLE = 0
 _get_buffer = ctypes.pythonapi.PyObject_GetBuffer
 _get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
 _get_buffer.restype = ctypes.c_int
@@ -144,25 +142,32 @@ _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
 _release_buffer.restype = None
 
 
-@contextlib.contextmanager
-def _pinned(
-    buffers: Sequence[Buffer], *, writable: bool = False
-) -> Iterator[ctypes.Array[ctypes.c_void_p]]:
-    """The buffers' addresses, held exported (so nobody can resize them) until exit.
+def _address(view: memoryview) -> int:
+    """Where a memoryview's bytes start.
 
-    The buffer protocol gives the address of any bytes-like object, read-only ones included,
-    in well under a microsecond; ISA-L runs with the GIL released, so the exports matter.
+    The view itself keeps its exporter from being resized or freed while it lives, and the
+    callers hold their views across the ISA-L call (which runs without the GIL), so the
+    export taken here to read the address can be released at once. ctypes reads writable
+    buffers directly; the buffer protocol covers read-only ones such as ``bytes``.
     """
-    views = (_PyBuffer * len(buffers))()
-    num_held = 0
-    try:
-        for buffer in buffers:
-            _get_buffer(buffer, views[num_held], _PyBUF_WRITABLE if writable else _PyBUF_SIMPLE)
-            num_held += 1
-        yield (ctypes.c_void_p * len(buffers))(*(view.buf for view in views))
-    finally:
-        for view in views[:num_held]:
-            _release_buffer(view)
+    if not view.nbytes:
+        return 0  # nothing is read or written through it
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    exported = _PyBuffer()
+    _get_buffer(view, exported, _PyBUF_SIMPLE)
+    address: int = exported.buf
+    _release_buffer(exported)
+    return address
+
+
+def _row_addresses(regions: Sequence[memoryview], row_bytes: int) -> ctypes.Array[ctypes.c_void_p]:
+    """Addresses of the consecutive ``row_bytes``-byte rows of every region, in order."""
+    rows = []
+    for region in regions:
+        start = _address(region)
+        rows += range(start, start + region.nbytes, row_bytes)
+    return (ctypes.c_void_p * len(rows))(*rows)
 
 
 class IsalBackend:
@@ -176,17 +181,28 @@ class IsalBackend:
         self._lib = load_isal()
         self._encode_tables = _tables(k, _encode_matrix(k, m)[k * k :]) if m else None
 
-    def encode_parity(self, data: Sequence[Buffer], parity: Sequence[memoryview]) -> None:
-        """Write the m parity payloads of the k equal-length ``data`` payloads into ``parity``."""
-        with _pinned(data) as srcs, _pinned(parity, writable=True) as dests:
-            self._lib.ec_encode_data(len(data[0]), self.k, self.m, self._encode_tables, srcs, dests)
+    def encode_parity(
+        self, data: Sequence[memoryview], parity: memoryview, payload_len: int
+    ) -> None:
+        """Write the m parity payloads after each other into ``parity``.
+
+        The k data payloads are the consecutive ``payload_len``-byte rows of the ``data``
+        regions, in order (a few regions cost less to address than k payloads).
+        """
+        srcs = _row_addresses(data, payload_len)
+        dests = _row_addresses([parity], payload_len)
+        self._lib.ec_encode_data(payload_len, self.k, self.m, self._encode_tables, srcs, dests)
 
     def reconstruct(
-        self, sources: Mapping[int, Buffer], wanted_ids: Sequence[int], out: Sequence[memoryview]
+        self,
+        sources: Mapping[int, memoryview],
+        wanted_ids: Sequence[int],
+        out: Sequence[memoryview],
     ) -> None:
         """Write data payloads ``wanted_ids`` into ``out`` from exactly k ``sources``."""
         source_ids = tuple(sorted(sources))
         tables = _decode_tables(self.k, self.m, source_ids, tuple(wanted_ids))
-        payloads = [sources[i] for i in source_ids]
-        with _pinned(payloads) as srcs, _pinned(out, writable=True) as dests:
-            self._lib.ec_encode_data(len(payloads[0]), self.k, len(out), tables, srcs, dests)
+        payload_len = sources[source_ids[0]].nbytes
+        srcs = _row_addresses([sources[i] for i in source_ids], payload_len)
+        dests = _row_addresses(out, payload_len)
+        self._lib.ec_encode_data(payload_len, self.k, len(out), tables, srcs, dests)

@@ -10,8 +10,6 @@ from collections.abc import Mapping, Sequence
 
 import zfec
 
-Buffer = bytes | bytearray | memoryview
-
 
 class ZfecBackend:
     """Parity and reconstruction with zfec; outputs are copied into the caller's buffers."""
@@ -24,15 +22,27 @@ class ZfecBackend:
         self._decoder = zfec.Decoder(k, k + m)
         self._parity_ids = tuple(range(k, k + m))
 
-    def encode_parity(self, data: Sequence[Buffer], parity: Sequence[memoryview]) -> None:
-        """Write the m parity payloads of the k equal-length ``data`` payloads into ``parity``."""
-        for dest, payload in zip(
-            parity, self._encoder.encode(tuple(data), self._parity_ids), strict=True
-        ):
-            dest[:] = payload
+    def encode_parity(
+        self, data: Sequence[memoryview], parity: memoryview, payload_len: int
+    ) -> None:
+        """Write the m parity payloads after each other into ``parity``.
+
+        The k data payloads are the consecutive ``payload_len``-byte rows of the ``data``
+        regions, in order.
+        """
+        rows = tuple(
+            region[start : start + payload_len]
+            for region in data
+            for start in range(0, region.nbytes, payload_len)
+        )
+        for index, payload in enumerate(self._encoder.encode(rows, self._parity_ids)):
+            parity[index * payload_len : (index + 1) * payload_len] = payload
 
     def reconstruct(
-        self, sources: Mapping[int, Buffer], wanted_ids: Sequence[int], out: Sequence[memoryview]
+        self,
+        sources: Mapping[int, memoryview],
+        wanted_ids: Sequence[int],
+        out: Sequence[memoryview],
     ) -> None:
         """Write data payloads ``wanted_ids`` into ``out`` from exactly k ``sources``."""
         source_ids = tuple(sources)
