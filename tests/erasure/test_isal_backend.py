@@ -33,7 +33,9 @@ def test_pyeclib_payloads_decode_with_our_codec() -> None:
     fragments = ECDriver(k=10, m=2, ec_type="isa_l_rs_vand").encode(block)
     ours = codec.encode(block)
     # Rebuild our shards around pyeclib's payloads: byte-identical, so they must verify.
-    rebuilt = [s[:HEADER_BYTES] + f[PYECLIB_HEADER_BYTES:] for s, f in zip(ours, fragments, strict=True)]
+    rebuilt = [
+        s[:HEADER_BYTES] + f[PYECLIB_HEADER_BYTES:] for s, f in zip(ours, fragments, strict=True)
+    ]
     assert rebuilt == ours
     assert codec.decode(rebuilt[2:]) == block
 
