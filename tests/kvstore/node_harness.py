@@ -151,7 +151,10 @@ class NodeClient:
 
     async def __aenter__(self) -> NodeClient:
         limit = 128 << 20
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
         self.channel = grpc.aio.insecure_channel(self.address, options=options)
         self.stub = pb_grpc.ShardStoreStub(self.channel)
         return self

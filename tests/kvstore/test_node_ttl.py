@@ -1,0 +1,115 @@
+"""TTL, expiry and eviction on a real node, with a time-scaled clock (a virtual day per ~0.5 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from kvstore.config import load_cluster
+from tests.kvstore.node_harness import DAY_S, NodeClient, class_stats, make_shard, write_config
+from ttl.clock import Clock, make_clock
+
+HIT, MISS = 1, 0
+
+
+def _node(config_path: Path) -> tuple[str, Clock]:
+    cluster = load_cluster(config_path)
+    return cluster.nodes[0].address, make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
+
+
+async def _at_day(clock: Clock, t0_s: float, day: float) -> None:
+    """Sleep until virtual day ``day`` after ``t0_s``; fail if it is already well past."""
+    wait_s = t0_s + day * DAY_S - clock.now()
+    assert wait_s > -0.2 * DAY_S, f"test fell behind its timeline at day {day} (machine busy?)"
+    await asyncio.sleep(max(0.0, wait_s / clock.time_scale))  # type: ignore[attr-defined]
+
+
+async def test_agent_gone_after_3_days_chat_hit_extends_contains_does_not(
+    tmp_path: Path, start_node
+) -> None:
+    config = write_config(tmp_path, time_scale=2 * DAY_S, expiry_window_s=3600.0)
+    start_node(config)
+    address, clock = _node(config)
+    agent, agent2, chat = b"a" * 16, b"A" * 16, b"c" * 16
+    async with NodeClient(address) as client:
+        t0 = clock.now()
+        await client.put([(agent, make_shard(b"agent"))], traffic_class="agent")
+        await client.put([(chat, make_shard(b"chat"))], traffic_class="chat")
+        await _at_day(clock, t0, 2.5)
+        assert [len(v) for v in await client.contains([agent, chat])] == [1, 1]
+        await _at_day(clock, t0, 3.4)
+        assert (await client.get([agent]))[0].status == MISS, "agent block outlived 3 days"
+        assert await client.contains([agent, chat]) == [[], [(await _version(client, chat))]]
+        await client.put([(agent2, make_shard(b"agent2"))], traffic_class="agent")  # dies 6.4
+        await _at_day(clock, t0, 5.0)
+        assert (await client.get([chat]))[0].status == HIT  # refresh: chat now lives to day 12
+        await _at_day(clock, t0, 6.0)
+        assert len((await client.contains([agent2]))[0]) == 1
+        await _at_day(clock, t0, 7.4)
+        assert await client.contains([agent2]) == [[]], "contains() extended an agent block"
+        assert len((await client.contains([chat]))[0]) == 1, "the day-5 hit did not extend chat"
+        await _at_day(clock, t0, 11.6)
+        assert len((await client.contains([chat]))[0]) == 1
+        await _at_day(clock, t0, 12.4)
+        assert await client.contains([chat]) == [[]], "chat block outlived its refreshed TTL"
+        await asyncio.sleep(0.3)  # a few upkeep ticks reclaim what expired
+        stats = await client.stats()
+        assert class_stats(stats, "agent").expired == 2 and class_stats(stats, "chat").expired == 1
+        assert stats.segments == 0 and stats.shards == 0, "expired segment files not freed"
+
+
+async def _version(client: NodeClient, key: bytes) -> bytes:
+    [versions] = await client.contains([key])
+    return versions[0]
+
+
+async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) -> None:
+    config = write_config(tmp_path, time_scale=2 * DAY_S, expiry_window_s=3600.0)
+    node = start_node(config)
+    address, clock = _node(config)
+    agent, chat = b"a" * 16, b"c" * 16
+    async with NodeClient(address) as client:
+        t0 = clock.now()
+        await client.put([(agent, make_shard(b"agent"))], traffic_class="agent")
+        await client.put([(chat, make_shard(b"chat"))], traffic_class="chat")
+    node.stop()
+    start_node(config)
+    async with NodeClient(address) as client:
+        await _at_day(clock, t0, 2.6)
+        assert [len(v) for v in await client.contains([agent, chat])] == [1, 1], "restart lost"
+        await _at_day(clock, t0, 3.3)
+        assert await client.contains([agent]) == [[]], "expiry time not kept across restart"
+        assert len((await client.contains([chat]))[0]) == 1
+        await asyncio.sleep(0.3)
+        stats = await client.stats()
+        assert class_stats(stats, "agent").expired == 1, "expiry stopped after the restart"
+
+
+async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> None:
+    config = write_config(tmp_path, max_bytes=1 << 20, high_watermark=0.9, low_watermark=0.5)
+    start_node(config)
+    address, _ = _node(config)
+    rng = random.Random(4)
+    agents = [rng.randbytes(16) for _ in range(10)]
+    chats = [rng.randbytes(16) for _ in range(10)]
+    fillers = [rng.randbytes(16) for _ in range(40)]
+    async with NodeClient(address) as client:
+        for key in agents:  # one request each: distinct last-access times
+            await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="agent")
+        for key in chats + fillers[:2]:
+            await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="chat")
+        assert (await client.get([agents[0]]))[0].status == HIT  # a0 is now the newest agent
+        for key in fillers[2:]:
+            await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="chat")
+        expected_order = agents[1:] + agents[:1] + chats + fillers
+        present = [len(v) > 0 for v in await client.contains(expected_order)]
+        num_evicted = present.index(True)
+        assert not any(present[:num_evicted]) and all(present[num_evicted:]), (
+            f"evicted set is not a prefix of earliest-expiry order: {present}"
+        )
+        assert 10 < num_evicted < 40, f"{num_evicted} evicted: agents must go first, then some"
+        stats = await client.stats()
+        assert class_stats(stats, "agent").evicted == 10
+        assert class_stats(stats, "chat").evicted == num_evicted - 10
+        assert stats.capacity_bytes == 1 << 20
