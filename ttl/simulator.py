@@ -1,0 +1,357 @@
+"""The simulator core: a request trace through the store's own TTL and capacity policies.
+
+Semantics (the README quotes this list):
+
+1. Requests are replayed in time order (ties keep trace order). At request time ``t`` every
+   block whose expiry instant is ``<= t`` is gone first (``ttl.policy.is_expired``): a block
+   touched exactly at its expiry is a miss and is inserted again as a new block.
+2. Prefix hit: the leading resident blocks of the request. The first missing block ends the
+   hit; resident blocks after it do not count (the engine recomputes everything after the
+   first miss). Block ids name a block together with its prefix (see ``ttl.traces``).
+3. After the lookup every block of the request is inserted or touched. A touch sets the
+   block's last access to ``t``; the TTL counts from the last access. An inserted block takes
+   the request's traffic class and keeps it: a hit from another class refreshes it with its
+   own class's TTL, as the store does. ``expires_at = last_access + ttl(class)``; an infinite
+   TTL never expires.
+4. Capacity is a number of resident blocks (bytes are converted by the caller). When an insert
+   takes the count over capacity one block is evicted: the one with the smallest
+   ``EvictionOrder.priority`` (``EXPIRY``: earliest expiry first, the store's policy; ``LRU``:
+   least recently used, for comparison). Ties go to the block touched earlier, then to the one
+   earlier in its request, then to the lower class index. With a capacity smaller than one
+   request, a request can evict its own blocks.
+5. Warm-up: requests before ``start + warmup_fraction x span`` are simulated but not counted;
+   footprint is measured over the counted window only.
+
+Metrics, per traffic class and ``all``: hit metrics by the class of the request, footprint by
+the class of the block. ``blocks`` = block accesses, ``block_hit_ratio`` = hit blocks / blocks.
+Block ``i`` of a request with ``L`` input tokens weighs ``min(B, L - i*B)`` tokens (at least 0);
+``tokens`` sums the weights, ``tokens_saved`` (prefill tokens saved) sums them over hit blocks,
+``token_hit_ratio = tokens_saved / tokens``. ``peak_blocks`` is the most resident blocks after
+any counted request; ``block_seconds`` integrates resident blocks over the window
+(``mean_blocks = block_seconds / window_s``; expired blocks stop counting at their expiry
+instant, evicted ones when evicted).
+
+The core is pure: no clock, no I/O. Speed comes from one dense hot loop in ``_Cache.run``:
+dense int block ids in flat lists, and per class a queue of *request* indices in time order
+(the class's TTL is fixed, so time order is expiry order and LRU order) that expiry and
+eviction consume lazily; a block's live entry is the request that touched it last.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from ttl.policy import EvictionOrder, TrafficClasses, is_expired
+from ttl.traces import Trace
+
+ALL = "all"
+ProgressFn = Callable[[int], None]  # called with the number of block accesses simulated
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    classes: TrafficClasses = field(default_factory=TrafficClasses)
+    capacity_blocks: int | None = None  # None: unlimited
+    eviction: EvictionOrder = EvictionOrder.EXPIRY
+    warmup_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks is not None and self.capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0 or None, got {self.capacity_blocks}")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"warmup fraction must be in [0, 1), got {self.warmup_fraction}")
+
+
+@dataclass
+class ClassStats:
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    tokens: int = 0
+    tokens_saved: int = 0
+    input_tokens: int = 0
+    inserted_blocks: int = 0
+    expired_blocks: int = 0
+    evicted_blocks: int = 0
+    peak_blocks: int = 0
+    block_seconds: float = 0.0
+
+    @property
+    def block_hit_ratio(self) -> float:
+        """Hit blocks / block accesses (NaN when the class has no counted access)."""
+        return self.hit_blocks / self.blocks if self.blocks else math.nan
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.tokens_saved / self.tokens if self.tokens else math.nan
+
+    def add(self, other: ClassStats) -> None:
+        """Sum ``other`` into this one (peaks too: callers fix ``all``'s peak)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    config: SimConfig
+    by_class: dict[str, ClassStats]  # every class of the trace, and ALL
+    window_s: float  # length of the counted window
+    num_trace_blocks: int  # distinct blocks in the whole trace
+
+    def mean_blocks(self, traffic_class: str = ALL) -> float:
+        """Time-averaged resident blocks over the window (the peak if it has no length)."""
+        stats = self.by_class[traffic_class]
+        return stats.block_seconds / self.window_s if self.window_s > 0 else stats.peak_blocks
+
+
+def simulate(trace: Trace, config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
+    """Replay ``trace`` through ``config``'s TTLs and capacity (module docstring: semantics)."""
+    cache = _Cache(trace, config)
+    cache.run(progress)
+    return cache.result()
+
+
+class _Cache:
+    """Simulation state. Per block: class (-1 = not resident) and the request that touched it
+    last. Per class: a queue of request indices in time order; an entry stands for the blocks
+    whose last touch it is. ``heads``/``cursors`` mark the first entry (and block in it) not
+    yet consumed by expiry or eviction."""
+
+    def __init__(self, trace: Trace, config: SimConfig) -> None:
+        self.trace, self.config = trace, config
+        start_s = trace.time_s[0] if trace.num_requests else 0.0
+        self.times: list[float] = (trace.time_s - start_s).tolist()  # relative: exact sums
+        self.input_tokens: list[int] = trace.input_tokens.tolist()
+        self.ttl_s = [config.classes.ttl_s(name) for name in trace.class_names]
+        num_classes = len(trace.class_names)
+        self.block_class = [-1] * trace.num_blocks
+        self.block_last = [-1] * trace.num_blocks
+        self.queues: list[list[int]] = [[] for _ in range(num_classes)]
+        self.heads = [0] * num_classes
+        self.cursors = [0] * num_classes
+        self.front_blocks: list[list[int] | None] = [None] * num_classes
+        self.live_by_class = [0] * num_classes
+        self.stats = [ClassStats() for _ in range(num_classes)]
+        self.peak_all = 0
+        self.window_start_s = config.warmup_fraction * (self.times[-1] if self.times else 0.0)
+        self.first_counted = bisect.bisect_left(self.times, self.window_start_s)
+        self.counting = False
+        self.next_expiry_s = math.inf
+
+    # --- the hot loop ---------------------------------------------------------------------
+
+    def run(self, progress: ProgressFn | None) -> None:
+        """One pass over the trace. The dense hot path of this module: everything per block
+        access is a list index or compare on locals; per-request work sits around it."""
+        ids, offsets = self.trace.block_ids, self.trace.block_offsets.tolist()
+        times, req_class = self.times, self.trace.class_ids.tolist()
+        block_class, block_last, queues = self.block_class, self.block_last, self.queues
+        capacity = (
+            sys.maxsize if self.config.capacity_blocks is None else self.config.capacity_blocks
+        )
+        evict, touch_foreign = self.evict, self.touch_foreign
+        live = 0
+        for r in range(len(times)):
+            now, c = times[r], req_class[r]
+            if r == self.first_counted:
+                self.start_window()
+            if is_expired(self.next_expiry_s, now):
+                live -= self.expire(now)
+            queues[c].append(r)
+            self.note_expiry(now + self.ttl_s[c])
+            blocks = ids[offsets[r] : offsets[r + 1]].tolist()
+            num_hit = 0
+            for b in blocks:  # the prefix hit: leading resident blocks, touched
+                k = block_class[b]
+                if k != c:
+                    if k < 0:
+                        break
+                    touch_foreign(k, r, now)
+                block_last[b] = r
+                num_hit += 1
+            num_new = 0
+            for b in blocks[num_hit:]:  # the rest: insert missing blocks, touch resident ones
+                k = block_class[b]
+                if k != c:
+                    if k < 0:
+                        block_class[b] = c
+                        num_new += 1
+                    else:
+                        touch_foreign(k, r, now)
+                block_last[b] = r
+            self.live_by_class[c] += num_new
+            live += num_new
+            if live > capacity:
+                evict(live - capacity, now)
+                live = capacity
+            self.account(r, c, len(blocks), num_hit, num_new, live)
+            if progress is not None and not r & 4095:
+                progress(offsets[r])
+        if progress is not None:
+            progress(len(ids))
+
+    # --- per request -----------------------------------------------------------------------
+
+    def account(
+        self, r: int, c: int, num_blocks: int, num_hit: int, num_new: int, live: int
+    ) -> None:
+        if not self.counting:
+            return
+        stats, block_tokens = self.stats[c], self.trace.block_tokens
+        input_tokens = self.input_tokens[r]
+        stats.requests += 1
+        stats.blocks += num_blocks
+        stats.hit_blocks += num_hit
+        stats.tokens += min(num_blocks * block_tokens, input_tokens)
+        stats.tokens_saved += min(num_hit * block_tokens, input_tokens)
+        stats.input_tokens += input_tokens
+        stats.inserted_blocks += num_new
+        stats.block_seconds -= num_new * self.times[r]
+        for class_stats, live_in_class in zip(self.stats, self.live_by_class, strict=True):
+            class_stats.peak_blocks = max(class_stats.peak_blocks, live_in_class)
+        self.peak_all = max(self.peak_all, live)
+
+    def start_window(self) -> None:
+        """Footprint integrals start at the window start with the blocks resident then."""
+        self.counting = True
+        for stats, live in zip(self.stats, self.live_by_class, strict=True):
+            stats.block_seconds = -live * self.window_start_s
+
+    def note_expiry(self, expires_at_s: float) -> None:
+        """Keep ``next_expiry_s`` a lower bound of every queued expiry instant."""
+        if expires_at_s < self.next_expiry_s:
+            self.next_expiry_s = expires_at_s
+
+    def touch_foreign(self, k: int, r: int, now: float) -> None:
+        """Request ``r`` touched a block of class ``k`` (not its own): queue it under ``k``."""
+        queue = self.queues[k]
+        if queue[-1] != r:  # a resident block of class k means queue k is not empty
+            queue.append(r)
+            self.note_expiry(now + self.ttl_s[k])
+
+    # --- expiry and eviction ---------------------------------------------------------------
+
+    def expire(self, now: float) -> int:
+        """Drop every block whose expiry instant is <= now; return how many."""
+        num_expired = 0
+        next_expiry_s = math.inf
+        for k, ttl_s in enumerate(self.ttl_s):
+            queue = self.queues[k]
+            while self.heads[k] < len(queue):
+                expires_at_s = self.times[queue[self.heads[k]]] + ttl_s
+                if not is_expired(expires_at_s, now):
+                    next_expiry_s = min(next_expiry_s, expires_at_s)
+                    break
+                num_expired += self.drop_front(k, expires_at_s)
+        self.next_expiry_s = next_expiry_s
+        return num_expired
+
+    def drop_front(self, k: int, expires_at_s: float) -> int:
+        """Expire the live blocks of queue ``k``'s front entry, then pop it."""
+        r = self.queues[k][self.heads[k]]
+        block_class, block_last = self.block_class, self.block_last
+        blocks = self.front(k)
+        num = 0
+        for b in blocks[self.cursors[k] :]:
+            if block_last[b] == r and block_class[b] == k:
+                block_class[b] = -1
+                num += 1
+        self.pop_front(k)
+        self.record_deaths(k, num, expires_at_s, evicted=False)
+        return num
+
+    def evict(self, num: int, now: float) -> None:
+        """Evict ``num`` resident blocks, smallest priority first (module docstring, rule 4)."""
+        block_class, block_last = self.block_class, self.block_last
+        while num:
+            k = self.lowest_priority_class()  # leaves queue k's cursor on a live block
+            r, blocks, wanted = self.queues[k][self.heads[k]], self.front(k), num
+            cursor = self.cursors[k]
+            while cursor < len(blocks):  # this entry's live blocks share one priority
+                b = blocks[cursor]
+                cursor += 1
+                if block_last[b] == r and block_class[b] == k:
+                    block_class[b] = -1
+                    num -= 1
+                    if not num:
+                        break
+            self.cursors[k] = cursor
+            self.record_deaths(k, wanted - num, now, evicted=True)
+
+    def lowest_priority_class(self) -> int:
+        """The class whose next live block has the smallest eviction priority."""
+        best_k, best_priority = -1, math.inf
+        for k, ttl_s in enumerate(self.ttl_s):
+            if not self.seek_live(k):
+                continue
+            last_s = self.times[self.queues[k][self.heads[k]]]
+            priority = self.config.eviction.priority(last_s, last_s + ttl_s)
+            if best_k < 0 or priority < best_priority:
+                best_k, best_priority = k, priority
+        assert best_k >= 0, "evict() with no resident block: the live count is off"
+        return best_k
+
+    def seek_live(self, k: int) -> bool:
+        """Move queue ``k``'s head and cursor to its first live block; False if it has none."""
+        queue, block_class, block_last = self.queues[k], self.block_class, self.block_last
+        while self.heads[k] < len(queue):
+            r, blocks = queue[self.heads[k]], self.front(k)
+            for cursor in range(self.cursors[k], len(blocks)):
+                b = blocks[cursor]
+                if block_last[b] == r and block_class[b] == k:
+                    self.cursors[k] = cursor
+                    return True
+            self.pop_front(k)
+        return False
+
+    def front(self, k: int) -> list[int]:
+        """Block ids of queue ``k``'s front request (cached until it is popped)."""
+        blocks = self.front_blocks[k]
+        if blocks is None:
+            r = self.queues[k][self.heads[k]]
+            offsets = self.trace.block_offsets
+            blocks = self.trace.block_ids[offsets[r] : offsets[r + 1]].tolist()
+            self.front_blocks[k] = blocks
+        return blocks
+
+    def pop_front(self, k: int) -> None:
+        self.heads[k] += 1
+        self.cursors[k] = 0
+        self.front_blocks[k] = None
+        if self.heads[k] > 4096 and self.heads[k] * 2 > len(self.queues[k]):
+            del self.queues[k][: self.heads[k]]  # keep queue memory proportional to live data
+            self.heads[k] = 0
+
+    def record_deaths(self, k: int, num: int, death_s: float, evicted: bool) -> None:
+        self.live_by_class[k] -= num
+        if not self.counting or not num:
+            return
+        stats = self.stats[k]
+        stats.block_seconds += num * max(death_s, self.window_start_s)
+        if evicted:
+            stats.evicted_blocks += num
+        elif death_s >= self.window_start_s:  # not those that died before the window
+            stats.expired_blocks += num
+
+    # --- result ----------------------------------------------------------------------------
+
+    def result(self) -> SimResult:
+        end_s = self.times[-1] if self.times else 0.0
+        if not self.counting:  # an empty trace: nothing was counted
+            self.start_window()
+        by_class: dict[str, ClassStats] = {}
+        total = ClassStats()
+        for name, stats, live in zip(
+            self.trace.class_names, self.stats, self.live_by_class, strict=True
+        ):
+            stats.block_seconds += live * end_s
+            by_class[name] = stats
+            total.add(stats)
+        total.peak_blocks = self.peak_all
+        by_class[ALL] = total
+        window_s = max(end_s - self.window_start_s, 0.0)
+        return SimResult(self.config, by_class, window_s, self.trace.num_blocks)

@@ -1,0 +1,539 @@
+"""Request traces: Mooncake, Qwen-Bailian and session files, loaded into one columnar ``Trace``.
+
+Formats (one record per request):
+
+* ``mooncake`` (JSONL): ``timestamp`` (milliseconds), ``input_length``, ``output_length``
+  (optional, 0), ``hash_ids`` (prefix-chained block ids: an id names its block together with
+  everything before it) and an optional ``class``; records without one get ``--class``. The
+  block size comes from ``--block-tokens`` (512 for Mooncake's published traces).
+* ``bailian`` (JSONL, Alibaba Qwen-Bailian): ``chat_id``, ``parent_chat_id``, ``timestamp``
+  (seconds), ``input_length``, ``output_length``, ``type``, ``turn``, ``hash_ids`` of 16-token
+  blocks hashed per block, not chained. ``type`` maps to a class by ``--type-class TYPE=CLASS``;
+  unmapped types get ``--class``.
+* ``sessions`` (one JSON document per conversation; a file or a folder of ``*.json`` files)::
+
+      {"block_size": 16, "t": 0, "class": "agent",        # t (s) and class are optional
+       "requests": [
+         {"t": 0.0, "in": 5012, "out": 230, "hash_ids": [0, 1, 2]},
+         {"t": 41.5, "requests": [                          # a sub-agent: its own start t,
+           {"t": 0.0, "in": 800, "out": 90, "hash_ids": [0, 7]}]}]}  # inner t from that start
+
+  ``t`` counts from the start of the enclosing list; a ``class`` applies to everything under
+  it. Ids are local to the file.
+
+Block identity. The store's keys are chained (a block's key covers every token before it), so
+every block gets a dense id (``0 .. num_blocks-1``) naming the block *with its prefix*. Mooncake
+ids are already chained and are only renumbered. Bailian and session ids are per block, so the
+loader chains them: the same id after a different prefix is a different block, and a request's
+prefix hit stops at its first missing block exactly as in the store.
+
+Files larger than memory are read in chunks of whole lines and parsed by pyarrow; only dense
+integer arrays are kept. Requests are put in time order (stable for equal timestamps). A
+malformed line raises ``TraceFormatError`` naming the file and line; with ``skip_bad`` it is
+skipped, counted in ``Trace.num_skipped`` and logged. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
+
+from kvstore.errors import TraceFormatError
+
+log = logging.getLogger(__name__)
+
+MOONCAKE, BAILIAN, SESSIONS = "mooncake", "bailian", "sessions"
+FORMATS = (MOONCAKE, BAILIAN, SESSIONS)
+DEFAULT_BLOCK_TOKENS = {MOONCAKE: 512, BAILIAN: 16}
+MiB = 1 << 20
+
+# time_s, class label, input tokens, output tokens, raw block ids
+_Record = tuple[float, str, int, int, list[int]]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests in time order; request ``r`` reads ``block_ids[block_offsets[r]:...[r+1]]``."""
+
+    time_s: np.ndarray  # float64 [num_requests], non-decreasing
+    class_ids: np.ndarray  # int32 [num_requests], index into class_names
+    input_tokens: np.ndarray  # int64 [num_requests]
+    output_tokens: np.ndarray  # int64 [num_requests]
+    block_offsets: np.ndarray  # int64 [num_requests + 1]
+    block_ids: np.ndarray  # int32 [num_accesses], dense: 0 .. num_blocks-1
+    class_names: tuple[str, ...]
+    block_tokens: int
+    num_blocks: int  # distinct blocks
+    num_skipped: int = 0  # malformed records skipped (only with skip_bad)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.time_s)
+
+    @property
+    def num_accesses(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first to the last request (0 for fewer than two)."""
+        return float(self.time_s[-1] - self.time_s[0]) if self.num_requests else 0.0
+
+    def blocks(self, request: int) -> np.ndarray:
+        return self.block_ids[self.block_offsets[request] : self.block_offsets[request + 1]]
+
+    def with_time_scale(self, time_scale: float) -> Trace:
+        """Stretch the gaps between requests by ``time_scale`` (the first request stays put)."""
+        if not time_scale > 0:
+            raise ValueError(f"time scale must be > 0, got {time_scale}")
+        if not self.num_requests:
+            return self
+        start_s = self.time_s[0]
+        return dataclasses.replace(self, time_s=start_s + (self.time_s - start_s) * time_scale)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    block_tokens: int | None = None  # None: the format's default (sessions: the file's)
+    default_class: str = "chat"  # class of records that name none
+    type_to_class: Mapping[str, str] = field(default_factory=dict)  # bailian ``type`` -> class
+    skip_bad: bool = False  # skip and count malformed records instead of raising
+    chunk_bytes: int = 16 * MiB  # bytes of whole lines parsed at a time
+
+
+def load_trace(path: str | Path, fmt: str, options: LoadOptions | None = None) -> Trace:
+    """Load a trace file (or a folder of session files) in one of ``FORMATS``."""
+    options = options or LoadOptions()
+    path = Path(path)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if not path.exists():
+        raise FileNotFoundError(f"no trace at {path}")
+    if fmt == SESSIONS:
+        return _load_sessions(path, options)
+    if path.is_dir():
+        raise TraceFormatError(
+            f"{path} is a folder; only --format sessions reads a folder (of *.json files)"
+        )
+    return _load_jsonl(path, _JSONL_FORMATS[fmt], options)
+
+
+def trace_from_records(
+    records: list[tuple[float, str, int, int, list[int]]], block_tokens: int, chain: bool
+) -> Trace:
+    """A trace from ``(time_s, class, input_tokens, output_tokens, block_ids)`` records;
+    ``chain`` treats the ids as per-block (like Bailian's) rather than prefix-chained."""
+    columns = _Columns()
+    columns.add_records(list(records), 1.0)
+    return columns.finish(block_tokens, chain=chain)
+
+
+def parse_type_map(specs: list[str]) -> dict[str, str]:
+    """``["text=chat", "search=agent"]`` -> ``{"text": "chat", "search": "agent"}``."""
+    mapping = {}
+    for spec in specs:
+        name, sep, traffic_class = spec.partition("=")
+        if not sep or not name or not traffic_class:
+            raise ValueError(f"bad --type-class {spec!r}: expected TYPE=CLASS, e.g. text=chat")
+        mapping[name] = traffic_class
+    return mapping
+
+
+# --- JSONL formats (mooncake, bailian) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _JsonlFormat:
+    name: str
+    schema: pa.Schema
+    seconds_per_time_unit: float
+    label_field: str  # raw label column: mooncake "class", bailian "type"
+    chained: bool  # ids already name their prefix
+
+    def class_label(self, raw: str | None, options: LoadOptions) -> str:
+        if self.label_field == "type":
+            return options.type_to_class.get(raw, options.default_class)
+        return raw if raw is not None else options.default_class
+
+
+_COMMON_FIELDS = [
+    ("timestamp", pa.float64()),
+    ("input_length", pa.int64()),
+    ("output_length", pa.int64()),
+    ("hash_ids", pa.list_(pa.int64())),
+]
+_JSONL_FORMATS = {
+    MOONCAKE: _JsonlFormat(
+        MOONCAKE, pa.schema([*_COMMON_FIELDS, ("class", pa.string())]), 1e-3, "class", True
+    ),
+    BAILIAN: _JsonlFormat(
+        BAILIAN, pa.schema([*_COMMON_FIELDS, ("type", pa.string())]), 1.0, "type", False
+    ),
+}
+
+
+def _load_jsonl(path: Path, fmt: _JsonlFormat, options: LoadOptions) -> Trace:
+    columns = _Columns()
+    for first_line, chunk in _read_line_chunks(path, options.chunk_bytes):
+        table = _parse_chunk_arrow(chunk, fmt)
+        if table is not None:
+            columns.add_table(table, fmt, options)
+        else:  # pyarrow refused the chunk: find the bad lines one by one
+            records = _parse_chunk_python(chunk, first_line, path, fmt, options, columns)
+            columns.add_records(records, fmt.seconds_per_time_unit)
+    block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[fmt.name]
+    return columns.finish(block_tokens, chain=not fmt.chained)
+
+
+def _read_line_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """Chunks of whole lines (about ``chunk_bytes``) with the 1-based number of their first line."""
+    line_no, rest = 1, b""
+    with path.open("rb") as f:
+        while block := f.read(chunk_bytes):
+            data = rest + block
+            cut = data.rfind(b"\n") + 1
+            rest = data[cut:]
+            if cut:
+                yield line_no, data[:cut]
+                line_no += data.count(b"\n", 0, cut)
+    if rest.strip():
+        yield line_no, rest + b"\n"
+
+
+def _parse_chunk_arrow(chunk: bytes, fmt: _JsonlFormat) -> pa.Table | None:
+    """The chunk as a table, or None when any record is malformed (pyarrow gives no line)."""
+    options = pj.ParseOptions(explicit_schema=fmt.schema, unexpected_field_behavior="ignore")
+    try:
+        table = pj.read_json(io.BytesIO(chunk), parse_options=options)
+    except pa.ArrowInvalid:
+        return None
+    return table if _table_is_valid(table) else None
+
+
+def _table_is_valid(table: pa.Table) -> bool:
+    """No nulls where values are required, finite times, non-negative token counts."""
+    required = ("timestamp", "input_length", "hash_ids")
+    if any(table[name].null_count for name in required):
+        return False
+    if pc.list_flatten(table["hash_ids"]).null_count:
+        return False
+    if not table.num_rows:
+        return True
+    finite = pc.all(pc.is_finite(table["timestamp"])).as_py()
+    min_output = pc.min(table["output_length"]).as_py()
+    return finite and pc.min(table["input_length"]).as_py() >= 0 and (min_output or 0) >= 0
+
+
+def _parse_chunk_python(
+    chunk: bytes,
+    first_line: int,
+    path: Path,
+    fmt: _JsonlFormat,
+    options: LoadOptions,
+    columns: _Columns,
+) -> list[_Record]:
+    records = []
+    for offset, line in enumerate(chunk.split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            records.append(_record_from_json_line(line, fmt, options))
+        except ValueError as exc:
+            columns.reject(f"{path}:{first_line + offset}: {exc}", options.skip_bad)
+    return records
+
+
+def _record_from_json_line(line: bytes, fmt: _JsonlFormat, options: LoadOptions) -> _Record:
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    label = obj.get(fmt.label_field)
+    if label is not None and not isinstance(label, str):
+        raise ValueError(f"{fmt.label_field!r}: expected a string, got {label!r}")
+    return (
+        _finite(obj, "timestamp"),
+        fmt.class_label(label, options),
+        _count(obj, "input_length"),
+        _count(obj, "output_length", default=0),
+        _id_list(obj, "hash_ids"),
+    )
+
+
+# --- sessions ----------------------------------------------------------------------------------
+
+
+def _load_sessions(path: Path, options: LoadOptions) -> Trace:
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not files:
+        raise TraceFormatError(f"{path}: no *.json session files in this folder")
+    columns, block_sizes, next_id = _Columns(), set(), 0
+    for file in files:
+        parsed = _parse_session_file(file, options, columns)
+        if parsed is None:
+            continue
+        block_size, records = parsed
+        block_sizes.add(block_size)
+        next_id = _localize_ids(records, next_id)
+        columns.add_records(records, 1.0)
+    block_tokens = _session_block_tokens(path, block_sizes, options.block_tokens)
+    return columns.finish(block_tokens, chain=True)
+
+
+def _parse_session_file(
+    file: Path, options: LoadOptions, columns: _Columns
+) -> tuple[int, list[_Record]] | None:
+    try:
+        doc = json.loads(file.read_bytes())
+    except json.JSONDecodeError as exc:
+        columns.reject(f"{file}:{exc.lineno}: {exc.msg}", options.skip_bad)
+        return None
+    try:
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+        block_size = _count(doc, "block_size")
+        if block_size < 1:
+            raise ValueError(f"'block_size' must be >= 1, got {block_size}")
+        records: list[_Record] = []
+        label = _label(doc, options.default_class)
+        _walk_session(doc, _finite(doc, "t", default=0.0), label, "", records)
+    except ValueError as exc:
+        columns.reject(f"{file}: {exc}", options.skip_bad)
+        return None
+    return block_size, records
+
+
+def _walk_session(node: dict, start_s: float, label: str, where: str, out: list[_Record]) -> None:
+    """Append the requests under ``node`` (recursing into sub-agents) with absolute times."""
+    requests = node.get("requests")
+    if not isinstance(requests, list):
+        raise ValueError(f"{where or 'top level'}: expected a 'requests' list")
+    for i, req in enumerate(requests):
+        here = f"{where}requests[{i}]"
+        time_s, req_label = _session_entry_start(req, start_s, label, here)
+        if "requests" in req:
+            _walk_session(req, time_s, req_label, here + ".", out)
+        else:
+            out.append(_session_request(req, time_s, req_label, here))
+
+
+def _session_entry_start(req: Any, start_s: float, label: str, here: str) -> tuple[float, str]:
+    try:
+        if not isinstance(req, dict):
+            raise ValueError(f"expected an object, got {type(req).__name__}")
+        return start_s + _finite(req, "t"), _label(req, label)
+    except ValueError as exc:
+        raise ValueError(f"{here}: {exc}") from None
+
+
+def _session_request(req: dict, time_s: float, label: str, here: str) -> _Record:
+    try:
+        return (time_s, label, _count(req, "in"), _count(req, "out", 0), _id_list(req, "hash_ids"))
+    except ValueError as exc:
+        raise ValueError(f"{here}: {exc}") from None
+
+
+def _localize_ids(records: list[_Record], first_id: int) -> int:
+    """Rewrite a file's local ids in place to ids unique across files; return the next free id."""
+    if not any(ids for *_, ids in records):
+        return first_id
+    local = np.concatenate([np.asarray(ids, dtype=np.int64) for *_, ids in records])
+    distinct, inverse = np.unique(local, return_inverse=True)
+    start = 0
+    for i, (time_s, label, num_in, num_out, ids) in enumerate(records):
+        stop = start + len(ids)
+        records[i] = (time_s, label, num_in, num_out, (inverse[start:stop] + first_id).tolist())
+        start = stop
+    return first_id + len(distinct)
+
+
+def _session_block_tokens(path: Path, block_sizes: set[int], requested: int | None) -> int:
+    if len(block_sizes) > 1:
+        raise TraceFormatError(
+            f"{path}: session files disagree on block_size ({sorted(block_sizes)}); "
+            "simulate files of one block size at a time"
+        )
+    found = next(iter(block_sizes), requested or 16)
+    if requested is not None and requested != found:
+        raise TraceFormatError(
+            f"{path}: session files say block_size={found} but --block-tokens is {requested}; "
+            "drop --block-tokens (sessions carry their own block size)"
+        )
+    return found
+
+
+# --- field checks (python path) ----------------------------------------------------------------
+
+
+def _finite(obj: dict, name: str, default: float | None = None) -> float:
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name!r}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _count(obj: dict, name: str, default: int | None = None) -> int:
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name!r}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _id_list(obj: dict, name: str) -> list[int]:
+    ids = obj.get(name)
+    ok = isinstance(ids, list) and all(type(i) is int and -(2**63) <= i < 2**63 for i in ids)
+    if not ok:
+        raise ValueError(f"{name!r}: expected a list of 64-bit integers, got {str(ids)[:60]}")
+    return ids
+
+
+def _label(obj: dict, default: str) -> str:
+    label = obj.get("class", default)
+    if not isinstance(label, str):
+        raise ValueError(f"'class': expected a string, got {label!r}")
+    return label
+
+
+# --- column assembly ---------------------------------------------------------------------------
+
+
+class _Columns:
+    """Parsed chunks as numpy arrays; ``finish`` concatenates, sorts and renumbers them once."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {
+            n: [] for n in ("time_s", "label", "input", "output", "length", "ids")
+        }
+        self.label_to_code: dict[str, int] = {}
+        self.num_skipped = 0
+
+    def reject(self, message: str, skip_bad: bool) -> None:
+        """A malformed record: raise, or count and log it when skipping is allowed."""
+        if not skip_bad:
+            raise TraceFormatError(f"{message} (pass --skip-bad-lines to skip and count)")
+        self.num_skipped += 1
+        log.warning("skipped malformed record: %s", message)
+
+    def code(self, label: str) -> int:
+        return self.label_to_code.setdefault(label, len(self.label_to_code))
+
+    def add_table(self, table: pa.Table, fmt: _JsonlFormat, options: LoadOptions) -> None:
+        ids = table["hash_ids"].combine_chunks()
+        self._add(
+            time_s=table["timestamp"].to_numpy() * fmt.seconds_per_time_unit,
+            label=self._label_codes(table[fmt.label_field], fmt, options),
+            input=table["input_length"].to_numpy(),
+            output=table["output_length"].fill_null(0).to_numpy(),
+            length=pc.list_value_length(ids).to_numpy(zero_copy_only=False),
+            ids=pc.list_flatten(ids).to_numpy(zero_copy_only=False),
+        )
+
+    def _label_codes(
+        self, column: pa.ChunkedArray, fmt: _JsonlFormat, options: LoadOptions
+    ) -> np.ndarray:
+        encoded = column.combine_chunks().dictionary_encode()
+        raw_labels = [*encoded.dictionary.to_pylist(), None]
+        codes = np.array([self.code(fmt.class_label(r, options)) for r in raw_labels], np.int32)
+        indices = encoded.indices.fill_null(len(raw_labels) - 1)
+        return codes[indices.to_numpy(zero_copy_only=False)]
+
+    def add_records(self, records: list[_Record], seconds_per_time_unit: float) -> None:
+        if not records:
+            return
+        times, labels, inputs, outputs, id_lists = zip(*records, strict=True)
+        self._add(
+            time_s=np.array(times, np.float64) * seconds_per_time_unit,
+            label=np.array([self.code(label) for label in labels], np.int32),
+            input=np.array(inputs, np.int64),
+            output=np.array(outputs, np.int64),
+            length=np.array([len(ids) for ids in id_lists], np.int64),
+            ids=np.fromiter((i for ids in id_lists for i in ids), np.int64),
+        )
+
+    def _add(self, **arrays: np.ndarray) -> None:
+        for name, array in arrays.items():
+            self.parts[name].append(array)
+
+    def _concat(self, name: str, dtype: Any) -> np.ndarray:
+        parts = self.parts[name]
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
+
+    def finish(self, block_tokens: int, chain: bool) -> Trace:
+        if block_tokens < 1:
+            raise ValueError(f"block tokens must be >= 1, got {block_tokens}")
+        time_s = self._concat("time_s", np.float64)
+        offsets = np.concatenate([[0], np.cumsum(self._concat("length", np.int64))])
+        raw_ids = self._concat("ids", np.int64)
+        order = np.argsort(time_s, kind="stable")
+        offsets, raw_ids = _reorder_segments(order, offsets, raw_ids)
+        block_ids, num_blocks = _dense_ids(raw_ids)
+        if chain:
+            block_ids, num_blocks = chain_block_ids(offsets, block_ids)
+        class_names, class_ids = self._sorted_classes(self._concat("label", np.int32)[order])
+        return Trace(
+            time_s=time_s[order],
+            class_ids=class_ids,
+            input_tokens=self._concat("input", np.int64)[order],
+            output_tokens=self._concat("output", np.int64)[order],
+            block_offsets=offsets,
+            block_ids=block_ids,
+            class_names=class_names,
+            block_tokens=block_tokens,
+            num_blocks=num_blocks,
+            num_skipped=self.num_skipped,
+        )
+
+    def _sorted_classes(self, codes: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
+        names = sorted(self.label_to_code)
+        code_to_sorted = np.array([names.index(n) for n in self.label_to_code], np.int32)
+        return tuple(names), code_to_sorted[codes] if len(codes) else codes
+
+
+def _reorder_segments(
+    order: np.ndarray, offsets: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Permute the variable-length segments of a CSR array (``order[i]`` goes to slot ``i``)."""
+    if np.array_equal(order, np.arange(len(order))):
+        return offsets, values
+    lengths = np.diff(offsets)[order]
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    shift = np.repeat(offsets[:-1][order] - new_offsets[:-1], lengths)
+    return new_offsets, values[np.arange(new_offsets[-1]) + shift]
+
+
+def _dense_ids(raw_ids: np.ndarray) -> tuple[np.ndarray, int]:
+    distinct, inverse = np.unique(raw_ids, return_inverse=True)
+    return inverse.astype(np.int32), len(distinct)
+
+
+def chain_block_ids(offsets: np.ndarray, dense_ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Dense ids of (prefix, block) chains: one id per distinct run of ids from a request start.
+
+    Works position by position across all requests at once: the chained id at position ``j``
+    is a dense number for the pair (chained id at ``j-1``, id at ``j``).
+    """
+    lengths = np.diff(offsets)
+    order = np.argsort(-lengths, kind="stable")  # longest first: active requests are a prefix
+    neg_sorted_lengths = -lengths[order]
+    prev = np.full(len(order), -1, np.int64)
+    out = np.empty(len(dense_ids), np.int64)
+    num_blocks = 0
+    for position in range(int(lengths.max(initial=0))):
+        num_active = int(np.searchsorted(neg_sorted_lengths, -position, side="left"))
+        where = offsets[order[:num_active]] + position
+        pair = ((prev[:num_active] + 1) << 32) | dense_ids[where].astype(np.int64)
+        distinct, inverse = np.unique(pair, return_inverse=True)
+        out[where] = prev[:num_active] = inverse + num_blocks
+        num_blocks += len(distinct)
+    return out.astype(np.int32), num_blocks
