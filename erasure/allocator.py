@@ -1,0 +1,58 @@
+"""glibc's allocator and multi-megabyte buffers: keep freed memory for the next block.
+
+By default glibc serves large allocations with fresh ``mmap`` calls and hands freed heap
+memory back to the kernel as soon as more than twice its (dynamic) mmap threshold is free at
+the top of the heap. A codec that returns k+m new shards per block, or a new block per decode,
+hits both on every call, so every call touches fresh pages; in this VM a 4 KiB page fault
+costs about 3 us, which is more than ISA-L needs to encode the page.
+
+Measured here (10+2, 1 MiB blocks, one core): 275 page faults per ``Codec.encode`` and 583 per
+pyeclib ``ECDriver.encode`` with the default allocator, none after :func:`tune_glibc_malloc`;
+encode went from about 1.3 ms to 0.25 ms. The codec itself reuses per-thread scratch buffers
+and ``decode(out=...)`` allocates nothing, but the shards it returns must be new ``bytes``
+(protobuf accepts nothing else), so a process that encodes or decodes many blocks should call
+this once at start-up. The environment can do the same before start-up:
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's <malloc.h>
+_M_MMAP_THRESHOLD = -3
+# glibc refuses mmap thresholds above HEAP_MAX_SIZE / 2, which is 32 MiB on 64-bit systems.
+DEFAULT_MMAP_THRESHOLD_BYTES = 32 * MiB
+DEFAULT_TRIM_THRESHOLD_BYTES = 1024 * MiB
+
+
+def tune_glibc_malloc(
+    mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD_BYTES,
+    trim_threshold_bytes: int = DEFAULT_TRIM_THRESHOLD_BYTES,
+) -> bool:
+    """Serve buffers below ``mmap_threshold_bytes`` from the heap and keep up to
+    ``trim_threshold_bytes`` of freed heap for reuse. Process-wide; call once at start-up.
+
+    Returns False (and changes nothing) where the C library is not glibc.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "gnu_get_libc_version"):
+        log.info("not glibc: malloc left as it is")
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes) == 1 and ok
+    log.info(
+        "glibc malloc: mmap threshold %d B, trim threshold %d B, accepted: %s",
+        mmap_threshold_bytes,
+        trim_threshold_bytes,
+        ok,
+    )
+    return ok
