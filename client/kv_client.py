@@ -54,7 +54,7 @@ class KVClient:
         self.codec = make_codec(config.codec)
         self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
         self.placement = Placement(config)
-        self.conns = {node.id: NodeConn(node, token) for node in config.nodes}
+        self.conns = {node.id: NodeConn(node, tenant, token) for node in config.nodes}
         self.group_conns = [[self.conns[i] for i in group] for group in config.groups]
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
@@ -108,18 +108,12 @@ class KVClient:
         self.config.ttl.classes.check(traffic_class)
         view = self._block_view(data)
         shards = self.codec.encode(view)
-
-        def request(position: int) -> pb.PutShardsRequest:
-            put = pb.ShardPut(key=key, shard=shards[position])
-            return pb.PutShardsRequest(
-                tenant=self.tenant, traffic_class=traffic_class, shards=[put]
-            )
-
         self.write_counters.num_puts += 1
-        conns = self.group_conns[self.placement.group_index(key)]
         await write_block(
-            conns,
-            request,
+            self.group_conns[self.placement.group_index(key)],
+            key,
+            shards,
+            traffic_class,
             self.config.client.write_quorum,
             self._timeout_s(timeout_s),
             self.write_counters,
@@ -159,13 +153,12 @@ class KVClient:
     ) -> bytes | memoryview | None:
         check_key(key)
         timeout_s = self._timeout_s(timeout_s)
-        request = pb.GetShardsRequest(tenant=self.tenant, keys=[key])
         conns = self.group_conns[self.placement.group_index(key)]
         reader = BlockRead(
             conns,
             self.codec,
             self.config.client.read_fanout,
-            request,
+            key,
             ShardCollector(self.codec),
             self.read_counters,
         )

@@ -2,7 +2,9 @@
 
 Every RPC to a node goes through :meth:`NodeConn.call`, which attaches the bearer token, turns
 a failed RPC into the kvstore.errors exception for its status code (one mapping, in
-kvstore/errors.py) and keeps :class:`client.node_health.NodeHealth` up to date.
+kvstore/errors.py) and keeps :class:`client.node_health.NodeHealth` up to date. Per-key shard
+reads and writes go through :meth:`NodeConn.get_shard` and :meth:`NodeConn.put_shard`, which
+coalesce the requests of one event-loop turn into one batched RPC (client/batcher.py).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from typing import Any
 
 import grpc
 
+from client.batcher import Batcher
 from client.node_health import NodeHealth
+from client.wire import ShardResultView, parse_get_shards_reply
 from kvstore.config import NodeConfig
-from kvstore.errors import from_grpc_status
+from kvstore.errors import CodecError, from_grpc_status
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 
 log = logging.getLogger(__name__)
@@ -42,16 +47,68 @@ _NODE_FAULT_CODES = frozenset(
 )
 
 
-class NodeConn:
-    """Channel, stub and health of one node; create inside the event loop that uses it."""
+# Keys per batched GetShards: bounds the reply (16 x a 1.7 MB shard of a 16 MiB block).
+MAX_GET_BATCH_KEYS = 16
+MAX_PUT_BATCH_SHARDS = 64
 
-    def __init__(self, node: NodeConfig, token: str | None) -> None:
+
+class NodeConn:
+    """Channel, stub and health of one node for one tenant; create inside the event loop."""
+
+    def __init__(self, node: NodeConfig, tenant: str, token: str | None) -> None:
         self.node_id = node.id
         self.address = node.address
+        self.tenant = tenant
         self.channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
         self.stub = ShardStoreStub(self.channel)
+        # GetShards replies carry the shards: parse them without protobuf's copies.
+        self.stub.GetShards = self.channel.unary_unary(
+            "/kvstore.v1.ShardStore/GetShards",
+            request_serializer=pb.GetShardsRequest.SerializeToString,
+            response_deserializer=parse_get_shards_reply,
+        )
         self.health = NodeHealth()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._max_put_batch_bytes = node.max_batch_bytes // 2
+        self._get_batcher: Batcher[bytes, ShardResultView] = Batcher(
+            self._get_batch, MAX_GET_BATCH_KEYS
+        )
+        self._class_to_put_batcher: dict[str, Batcher[tuple[bytes, bytes], None]] = {}
+
+    def get_shard(self, key: bytes, timeout_s: float) -> asyncio.Future[ShardResultView]:
+        """Future of this node's ShardResultView for ``key`` (batched with concurrent gets)."""
+        return self._get_batcher.submit(key, timeout_s)
+
+    def put_shard(
+        self, key: bytes, shard: bytes, traffic_class: str, timeout_s: float
+    ) -> asyncio.Future[None]:
+        """Future that resolves once the node stored ``shard`` (batched per traffic class)."""
+        batcher = self._class_to_put_batcher.get(traffic_class)
+        if batcher is None:
+
+            async def send(items: list[tuple[bytes, bytes]], timeout_s: float) -> list[None]:
+                return await self._put_batch(traffic_class, items, timeout_s)
+
+            batcher = Batcher(send, MAX_PUT_BATCH_SHARDS, self._max_put_batch_bytes)
+            self._class_to_put_batcher[traffic_class] = batcher
+        return batcher.submit((key, shard), timeout_s, num_bytes=len(shard))
+
+    async def _get_batch(self, keys: list[bytes], timeout_s: float) -> list[ShardResultView]:
+        request = pb.GetShardsRequest(tenant=self.tenant, keys=keys)
+        results = await self.call("GetShards", request, timeout_s)
+        if results is None or len(results) != len(keys):
+            # gRPC hands the client None when the deserializer raised (it logs the error).
+            raise CodecError(f"node {self.node_id} sent a malformed GetShards reply")
+        return results
+
+    async def _put_batch(
+        self, traffic_class: str, items: list[tuple[bytes, bytes]], timeout_s: float
+    ) -> list[None]:
+        request = pb.PutShardsRequest(tenant=self.tenant, traffic_class=traffic_class)
+        for key, shard in items:
+            request.shards.add(key=key, shard=shard)  # add() copies the shard once
+        await self.call("PutShards", request, timeout_s)
+        return [None] * len(items)
 
     async def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """Run one unary RPC (``method`` names a ShardStore RPC); raise KVStoreError on failure."""

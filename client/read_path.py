@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from client.node_conn import NodeConn, consume_result
+from client.node_conn import NodeConn
 from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
@@ -51,17 +51,17 @@ class BlockRead:
         conns: Sequence[NodeConn],
         codec: Any,
         fanout: int,
-        request: pb.GetShardsRequest,
+        key: bytes,
         collector: ShardCollector,
         counters: ReadCounters,
     ) -> None:
         self.conns = conns
         self.codec = codec
         self.fanout = fanout
-        self.request = request
+        self.key = key
         self.collector = collector
         self.counters = counters
-        self.tasks: dict[asyncio.Task[Any], int] = {}
+        self.tasks: dict[asyncio.Future[Any], int] = {}
 
     async def run(self, timeout_s: float, out: memoryview | None) -> bytes | memoryview | None:
         """The block's bytes (written into ``out`` when given), or None."""
@@ -96,15 +96,14 @@ class BlockRead:
 
     def _ask(self, positions: Sequence[int], timeout_s: float) -> None:
         for position in positions:
-            call = self.conns[position].call("GetShards", self.request, timeout_s)
-            self.tasks[asyncio.ensure_future(call)] = position
+            self.tasks[self.conns[position].get_shard(self.key, timeout_s)] = position
 
     def _absorb(
-        self, task: asyncio.Task[Any], position: int, out: memoryview | None
+        self, task: asyncio.Future[Any], position: int, out: memoryview | None
     ) -> bytes | memoryview | None:
         """Take one node's reply; return the decoded block once a version completes."""
         try:
-            result = task.result().results[0]
+            result = task.result()
         except PermissionDenied:
             raise
         except KVStoreError as exc:
@@ -145,5 +144,4 @@ class BlockRead:
     def _cancel_outstanding(self) -> None:
         for task in self.tasks:
             task.cancel()
-            task.add_done_callback(consume_result)
         self.tasks.clear()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +46,17 @@ def write_targets(suspect: Sequence[bool], quorum: int) -> list[int]:
 
 
 async def put_with_retries(
-    conn: NodeConn, request: Any, deadline_s: float, counters: WriteCounters
+    conn: NodeConn,
+    key: bytes,
+    shard: bytes,
+    traffic_class: str,
+    deadline_s: float,
+    counters: WriteCounters,
 ) -> None:
-    """One PutShards, retried with exponential backoff on transient errors until the deadline."""
+    """One shard put, retried with exponential backoff on transient errors until the deadline."""
     for attempt in range(PUT_ATTEMPTS):
         try:
-            await conn.call("PutShards", request, deadline_s - time.monotonic())
+            await conn.put_shard(key, shard, traffic_class, deadline_s - time.monotonic())
             return
         except KVStoreError as exc:
             backoff_s = FIRST_BACKOFF_S * 4**attempt
@@ -64,20 +69,24 @@ async def put_with_retries(
 
 async def write_block(
     conns: Sequence[NodeConn],
-    make_request: Callable[[int], Any],
+    key: bytes,
+    shards: Sequence[bytes],
+    traffic_class: str,
     quorum: int,
     timeout_s: float,
     counters: WriteCounters,
     background: set[asyncio.Task[Any]],
 ) -> None:
-    """Send ``make_request(i)`` to ``conns[i]``; return at ``quorum`` successes, else raise.
+    """Put ``shards[i]`` on ``conns[i]``; return at ``quorum`` successes, else raise.
 
     Puts still in flight at the quorum keep running in ``background`` (bounded by the deadline).
     """
     deadline_s = time.monotonic() + timeout_s
     targets = write_targets([conn.is_suspect() for conn in conns], quorum)
     tasks = {
-        asyncio.ensure_future(put_with_retries(conns[i], make_request(i), deadline_s, counters)): i
+        asyncio.ensure_future(
+            put_with_retries(conns[i], key, shards[i], traffic_class, deadline_s, counters)
+        ): i
         for i in targets
     }
     num_stored, position_to_error = 0, {}
@@ -97,11 +106,16 @@ async def write_block(
             _cancel(tasks)
             break
     counters.num_quorum_failures += 1
-    raise _quorum_error(conns, num_stored, quorum, position_to_error)
+    skipped = [conns[i].node_id for i in range(len(conns)) if i not in targets]
+    raise _quorum_error(conns, num_stored, quorum, position_to_error, skipped)
 
 
 def _quorum_error(
-    conns: Sequence[NodeConn], num_stored: int, quorum: int, position_to_error: dict[int, Any]
+    conns: Sequence[NodeConn],
+    num_stored: int,
+    quorum: int,
+    position_to_error: dict[int, Any],
+    skipped: list[str],
 ) -> KVStoreError:
     """Misuse (bad argument, bad token) surfaces as itself; anything else is a QuorumError."""
     for exc in position_to_error.values():
@@ -110,8 +124,7 @@ def _quorum_error(
     failed = ", ".join(f"{conns[i].node_id} ({exc})" for i, exc in position_to_error.items())
     return QuorumError(
         f"put stored {num_stored} of {len(conns)} shards but the write quorum is {quorum}; "
-        f"failed: {failed or 'none'}; skipped suspect nodes: "
-        f"{', '.join(c.node_id for c in conns if c.is_suspect()) or 'none'}. "
+        f"failed: {failed or 'none'}; skipped as recently failed: {', '.join(skipped) or 'none'}. "
         "The block is not stored; retry the put when the nodes are back"
     )
 
