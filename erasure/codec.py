@@ -14,7 +14,7 @@ from erasure.shard import (
     HEADER_BYTES,
     ShardHeader,
     block_checksum,
-    pack_header,
+    pack_shards,
     parse_header,
     shard_payload,
     verify_shard,
@@ -132,15 +132,14 @@ class Codec:
         payload_len = self.payload_bytes(view.nbytes)
         version = block_checksum(view)
         if payload_len == 0:
-            return [self._shard(index, 0, version, view) for index in range(self.num_shards)]
-        head, tail, parity = self._regions(view, payload_len)
-        if self.m:
-            self._backend.encode_parity((head, tail), parity, payload_len)
-        payloads = _rows(head, payload_len) + _rows(tail, payload_len) + _rows(parity, payload_len)
-        return [
-            self._shard(index, view.nbytes, version, payload)
-            for index, payload in enumerate(payloads)
-        ]
+            payloads = [view] * self.num_shards
+        else:
+            head, tail, parity = self._regions(view, payload_len)
+            if self.m:
+                self._backend.encode_parity((head, tail), parity, payload_len)
+            payloads = [*_rows(head, payload_len), *_rows(tail, payload_len)]
+            payloads += _rows(parity, payload_len)
+        return pack_shards(self.backend, self.k, self.m, view.nbytes, version, payloads)
 
     def _regions(
         self, view: memoryview, payload_len: int
@@ -154,10 +153,6 @@ class Codec:
         tail[: rest.nbytes] = rest
         tail[rest.nbytes :] = bytes(tail.nbytes - rest.nbytes)  # fewer than k bytes of padding
         return head, tail, spare[tail.nbytes :]
-
-    def _shard(self, index: int, block_len: int, version: bytes, payload: memoryview) -> bytes:
-        header = ShardHeader(self.backend, self.k, self.m, index, block_len, version, len(payload))
-        return pack_header(header, payload) + payload  # one allocation, one copy
 
     def verify(self, shard: Buffer) -> ShardHeader:
         """Check one shard's checksum and that this codec wrote it; return its header.

@@ -3,7 +3,7 @@
 The pyeclib wheel bundles Intel's ISA-L (``pyeclib.libs/libisal*.so``). pyeclib's own
 ``ECDriver.encode`` copies the block into fresh aligned buffers, prepends an 80-byte fragment
 header of its own and hands back new ``bytes`` for every fragment; each of those allocations
-page-faults in a fresh process (see the module docstring of :mod:`erasure.codec`). Calling
+page-faults under glibc's default settings (see :mod:`erasure.allocator`). Calling
 ISA-L's two kernels ourselves lets parity land straight in reused buffers and lets a decode
 write the lost shards straight into the caller's output. The coding matrix is the one
 liberasurecode's ``isa_l_rs_vand`` uses (``gf_gen_rs_matrix``), so our payloads are
@@ -78,11 +78,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ec_init_tables.restype = None
     lib.ec_encode_data.argtypes = [int_, int_, int_, ptr, ptr, ptr]
     lib.ec_encode_data.restype = None
-    lib.isal_get_version_str.restype = ctypes.c_char_p
 
 
 def isal_version() -> str:
-    return load_isal().isal_get_version_str().decode()
+    """ISA-L's version string ("unknown" for builds older than 2.31, which lack the call)."""
+    get_version = getattr(load_isal(), "isal_get_version_str", None)
+    if get_version is None:
+        return "unknown"
+    get_version.restype = ctypes.c_char_p
+    return get_version().decode()
 
 
 @functools.cache
