@@ -1,0 +1,219 @@
+"""``kvstore sim``: replay a request trace through the store's TTL and capacity policies.
+
+Examples::
+
+    kvstore sim --trace trace.jsonl --format mooncake --block-tokens 512 \\
+        --ttl chat=1h,1d,7d --ttl agent=inf --capacity 10%,25%,inf --json out/sim.json \\
+        --plot-dir out/plots
+    kvstore sim --trace trace.jsonl --cluster DIR/cluster.toml --block-bytes 4096   # replay
+
+Semantics are in ``ttl.simulator``; grids and capacity forms in ``ttl.sweep``; formats in
+``ttl.traces``. With ``--json`` the Parquet table goes next to it unless ``--parquet`` says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kvstore.errors import KVStoreError
+from ttl.policy import EvictionOrder
+from ttl.report import print_table, write_json, write_parquet, write_plots
+from ttl.simulator import ProgressFn
+from ttl.sweep import grid_points, parse_capacities, parse_ttl_grid, result_records, run_grid
+from ttl.traces import FORMATS, LoadOptions, Trace, load_trace, parse_type_map
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BYTES_PER_TOKEN = 890.0  # DeepSeek V4.1-Flash global KV, about 890 bytes per token
+PROGRESS_MIN_ACCESSES = 2_000_000  # smaller runs finish before a bar is worth drawing
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--trace", required=True, help="trace file, or a folder of session files")
+    trace.add_argument("--format", choices=FORMATS, default="mooncake", help="(default mooncake)")
+    trace.add_argument(
+        "--block-tokens",
+        type=int,
+        help="tokens per hash id (default: mooncake 512, bailian 16, sessions: the file's)",
+    )
+    trace.add_argument(
+        "--class",
+        dest="default_class",
+        default="chat",
+        help="traffic class of records that name none (default chat)",
+    )
+    trace.add_argument(
+        "--type-class",
+        action="append",
+        default=[],
+        metavar="TYPE=CLASS",
+        help="bailian: map a request type to a traffic class (repeatable)",
+    )
+    trace.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip malformed records and count them instead of stopping at the first",
+    )
+    trace.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="stretch the gaps between requests by this factor (default 1)",
+    )
+    grid = parser.add_argument_group("policies (lists make a grid)")
+    grid.add_argument(
+        "--ttl",
+        action="append",
+        default=[],
+        metavar="CLASS=DUR[,DUR...]",
+        help="TTLs of a class, e.g. chat=7d or chat=1h,1d,7d; inf = no expiry "
+        "(repeatable; default chat=7d, agent=3d)",
+    )
+    grid.add_argument(
+        "--capacity",
+        action="append",
+        default=[],
+        metavar="SPEC[,SPEC...]",
+        help="capacities: share of distinct blocks (10%%), blocks (50000), bytes (2TiB) or "
+        "inf (default inf)",
+    )
+    grid.add_argument(
+        "--policy",
+        default="expiry",
+        help="eviction order(s) under capacity: expiry (the store's), lru, or expiry,lru",
+    )
+    grid.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fraction of the trace's time span simulated but not counted (default 0)",
+    )
+    grid.add_argument(
+        "--bytes-per-token",
+        type=float,
+        default=DEFAULT_BYTES_PER_TOKEN,
+        help="KV bytes per token, for byte capacities and footprint "
+        f"(default {DEFAULT_BYTES_PER_TOKEN:g})",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", type=Path, help="write results as JSON here")
+    out.add_argument("--parquet", type=Path, help="Parquet table (default: next to --json)")
+    out.add_argument("--plot-dir", type=Path, help="write hit-ratio plots (PNG) here")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay = parser.add_argument_group("replay against a live cluster")
+    replay.add_argument("--cluster", type=Path, help="DIR/cluster.toml: replay through the client")
+    replay.add_argument("--block-bytes", type=int, default=4096, help="payload bytes per block")
+    replay.add_argument("--tenant", default="sim", help="tenant for the replay (default sim)")
+    replay.add_argument("--token", default=None, help="auth token for the cluster, if any")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace = _load(args)
+        if args.cluster is not None:
+            from ttl.replay import run_replay_cli
+
+            return run_replay_cli(args, trace)
+        return _simulate(args, trace)
+    except (KVStoreError, ValueError, FileNotFoundError) as exc:
+        print(f"kvstore sim: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _load(args: argparse.Namespace) -> Trace:
+    options = LoadOptions(
+        block_tokens=args.block_tokens,
+        default_class=args.default_class,
+        type_to_class=parse_type_map(args.type_class),
+        skip_bad=args.skip_bad_lines,
+    )
+    trace = load_trace(args.trace, args.format, options)
+    if args.time_scale != 1.0:
+        trace = trace.with_time_scale(args.time_scale)
+    print(describe_trace(trace))
+    return trace
+
+
+def describe_trace(trace: Trace) -> str:
+    skipped = f"; skipped {trace.num_skipped} malformed records" if trace.num_skipped else ""
+    return (
+        f"trace: {trace.num_requests:,} requests, {trace.num_accesses:,} block accesses, "
+        f"{trace.num_blocks:,} distinct blocks of {trace.block_tokens} tokens, "
+        f"{trace.span_s / 86400:.3f} days, classes {', '.join(trace.class_names)}{skipped}"
+    )
+
+
+def _simulate(args: argparse.Namespace, trace: Trace) -> int:
+    block_bytes = round(trace.block_tokens * args.bytes_per_token)
+    points = grid_points(
+        parse_ttl_grid(args.ttl, trace.class_names),
+        parse_capacities(",".join(args.capacity or ["inf"]), trace.num_blocks, block_bytes),
+        [EvictionOrder(p.strip()) for p in args.policy.split(",")],
+    )
+    total = trace.num_accesses * len(points)
+    with progress_bar(total, not args.no_progress and total >= PROGRESS_MIN_ACCESSES) as bar:
+        results = run_grid(trace, points, args.warmup, bar)
+    records = [
+        record
+        for point, result in zip(points, results, strict=True)
+        for record in result_records(point, result, trace.block_tokens, args.bytes_per_token)
+    ]
+    print_table(records)
+    _write_outputs(args, trace, records)
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, trace: Trace, records: list[dict[str, Any]]) -> None:
+    if args.json is not None:
+        write_json({"trace": trace_summary(args, trace), "results": records}, args.json)
+        print(f"wrote {args.json}")
+    parquet = args.parquet or (args.json.with_suffix(".parquet") if args.json else None)
+    if parquet is not None:
+        write_parquet(records, parquet)
+        print(f"wrote {parquet}")
+    if args.plot_dir is not None:
+        for path in write_plots(records, args.plot_dir):
+            print(f"wrote {path}")
+
+
+def trace_summary(args: argparse.Namespace, trace: Trace) -> dict[str, Any]:
+    return {
+        "path": str(args.trace),
+        "format": args.format,
+        "requests": trace.num_requests,
+        "block_accesses": trace.num_accesses,
+        "distinct_blocks": trace.num_blocks,
+        "block_tokens": trace.block_tokens,
+        "span_s": trace.span_s,
+        "time_scale": args.time_scale,
+        "classes": list(trace.class_names),
+        "skipped_records": trace.num_skipped,
+    }
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool) -> Iterator[ProgressFn | None]:
+    """A rich progress bar on stderr fed with block accesses done (None when disabled)."""
+    if not enabled:
+        yield None
+        return
+    columns = (
+        TextColumn("simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("simulating", total=total)
+        yield lambda done: bar.update(task, completed=done)
