@@ -138,10 +138,12 @@ class _PyBuffer(ctypes.Structure):
 
 
 _PyBUF_SIMPLE = 0
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+# Indexing gives private function objects: attribute access would share (and let other code
+# re-declare) the ones cached on ctypes.pythonapi.
+_get_buffer = ctypes.pythonapi["PyObject_GetBuffer"]
 _get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
 _get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer = ctypes.pythonapi["PyBuffer_Release"]
 _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
 _release_buffer.restype = None
 
