@@ -127,7 +127,8 @@ class BlockRead:
                 "pass a writable buffer of exactly the block's size"
             )
         try:
-            return self.codec.decode(self.collector.shards(version), out=out)
+            # The collector ran codec.verify on every shard as it arrived.
+            return self.codec.decode(self.collector.shards(version), out=out, verified=True)
         except CodecError as exc:
             log.warning("dropping version %s: %s", version.hex(), exc)
             self.counters.num_decode_failures += 1

@@ -1,0 +1,481 @@
+"""``kvstore bench storage``: cluster PUT/GET throughput and latency, with a straggler, vs Redis.
+
+::
+
+    kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
+        [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--seconds S]
+        [--straggler-ms 50] [--baseline redis] [--no-fsync]
+
+One client process runs N concurrent asyncio tasks per setting, each issuing one request after
+another for ``--seconds``. Order: PUTs (fresh keys) for every block size and concurrency, GETs
+of random written keys, then the same GETs with one node restarted with
+``--inject-delay-ms`` (only when the bench started the cluster itself). Each setting is
+preceded by an unmeasured warm-up (a quarter of its duration, at least one request per task),
+so the client has learned which node is slow, as it would have in steady state. GETs use
+``get_into`` with one preallocated buffer per task (the swap-in path). MB/s counts 10**6
+bytes of block data per second. With ``--baseline redis`` the same workload runs through
+redis-py (hiredis) asyncio against a ``redis-server`` this bench starts with persistence off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from client import KVClient
+from deploy.local_cluster import LocalCluster, free_ports
+
+STRAGGLER_NODE = "n00"
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|K|M|G)?\s*$", re.IGNORECASE)
+_UNIT_BYTES = {"b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
+_UNIT_BYTES |= {"g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"256KiB"`` -> 262144; units B, KiB/K, MiB/M, GiB/G (powers of 1024)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 256KiB, 1MiB, 4MiB")
+    number, unit = match.groups()
+    return int(number) * _UNIT_BYTES[(unit or "b").lower()]
+
+
+def size_label(num_bytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return f"{num_bytes}B"
+
+
+@dataclass
+class Result:
+    system: str
+    op: str
+    block_bytes: int
+    concurrency: int
+    straggler_ms: float
+    mb_per_s: float
+    p50_ms: float
+    p99_ms: float
+    p999_ms: float
+    num_ops: int
+    seconds: float
+    num_misses: int = 0
+
+
+@dataclass
+class Workload:
+    block_sizes: list[int]
+    concurrencies: list[int]
+    seconds: float
+    straggler_ms: float
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+
+class Target(Protocol):
+    """One system under test: put, get into a buffer, clean up."""
+
+    name: str
+
+    async def put(self, key: bytes, data: bytes) -> None: ...
+
+    async def get_into(self, key: bytes, out: bytearray) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class KVStoreTarget:
+    name = "kvstore"
+
+    def __init__(self, client: KVClient) -> None:
+        self.client = client
+
+    async def put(self, key: bytes, data: bytes) -> None:
+        await self.client.put(key, data, traffic_class="chat")
+
+    async def get_into(self, key: bytes, out: bytearray) -> bool:
+        return await self.client.get_into(key, out)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class RedisTarget:
+    name = "redis"
+
+    def __init__(self, port: int) -> None:
+        import redis.asyncio
+
+        self.redis = redis.asyncio.Redis(host="127.0.0.1", port=port, max_connections=256)
+
+    async def put(self, key: bytes, data: bytes) -> None:
+        await self.redis.set(key, data)
+
+    async def get_into(self, key: bytes, out: bytearray) -> bool:
+        value = await self.redis.get(key)
+        return value is not None
+
+    async def close(self) -> None:
+        await self.redis.flushall()
+        await self.redis.aclose()
+
+
+def percentile_ms(latencies_s: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(latencies_s), q) * 1000) if latencies_s else 0.0
+
+
+async def run_load(
+    request: Callable[[int], Awaitable[bool]], concurrency: int, seconds: float
+) -> tuple[list[float], int, float]:
+    """``concurrency`` tasks call ``request(task_index)`` back to back for ``seconds``.
+
+    Returns per-request latencies, the number of requests that returned False, and the
+    elapsed wall time.
+    """
+    latencies_s: list[float] = []
+    num_false = 0
+    stop_s = time.perf_counter() + seconds
+
+    async def worker(index: int) -> None:
+        nonlocal num_false
+        while True:
+            start_s = time.perf_counter()
+            ok = await request(index)
+            end_s = time.perf_counter()
+            latencies_s.append(end_s - start_s)
+            num_false += not ok
+            if end_s >= stop_s:
+                return
+
+    start_s = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return latencies_s, num_false, time.perf_counter() - start_s
+
+
+class Runner:
+    """Runs the workload's settings against one target and collects Results."""
+
+    def __init__(self, target: Target, workload: Workload, progress: Progress, task: Any) -> None:
+        self.target = target
+        self.workload = workload
+        self.progress = progress
+        self.task = task
+        self.size_to_keys: dict[int, list[bytes]] = {}
+        self.results: list[Result] = []
+
+    async def measure(
+        self,
+        op: str,
+        block_bytes: int,
+        concurrency: int,
+        straggler_ms: float,
+        request: Callable[[int], Awaitable[bool]],
+    ) -> None:
+        label = f"{self.target.name} {op} {size_label(block_bytes)} x{concurrency}"
+        self.progress.update(self.task, description=label + (" straggler" if straggler_ms else ""))
+        await run_load(request, concurrency, self.workload.seconds / 4)  # warm-up
+        latencies_s, num_false, elapsed_s = await run_load(
+            request, concurrency, self.workload.seconds
+        )
+        self.results.append(
+            Result(
+                system=self.target.name,
+                op=op,
+                block_bytes=block_bytes,
+                concurrency=concurrency,
+                straggler_ms=straggler_ms,
+                mb_per_s=len(latencies_s) * block_bytes / elapsed_s / 1e6,
+                p50_ms=percentile_ms(latencies_s, 50),
+                p99_ms=percentile_ms(latencies_s, 99),
+                p999_ms=percentile_ms(latencies_s, 99.9),
+                num_ops=len(latencies_s),
+                seconds=elapsed_s,
+                num_misses=num_false,
+            )
+        )
+        self.progress.advance(self.task)
+
+    async def puts(self, block_bytes: int, concurrency: int) -> None:
+        rng = np.random.default_rng(block_bytes)
+        blocks = [rng.bytes(block_bytes) for _ in range(4)]
+        keys = self.size_to_keys.setdefault(block_bytes, [])
+
+        async def put(index: int) -> bool:
+            key = xxhash.xxh3_128_digest(f"{self.target.name}/{block_bytes}/{len(keys)}".encode())
+            keys.append(key)
+            await self.target.put(key, blocks[len(keys) % len(blocks)])
+            return True
+
+        await self.measure("put", block_bytes, concurrency, 0.0, put)
+
+    async def gets(self, block_bytes: int, concurrency: int, straggler_ms: float) -> None:
+        keys = self.size_to_keys[block_bytes]
+        buffers = [bytearray(block_bytes) for _ in range(concurrency)]
+        rng = self.workload.rng
+
+        async def get(index: int) -> bool:
+            return await self.target.get_into(rng.choice(keys), buffers[index])
+
+        await self.measure("get", block_bytes, concurrency, straggler_ms, get)
+
+    async def puts_and_gets(self) -> None:
+        for block_bytes in self.workload.block_sizes:
+            for concurrency in self.workload.concurrencies:
+                await self.puts(block_bytes, concurrency)
+        for block_bytes in self.workload.block_sizes:
+            for concurrency in self.workload.concurrencies:
+                await self.gets(block_bytes, concurrency, 0.0)
+
+    async def straggler_gets(self) -> None:
+        for block_bytes in self.workload.block_sizes:
+            for concurrency in self.workload.concurrencies:
+                await self.gets(block_bytes, concurrency, self.workload.straggler_ms)
+
+
+def _redis_binary() -> str | None:
+    return shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/usr/bin")
+
+
+@contextmanager
+def redis_server() -> Iterator[int]:
+    """A throwaway redis-server on a free 127.0.0.1 port, persistence off; yields the port."""
+    (port,) = free_ports(1)
+    command = [
+        _redis_binary() or "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+    ]
+    command += ["no", "--protected-mode", "no", "--logfile", ""]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_redis(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _wait_for_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
+    import redis
+
+    deadline_s = time.monotonic() + 10
+    while time.monotonic() < deadline_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        try:
+            redis.Redis(host="127.0.0.1", port=port).ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not answer PING within 10 s")
+
+
+def results_table(results: list[Result]) -> Table:
+    table = Table(title="storage benchmark")
+    columns = ("system", "op", "block", "conc", "straggler", "MB/s", "p50 ms", "p99 ms")
+    for column in (*columns, "p999 ms", "ops"):
+        table.add_column(column, justify="left" if column in ("system", "op") else "right")
+    for r in results:
+        table.add_row(
+            r.system,
+            r.op,
+            size_label(r.block_bytes),
+            str(r.concurrency),
+            f"{r.straggler_ms:g} ms" if r.straggler_ms else "-",
+            f"{r.mb_per_s:,.0f}",
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+            f"{r.p999_ms:.2f}",
+            str(r.num_ops),
+        )
+    return table
+
+
+def ratios(results: list[Result]) -> list[dict[str, Any]]:
+    """kvstore/redis throughput per setting, and straggler/no-straggler p99 per GET setting."""
+    by_setting = {
+        (r.system, r.op, r.block_bytes, r.concurrency, r.straggler_ms): r for r in results
+    }
+    rows = []
+    for ours in results:
+        if ours.system != "kvstore":
+            continue
+        calm_key = (ours.op, ours.block_bytes, ours.concurrency, 0.0)
+        redis_result = by_setting.get(("redis", *calm_key))
+        if redis_result and not ours.straggler_ms:
+            rows.append(
+                _ratio_row("kvstore/redis MB/s", ours, ours.mb_per_s / redis_result.mb_per_s)
+            )
+        calm = by_setting.get(("kvstore", *calm_key))
+        if calm and ours.straggler_ms:
+            rows.append(_ratio_row("straggler/calm p99", ours, ours.p99_ms / calm.p99_ms))
+    return rows
+
+
+def _ratio_row(kind: str, result: Result, ratio: float) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "op": result.op,
+        "block_bytes": result.block_bytes,
+        "concurrency": result.concurrency,
+        "ratio": ratio,
+    }
+
+
+def ratios_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="ratios (targets: kvstore/redis GET >= 1.0, straggler/calm p99 <= 1.1)")
+    for column in ("ratio", "op", "block", "conc", "value"):
+        table.add_column(column, justify="left" if column in ("ratio", "op") else "right")
+    for row in rows:
+        table.add_row(
+            row["kind"],
+            row["op"],
+            size_label(row["block_bytes"]),
+            str(row["concurrency"]),
+            f"{row['ratio']:.2f}",
+        )
+    return table
+
+
+async def bench_kvstore(
+    args: argparse.Namespace, workload: Workload, progress: Progress, task: Any
+) -> tuple[list[Result], list[str]]:
+    """Run the kvstore settings, starting a local cluster unless --cluster was given."""
+    notes: list[str] = []
+    with _cluster(args) as (cluster_toml, cluster):
+        client = await KVClient.connect(cluster_toml, tenant="bench")
+        runner = Runner(KVStoreTarget(client), workload, progress, task)
+        try:
+            await runner.puts_and_gets()
+            if cluster is None:
+                notes.append("straggler GETs skipped: --cluster given, nodes cannot be restarted")
+                progress.advance(task, len(workload.block_sizes) * len(workload.concurrencies))
+            else:
+                await asyncio.to_thread(_restart, cluster, workload.straggler_ms)
+                await runner.straggler_gets()
+                await asyncio.to_thread(_restart, cluster, 0.0)
+            notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
+        finally:
+            await runner.target.close()
+    return runner.results, notes
+
+
+def _restart(cluster: LocalCluster, delay_ms: float) -> None:
+    extra = ["--inject-delay-ms", f"{delay_ms:g}"] if delay_ms else []
+    cluster.restart_node(STRAGGLER_NODE, extra)
+
+
+@contextmanager
+def _cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster | None]]:
+    if args.cluster is not None:
+        yield args.cluster, None
+        return
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        overrides = {"fsync": False} if args.no_fsync else {}
+        with LocalCluster.start(tmp, num_nodes=args.nodes, backend=args.backend, **overrides) as c:
+            yield c.cluster_toml, c
+
+
+async def bench_redis(
+    workload: Workload, progress: Progress, task: Any
+) -> tuple[list[Result], list[str]]:
+    if _redis_binary() is None:
+        return [], ["redis baseline skipped: no redis-server (apt-get install -y redis-server)"]
+    with redis_server() as port:
+        runner = Runner(RedisTarget(port), workload, progress, task)
+        try:
+            await runner.puts_and_gets()
+        finally:
+            await runner.target.close()
+    return runner.results, []
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    workload = Workload(args.block_sizes, args.concurrency, args.seconds, args.straggler_ms)
+    num_settings = len(workload.block_sizes) * len(workload.concurrencies)
+    systems = 1 + (args.baseline == "redis")
+    results, notes = [], []
+    with Progress(transient=True) as progress:
+        task = progress.add_task("storage", total=num_settings * (3 + 2 * (systems - 1)))
+        ours, ours_notes = await bench_kvstore(args, workload, progress, task)
+        results += ours
+        notes += ours_notes
+        if args.baseline == "redis":
+            theirs, redis_notes = await bench_redis(workload, progress, task)
+            results += theirs
+            notes += redis_notes
+    return {
+        "results": [asdict(r) for r in results],
+        "ratios": ratios(results),
+        "notes": notes,
+        "settings": {
+            "block_sizes": workload.block_sizes,
+            "concurrency": workload.concurrencies,
+            "seconds": workload.seconds,
+            "straggler_ms": workload.straggler_ms,
+            "get_api": "get_into (preallocated buffer per task)",
+            "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+            "cpus": os.cpu_count(),
+        },
+    }
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _size_list(text: str) -> list[int]:
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore bench storage``."""
+    parser.add_argument("--cluster", type=Path, default=None, help="cluster.toml of a cluster")
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("256KiB,1MiB,4MiB"))
+    parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per setting")
+    parser.add_argument("--straggler-ms", type=float, default=50.0, help="delay of the slow node")
+    parser.add_argument("--baseline", choices=["none", "redis"], default="none")
+    parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
+    parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
+    parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the tables, write JSON."""
+    report = asyncio.run(bench(args))
+    results = [Result(**r) for r in report["results"]]
+    console = Console()
+    console.print(results_table(results))
+    if report["ratios"]:
+        console.print(ratios_table(report["ratios"]))
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    return 0

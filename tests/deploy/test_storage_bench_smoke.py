@@ -1,0 +1,38 @@
+"""A tiny run of `kvstore bench storage` end to end (local cluster, straggler, Redis if present)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+FIELDS = {"system", "op", "block_bytes", "concurrency", "straggler_ms", "mb_per_s"}
+FIELDS |= {"p50_ms", "p99_ms", "p999_ms"}
+
+
+def test_bench_storage_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    baseline = "redis" if shutil.which("redis-server") else "none"
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "storage", "--json", str(out)]
+    command += ["--block-sizes", "64KiB", "--concurrency", "1,4", "--seconds", "0.2"]
+    command += ["--straggler-ms", "20", "--baseline", baseline, "--no-fsync"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
+    assert "storage benchmark" in run.stdout, "the results table was not printed"
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert all(set(r) >= FIELDS for r in results), "a result record lacks a required field"
+    ours = [r for r in results if r["system"] == "kvstore"]
+    settings = {(r["op"], r["concurrency"], r["straggler_ms"]) for r in ours}
+    expected = {("put", 1, 0), ("put", 4, 0), ("get", 1, 0), ("get", 4, 0)}
+    assert settings == expected | {("get", 1, 20), ("get", 4, 20)}, settings
+    assert all(r["mb_per_s"] > 0 and r["num_misses"] == 0 for r in ours), "GETs missed blocks"
+    if baseline == "redis":
+        assert {r["system"] for r in results} == {"kvstore", "redis"}
+        assert any(row["kind"] == "kvstore/redis MB/s" for row in report["ratios"])
