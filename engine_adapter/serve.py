@@ -1,0 +1,301 @@
+"""``kvstore serve``: the router and its prefill and decode worker processes.
+
+::
+
+    kvstore serve --cluster DIR/cluster.toml [--prefill-workers 2] [--decode-workers 1]
+                  [--model default] [--port 8700] [--policy least-loaded|round-robin]
+                  [--run-dir DIR]
+
+Layout (every box is a process; the store's nodes are started separately)::
+
+                      +--> prefill worker p0 --+   put full blocks    +-------------+
+    user --gRPC--> router                      +--------------------> | kvstore     |
+    (ServingClient)   +--> prefill worker p1 --+                      | 12 nodes    |
+                      |                                               | (10+2 EC)   |
+                      +--> decode worker d0  <------------------------+-------------+
+                                                 get_into full blocks
+
+Worker processes run in their own sessions (a terminal's Ctrl-C reaches only this process,
+which then stops them in order), watch this process (they exit if it dies, even by SIGKILL)
+and are stopped on exit, on SIGTERM/SIGINT and by ``atexit``: no orphans. A worker that
+dies is restarted on its port; the router stops sending it requests until its Health answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from engine_adapter import serving_pb2_grpc as pb_grpc
+from engine_adapter.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
+from kvstore.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # loading the default model takes 15-60 s on a busy 2-core machine
+STOP_TIMEOUT_S = 10.0
+STOP_GRACE_S = 2.0  # in-flight RPCs get this long when the router stops
+SUPERVISE_INTERVAL_S = 1.0
+_POLL_S = 0.1
+
+
+@dataclass
+class WorkerProcess:
+    """One worker process this process started."""
+
+    worker_id: str
+    role: str
+    proc: subprocess.Popen[bytes]
+    ready_file: Path
+    address: str = ""
+    port: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class WorkerPool:
+    """Prefill and decode worker processes, started and stopped by this process."""
+
+    def __init__(
+        self,
+        cluster_toml: Path,
+        run_dir: Path,
+        model: str,
+        worker_args: Sequence[str] = (),
+    ) -> None:
+        self.cluster_toml = Path(cluster_toml)
+        self.run_dir = Path(run_dir)
+        self.model = model
+        self.worker_args = list(worker_args)
+        self.workers: dict[str, WorkerProcess] = {}
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+
+    @classmethod
+    def start(
+        cls,
+        cluster_toml: str | Path,
+        run_dir: str | Path,
+        *,
+        num_prefill: int = 2,
+        num_decode: int = 1,
+        model: str = "default",
+        worker_args: Sequence[str] = (),
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> WorkerPool:
+        """Start the workers (p0.., d0..) and wait until every one serves."""
+        pool = cls.spawn_all(cluster_toml, run_dir, num_prefill, num_decode, model, worker_args)
+        try:
+            pool.wait_ready(startup_timeout_s)
+        except BaseException:
+            pool.stop()
+            raise
+        return pool
+
+    @classmethod
+    def spawn_all(
+        cls,
+        cluster_toml: str | Path,
+        run_dir: str | Path,
+        num_prefill: int,
+        num_decode: int,
+        model: str,
+        worker_args: Sequence[str] = (),
+    ) -> WorkerPool:
+        """Start the worker processes without waiting (they load the model meanwhile)."""
+        if num_prefill < 1 or num_decode < 1:
+            raise InvalidArgument("serving needs at least one prefill and one decode worker")
+        pool = cls(Path(cluster_toml), Path(run_dir), model, worker_args)
+        for role, prefix, count in (("prefill", "p", num_prefill), ("decode", "d", num_decode)):
+            for index in range(count):
+                pool.spawn(f"{prefix}{index}", role)
+        return pool
+
+    def spawn(self, worker_id: str, role: str, port: int = 0) -> WorkerProcess:
+        """Start one worker in its own session, logging to ``run_dir/logs/<id>.log``."""
+        ready_file = self.run_dir / f"{worker_id}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "engine_adapter.workers", role, "--id", worker_id]
+        command += ["--cluster", str(self.cluster_toml), "--model", self.model]
+        command += ["--port", str(port), "--ready-file", str(ready_file)]
+        command += ["--parent-pid", str(os.getpid()), *self.worker_args]
+        with open(self.run_dir / "logs" / f"{worker_id}.log", "ab") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = WorkerProcess(worker_id, role, proc, ready_file, port=port)
+        self.workers[worker_id] = worker
+        return worker
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until every worker wrote its ready file; Unavailable if one exits or is late."""
+        deadline_s = time.monotonic() + timeout_s
+        waiting = [w for w in self.workers.values() if not w.address]
+        while waiting:
+            for worker in list(waiting):
+                if self._read_ready(worker):
+                    waiting.remove(worker)
+                elif not worker.alive:
+                    raise Unavailable(
+                        self._failure(worker, f"exited with {worker.proc.returncode}")
+                    )
+            if waiting and time.monotonic() > deadline_s:
+                raise Unavailable(self._failure(waiting[0], f"not ready after {timeout_s} s"))
+            if waiting:
+                time.sleep(_POLL_S)
+
+    def _read_ready(self, worker: WorkerProcess) -> bool:
+        try:
+            info = json.loads(worker.ready_file.read_text())
+        except (OSError, ValueError):
+            return False
+        worker.address = info["address"]
+        worker.port = int(worker.address.rpartition(":")[2])
+        return True
+
+    def _failure(self, worker: WorkerProcess, what: str) -> str:
+        path = self.run_dir / "logs" / f"{worker.worker_id}.log"
+        lines = path.read_text(errors="replace").splitlines()[-15:] if path.exists() else []
+        return (
+            f"{worker.role} worker {worker.worker_id} {what}; last lines of {path}:\n"
+            + "\n".join(lines)
+        )
+
+    def addresses(self, role: str) -> list[str]:
+        return [w.address for w in self.workers.values() if w.role == role]
+
+    def pids(self) -> dict[str, int]:
+        return {w.worker_id: w.proc.pid for w in self.workers.values()}
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL one worker (a crash) and reap it."""
+        worker = self.workers[worker_id]
+        worker.proc.kill()
+        worker.proc.wait()
+
+    def restart_dead(self) -> list[str]:
+        """Start again, on the same port, every worker that exited; the ids restarted."""
+        dead = [w for w in self.workers.values() if w.address and not w.alive]
+        for worker in dead:
+            log.warning(
+                "%s worker %s exited with %s; restarting it on port %d",
+                worker.role,
+                worker.worker_id,
+                worker.proc.returncode,
+                worker.port,
+            )
+            restarted = self.spawn(worker.worker_id, worker.role, worker.port)
+            restarted.address = worker.address
+        return [w.worker_id for w in dead]
+
+    def stop(self) -> None:
+        """SIGTERM every worker, wait, SIGKILL what is left. Safe to call twice."""
+        for worker in self.workers.values():
+            if worker.alive:
+                worker.proc.terminate()
+        deadline_s = time.monotonic() + STOP_TIMEOUT_S
+        for worker in self.workers.values():
+            try:
+                worker.proc.wait(max(deadline_s - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %s ignored SIGTERM; sending SIGKILL", worker.worker_id)
+                worker.proc.kill()
+                worker.proc.wait()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while inside, so ``finally`` blocks stop children."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def serve_router(pool: WorkerPool, port: int, policy: str) -> None:
+    """Run the router's gRPC server on 127.0.0.1:``port`` until cancelled; restart dead workers."""
+    async with Router(pool.addresses("prefill"), pool.addresses("decode"), policy=policy) as router:
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        pb_grpc.add_RouterServicer_to_server(RouterService(router), server)
+        bound_port = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print(f"router serving on 127.0.0.1:{bound_port}; workers: {pool.pids()}", flush=True)
+        try:
+            while True:
+                await asyncio.sleep(SUPERVISE_INTERVAL_S)
+                pool.restart_dead()
+        finally:
+            await server.stop(STOP_GRACE_S)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore serve``."""
+    parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
+    parser.add_argument("--prefill-workers", type=int, default=2)
+    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--model", default="default", help="default, random:<size>, .gguf, dir")
+    parser.add_argument("--port", type=int, default=8700, help="router gRPC port (0: any)")
+    parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
+    parser.add_argument("--run-dir", type=Path, help="worker logs and ready files (default: tmp)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the workers and the router; serve until SIGTERM or Ctrl-C."""
+    if not args.cluster.is_file():
+        print(f"error: no cluster config at {args.cluster}", file=sys.stderr)
+        return 1
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
+    worker_args = ["--max-model-len", str(args.max_model_len)]
+    try:
+        with (
+            sigterm_as_interrupt(),
+            WorkerPool.start(
+                args.cluster,
+                run_dir,
+                num_prefill=args.prefill_workers,
+                num_decode=args.decode_workers,
+                model=args.model,
+                worker_args=worker_args,
+            ) as pool,
+        ):
+            asyncio.run(serve_router(pool, args.port, args.policy))
+    except KeyboardInterrupt:
+        print("stopped; workers stopped", file=sys.stderr)
+    except (InvalidArgument, Unavailable) as exc:
+        print(f"error: {exc}\n(worker logs: {run_dir}/logs)", file=sys.stderr)
+        return 1
+    return 0
