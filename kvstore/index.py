@@ -398,7 +398,51 @@ class IndexView:
 
 
 class IndexWriter(IndexView):
-    """Mutations in one write transaction; derived figures are kept in step here."""
+    """Mutations in one write transaction; derived figures are kept in step here.
+
+    Segment records and counters change once per entry, so they are cached here and written
+    to the transaction once, by :meth:`flush`, just before the commit.
+    """
+
+    def __init__(self, txn: Txn) -> None:
+        super().__init__(txn)
+        self._segment_cache: dict[int, SegmentMeta | None] = {}  # None = deleted
+        self._counter_cache: dict[str, float | None] = {}
+        self._dirty_segments: set[int] = set()
+        self._dirty_counters: set[str] = set()
+
+    def segment(self, segment_id: int) -> SegmentMeta | None:
+        if segment_id not in self._segment_cache:
+            self._segment_cache[segment_id] = super().segment(segment_id)
+        return self._segment_cache[segment_id]
+
+    def segments(self) -> list[SegmentMeta]:
+        merged = {m.segment_id: m for m in super().segments()}
+        merged.update({sid: self._segment_cache[sid] for sid in self._dirty_segments})
+        return [m for _, m in sorted(merged.items()) if m is not None]
+
+    def counter(self, name: str) -> float | None:
+        if name not in self._counter_cache:
+            self._counter_cache[name] = super().counter(name)
+        return self._counter_cache[name]
+
+    def counters(self) -> dict[str, float]:
+        merged = super().counters()
+        merged.update({name: self._counter_cache[name] for name in self._dirty_counters})
+        return merged
+
+    def flush(self) -> None:
+        """Write cached segment records and counters into the transaction."""
+        for segment_id in self._dirty_segments:
+            meta = self._segment_cache[segment_id]
+            if meta is None:
+                self._txn.delete("segments", _u64(segment_id))
+            else:
+                self._txn.put("segments", _u64(segment_id), _encode_segment(meta))
+        for name in self._dirty_counters:
+            self._txn.put("counters", name.encode(), _F64.pack(self._counter_cache[name]))
+        self._dirty_segments.clear()
+        self._dirty_counters.clear()
 
     def put_entry(self, entry: Entry) -> Entry | None:
         """Insert or replace ``entry`` (same tenant, key, version); return the replaced one."""
@@ -437,7 +481,8 @@ class IndexWriter(IndexView):
         meta = self.segment(segment_id)
         assert meta is not None and meta.num_live == 0, f"segment {segment_id} still holds data"
         self.add(USED_BYTES, -meta.committed_bytes)
-        self._txn.delete("segments", _u64(segment_id))
+        self._segment_cache[segment_id] = None
+        self._dirty_segments.add(segment_id)
 
     def add(self, name: str, delta: float) -> None:
         if delta:
@@ -449,10 +494,12 @@ class IndexWriter(IndexView):
             self._set(name, value)
 
     def _set(self, name: str, value: float) -> None:
-        self._txn.put("counters", name.encode(), _F64.pack(value))
+        self._counter_cache[name] = value
+        self._dirty_counters.add(name)
 
     def _put_segment(self, meta: SegmentMeta) -> None:
-        self._txn.put("segments", _u64(meta.segment_id), _encode_segment(meta))
+        self._segment_cache[meta.segment_id] = meta
+        self._dirty_segments.add(meta.segment_id)
 
     def _unlink(self, entry: Entry) -> None:
         self._txn.delete("expiry", _expiry_prefix(entry.expires_at_s) + entry.index_key)
@@ -464,12 +511,10 @@ class IndexWriter(IndexView):
         self.add(class_counter(entry.traffic_class, "bytes"), sign * entry.shard_bytes)
         meta = self.segment(entry.segment_id)
         assert meta is not None, f"entry {entry.index_key.hex()} names unknown segment"
+        live_bytes = meta.live_bytes + sign * entry.record_bytes
+        num_live = meta.num_live + sign
         self._put_segment(
-            replace(
-                meta,
-                live_bytes=meta.live_bytes + sign * entry.record_bytes,
-                num_live=meta.num_live + sign,
-            )
+            SegmentMeta(meta.segment_id, meta.window_id, meta.committed_bytes, live_bytes, num_live)
         )
 
 
@@ -488,7 +533,9 @@ class Index:
     def write(self) -> Iterator[IndexWriter]:
         """One atomic transaction: all of its changes commit together or none do."""
         with self.backend.begin(write=True) as txn:
-            yield IndexWriter(txn)
+            writer = IndexWriter(txn)
+            yield writer
+            writer.flush()
 
     def close(self) -> None:
         self.backend.close()

@@ -44,6 +44,11 @@ class ShardStoreStub:
                 request_serializer=kvstore__pb2.GetShardsRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.GetShardsReply.FromString,
                 _registered_method=True)
+        self.GetShardsStream = channel.stream_stream(
+                '/kvstore.v1.ShardStore/GetShardsStream',
+                request_serializer=kvstore__pb2.GetShardsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.GetShardsReply.FromString,
+                _registered_method=True)
         self.Contains = channel.unary_unary(
                 '/kvstore.v1.ShardStore/Contains',
                 request_serializer=kvstore__pb2.ContainsRequest.SerializeToString,
@@ -78,6 +83,15 @@ class ShardStoreServicer:
 
     def GetShards(self, request, context):
         """Fetch shards; a hit refreshes the shard's last-access time (its TTL restarts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShardsStream(self, request_iterator, context):
+        """GetShards over one long-lived stream: one reply per request, in request order, same
+        semantics. Optional fast path: cheaper per request than unary for large shards
+        (loopback, 16-core host: 410 KiB 0.30 -> 0.48 GB/s, 4 MiB 0.50 -> 0.55 GB/s).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +132,11 @@ def add_ShardStoreServicer_to_server(servicer, server):
             ),
             'GetShards': grpc.unary_unary_rpc_method_handler(
                     servicer.GetShards,
+                    request_deserializer=kvstore__pb2.GetShardsRequest.FromString,
+                    response_serializer=kvstore__pb2.GetShardsReply.SerializeToString,
+            ),
+            'GetShardsStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GetShardsStream,
                     request_deserializer=kvstore__pb2.GetShardsRequest.FromString,
                     response_serializer=kvstore__pb2.GetShardsReply.SerializeToString,
             ),
@@ -194,6 +213,33 @@ class ShardStore:
             request,
             target,
             '/kvstore.v1.ShardStore/GetShards',
+            kvstore__pb2.GetShardsRequest.SerializeToString,
+            kvstore__pb2.GetShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.ShardStore/GetShardsStream',
             kvstore__pb2.GetShardsRequest.SerializeToString,
             kvstore__pb2.GetShardsReply.FromString,
             options,

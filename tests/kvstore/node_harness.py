@@ -179,6 +179,14 @@ class NodeClient:
         reply = await self.stub.GetShards(request, metadata=self._metadata(), timeout=30)
         return list(reply.results)
 
+    async def get_stream(
+        self, key_batches: Sequence[Sequence[bytes]]
+    ) -> list[list[pb.ShardResult]]:
+        """GetShardsStream: one request per batch over one stream, replies in order."""
+        requests = [pb.GetShardsRequest(tenant=self.tenant, keys=keys) for keys in key_batches]
+        call = self.stub.GetShardsStream(iter(requests), metadata=self._metadata(), timeout=30)
+        return [list(reply.results) async for reply in call]
+
     async def contains(self, keys: Sequence[bytes]) -> list[list[bytes]]:
         request = pb.ContainsRequest(tenant=self.tenant, keys=keys)
         reply = await self.stub.Contains(request, metadata=self._metadata(), timeout=30)

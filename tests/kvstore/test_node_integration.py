@@ -58,6 +58,12 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
         assert await client.put(items[:150]) == 150
         assert await client.put(items) == 150, "re-put of the same version must be idempotent"
         await _assert_all_hit(client, key_to_payload)
+        keys = list(key_to_payload)
+        streamed = await client.get_stream([keys[:100], keys[100:], [b"m" * 16]])
+        assert [r.shards[0][48:] for r in streamed[0] + streamed[1]] == list(
+            key_to_payload.values()
+        ), "GetShardsStream replies out of order or wrong"
+        assert streamed[2][0].status == MISS
         key, old = next(iter(key_to_payload.items()))
         new = old + b"v2"
         assert await client.put([(key, make_shard(new))]) == 1
@@ -77,7 +83,9 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
         key_to_payload.pop(key)
         await _assert_all_hit(client, key_to_payload)
         stats = await client.stats()
-        assert stats.shards == 301 and class_stats(stats, "chat").hits >= 300, "stats not kept"
+        assert stats.shards == 301 and class_stats(stats, "chat").hits >= 600, "stats not kept"
+        assert (stats.hits, stats.misses) == (class_stats(stats, "chat").hits, 1)
+        assert stats.used_bytes >= stats.bytes > 0
         more = {rng.randbytes(16): rng.randbytes(3000) for _ in range(20)}
         await client.put([(k, make_shard(p)) for k, p in more.items()])
     node.kill()  # crash: no clean shutdown
