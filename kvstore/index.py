@@ -43,7 +43,9 @@ drift from the entries.
 from __future__ import annotations
 
 import bisect
+import errno
 import math
+import os
 import struct
 import threading
 from collections.abc import Iterator
@@ -253,6 +255,10 @@ class LmdbBackend:
             raise CapacityExhausted(
                 f"the lmdb index is full ({exc}); raise its map size or free entries"
             ) from None
+        except lmdb.DiskError as exc:  # lmdb reports errno failures by their strerror text
+            if os.strerror(errno.ENOSPC) not in str(exc):
+                raise
+            raise CapacityExhausted(f"disk full while committing the index: {exc}") from exc
 
     def close(self) -> None:
         self._env.close()

@@ -78,6 +78,7 @@ INF_WINDOW = 1 << 62  # window of shards that never expire: never retired
 CORRUPT_SHARDS = "node/corrupt_shards"
 NODE_MISSES = "node/misses"  # every miss, including keys with no known class
 _SCAN_BATCH = 4096
+SHARD_CHECKSUM_SLICE = slice(HEADER_BYTES - 8, HEADER_BYTES)  # erasure/shard.py header layout
 # The store's eviction policy; the simulator uses the same object (ttl/policy.py).
 EVICTION_ORDER = EvictionOrder.EXPIRY
 assert EVICTION_ORDER.priority(0.0, 1.0) == 1.0, "the expiry index orders by expires_at_s"
@@ -123,6 +124,19 @@ class StoreStats:
 
 
 @dataclass
+class _PutRequest:
+    """A validated put waiting for the group commit that stores it (or fails it)."""
+
+    tenant: str
+    traffic_class: str
+    items: list[tuple[bytes, bytes, bytes]]  # (key, version, shard)
+    now: float
+    done: bool = False
+    num_stored: int = 0
+    error: Exception | None = None
+
+
+@dataclass
 class _AppendPlan:
     """Segments written by one append batch: new ones and the end offset of each touched one."""
 
@@ -160,6 +174,7 @@ class ShardStore:
         self._refreshed: dict[bytes, tuple[Entry, float]] = {}  # index key -> (entry, hit time)
         self._pending_counts: Counter[str] = Counter()  # hits/misses not yet persisted
         self._corrupt: dict[bytes, Entry] = {}  # found by reads, removed by the next write
+        self._put_queue: list[_PutRequest] = []  # puts waiting for the next group commit
         self._window_to_open: dict[int, tuple[int, int]] = {}  # -> (segment id, committed end)
         self._next_segment_id = 1
         self._recover()
@@ -171,19 +186,20 @@ class ShardStore:
 
         Re-putting a key and version already held refreshes its TTL and is not counted.
         """
-        now = self.clock.now()
-        items = self._validate_put(tenant, traffic_class, shards)
+        request = _PutRequest(
+            tenant,
+            traffic_class,
+            self._validate_put(tenant, traffic_class, shards),
+            self.clock.now(),
+        )
+        with self._state_lock:
+            self._put_queue.append(request)
         with self._write_lock:
-            self._flush_locked()
-            new_items, refreshed = self._split_existing(tenant, items, now)
-            need_bytes = sum(record_bytes(len(shard)) for _, _, shard in new_items)
-            self._make_room_locked(need_bytes, now)
-            appends = [
-                (self._new_entry(tenant, traffic_class, key, version, shard, now), shard)
-                for key, version, shard in new_items
-            ]
-            self._append_and_commit(appends, [self._touched(e, now) for e in refreshed])
-        return len(new_items)
+            if not request.done:  # else an earlier lock holder committed it with its own
+                self._commit_queued_puts_locked()
+        if request.error is not None:
+            raise request.error
+        return request.num_stored
 
     def get(self, tenant: str, keys: Sequence[bytes], version: bytes = b"") -> list[GetResult]:
         """Shards of each key (every live version, newest first, or only ``version``).
@@ -406,35 +422,75 @@ class ShardStore:
 
     # ----- write path (callers hold the write lock) -------------------------------------
 
-    def _split_existing(
-        self, tenant: str, items: list[tuple[bytes, bytes, bytes]], now: float
-    ) -> tuple[list[tuple[bytes, bytes, bytes]], list[Entry]]:
-        """(items to append, live entries that a re-put only refreshes)."""
-        new_items, refreshed = [], []
-        with self._index.read() as view:
-            for key, version, shard in items:
-                held = view.entry(tenant, key, version)
-                if held is None or is_expired(held.expires_at_s, now):
-                    new_items.append((key, version, shard))
-                else:
-                    refreshed.append(held)
-        return new_items, refreshed
+    def _commit_queued_puts_locked(self) -> None:
+        """Group commit: every queued put in one append, one fsync per segment, one txn.
 
-    def _new_entry(
-        self, tenant: str, traffic_class: str, key: bytes, version: bytes, shard: bytes, now: float
-    ) -> Entry:
+        Concurrent puts wait on the write lock anyway; the first to get it stores them all,
+        so N concurrent requests cost one round of fsyncs instead of N. Each request is still
+        all or nothing: one refused for capacity fails alone; an I/O failure fails the group.
+        """
+        with self._state_lock:
+            batch, self._put_queue = self._put_queue, []
+        self._flush_locked()
+        appends: list[tuple[Entry, bytes]] = []
+        refreshed: list[tuple[Entry, float]] = []
+        accepted: list[_PutRequest] = []
+        for request in batch:
+            try:
+                self._plan_put(request, appends, refreshed)
+                accepted.append(request)
+            except CapacityExhausted as exc:
+                request.error = exc
+        try:
+            self._append_and_commit(appends, refreshed)
+        except Exception as exc:
+            for request in accepted:
+                request.error = exc
+        for request in batch:
+            request.done = True
+
+    def _plan_put(
+        self,
+        request: _PutRequest,
+        appends: list[tuple[Entry, bytes]],
+        refreshed: list[tuple[Entry, float]],
+    ) -> None:
+        """Add ``request``'s new shards to ``appends`` and re-puts to ``refreshed``; make room.
+
+        A re-put only refreshes the held entry. Should a later request of the group evict it
+        before the commit, the refresh is skipped: the same as an eviction just after the put.
+        """
+        planned = {(e.tenant, e.key, e.version) for e, _ in appends}
+        new_entries, touched = [], []
+        with self._index.read() as view:
+            for key, version, shard in request.items:
+                held = view.entry(request.tenant, key, version)
+                if (request.tenant, key, version) in planned:
+                    continue  # stored by an earlier request of this group
+                if held is None or is_expired(held.expires_at_s, request.now):
+                    new_entries.append((self._new_entry(request, key, version, shard), shard))
+                else:
+                    touched.append((held, request.now))
+        need_bytes = sum(record_bytes(e.shard_bytes) for e, _ in [*appends, *new_entries])
+        self._make_room_locked(need_bytes, request.now)
+        appends.extend(new_entries)
+        refreshed.extend(touched)
+        request.num_stored = len(new_entries)
+
+    def _new_entry(self, request: _PutRequest, key: bytes, version: bytes, shard: bytes) -> Entry:
+        """The entry of a new shard, not yet placed in a segment."""
         return Entry(
-            tenant=tenant,
+            tenant=request.tenant,
             key=key,
             version=version,
-            traffic_class=traffic_class,
+            traffic_class=request.traffic_class,
             segment_id=0,
             offset=0,
             shard_bytes=len(shard),
-            shard_checksum=int.from_bytes(bytes(shard[HEADER_BYTES - 8 : HEADER_BYTES]), "little"),
-            created_s=now,
-            last_access_s=now,
-            expires_at_s=self.ttl.classes.expires_at_s(traffic_class, now),
+            shard_checksum=int.from_bytes(bytes(memoryview(shard)[SHARD_CHECKSUM_SLICE]), "little"),
+            created_s=request.now,
+            last_access_s=request.now,
+            expires_at_s=self.ttl.classes.expires_at_s(request.traffic_class, request.now),
         )
 
     def _touched(self, entry: Entry, now: float) -> Entry:
@@ -448,12 +504,12 @@ class ShardStore:
     def _append_and_commit(
         self,
         items: list[tuple[Entry, bytes]],
-        also_put: Sequence[Entry] = (),
+        refreshes: Sequence[tuple[Entry, float]] = (),
         also_drop: Sequence[Entry] = (),
     ) -> None:
         """Append records, fsync, then commit their entries in one transaction.
 
-        ``also_put`` entries (TTL refreshes) and ``also_drop`` entries (unreadable shards found
+        ``refreshes`` ((entry, access time): re-puts) and ``also_drop`` (unreadable shards found
         while moving records) change in the same transaction.
         """
         plan = _AppendPlan(window_to_open=dict(self._window_to_open))
@@ -462,8 +518,9 @@ class ShardStore:
             self._files.sync(plan.segment_to_end)
             with self._index.write() as w:
                 self._register(w, plan)
-                for entry in [*placed, *also_put]:
+                for entry in placed:
                     w.put_entry(entry)
+                self._persist_refreshes(w, refreshes)
                 self._quarantine(w, also_drop)
         except BaseException:
             self._undo_appends(plan)
