@@ -6,11 +6,20 @@ the top of the heap. A codec that returns k+m new shards per block, or a new blo
 hits both on every call, so every call touches fresh pages; in this VM a 4 KiB page fault
 costs about 3 us, which is more than ISA-L needs to encode the page.
 
-Measured here (10+2, 1 MiB blocks, one core): 275 page faults per ``Codec.encode`` and 583 per
-pyeclib ``ECDriver.encode`` with the default allocator, none after :func:`tune_glibc_malloc`;
-encode went from about 1.3 ms to 0.25 ms. The codec itself reuses per-thread scratch buffers
-and ``decode(out=...)`` allocates nothing, but the shards it returns must be new ``bytes``
-(protobuf accepts nothing else), so a process that encodes or decodes many blocks should call
+Measured here (10+2, one core, a fresh process per column, MB/s per CPU-second, while other
+work loaded the machine)::
+
+    1 MiB / 4 MiB blocks               glibc defaults      tune_glibc_malloc()
+    Codec.encode                       1,455 / 1,215       8,810 / 9,637
+      page faults per call             211 / 1,198         0 / 0
+    pyeclib ECDriver.encode            817 / 668           11,620 / 8,715
+      page faults per call             532 / 2,427         0 / 0
+    Codec.decode, 2 data shards lost   7,212 / 9,460       7,526 / 9,185
+    pyeclib ECDriver.decode, same      999 / 813           10,638 / 9,658
+
+The codec reuses per-thread scratch buffers and a decode allocates one block (nothing with
+``out=``), which glibc's dynamic threshold handles; but the k+m shards an encode returns must be
+new ``bytes`` (protobuf accepts nothing else), so a process that encodes many blocks should call
 this once at start-up. The environment can do the same before start-up:
 ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``.
 """

@@ -1,6 +1,40 @@
 """The k+m Reed-Solomon codec: a block in, k+m self-checking shards out, and back.
 
-TODO backend reasoning.
+::
+
+    block  |<-------------------------- block_len bytes -------------------------->|
+           | d0 (P bytes) | d1 (P) |  ...  | d(k-1): the tail, zero-padded to P   |
+    shards [hdr|d0] [hdr|d1] ... [hdr|d(k-1)] [hdr|p0] ... [hdr|p(m-1)]
+
+P = ceil(block_len / k); ``hdr`` is the 48-byte :mod:`erasure.shard` header (backend, k, m,
+index, block length, the block's xxh3-128 = its version, the shard's own xxh3-64). The code
+is systematic: data shards are the block's bytes, so a decode that has every data shard only
+concatenates. Any k shards of one version rebuild the block; both checksums are verified on
+the way, so the codec raises rather than return wrong bytes.
+
+Backends (the parity bytes differ, so a cluster uses one; the header records which):
+
+- ``isal`` (default): Intel ISA-L's SIMD Reed-Solomon (``isa_l_rs_vand``), loaded from the
+  pyeclib wheel and called directly (:mod:`erasure.isal_backend`), so parity and recovered
+  shards land in reused buffers instead of pyeclib's freshly allocated fragments.
+- ``zfec``: portable table-driven C, no SIMD; for platforms without the pyeclib wheel and
+  for (k, m) outside ISA-L's Vandermonde-safe region (:func:`erasure.isal_backend.check_vand_k_m`).
+
+Why ISA-L is the default, measured with ``kvstore bench erasure`` on this machine (AMD EPYC,
+one core, 10+2, MB/s per CPU-second, 4 MiB blocks): encode 7,200 (isal) vs 905 (zfec);
+decode with 2 data shards lost 9,160 vs 917; with every data shard both only concatenate and
+verify (about 11,700). ISA-L's kernel alone encodes at 50,000 MB/s, faster than memcpy
+(38,500); what our encode spends goes to the xxh3 passes (block and shards) and the one copy
+into the shards it returns. zfec's kernel is the bottleneck at about 1,000 MB/s either way,
+so it would cap a client at a tenth of ISA-L's speed. Against pyeclib's own
+``ECDriver.encode`` (the raw library, without our checksums) our encode runs at 1.01x for
+4 MiB and 1.08x for 16 MiB blocks, 0.67x for 1 MiB and 0.35x for 64 KiB, where the fixed
+cost of a call (about 20 us of Python: twelve headers and checksums) dominates.
+
+Memory: encode returns k+m new ``bytes`` (protobuf takes nothing else); under glibc's default
+settings each one touches fresh pages, see :mod:`erasure.allocator` for the measurement and
+the fix. Decode allocates at most the returned block (none with ``out=``), and all padding,
+parity and recovery work goes through one reused per-thread buffer.
 """
 
 from __future__ import annotations
