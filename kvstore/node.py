@@ -34,17 +34,17 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import InvalidArgument, PermissionDenied, to_grpc_status
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shard_store import ShardStore, StoreStats
 from ttl.clock import make_clock
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 MESSAGE_SLACK_BYTES = 1 << 20
 NUM_WORKER_THREADS = 8
 STOP_GRACE_S = 5.0
-_Reply = TypeVar("_Reply")
+SERVICE_NAME = "kvstore.v1.ShardStore"
 
 
 def upkeep_period_s(time_scale: float, expiry_window_s: float) -> float:
@@ -61,8 +61,12 @@ def upkeep_period_s(time_scale: float, expiry_window_s: float) -> float:
     return min(1.0, max(0.05, expiry_window_s / 4 / time_scale))
 
 
-class NodeServicer(pb_grpc.ShardStoreServicer):
-    """The gRPC face of one node's store."""
+class NodeServicer:
+    """The gRPC face of one node's store.
+
+    Requests arrive as raw bytes and are parsed here, so a malformed message gets
+    INVALID_ARGUMENT (gRPC's own deserializer would answer UNKNOWN).
+    """
 
     def __init__(
         self,
@@ -78,41 +82,57 @@ class NodeServicer(pb_grpc.ShardStoreServicer):
         self._metrics = metrics
         self._executor = executor
         self._delay_s = node.inject_delay_ms / 1000.0
+        self._unary = {
+            "PutShards": (pb.PutShardsRequest, self._put, True),
+            "GetShards": (pb.GetShardsRequest, self._get, True),
+            "Contains": (pb.ContainsRequest, self._contains, True),
+            "Delete": (pb.DeleteRequest, self._delete, True),
+            "Stats": (pb.StatsRequest, self._stats, False),
+            "Health": (pb.HealthRequest, self._health, False),
+        }
 
-    async def PutShards(self, request: pb.PutShardsRequest, context: Any) -> pb.PutShardsReply:
-        return await self._serve("PutShards", context, self._put, request, delay=True)
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add every RPC of ``kvstore.v1.ShardStore`` to ``server``."""
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._unary_method(name), response_serializer=_serialize
+            )
+            for name in self._unary
+        }
+        handlers["GetShardsStream"] = grpc.stream_stream_rpc_method_handler(
+            self._get_stream, response_serializer=_serialize
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
 
-    async def GetShards(self, request: pb.GetShardsRequest, context: Any) -> pb.GetShardsReply:
-        return await self._serve("GetShards", context, self._get, request, delay=True)
+    def _unary_method(self, rpc: str) -> Callable[[bytes, Any], Awaitable[Any]]:
+        request_type, handler, delay = self._unary[rpc]
 
-    async def GetShardsStream(
-        self, requests: AsyncIterator[pb.GetShardsRequest], context: Any
+        async def method(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await self._serve(rpc, context, request_type, handler, raw, delay=delay)
+
+        return method
+
+    async def _get_stream(
+        self, raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GetShardsReply]:
-        async for request in requests:
-            yield await self._serve("GetShardsStream", context, self._get, request, delay=True)
-
-    async def Contains(self, request: pb.ContainsRequest, context: Any) -> pb.ContainsReply:
-        return await self._serve("Contains", context, self._contains, request, delay=True)
-
-    async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteReply:
-        return await self._serve("Delete", context, self._delete, request, delay=True)
-
-    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
-        return await self._serve("Stats", context, self._stats, request, delay=False)
-
-    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthReply:
-        return await self._serve("Health", context, self._health, request, delay=False)
+        async for raw in raw_requests:
+            yield await self._serve(
+                "GetShardsStream", context, pb.GetShardsRequest, self._get, raw, delay=True
+            )
 
     async def _serve(
         self,
         rpc: str,
         context: grpc.aio.ServicerContext,
-        handler: Callable[[Any], _Reply],
-        request: Any,
+        request_type: type[Message],
+        handler: Callable[[Any], Message],
+        raw: bytes,
         *,
         delay: bool,
-    ) -> _Reply:
-        """Authorize, delay (straggler), run ``handler`` in the pool, map errors, observe."""
+    ) -> Message:
+        """Authorize, delay (straggler), parse and run ``handler`` in the pool, map errors."""
         start_s = time.perf_counter()
         code, details, reply = grpc.StatusCode.OK, "", None
         try:
@@ -120,7 +140,9 @@ class NodeServicer(pb_grpc.ShardStoreServicer):
             if delay and self._delay_s:
                 await asyncio.sleep(self._delay_s)
             loop = asyncio.get_running_loop()
-            reply = await loop.run_in_executor(self._executor, handler, request)
+            reply = await loop.run_in_executor(
+                self._executor, _parse_and_call, request_type, handler, raw
+            )
         except Exception as exc:
             code, details = to_grpc_status(exc)
             if code is grpc.StatusCode.INTERNAL:
@@ -175,6 +197,23 @@ class NodeServicer(pb_grpc.ShardStoreServicer):
         return pb.HealthReply(
             node_id=self._node.id, epoch=self._epoch, serving=True, now_s=self._store.clock.now()
         )
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+def _parse_and_call(
+    request_type: type[Message], handler: Callable[[Any], Message], raw: bytes
+) -> Message:
+    try:
+        request = request_type.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidArgument(
+            f"malformed {request_type.DESCRIPTOR.full_name} message: {exc}; "
+            "build requests from kvstore/proto/kvstore.proto"
+        ) from None
+    return handler(request)
 
 
 def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:
@@ -233,8 +272,7 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
     try:
         await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
         server = grpc.aio.server(options=_server_options(node))
-        servicer = NodeServicer(store, node, cluster.epoch, metrics, executor)
-        pb_grpc.add_ShardStoreServicer_to_server(servicer, server)
+        NodeServicer(store, node, cluster.epoch, metrics, executor).register(server)
         server.add_insecure_port(node.address)
         await server.start()
         if node.metrics_port:

@@ -34,6 +34,11 @@ dead bytes are compacted (live records carried forward, most dead bytes first) u
 under the target. Entries of classes with an infinite TTL are never evicted: a put fails with
 CapacityExhausted only when the space is held by them or by the request itself.
 
+Counting: a get of a key counts one hit (under the class of the shards served) or one miss.
+Every miss counts for the node; it also counts for a class when the key has entries of that
+class that could not be served (expired or corrupt). A key the node does not hold (or not in
+the requested version) has no class: it is only in the node's miss count.
+
 Integrity: every read checks the record header (right key and tenant at that offset), the shard
 checksum and the version against the index. A shard that fails is reported CORRUPT, counted,
 never served, and removed from the index by the next write so a repair can store it again.
@@ -351,17 +356,22 @@ class ShardStore:
     # ----- read path --------------------------------------------------------------------
 
     def _get_one(self, tenant: str, key: bytes, version: bytes, now: float) -> GetResult:
-        for attempt in range(2):
-            live, expired = self._live_entries(tenant, key, now)
-            live = [e for e in live if not version or e.version == version]
+        try:
+            found = self._read_live(tenant, key, version, now)
+        except FileNotFoundError:  # a segment moved or was deleted under us: look once more
             try:
-                shards = [self._read_verified(e) for e in live]
+                found = self._read_live(tenant, key, version, now)
             except FileNotFoundError:
-                if attempt == 0:
-                    continue  # a segment moved or was deleted under us: look again
-                shards, live = [], []
-            return self._record_get(live, shards, expired, now)
-        raise AssertionError("unreachable")
+                found = ([], [], [])
+        return self._record_get(*found, now)
+
+    def _read_live(
+        self, tenant: str, key: bytes, version: bytes, now: float
+    ) -> tuple[list[Entry], list[bytes | None], list[Entry]]:
+        """(live entries, their shard bytes or None if corrupt, expired entries)."""
+        live, expired = self._live_entries(tenant, key, now)
+        live = [e for e in live if not version or e.version == version]
+        return live, [self._read_verified(e) for e in live], expired
 
     def _record_get(
         self, live: list[Entry], shards: list[bytes | None], expired: list[Entry], now: float

@@ -182,6 +182,8 @@ async def test_bad_input_gets_clear_errors_and_changes_nothing(tmp_path: Path, s
         empty = NodeClient(_address(config), tenant="")
         async with empty:
             await _expect_code(empty.put([(good_key, good)]), bad, "tenant")
+        raw_put = client.channel.unary_unary("/kvstore.v1.ShardStore/PutShards")
+        await _expect_code(raw_put(b"\xff\xff\xff"), bad, "malformed")
         assert await client.put([(good_key, good)]) == 1, "node unusable after bad input"
         assert (await client.stats()).shards == 1
 

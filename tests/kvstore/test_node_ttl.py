@@ -1,4 +1,8 @@
-"""TTL, expiry and eviction on a real node, with a time-scaled clock (a virtual day per ~0.5 s)."""
+"""TTL, expiry and eviction on a real node, with a time-scaled clock (a virtual day per second).
+
+Each timeline step leaves at least 0.4 virtual days (0.4 s) between a check and the expiry it
+guards, so a busy 2-core machine does not turn scheduling delays into false failures.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +25,14 @@ def _node(config_path: Path) -> tuple[str, Clock]:
 async def _at_day(clock: Clock, t0_s: float, day: float) -> None:
     """Sleep until virtual day ``day`` after ``t0_s``; fail if it is already well past."""
     wait_s = t0_s + day * DAY_S - clock.now()
-    assert wait_s > -0.2 * DAY_S, f"test fell behind its timeline at day {day} (machine busy?)"
+    assert wait_s > -0.3 * DAY_S, f"test fell behind its timeline at day {day} (machine busy?)"
     await asyncio.sleep(max(0.0, wait_s / clock.time_scale))  # type: ignore[attr-defined]
 
 
 async def test_agent_gone_after_3_days_chat_hit_extends_contains_does_not(
     tmp_path: Path, start_node
 ) -> None:
-    config = write_config(tmp_path, time_scale=2 * DAY_S, expiry_window_s=3600.0)
+    config = write_config(tmp_path, time_scale=DAY_S, expiry_window_s=3600.0)
     start_node(config)
     address, clock = _node(config)
     agent, agent2, chat = b"a" * 16, b"A" * 16, b"c" * 16
@@ -65,7 +69,7 @@ async def _version(client: NodeClient, key: bytes) -> bytes:
 
 
 async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) -> None:
-    config = write_config(tmp_path, time_scale=2 * DAY_S, expiry_window_s=3600.0)
+    config = write_config(tmp_path, time_scale=DAY_S, expiry_window_s=3600.0)
     node = start_node(config)
     address, clock = _node(config)
     agent, chat = b"a" * 16, b"c" * 16
