@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ttl.traces import Trace, trace_from_records
+
 DAY_S = 86_400.0
 CHAT, AGENT = "chat", "agent"
 
@@ -251,6 +253,16 @@ def request_hash_ids(request: Request) -> itertools.chain[int]:
     return itertools.chain(
         range(prompt_base, prompt_base + num_shared), range(base + num_shared, base + num_blocks)
     )
+
+
+def generate_trace(params: WorkloadParams) -> Trace:
+    """The workload as a ``Trace`` in memory (what loading ``write_workload``'s file gives)."""
+    records = []
+    for request in generate_requests(params):
+        t_ms, traffic_class, num_in, num_out = request[:4]
+        ids = list(request_hash_ids(request))
+        records.append((t_ms / 1000.0, traffic_class, num_in, num_out, ids))
+    return trace_from_records(records, params.block_tokens, chain=False)
 
 
 def write_workload(params: WorkloadParams, path: str | Path) -> int:

@@ -45,10 +45,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from ttl.policy import EvictionOrder, TrafficClasses, is_expired
 from ttl.traces import Trace
 
 ALL = "all"
+_SCAN_CHUNK = 64  # block positions searched per C call in _find_live
 ProgressFn = Callable[[int], None]  # called with the number of block accesses simulated
 
 
@@ -116,27 +119,35 @@ def simulate(trace: Trace, config: SimConfig, progress: ProgressFn | None = None
 
 
 class _Cache:
-    """Simulation state. Per block: class (-1 = not resident) and the request that touched it
-    last. Per class: a queue of request indices in time order; an entry stands for the blocks
-    whose last touch it is. ``heads``/``cursors`` mark the first entry (and block in it) not
-    yet consumed by expiry or eviction."""
+    """Simulation state.
+
+    Per block: its class (-1 = not resident) and ``block_entry = r * num_classes + k``, the
+    queue entry (request ``r`` in class ``k``'s queue) that holds its last touch. Per class: a
+    queue of request indices in time order, consumed lazily by expiry and eviction from
+    ``heads``/``cursors`` (first entry, and first block in it, not yet consumed); an entry
+    stands for the blocks whose ``block_entry`` still names it. Per request: hits, inserts and
+    resident counts, summed by class in ``result``.
+    """
 
     def __init__(self, trace: Trace, config: SimConfig) -> None:
         self.trace, self.config = trace, config
         start_s = trace.time_s[0] if trace.num_requests else 0.0
         self.times: list[float] = (trace.time_s - start_s).tolist()  # relative: exact sums
-        self.input_tokens: list[int] = trace.input_tokens.tolist()
         self.ttl_s = [config.classes.ttl_s(name) for name in trace.class_names]
-        num_classes = len(trace.class_names)
+        self.num_classes = num_classes = len(trace.class_names)
         self.block_class = [-1] * trace.num_blocks
-        self.block_last = [-1] * trace.num_blocks
+        self.block_entry = [-1] * trace.num_blocks
         self.queues: list[list[int]] = [[] for _ in range(num_classes)]
         self.heads = [0] * num_classes
         self.cursors = [0] * num_classes
         self.front_blocks: list[list[int] | None] = [None] * num_classes
         self.live_by_class = [0] * num_classes
-        self.stats = [ClassStats() for _ in range(num_classes)]
-        self.peak_all = 0
+        self.hit_counts = [0] * trace.num_requests
+        self.new_counts = [0] * trace.num_requests
+        self.class_live_after = [0] * trace.num_requests  # resident blocks of its class
+        self.live_after = [0] * trace.num_requests  # resident blocks of every class
+        self.window_live = [0] * num_classes  # per class, right after the first counted request
+        self.stats = [ClassStats() for _ in range(num_classes)]  # deaths; the rest in result()
         self.window_start_s = config.warmup_fraction * (self.times[-1] if self.times else 0.0)
         self.first_counted = bisect.bisect_left(self.times, self.window_start_s)
         self.counting = False
@@ -145,93 +156,84 @@ class _Cache:
     # --- the hot loop ---------------------------------------------------------------------
 
     def run(self, progress: ProgressFn | None) -> None:
-        """One pass over the trace. The dense hot path of this module: everything per block
-        access is a list index or compare on locals; per-request work sits around it."""
+        """One pass over the trace. The dense hot path of this module: per block access only
+        list indexing and compares on locals; per-request work sits around the two loops."""
         ids, offsets = self.trace.block_ids, self.trace.block_offsets.tolist()
-        times, req_class = self.times, self.trace.class_ids.tolist()
-        block_class, block_last, queues = self.block_class, self.block_last, self.queues
-        capacity = (
-            sys.maxsize if self.config.capacity_blocks is None else self.config.capacity_blocks
-        )
+        times, req_class, ttl_s = self.times, self.trace.class_ids.tolist(), self.ttl_s
+        block_class, block_entry, queues = self.block_class, self.block_entry, self.queues
+        live_by_class, num_classes = self.live_by_class, self.num_classes
+        hit_counts, new_counts = self.hit_counts, self.new_counts
+        class_live_after, live_after = self.class_live_after, self.live_after
+        capacity = self.config.capacity_blocks
+        capacity = sys.maxsize if capacity is None else capacity
         evict, touch_foreign = self.evict, self.touch_foreign
-        live = 0
+        live, window_edge = 0, self.first_counted
         for r in range(len(times)):
             now, c = times[r], req_class[r]
-            if r == self.first_counted:
-                self.start_window()
+            if r == window_edge:  # the first counted request, then the one after it
+                window_edge = self.on_window_edge(r)
             if is_expired(self.next_expiry_s, now):
                 live -= self.expire(now)
             queues[c].append(r)
-            self.note_expiry(now + self.ttl_s[c])
+            if now + ttl_s[c] < self.next_expiry_s:
+                self.next_expiry_s = now + ttl_s[c]
+            entry = r * num_classes + c
             blocks = ids[offsets[r] : offsets[r + 1]].tolist()
             num_hit = 0
             for b in blocks:  # the prefix hit: leading resident blocks, touched
                 k = block_class[b]
-                if k != c:
-                    if k < 0:
-                        break
-                    touch_foreign(k, r, now)
-                block_last[b] = r
+                if k == c:
+                    block_entry[b] = entry
+                elif k < 0:
+                    break
+                else:
+                    touch_foreign(b, k, r, now)
                 num_hit += 1
             num_new = 0
             for b in blocks[num_hit:]:  # the rest: insert missing blocks, touch resident ones
                 k = block_class[b]
-                if k != c:
-                    if k < 0:
-                        block_class[b] = c
-                        num_new += 1
-                    else:
-                        touch_foreign(k, r, now)
-                block_last[b] = r
-            self.live_by_class[c] += num_new
+                if k == c:
+                    block_entry[b] = entry
+                elif k < 0:
+                    block_class[b] = c
+                    block_entry[b] = entry
+                    num_new += 1
+                else:
+                    touch_foreign(b, k, r, now)
+            live_by_class[c] += num_new
             live += num_new
             if live > capacity:
                 evict(live - capacity, now)
                 live = capacity
-            self.account(r, c, len(blocks), num_hit, num_new, live)
+            hit_counts[r], new_counts[r] = num_hit, num_new
+            class_live_after[r], live_after[r] = live_by_class[c], live
             if progress is not None and not r & 4095:
                 progress(offsets[r])
+        if window_edge == len(times):
+            self.on_window_edge(window_edge)
         if progress is not None:
             progress(len(ids))
 
     # --- per request -----------------------------------------------------------------------
 
-    def account(
-        self, r: int, c: int, num_blocks: int, num_hit: int, num_new: int, live: int
-    ) -> None:
-        if not self.counting:
-            return
-        stats, block_tokens = self.stats[c], self.trace.block_tokens
-        input_tokens = self.input_tokens[r]
-        stats.requests += 1
-        stats.blocks += num_blocks
-        stats.hit_blocks += num_hit
-        stats.tokens += min(num_blocks * block_tokens, input_tokens)
-        stats.tokens_saved += min(num_hit * block_tokens, input_tokens)
-        stats.input_tokens += input_tokens
-        stats.inserted_blocks += num_new
-        stats.block_seconds -= num_new * self.times[r]
-        for class_stats, live_in_class in zip(self.stats, self.live_by_class, strict=True):
-            class_stats.peak_blocks = max(class_stats.peak_blocks, live_in_class)
-        self.peak_all = max(self.peak_all, live)
+    def on_window_edge(self, r: int) -> int:
+        """Start counting at the first counted request; note each class's resident blocks
+        right after it (their first peak candidate). Returns the next request to call at."""
+        if r == self.first_counted:
+            self.counting = True
+            for stats, live in zip(self.stats, self.live_by_class, strict=True):
+                stats.block_seconds = -live * self.window_start_s
+            return r + 1
+        self.window_live = list(self.live_by_class)
+        return -1
 
-    def start_window(self) -> None:
-        """Footprint integrals start at the window start with the blocks resident then."""
-        self.counting = True
-        for stats, live in zip(self.stats, self.live_by_class, strict=True):
-            stats.block_seconds = -live * self.window_start_s
-
-    def note_expiry(self, expires_at_s: float) -> None:
-        """Keep ``next_expiry_s`` a lower bound of every queued expiry instant."""
-        if expires_at_s < self.next_expiry_s:
-            self.next_expiry_s = expires_at_s
-
-    def touch_foreign(self, k: int, r: int, now: float) -> None:
-        """Request ``r`` touched a block of class ``k`` (not its own): queue it under ``k``."""
+    def touch_foreign(self, b: int, k: int, r: int, now: float) -> None:
+        """Request ``r`` touched block ``b`` of class ``k`` (not its own): queue it under ``k``."""
+        self.block_entry[b] = r * self.num_classes + k
         queue = self.queues[k]
         if queue[-1] != r:  # a resident block of class k means queue k is not empty
             queue.append(r)
-            self.note_expiry(now + self.ttl_s[k])
+            self.next_expiry_s = min(self.next_expiry_s, now + self.ttl_s[k])
 
     # --- expiry and eviction ---------------------------------------------------------------
 
@@ -252,34 +254,37 @@ class _Cache:
 
     def drop_front(self, k: int, expires_at_s: float) -> int:
         """Expire the live blocks of queue ``k``'s front entry, then pop it."""
-        r = self.queues[k][self.heads[k]]
-        block_class, block_last = self.block_class, self.block_last
-        blocks = self.front(k)
-        num = 0
-        for b in blocks[self.cursors[k] :]:
-            if block_last[b] == r and block_class[b] == k:
-                block_class[b] = -1
+        entry = self.queues[k][self.heads[k]] * self.num_classes + k
+        block_class, block_entry = self.block_class, self.block_entry
+        blocks, position, num = self.front(k), self.cursors[k], 0
+        while position < len(blocks):
+            b = blocks[position]
+            if block_entry[b] == entry:
+                block_class[b] = block_entry[b] = -1
                 num += 1
+                position += 1
+            else:
+                position = _find_live(blocks, position + 1, entry, block_entry)
         self.pop_front(k)
         self.record_deaths(k, num, expires_at_s, evicted=False)
         return num
 
     def evict(self, num: int, now: float) -> None:
         """Evict ``num`` resident blocks, smallest priority first (module docstring, rule 4)."""
-        block_class, block_last = self.block_class, self.block_last
+        block_class, block_entry = self.block_class, self.block_entry
         while num:
             k = self.lowest_priority_class()  # leaves queue k's cursor on a live block
-            r, blocks, wanted = self.queues[k][self.heads[k]], self.front(k), num
-            cursor = self.cursors[k]
-            while cursor < len(blocks):  # this entry's live blocks share one priority
-                b = blocks[cursor]
-                cursor += 1
-                if block_last[b] == r and block_class[b] == k:
-                    block_class[b] = -1
+            entry = self.queues[k][self.heads[k]] * self.num_classes + k
+            blocks, position, wanted = self.front(k), self.cursors[k], num
+            while num and position < len(blocks):  # one entry: one priority
+                b = blocks[position]
+                if block_entry[b] == entry:
+                    block_class[b] = block_entry[b] = -1
                     num -= 1
-                    if not num:
-                        break
-            self.cursors[k] = cursor
+                    position += 1
+                else:
+                    position = _find_live(blocks, position + 1, entry, block_entry)
+            self.cursors[k] = position
             self.record_deaths(k, wanted - num, now, evicted=True)
 
     def lowest_priority_class(self) -> int:
@@ -297,14 +302,13 @@ class _Cache:
 
     def seek_live(self, k: int) -> bool:
         """Move queue ``k``'s head and cursor to its first live block; False if it has none."""
-        queue, block_class, block_last = self.queues[k], self.block_class, self.block_last
+        queue = self.queues[k]
         while self.heads[k] < len(queue):
-            r, blocks = queue[self.heads[k]], self.front(k)
-            for cursor in range(self.cursors[k], len(blocks)):
-                b = blocks[cursor]
-                if block_last[b] == r and block_class[b] == k:
-                    self.cursors[k] = cursor
-                    return True
+            entry, blocks = queue[self.heads[k]] * self.num_classes + k, self.front(k)
+            position = _find_live(blocks, self.cursors[k], entry, self.block_entry)
+            if position < len(blocks):
+                self.cursors[k] = position
+                return True
             self.pop_front(k)
         return False
 
@@ -340,18 +344,73 @@ class _Cache:
     # --- result ----------------------------------------------------------------------------
 
     def result(self) -> SimResult:
+        """Sum the per-request counts of the counted window by class (numpy, once)."""
         end_s = self.times[-1] if self.times else 0.0
-        if not self.counting:  # an empty trace: nothing was counted
-            self.start_window()
+        counted = slice(self.first_counted, self.trace.num_requests)
+        classes = self.trace.class_ids[counted]
+        per_class = _PerRequest(self, counted)
         by_class: dict[str, ClassStats] = {}
         total = ClassStats()
-        for name, stats, live in zip(
-            self.trace.class_names, self.stats, self.live_by_class, strict=True
-        ):
-            stats.block_seconds += live * end_s
+        for k, name in enumerate(self.trace.class_names):
+            stats = self.stats[k]
+            mine = classes == k
+            per_class.fill(stats, mine)
+            stats.block_seconds += self.live_by_class[k] * end_s
+            stats.peak_blocks = max(self.window_live[k], per_class.max_class_live(mine))
             by_class[name] = stats
             total.add(stats)
-        total.peak_blocks = self.peak_all
+        total.peak_blocks = per_class.max_live()
         by_class[ALL] = total
         window_s = max(end_s - self.window_start_s, 0.0)
         return SimResult(self.config, by_class, window_s, self.trace.num_blocks)
+
+
+def _find_live(blocks: list[int], start: int, entry: int, block_entry: list[int]) -> int:
+    """The first position >= ``start`` whose block's live entry is ``entry``, else len(blocks).
+
+    Stale positions (blocks touched again later) are most of what expiry and eviction walk
+    over, so the search runs in C: ``map`` fetches a chunk of entries, ``list.index`` finds.
+    """
+    if start < len(blocks) and block_entry[blocks[start]] == entry:
+        return start  # the common case when a run of live blocks is being consumed
+    get = block_entry.__getitem__
+    while start < len(blocks):
+        chunk = list(map(get, blocks[start : start + _SCAN_CHUNK]))
+        if entry in chunk:
+            return start + chunk.index(entry)
+        start += len(chunk)
+    return len(blocks)
+
+
+class _PerRequest:
+    """The per-request counts of the counted window as numpy arrays."""
+
+    def __init__(self, cache: _Cache, counted: slice) -> None:
+        trace = cache.trace
+        self.num_blocks = np.diff(trace.block_offsets)[counted]
+        self.num_hit = np.asarray(cache.hit_counts[counted], np.int64)
+        self.num_new = np.asarray(cache.new_counts[counted], np.int64)
+        self.input_tokens = trace.input_tokens[counted]
+        self.times = np.asarray(cache.times[counted], np.float64)
+        self.class_live = np.asarray(cache.class_live_after[counted], np.int64)
+        self.live = np.asarray(cache.live_after[counted], np.int64)
+        self.block_tokens = trace.block_tokens
+
+    def fill(self, stats: ClassStats, mine: np.ndarray) -> None:
+        """Add the hit and insert counts of the requests selected by ``mine``."""
+        tokens = np.minimum(self.num_blocks[mine] * self.block_tokens, self.input_tokens[mine])
+        saved = np.minimum(self.num_hit[mine] * self.block_tokens, self.input_tokens[mine])
+        stats.requests = int(np.count_nonzero(mine))
+        stats.blocks = int(self.num_blocks[mine].sum())
+        stats.hit_blocks = int(self.num_hit[mine].sum())
+        stats.tokens = int(tokens.sum())
+        stats.tokens_saved = int(saved.sum())
+        stats.input_tokens = int(self.input_tokens[mine].sum())
+        stats.inserted_blocks = int(self.num_new[mine].sum())
+        stats.block_seconds -= float(np.dot(self.num_new[mine], self.times[mine]))
+
+    def max_class_live(self, mine: np.ndarray) -> int:
+        return int(self.class_live[mine].max(initial=0))
+
+    def max_live(self) -> int:
+        return int(self.live.max(initial=0))
