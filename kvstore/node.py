@@ -6,7 +6,8 @@ and Prometheus on ``metrics_port`` (0 = off), prints ``node <id> serving on <add
 ready, and on SIGTERM or SIGINT finishes in-flight requests, persists pending TTL refreshes and
 closes the index.
 
-The servicer is a thin shell: it checks the token, injects the configured straggler delay,
+The servicer is a thin shell: it checks the token (every RPC but Health, which tells only the
+node's id, epoch and clock, so health checkers need no secret), injects the straggler delay,
 runs the store call in the node's one thread pool (blocking file and lmdb work never runs on
 the event loop; reads overlap, writes serialize inside the store) and maps kvstore errors to
 gRPC status codes through :func:`kvstore.errors.to_grpc_status` only.
@@ -136,7 +137,8 @@ class NodeServicer:
         start_s = time.perf_counter()
         code, details, reply = grpc.StatusCode.OK, "", None
         try:
-            self._authorize(context)
+            if rpc != "Health":
+                self._authorize(context)
             if delay and self._delay_s:
                 await asyncio.sleep(self._delay_s)
             loop = asyncio.get_running_loop()

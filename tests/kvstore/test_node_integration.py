@@ -194,6 +194,7 @@ async def test_auth_token_and_injected_delay(tmp_path: Path, start_node) -> None
     denied = grpc.StatusCode.PERMISSION_DENIED
     async with NodeClient(_address(config)) as anonymous:
         await _expect_code(anonymous.contains([b"k" * 16]), denied, "token")
+        assert await anonymous.now_s() > 0, "Health must answer without a token"
     async with NodeClient(_address(config), token="wrong") as wrong:
         await _expect_code(wrong.stats(), denied)
     async with NodeClient(_address(config), token="s3cret") as client:
