@@ -13,20 +13,24 @@ of random written keys, then the same GETs with one node restarted with
 preceded by an unmeasured warm-up (a quarter of its duration, at least one request per task),
 so the client has learned which node is slow, as it would have in steady state. GETs use
 ``get_into`` with one preallocated buffer per task (the swap-in path). MB/s counts 10**6
-bytes of block data per second. With ``--baseline redis`` the same workload runs through
-redis-py (hiredis) asyncio against a ``redis-server`` this bench starts with persistence off.
+bytes of block data per second. The client process tunes glibc's malloc for multi-megabyte
+buffers first (``--malloc tuned``, see erasure/allocator.py). With ``--baseline redis`` the
+same workload runs through redis-py (hiredis) asyncio against a ``redis-server`` this bench
+starts with persistence off.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -43,8 +47,10 @@ from rich.table import Table
 
 from client import KVClient
 from deploy.local_cluster import LocalCluster, free_ports
+from erasure.allocator import tune_glibc_malloc
 
 STRAGGLER_NODE = "n00"
+_NO_REDIS = "redis baseline skipped: no redis-server (apt-get install -y redis-server)"
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|K|M|G)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
 _UNIT_BYTES |= {"g": 1 << 30, "gib": 1 << 30}
@@ -80,6 +86,7 @@ class Result:
     num_ops: int
     seconds: float
     num_misses: int = 0
+    repeat: int = 0  # 1: the calm GETs measured again after the straggler phase
 
 
 @dataclass
@@ -88,6 +95,7 @@ class Workload:
     concurrencies: list[int]
     seconds: float
     straggler_ms: float
+    rounds: int = 2
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
 
@@ -171,84 +179,105 @@ async def run_load(
     return latencies_s, num_false, time.perf_counter() - start_s
 
 
-class Runner:
-    """Runs the workload's settings against one target and collects Results."""
+class SystemUnderTest:
+    """A target with the keys written to it so far, per block size."""
 
-    def __init__(self, target: Target, workload: Workload, progress: Progress, task: Any) -> None:
+    def __init__(self, target: Target, rng: random.Random) -> None:
         self.target = target
+        self.rng = rng
+        self.size_to_keys: dict[int, list[bytes]] = {}
+
+    def request(
+        self, op: str, block_bytes: int, concurrency: int
+    ) -> Callable[[int], Awaitable[bool]]:
+        """What one task sends: a PUT of a fresh key, or a GET of a random written key."""
+        keys = self.size_to_keys.setdefault(block_bytes, [])
+        if op == "put":
+            blocks = [np.random.default_rng(block_bytes + i).bytes(block_bytes) for i in range(4)]
+
+            async def put(index: int) -> bool:
+                key = xxhash.xxh3_128_digest(
+                    f"{self.target.name}/{block_bytes}/{len(keys)}".encode()
+                )
+                keys.append(key)
+                await self.target.put(key, blocks[len(keys) % len(blocks)])
+                return True
+
+            return put
+        buffers = [bytearray(block_bytes) for _ in range(concurrency)]
+
+        async def get(index: int) -> bool:
+            return await self.target.get_into(self.rng.choice(keys), buffers[index])
+
+        return get
+
+
+class Bench:
+    """Measures settings; systems of one setting run in interleaved rounds (A B, B A, ...)."""
+
+    def __init__(self, workload: Workload, progress: Progress, task: Any) -> None:
         self.workload = workload
         self.progress = progress
         self.task = task
-        self.size_to_keys: dict[int, list[bytes]] = {}
         self.results: list[Result] = []
 
-    async def measure(
+    async def setting(
+        self,
+        op: str,
+        systems: list[SystemUnderTest],
+        straggler_ms: float = 0.0,
+        repeat: int = 0,
+    ) -> None:
+        """Every block size and concurrency of ``op`` on ``systems``."""
+        for block_bytes in self.workload.block_sizes:
+            for concurrency in self.workload.concurrencies:
+                label = f"{op} {size_label(block_bytes)} x{concurrency}"
+                self.progress.update(self.task, description=label)
+                await self._measure(op, block_bytes, concurrency, systems, straggler_ms, repeat)
+                self.progress.advance(self.task)
+
+    async def _measure(
         self,
         op: str,
         block_bytes: int,
         concurrency: int,
+        systems: list[SystemUnderTest],
         straggler_ms: float,
-        request: Callable[[int], Awaitable[bool]],
+        repeat: int,
     ) -> None:
-        label = f"{self.target.name} {op} {size_label(block_bytes)} x{concurrency}"
-        self.progress.update(self.task, description=label + (" straggler" if straggler_ms else ""))
-        await run_load(request, concurrency, self.workload.seconds / 4)  # warm-up
-        latencies_s, num_false, elapsed_s = await run_load(
-            request, concurrency, self.workload.seconds
-        )
-        self.results.append(
-            Result(
-                system=self.target.name,
-                op=op,
-                block_bytes=block_bytes,
-                concurrency=concurrency,
-                straggler_ms=straggler_ms,
-                mb_per_s=len(latencies_s) * block_bytes / elapsed_s / 1e6,
-                p50_ms=percentile_ms(latencies_s, 50),
-                p99_ms=percentile_ms(latencies_s, 99),
-                p999_ms=percentile_ms(latencies_s, 99.9),
-                num_ops=len(latencies_s),
-                seconds=elapsed_s,
-                num_misses=num_false,
+        rounds = self.workload.rounds
+        round_s = self.workload.seconds / rounds
+        name_to_samples: dict[str, tuple[list[float], list[int], list[float]]] = {
+            s.target.name: ([], [], []) for s in systems
+        }
+        for round_index in range(rounds):
+            for system in systems if round_index % 2 == 0 else systems[::-1]:
+                request = system.request(op, block_bytes, concurrency)
+                if round_index == 0:
+                    await run_load(request, concurrency, round_s / 4)  # warm-up
+                latencies_s, num_false, elapsed_s = await run_load(request, concurrency, round_s)
+                samples = name_to_samples[system.target.name]
+                samples[0].extend(latencies_s)
+                samples[1].append(num_false)
+                samples[2].append(elapsed_s)
+        for name, (latencies_s, num_false, elapsed_s) in name_to_samples.items():
+            self.results.append(
+                Result(
+                    system=name,
+                    op=op,
+                    block_bytes=block_bytes,
+                    concurrency=concurrency,
+                    straggler_ms=straggler_ms,
+                    mb_per_s=len(latencies_s) * block_bytes / sum(elapsed_s) / 1e6,
+                    p50_ms=percentile_ms(latencies_s, 50),
+                    p99_ms=percentile_ms(latencies_s, 99),
+                    p999_ms=percentile_ms(latencies_s, 99.9),
+                    num_ops=len(latencies_s),
+                    seconds=sum(elapsed_s),
+                    num_misses=sum(num_false),
+                    repeat=repeat,
+                )
             )
-        )
-        self.progress.advance(self.task)
-
-    async def puts(self, block_bytes: int, concurrency: int) -> None:
-        rng = np.random.default_rng(block_bytes)
-        blocks = [rng.bytes(block_bytes) for _ in range(4)]
-        keys = self.size_to_keys.setdefault(block_bytes, [])
-
-        async def put(index: int) -> bool:
-            key = xxhash.xxh3_128_digest(f"{self.target.name}/{block_bytes}/{len(keys)}".encode())
-            keys.append(key)
-            await self.target.put(key, blocks[len(keys) % len(blocks)])
-            return True
-
-        await self.measure("put", block_bytes, concurrency, 0.0, put)
-
-    async def gets(self, block_bytes: int, concurrency: int, straggler_ms: float) -> None:
-        keys = self.size_to_keys[block_bytes]
-        buffers = [bytearray(block_bytes) for _ in range(concurrency)]
-        rng = self.workload.rng
-
-        async def get(index: int) -> bool:
-            return await self.target.get_into(rng.choice(keys), buffers[index])
-
-        await self.measure("get", block_bytes, concurrency, straggler_ms, get)
-
-    async def puts_and_gets(self) -> None:
-        for block_bytes in self.workload.block_sizes:
-            for concurrency in self.workload.concurrencies:
-                await self.puts(block_bytes, concurrency)
-        for block_bytes in self.workload.block_sizes:
-            for concurrency in self.workload.concurrencies:
-                await self.gets(block_bytes, concurrency, 0.0)
-
-    async def straggler_gets(self) -> None:
-        for block_bytes in self.workload.block_sizes:
-            for concurrency in self.workload.concurrencies:
-                await self.gets(block_bytes, concurrency, self.workload.straggler_ms)
 
 
 def _redis_binary() -> str | None:
@@ -305,7 +334,7 @@ def results_table(results: list[Result]) -> Table:
             r.op,
             size_label(r.block_bytes),
             str(r.concurrency),
-            f"{r.straggler_ms:g} ms" if r.straggler_ms else "-",
+            f"{r.straggler_ms:g} ms" if r.straggler_ms else ("- (again)" if r.repeat else "-"),
             f"{r.mb_per_s:,.0f}",
             f"{r.p50_ms:.2f}",
             f"{r.p99_ms:.2f}",
@@ -316,23 +345,31 @@ def results_table(results: list[Result]) -> Table:
 
 
 def ratios(results: list[Result]) -> list[dict[str, Any]]:
-    """kvstore/redis throughput per setting, and straggler/no-straggler p99 per GET setting."""
-    by_setting = {
-        (r.system, r.op, r.block_bytes, r.concurrency, r.straggler_ms): r for r in results
-    }
+    """kvstore/redis MB/s per setting; straggler p99 / calm p99 per GET setting.
+
+    The calm p99 is the mean of the calm runs before and after the straggler phase, so a
+    drift in machine load between phases does not pass for a straggler effect.
+    """
+    setting_to_calm: dict[tuple, list[Result]] = {}
+    for r in results:
+        if not r.straggler_ms:
+            key = (r.system, r.op, r.block_bytes, r.concurrency)
+            setting_to_calm.setdefault(key, []).append(r)
     rows = []
     for ours in results:
-        if ours.system != "kvstore":
+        if ours.system != "kvstore" or ours.repeat:
             continue
-        calm_key = (ours.op, ours.block_bytes, ours.concurrency, 0.0)
-        redis_result = by_setting.get(("redis", *calm_key))
-        if redis_result and not ours.straggler_ms:
-            rows.append(
-                _ratio_row("kvstore/redis MB/s", ours, ours.mb_per_s / redis_result.mb_per_s)
-            )
-        calm = by_setting.get(("kvstore", *calm_key))
-        if calm and ours.straggler_ms:
-            rows.append(_ratio_row("straggler/calm p99", ours, ours.p99_ms / calm.p99_ms))
+        setting = (ours.op, ours.block_bytes, ours.concurrency)
+        if ours.straggler_ms:
+            calm = setting_to_calm.get(("kvstore", *setting), [])
+            calm_p99_ms = sum(c.p99_ms for c in calm) / len(calm) if calm else 0.0
+            if calm_p99_ms:
+                rows.append(_ratio_row("straggler/calm p99", ours, ours.p99_ms / calm_p99_ms))
+            continue
+        redis_runs = setting_to_calm.get(("redis", *setting))
+        if redis_runs:
+            ratio = ours.mb_per_s / redis_runs[0].mb_per_s
+            rows.append(_ratio_row("kvstore/redis MB/s", ours, ratio))
     return rows
 
 
@@ -361,29 +398,6 @@ def ratios_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-async def bench_kvstore(
-    args: argparse.Namespace, workload: Workload, progress: Progress, task: Any
-) -> tuple[list[Result], list[str]]:
-    """Run the kvstore settings, starting a local cluster unless --cluster was given."""
-    notes: list[str] = []
-    with _cluster(args) as (cluster_toml, cluster):
-        client = await KVClient.connect(cluster_toml, tenant="bench")
-        runner = Runner(KVStoreTarget(client), workload, progress, task)
-        try:
-            await runner.puts_and_gets()
-            if cluster is None:
-                notes.append("straggler GETs skipped: --cluster given, nodes cannot be restarted")
-                progress.advance(task, len(workload.block_sizes) * len(workload.concurrencies))
-            else:
-                await asyncio.to_thread(_restart, cluster, workload.straggler_ms)
-                await runner.straggler_gets()
-                await asyncio.to_thread(_restart, cluster, 0.0)
-            notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
-        finally:
-            await runner.target.close()
-    return runner.results, notes
-
-
 def _restart(cluster: LocalCluster, delay_ms: float) -> None:
     extra = ["--inject-delay-ms", f"{delay_ms:g}"] if delay_ms else []
     cluster.restart_node(STRAGGLER_NODE, extra)
@@ -400,43 +414,55 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster | No
             yield c.cluster_toml, c
 
 
-async def bench_redis(
-    workload: Workload, progress: Progress, task: Any
-) -> tuple[list[Result], list[str]]:
-    if _redis_binary() is None:
-        return [], ["redis baseline skipped: no redis-server (apt-get install -y redis-server)"]
-    with redis_server() as port:
-        runner = Runner(RedisTarget(port), workload, progress, task)
-        try:
-            await runner.puts_and_gets()
-        finally:
-            await runner.target.close()
-    return runner.results, []
+async def run_phases(
+    bench: Bench, systems: list[SystemUnderTest], cluster: LocalCluster | None
+) -> list[str]:
+    """PUTs and GETs on every system, then kvstore GETs with a straggler and calm again."""
+    await bench.setting("put", systems)
+    await bench.setting("get", systems)
+    if cluster is None:
+        return ["straggler GETs skipped: --cluster given, so its nodes cannot be restarted"]
+    straggler_ms = bench.workload.straggler_ms
+    await asyncio.to_thread(_restart, cluster, straggler_ms)
+    await bench.setting("get", systems[:1], straggler_ms=straggler_ms)
+    await asyncio.to_thread(_restart, cluster, 0.0)
+    await bench.setting("get", systems[:1], repeat=1)
+    return []
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    workload = Workload(args.block_sizes, args.concurrency, args.seconds, args.straggler_ms)
+    workload = Workload(
+        args.block_sizes, args.concurrency, args.seconds, args.straggler_ms, args.rounds
+    )
+    with_redis = args.baseline == "redis" and _redis_binary() is not None
+    notes = [] if with_redis or args.baseline == "none" else [_NO_REDIS]
     num_settings = len(workload.block_sizes) * len(workload.concurrencies)
-    systems = 1 + (args.baseline == "redis")
-    results, notes = [], []
-    with Progress(transient=True) as progress:
-        task = progress.add_task("storage", total=num_settings * (3 + 2 * (systems - 1)))
-        ours, ours_notes = await bench_kvstore(args, workload, progress, task)
-        results += ours
-        notes += ours_notes
-        if args.baseline == "redis":
-            theirs, redis_notes = await bench_redis(workload, progress, task)
-            results += theirs
-            notes += redis_notes
+    with _cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
+        client = await KVClient.connect(cluster_toml, tenant="bench")
+        systems = [SystemUnderTest(KVStoreTarget(client), workload.rng)]
+        if with_redis:
+            port = stack.enter_context(redis_server())
+            systems.append(SystemUnderTest(RedisTarget(port), workload.rng))
+        try:
+            with Progress(transient=True) as progress:
+                task = progress.add_task("storage", total=num_settings * 4)
+                runner = Bench(workload, progress, task)
+                notes += await run_phases(runner, systems, cluster)
+            notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
+        finally:
+            for system in systems:
+                await system.target.close()
     return {
-        "results": [asdict(r) for r in results],
-        "ratios": ratios(results),
+        "results": [asdict(r) for r in runner.results],
+        "ratios": ratios(runner.results),
         "notes": notes,
         "settings": {
             "block_sizes": workload.block_sizes,
             "concurrency": workload.concurrencies,
             "seconds": workload.seconds,
+            "rounds": workload.rounds,
             "straggler_ms": workload.straggler_ms,
+            "straggler_node": STRAGGLER_NODE,
             "get_api": "get_into (preallocated buffer per task)",
             "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
             "cpus": os.cpu_count(),
@@ -459,18 +485,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-sizes", type=_size_list, default=_size_list("256KiB,1MiB,4MiB"))
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per setting")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting")
     parser.add_argument("--straggler-ms", type=float, default=50.0, help="delay of the slow node")
     parser.add_argument("--baseline", choices=["none", "redis"], default="none")
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
     parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
+    parser.add_argument(
+        "--malloc",
+        choices=["tuned", "default"],
+        default="tuned",
+        help="tuned: erasure.allocator.tune_glibc_malloc() in the client process first",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the tables, write JSON."""
+    malloc_tuned = args.malloc == "tuned" and tune_glibc_malloc()
     report = asyncio.run(bench(args))
+    report["settings"]["client_malloc"] = "tuned" if malloc_tuned else "default"
     results = [Result(**r) for r in report["results"]]
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(results_table(results))
     if report["ratios"]:
         console.print(ratios_table(report["ratios"]))

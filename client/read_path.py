@@ -90,9 +90,9 @@ class BlockRead:
 
     def _plan(self) -> Any:
         now_suspect = [conn.is_suspect() for conn in self.conns]
-        slow = [conn.health.is_slow for conn in self.conns]
-        probe = [s and conn.health.take_probe() for s, conn in zip(slow, self.conns, strict=True)]
-        return plan_read(self.codec.k, self.fanout, now_suspect, slow, probe)
+        late_scores = [conn.health.late_score for conn in self.conns]
+        probe = [conn.health.is_slow and conn.health.take_probe() for conn in self.conns]
+        return plan_read(self.codec.k, self.fanout, now_suspect, late_scores, probe)
 
     def _ask(self, positions: Sequence[int], timeout_s: float) -> None:
         for position in positions:

@@ -4,7 +4,8 @@ A read asks ``fanout`` nodes (11 of 12 by default) and finishes at the first ``k
 of one version. Positions are ranked by
 
 1. suspect (recently failed) nodes last,
-2. then slow nodes (see client/node_health.py),
+2. then slow nodes (see client/node_health.py), the slowest last: when two nodes look slow and
+   only one can be skipped, the read still skips the worse one,
 3. then data shards (positions < k) before parity shards, so that with every node healthy all
    ``k`` data shards are asked and the block is their concatenation (no decoding),
 4. then by position.
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from client.node_health import SLOW_SCORE
+
 
 @dataclass(frozen=True)
 class ReadPlan:
@@ -30,11 +33,16 @@ def plan_read(
     k: int,
     fanout: int,
     suspect: Sequence[bool],
-    slow: Sequence[bool],
+    late_scores: Sequence[float],
     probe: Sequence[bool],
 ) -> ReadPlan:
     """Rank the group's positions (see module doc); ``probe[i]`` adds slow node i as an extra."""
-    order = sorted(range(len(suspect)), key=lambda i: (suspect[i], slow[i], i >= k, i))
+
+    def rank(i: int) -> tuple[bool, float, bool, int]:
+        lateness = late_scores[i] if late_scores[i] > SLOW_SCORE else 0.0
+        return suspect[i], lateness, i >= k, i
+
+    order = sorted(range(len(suspect)), key=rank)
     ask = order[:fanout]
     extras = [i for i in order[fanout:] if probe[i] and not suspect[i]]
     reserve = [i for i in order[fanout:] if i not in extras]

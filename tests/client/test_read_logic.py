@@ -77,18 +77,21 @@ def test_presence_tally_decides_early() -> None:
 
 
 def test_read_plan_prefers_data_shards_and_skips_bad_nodes() -> None:
-    healthy = [False] * 12
-    plan = plan_read(10, 11, healthy, healthy, healthy)
+    healthy, on_time = [False] * 12, [0.0] * 12
+    plan = plan_read(10, 11, healthy, on_time, healthy)
     assert plan.ask == tuple(range(11)) and plan.reserve == (11,), "all data shards + 1 parity"
     suspect = [i in (2, 5) for i in range(12)]
-    plan = plan_read(10, 11, suspect, healthy, healthy)
+    plan = plan_read(10, 11, suspect, on_time, healthy)
     assert plan.ask == (0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 2), "healthy first, then one suspect"
     assert plan.reserve == (5,)
-    slow = [i == 4 for i in range(12)]
-    plan = plan_read(10, 11, healthy, slow, healthy)
+    late = [0.9 if i == 4 else 0.1 for i in range(12)]
+    plan = plan_read(10, 11, healthy, late, healthy)
     assert 4 not in plan.ask and plan.reserve == (4,), "a slow node goes to the reserve"
-    plan = plan_read(10, 11, healthy, slow, slow)
+    plan = plan_read(10, 11, healthy, late, [i == 4 for i in range(12)])
     assert 4 in plan.ask and len(plan.ask) == 12, "a probe is an extra, not a replacement"
+    two_slow = [{0: 1.0, 7: 0.7}.get(i, 0.0) for i in range(12)]
+    plan = plan_read(10, 11, healthy, two_slow, healthy)
+    assert plan.reserve == (0,), "of two slow nodes the read must skip the slower one"
 
 
 def test_node_health_backoff_and_slowness() -> None:
