@@ -43,7 +43,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
-from kvstore.errors import InvalidArgument, PermissionDenied, to_grpc_status
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, to_grpc_status
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shard_store import ShardStore, StoreStats
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(_main(cluster, node))
-    except RuntimeError as exc:  # e.g. the address is taken
+    except (RuntimeError, OSError, KVStoreError) as exc:  # a port or the data_dir is taken
         log.error("node %s failed: %s", node.id, exc)
         print(f"kvstore node {node.id}: {exc}", file=sys.stderr)
         return 1

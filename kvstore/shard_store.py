@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import logging
 import math
+import os
 import shutil
 import threading
 from collections import Counter
@@ -79,6 +81,7 @@ from ttl.policy import EvictionOrder, is_expired
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_REQUEST = 1 << 16
+MAX_TENANT_CHARS = 256
 INF_WINDOW = 1 << 62  # window of shards that never expire: never retired
 CORRUPT_SHARDS = "node/corrupt_shards"
 NODE_MISSES = "node/misses"  # every miss, including keys with no known class
@@ -172,6 +175,7 @@ class ShardStore:
         self.node = node
         self.ttl = ttl
         self.clock = clock
+        self._lock_fd = _lock_data_dir(data_dir)
         self._index = Index(backend or LmdbBackend(data_dir / "index", sync=node.fsync))
         self._files = SegmentFiles(data_dir / "segments", fsync=node.fsync)
         self._write_lock = threading.Lock()
@@ -301,6 +305,7 @@ class ShardStore:
             self._flush_locked()
             self._files.close()
             self._index.close()
+            os.close(self._lock_fd)
 
     # ----- validation (pure) ------------------------------------------------------------
 
@@ -337,8 +342,11 @@ class ShardStore:
 
     @staticmethod
     def _check_tenant(tenant: str) -> None:
-        if not tenant:
-            raise InvalidArgument("tenant must be a non-empty string (e.g. the account id)")
+        if not tenant or len(tenant) > MAX_TENANT_CHARS:
+            raise InvalidArgument(
+                f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} characters "
+                f"(e.g. the account id), got {len(tenant)} characters"
+            )
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes]) -> None:
@@ -795,6 +803,25 @@ class ShardStore:
             w.delete_entry(entry)
             w.add(CORRUPT_SHARDS, 1)
         w.set_committed_bytes(meta.segment_id, size)
+
+
+def _lock_data_dir(data_dir: Path) -> int:
+    """Hold an exclusive lock on ``data_dir`` for this store's lifetime.
+
+    A second process on the same directory would truncate the first one's in-flight appends
+    as torn tails at its start-up; the lock makes it fail first instead.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InvalidArgument(
+            f"data_dir {data_dir} is in use by another node process; "
+            "give every node its own data_dir"
+        ) from None
+    return fd
 
 
 def _all_in_segment(view: IndexView, segment_id: int) -> list[Entry]:

@@ -56,15 +56,17 @@ def write_config(
     classes: Mapping[str, float] | None = None,
     time_scale: float = 1.0,
     expiry_window_s: float = 3600.0,
+    data_dir: Path | None = None,
     **node_fields: Any,
 ) -> Path:
     """A cluster.toml of one node ``n0`` (k=1, m=0) with free ports; returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
     node = NodeConfig(
         id="n0",
         address=f"127.0.0.1:{free_port()}",
         metrics_port=node_fields.pop("metrics_port", 0),
         failure_domain="d0",
-        data_dir=str(directory / "n0"),
+        data_dir=str(data_dir or directory / "n0"),
         **node_fields,
     )
     ttl = TTLConfig(

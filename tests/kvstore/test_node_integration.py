@@ -248,3 +248,14 @@ async def test_byte_limit_evicts_expirable_and_refuses_only_pinned(
         await _assert_all_hit(client, pinned)  # reads keep working when full
         await client.delete(list(pinned)[:10])
         await client.put([(rng.randbytes(16), make_shard(b"room again"))], traffic_class="chat")
+
+
+async def test_a_second_process_on_the_same_data_dir_is_refused(tmp_path: Path, start_node) -> None:
+    config = write_config(tmp_path)
+    start_node(config)
+    async with NodeClient(_address(config)) as client:
+        await client.put([(b"d" * 16, make_shard(b"mine"))])
+        intruder = write_config(tmp_path / "other", data_dir=tmp_path / "n0")
+        with pytest.raises(RuntimeError, match="in use by another node process"):
+            start_node(intruder)
+        await _assert_all_hit(client, {b"d" * 16: b"mine"})
