@@ -22,6 +22,7 @@ batched RPC per node per call and do not refresh TTLs; a ``get`` hit does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
@@ -265,6 +266,10 @@ class KVClient:
             node_id: None if isinstance(reply, BaseException) else reply
             for node_id, reply in zip(self.conns, replies, strict=True)
         }
+
+    def counters(self) -> dict[str, int]:
+        """This client's read and write counters (ReadCounters and WriteCounters fields)."""
+        return {**dataclasses.asdict(self.read_counters), **dataclasses.asdict(self.write_counters)}
 
     async def close(self) -> None:
         """Let background shard puts finish (bounded by their deadline), then close channels."""

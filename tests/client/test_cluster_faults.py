@@ -150,7 +150,7 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
             start_s = time.monotonic()
             await kv.put(b"s" * 16, b"y" * 100_000)
             put_s = time.monotonic() - start_s
-            assert kv.read_counters.num_hedged > 0, "no read finished before all asked nodes"
+            assert kv.counters()["num_hedged"] > 0, "no read finished before all asked nodes"
         delay_s = STRAGGLER_DELAY_MS / 1000
         assert slowest_s < delay_s / 2, (
             f"slowest read took {slowest_s:.2f} s with a {delay_s} s straggler: "
