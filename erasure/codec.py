@@ -21,15 +21,15 @@ Backends (the parity bytes differ, so a cluster uses one; the header records whi
   for (k, m) outside ISA-L's Vandermonde-safe region (:func:`erasure.isal_backend.check_vand_k_m`).
 
 Why ISA-L is the default, measured with ``kvstore bench erasure`` on this machine (AMD EPYC,
-one core, 10+2, MB/s per CPU-second, 4 MiB blocks): encode 7,200 (isal) vs 905 (zfec);
-decode with 2 data shards lost 9,160 vs 917; with every data shard both only concatenate and
-verify (about 11,700). ISA-L's kernel alone encodes at 50,000 MB/s, faster than memcpy
-(38,500); what our encode spends goes to the xxh3 passes (block and shards) and the one copy
-into the shards it returns. zfec's kernel is the bottleneck at about 1,000 MB/s either way,
-so it would cap a client at a tenth of ISA-L's speed. Against pyeclib's own
-``ECDriver.encode`` (the raw library, without our checksums) our encode runs at 1.01x for
-4 MiB and 1.08x for 16 MiB blocks, 0.67x for 1 MiB and 0.35x for 64 KiB, where the fixed
-cost of a call (about 20 us of Python: twelve headers and checksums) dominates.
+one core, 10+2, MB/s per CPU-second, 4 MiB blocks): encode 7,175 (isal) vs 859 (zfec); decode
+with 2 data shards lost 8,928 vs 910; with every data shard both only verify and concatenate
+(11,900). ISA-L's kernel alone encodes at 51,000 MB/s, faster than memcpy (39,300): our encode
+spends its time in the xxh3 passes (block and shards) and the one copy into the shards it
+returns. zfec's kernel is the bottleneck at about 900 MB/s, encode or decode, so it would
+cap a client at an eighth of ISA-L's speed. Against pyeclib's own ``ECDriver.encode`` (the
+raw library: no checksums, but its own headers and copies) our encode runs at 1.01x for
+4 MiB and 1.13x for 16 MiB blocks, 0.74x for 1 MiB and 0.34x for 64 KiB, where a call's
+fixed cost (about 20 us of Python: twelve headers and checksums) dominates.
 
 Memory: encode returns k+m new ``bytes`` (protobuf takes nothing else); under glibc's default
 settings each one touches fresh pages, see :mod:`erasure.allocator` for the measurement and
