@@ -69,8 +69,6 @@ Buffer = bytes | bytearray | memoryview
 class Backend(Protocol):
     """The arithmetic a backend supplies; the codec does headers, checksums and buffers."""
 
-    name: str
-
     def encode_parity(
         self, data: Sequence[memoryview], parity: memoryview, payload_len: int
     ) -> None: ...

@@ -179,8 +179,6 @@ def _row_addresses(regions: Sequence[memoryview], row_bytes: int) -> ctypes.Arra
 class IsalBackend:
     """Parity and reconstruction with ISA-L; every output goes into a caller's buffer."""
 
-    name = "isal"
-
     def __init__(self, k: int, m: int) -> None:
         check_vand_k_m(k, m)
         self.k, self.m = k, m

@@ -14,8 +14,6 @@ import zfec
 class ZfecBackend:
     """Parity and reconstruction with zfec; outputs are copied into the caller's buffers."""
 
-    name = "zfec"
-
     def __init__(self, k: int, m: int) -> None:
         self.k, self.m = k, m
         self._encoder = zfec.Encoder(k, k + m)  # zfec's "m" is the total number of shards
