@@ -179,7 +179,7 @@ class ShardStore:
         self._index = Index(backend or LmdbBackend(data_dir / "index", sync=node.fsync))
         self._files = SegmentFiles(data_dir / "segments", fsync=node.fsync)
         self._write_lock = threading.Lock()
-        self._state_lock = threading.Lock()  # guards the three read-side buffers below
+        self._state_lock = threading.Lock()  # guards the four buffers below
         self._refreshed: dict[bytes, tuple[Entry, float]] = {}  # index key -> (entry, hit time)
         self._pending_counts: Counter[str] = Counter()  # hits/misses not yet persisted
         self._corrupt: dict[bytes, Entry] = {}  # found by reads, removed by the next write
@@ -449,23 +449,25 @@ class ShardStore:
         """
         with self._state_lock:
             batch, self._put_queue = self._put_queue, []
+        try:
+            self._commit_batch_locked(batch)
+        except Exception as exc:  # nothing of the batch was committed: every request fails
+            for request in batch:
+                request.error = request.error or exc
+        finally:
+            for request in batch:
+                request.done = True
+
+    def _commit_batch_locked(self, batch: list[_PutRequest]) -> None:
         self._flush_locked()
         appends: list[tuple[Entry, bytes]] = []
         refreshed: list[tuple[Entry, float]] = []
-        accepted: list[_PutRequest] = []
         for request in batch:
             try:
                 self._plan_put(request, appends, refreshed)
-                accepted.append(request)
             except CapacityExhausted as exc:
                 request.error = exc
-        try:
-            self._append_and_commit(appends, refreshed)
-        except Exception as exc:
-            for request in accepted:
-                request.error = exc
-        for request in batch:
-            request.done = True
+        self._append_and_commit(appends, refreshed)
 
     def _plan_put(
         self,
