@@ -112,13 +112,23 @@ def _codecs(text: str) -> list[str]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
     parser.add_argument(
-        "--block-sizes", type=_sizes, default=_sizes("64KiB,1MiB,4MiB,16MiB"), metavar="LIST"
+        "--block-sizes",
+        type=_sizes,
+        default=_sizes("64KiB,1MiB,4MiB,16MiB"),
+        metavar="LIST",
+        help="comma-separated sizes (B, KiB, MiB, GiB); default 64KiB,1MiB,4MiB,16MiB",
     )
     parser.add_argument(
         "--seconds", type=float, default=0.5, help="CPU seconds per measurement (all passes)"
     )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved passes per size")
-    parser.add_argument("--codecs", type=_codecs, default=["zfec", "isal"], metavar="LIST")
+    parser.add_argument(
+        "--codecs",
+        type=_codecs,
+        default=["zfec", "isal"],
+        metavar="LIST",
+        help="backends to measure, each with its raw library; default zfec,isal",
+    )
     parser.add_argument("--k", type=int, default=10, help="data shards")
     parser.add_argument("--m", type=int, default=2, help="parity shards")
     parser.add_argument("--missing", type=int, default=2, help="data shards lost in decodes")
@@ -128,7 +138,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="tuned",
         help="tuned: erasure.allocator.tune_glibc_malloc() first (see its docstring)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random blocks")
 
 
 def _codec_cases(codec: Codec, block: bytes, missing: int) -> list[Case]:
