@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from erasure.allocator import tune_glibc_malloc
+
 # argv prefix -> (module, one-line help). The longest matching prefix wins.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("node",): ("kvstore.node", "run one storage node in the foreground"),
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else None)
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, rest = matched
+    # Every command moves multi-megabyte buffers; without this each encode page-faults
+    # (erasure/allocator.py has the measurements).
+    tune_glibc_malloc()
     module_name, help_ = COMMANDS[command]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog="kvstore " + " ".join(command), description=help_)
