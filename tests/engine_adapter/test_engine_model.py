@@ -1,0 +1,166 @@
+"""The model against an independent reference: transformers' LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine_adapter.config import ModelConfig  # noqa: E402
+from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
+from engine_adapter.loader import load_model  # noqa: E402
+from engine_adapter.paged_kv import BlockTable, PagedKVCache  # noqa: E402
+from engine_adapter.weights import _unpermute_rope  # noqa: E402
+
+pytestmark = pytest.mark.engine
+BLOCK_TOKENS = 16
+
+
+def hf_config(cfg: ModelConfig):  # -> transformers.LlamaConfig
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attn_implementation="eager",
+    )
+
+
+def hf_reference(model):  # -> transformers.LlamaForCausalLM with the same weights
+    reference = transformers.LlamaForCausalLM(hf_config(model.config)).eval()
+    reference.load_state_dict(model.state_dict(), strict=True)
+    return reference
+
+
+def paged_logits(model, token_ids, chunk_tokens: int, block_ids=None):
+    """Logits of every position, prefilled chunk by chunk through a paged cache."""
+    layout = KVBlockLayout.for_model(model.config, BLOCK_TOKENS, "float32")
+    num_blocks = -(-len(token_ids) // BLOCK_TOKENS)
+    cache = PagedKVCache(layout, 2 * num_blocks + 2, torch.device("cpu"))
+    table = BlockTable(BLOCK_TOKENS, block_ids or list(range(num_blocks)))
+    hidden = [
+        model(token_ids[s : s + chunk_tokens], s, cache, table)
+        for s in range(0, len(token_ids), chunk_tokens)
+    ]
+    return model.logits(torch.cat(hidden))
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return load_model("random:small", "cpu", "float32", seed=3).model
+
+
+def test_random_model_logits_match_transformers(small_model):
+    token_ids = torch.randint(
+        0, small_model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(0)
+    )
+    ours = paged_logits(small_model, token_ids, chunk_tokens=32)
+    with torch.no_grad():
+        reference = hf_reference(small_model)(token_ids[None]).logits[0]
+    torch.testing.assert_close(
+        ours, reference, atol=1e-4, rtol=1e-4, msg="model math differs from Llama"
+    )
+
+
+def test_default_model_logits_match_transformers(default_model):
+    model, tokenizer = default_model.model, default_model.tokenizer
+    messages = [{"role": "user", "content": "Explain paged attention in two sentences."}]
+    token_ids = torch.tensor(tokenizer.apply_chat_template(messages))
+    ours = paged_logits(model, token_ids, chunk_tokens=BLOCK_TOKENS)
+    with torch.no_grad():
+        reference = hf_reference(model)(token_ids[None]).logits[0]
+    torch.testing.assert_close(
+        ours, reference, atol=2e-4, rtol=1e-4, msg="SmolLM2 logits differ from transformers"
+    )
+
+
+def test_gguf_weights_match_transformers_gguf_loader(default_model, default_gguf_path):
+    """transformers dequantises and un-permutes GGUF tensors with its own code."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(str(default_gguf_path))
+    config_kwargs = {
+        k: v for k, v in parsed["config"].items() if not k.startswith(("_", "model_type"))
+    }
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_kwargs))
+    reference = load_gguf_checkpoint(
+        str(default_gguf_path), return_tensors=True, model_to_load=skeleton
+    )
+    ours = default_model.model.state_dict()
+    assert set(reference["tensors"]) <= set(ours), "weight names differ from transformers'"
+    for name, tensor in reference["tensors"].items():
+        assert torch.equal(ours[name], tensor.float()), (
+            f"{name}: dequantisation or q/k un-permute is wrong"
+        )
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    """convert_hf_to_gguf.py's permute, copied here; ours must be its exact inverse."""
+
+    def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+        shape = weights.shape
+        return (
+            weights.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:])
+            .swapaxes(1, 2)
+            .reshape(shape)
+        )
+
+    weights = np.random.default_rng(0).normal(size=(3 * 64, 40)).astype(np.float32)
+    assert np.array_equal(_unpermute_rope(llama_cpp_permute(weights, 3), 3), weights)
+
+
+def test_safetensors_directory_written_by_transformers(tmp_path):
+    cfg = ModelConfig(
+        vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=96, tie_word_embeddings=False, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(hf_config(cfg)).eval()
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+    loaded = load_model(str(tmp_path), "cpu", "float32")
+    token_ids = torch.arange(40) * 7 % cfg.vocab_size
+    with torch.no_grad():
+        expected = reference(token_ids[None]).logits[0]
+    torch.testing.assert_close(
+        paged_logits(loaded.model, token_ids, 16), expected, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_chunking_and_block_placement_do_not_change_logits(small_model):
+    token_ids = torch.randint(
+        0, small_model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(1)
+    )
+    whole = paged_logits(small_model, token_ids, chunk_tokens=96)
+    scattered = paged_logits(small_model, token_ids, chunk_tokens=32, block_ids=[9, 2, 7, 0, 4, 11])
+    one_by_one = paged_logits(small_model, token_ids, chunk_tokens=1)
+    torch.testing.assert_close(
+        scattered, whole, atol=1e-5, rtol=1e-5, msg="block-table gather is wrong"
+    )
+    torch.testing.assert_close(
+        one_by_one, whole, atol=1e-5, rtol=1e-5, msg="decode-step path differs"
+    )
+
+
+def test_seeded_random_init_is_reproducible():
+    first = load_model("random:tiny", "cpu", "float32", seed=5)
+    again = load_model("random:tiny", "cpu", "float32", seed=5)
+    other = load_model("random:tiny", "cpu", "float32", seed=6)
+    assert first.fingerprint == again.fingerprint != other.fingerprint
+    for (name, a), b in zip(
+        first.model.state_dict().items(), again.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), f"{name}: random init is not seeded"
+    assert first.model.lm_head.weight.data_ptr() == first.model.model.embed_tokens.weight.data_ptr()
