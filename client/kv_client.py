@@ -122,7 +122,7 @@ class KVClient:
         )
 
     def _block_view(self, data: Buffer) -> memoryview:
-        view = memoryview(data).cast("B")
+        view = _byte_view(data, "put data")
         max_bytes = self.config.codec.max_block_bytes
         if not 0 < len(view) <= max_bytes:
             raise InvalidArgument(
@@ -142,12 +142,13 @@ class KVClient:
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
         when ``out`` is read-only or its size differs from the stored block's.
         """
-        view = memoryview(out)
-        if view.readonly or not view.c_contiguous:
+        view = _byte_view(out, "get_into's out")
+        if view.readonly:
             raise InvalidArgument(
-                "get_into needs a writable, C-contiguous buffer (bytearray, numpy array, ...)"
+                "get_into needs a writable buffer (bytearray, numpy array, ...), got read-only "
+                f"{type(out).__name__}"
             )
-        return await self._read(key, view.cast("B"), timeout_s) is not None
+        return await self._read(key, view, timeout_s) is not None
 
     async def _read(
         self, key: bytes, out: memoryview | None, timeout_s: float | None
@@ -278,6 +279,20 @@ class KVClient:
         self._closed = True
         await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))
+
+
+def _byte_view(buffer: object, what: str) -> memoryview:
+    """A flat byte view of ``buffer``; InvalidArgument unless it is a contiguous buffer."""
+    try:
+        view = memoryview(buffer)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(
+            f"{what} must be bytes-like (bytes, bytearray, memoryview, numpy array), "
+            f"got {type(buffer).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(x))")
+    return view.cast("B")
 
 
 class _Connecting:

@@ -242,6 +242,10 @@ async def test_bad_input_raises_clear_errors(cluster: LocalCluster) -> None:
             await kv.put(key, bytes(max_bytes + 1))
         with pytest.raises(InvalidArgument):
             await kv.put(key, b"")
+        with pytest.raises(InvalidArgument, match="bytes-like"):
+            await kv.put(key, "text is not a block")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="contiguous"):
+            await kv.put(key, memoryview(bytes(100))[::2])
         with pytest.raises(UnknownTrafficClass, match="chat"):
             await kv.put(key, b"z" * 10, traffic_class="bulk")
         with pytest.raises(InvalidArgument, match="16 bytes"):
