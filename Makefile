@@ -35,6 +35,9 @@ lint: install
 bench-erasure: install
 	$(VENV)/bin/kvstore bench erasure --json out/bench_erasure.json
 
+bench-storage: install
+	$(VENV)/bin/kvstore bench storage --baseline redis --json out/bench_storage.json
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
