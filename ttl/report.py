@@ -80,7 +80,7 @@ def write_plots(records: Sequence[Record], plot_dir: str | Path) -> list[Path]:
             [*classes, ALL],
             _capacity_key,
             lambda r: r["capacity_label"],
-            lambda r: f"{r['ttl_label']} {r['policy']}",
+            _capacity_series,
             plot_dir / CAPACITY_PLOT,
             "capacity",
         )
@@ -93,7 +93,7 @@ def _plot_panels(
     panels: Sequence[str],
     x_key: Callable[[Record], float],
     x_text: Callable[[Record], str],
-    series_key: Callable[[Record], str],
+    series_key: Callable[[Record], dict[str, str]],
     path: Path,
     x_title: str,
 ) -> None:
@@ -119,31 +119,50 @@ def _draw_panel(
     rows: Sequence[Record],
     x_key: Callable[[Record], float],
     x_text: Callable[[Record], str],
-    series_key: Callable[[Record], str],
+    series_key: Callable[[Record], dict[str, str]],
 ) -> None:
     xs = sorted({x_key(r) for r in rows})
     position = {x: i for i, x in enumerate(xs)}
-    curves: dict[str, dict[float, Record]] = {}
+    curves: dict[tuple, dict[float, Record]] = {}
     for r in rows:
-        curves.setdefault(series_key(r), {})[x_key(r)] = r
-    merged: dict[tuple, list[str]] = {}  # identical curves are drawn once
-    for label, points in curves.items():
+        curves.setdefault(tuple(series_key(r).items()), {})[x_key(r)] = r
+    merged: dict[tuple, list[dict[str, str]]] = {}  # identical curves are drawn once
+    for parts, points in curves.items():
         signature = tuple(
             (x, points[x]["token_hit_ratio"], points[x]["block_hit_ratio"]) for x in sorted(points)
         )
-        merged.setdefault(signature, []).append(label)
-    for signature, labels in merged.items():
+        merged.setdefault(signature, []).append(dict(parts))
+    varying = _varying_parts([parts for group in merged.values() for parts in group])
+    for signature, group in merged.items():
         x = [position[p[0]] for p in signature]
         token = [_to_percent(p[1]) for p in signature]
-        (line,) = ax.plot(x, token, marker="o", label=" | ".join(labels))
+        (line,) = ax.plot(x, token, marker="o", label=_group_label(group, varying))
         ax.plot(x, [_to_percent(p[2]) for p in signature], "--", color=line.get_color())
         if len(merged) <= _MAX_ANNOTATED_CURVES:
             for xi, yi in zip(x, token, strict=True):
                 ax.annotate(f"{yi:.2f}", (xi, yi), textcoords="offset points", xytext=(0, 6))
+    if len(merged) > 1:
+        ax.legend(fontsize="small")
+    elif varying:
+        note = f"the same for {_group_label(next(iter(merged.values())), varying)}"
+        ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize="small")
     labels_by_x = {x_key(r): x_text(r) for r in rows}
     ax.set_xticks(range(len(xs)), [labels_by_x[x] for x in xs])
+    ax.margins(y=0.12)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+
+
+def _varying_parts(all_parts: list[dict[str, str]]) -> list[str]:
+    """Names of the series parts that take more than one value in a panel."""
+    names = dict.fromkeys(name for parts in all_parts for name in parts)
+    return [n for n in names if len({parts.get(n) for parts in all_parts}) > 1]
+
+
+def _group_label(group: list[dict[str, str]], varying: list[str]) -> str:
+    """``chat=1d/3d policy=lru``: each varying part with the values its curves share."""
+    return " ".join(
+        f"{name}={'/'.join(dict.fromkeys(parts[name] for parts in group))}" for name in varying
+    )
 
 
 def _ttl_key(record: Record) -> float:
@@ -154,15 +173,22 @@ def _ttl_text(record: Record) -> str:
     return format_duration(_ttl_key(record))
 
 
-def _ttl_series(record: Record) -> str:
-    others = " ".join(
-        f"{n}={format_duration(math.inf if s is None else s)}"
-        for n, s in record["ttl_by_class"].items()
-        if n != record["traffic_class"]
-    )
-    return " ".join(
-        part for part in (f"cap {record['capacity_label']}", record["policy"], others) if part
-    )
+def _ttl_series(record: Record) -> dict[str, str]:
+    """What distinguishes TTL curves of one class: capacity, policy, the other classes' TTLs."""
+    others = {
+        name: format_duration(math.inf if ttl_s is None else ttl_s)
+        for name, ttl_s in record["ttl_by_class"].items()
+        if name != record["traffic_class"]
+    }
+    return {"capacity": record["capacity_label"], "policy": record["policy"], **others}
+
+
+def _capacity_series(record: Record) -> dict[str, str]:
+    ttls = {
+        name: format_duration(math.inf if ttl_s is None else ttl_s)
+        for name, ttl_s in record["ttl_by_class"].items()
+    }
+    return {"policy": record["policy"], **ttls}
 
 
 def _capacity_key(record: Record) -> float:

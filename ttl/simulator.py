@@ -356,6 +356,7 @@ class _Cache:
             mine = classes == k
             per_class.fill(stats, mine)
             stats.block_seconds += self.live_by_class[k] * end_s
+            stats.block_seconds = max(0.0, stats.block_seconds)  # cancellation leaves -1e-9s
             stats.peak_blocks = max(self.window_live[k], per_class.max_class_live(mine))
             by_class[name] = stats
             total.add(stats)

@@ -1,0 +1,23 @@
+"""``kvstore bench sim`` on a tiny workload: every case runs and the JSON says so (no timing
+assertions: speed is reported, not tested)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvstore.cli import main
+
+
+def test_bench_writes_every_case(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "sim", "--days", "0.05", "--rounds", "1", "--json", str(out)])
+    assert rc == 0
+    document = json.loads(out.read_text())
+    cases = [r["case"] for r in document["results"]]
+    assert cases == ["dict-ttl", "sim-ttl", "sim-ttl-capacity-expiry", "sim-ttl-capacity-lru"]
+    by_case = {r["case"]: r for r in document["results"]}
+    assert by_case["sim-ttl-capacity-lru"]["evicted_blocks"] > 0, "the capacity must bind"
+    assert all(r["accesses_per_s"] > 0 for r in document["results"])
+    assert document["target_accesses_per_s"] == 3e6
+    assert "simulator speed" in capsys.readouterr().out
