@@ -159,7 +159,7 @@ def _simulate(args: argparse.Namespace, trace: Trace) -> int:
     points = grid_points(
         parse_ttl_grid(args.ttl, trace.class_names),
         parse_capacities(",".join(args.capacity or ["inf"]), trace.num_blocks, block_bytes),
-        [EvictionOrder(p.strip()) for p in args.policy.split(",")],
+        parse_policies(args.policy),
     )
     total = trace.num_accesses * len(points)
     with progress_bar(total, not args.no_progress and total >= PROGRESS_MIN_ACCESSES) as bar:
@@ -172,6 +172,15 @@ def _simulate(args: argparse.Namespace, trace: Trace) -> int:
     print_table(records)
     _write_outputs(args, trace, records)
     return 0
+
+
+def parse_policies(text: str) -> list[EvictionOrder]:
+    """``"expiry,lru"`` -> both eviction orders."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = [order.value for order in EvictionOrder]
+    if not names or any(name not in known for name in names):
+        raise ValueError(f"--policy {text!r}: choose from {', '.join(known)}, comma-separated")
+    return [EvictionOrder(name) for name in names]
 
 
 def _write_outputs(args: argparse.Namespace, trace: Trace, records: list[dict[str, Any]]) -> None:

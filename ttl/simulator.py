@@ -13,12 +13,14 @@ Semantics (the README quotes this list):
    the request's traffic class and keeps it: a hit from another class refreshes it with its
    own class's TTL, as the store does. ``expires_at = last_access + ttl(class)``; an infinite
    TTL never expires.
-4. Capacity is a number of resident blocks (bytes are converted by the caller). When an insert
-   takes the count over capacity one block is evicted: the one with the smallest
-   ``EvictionOrder.priority`` (``EXPIRY``: earliest expiry first, the store's policy; ``LRU``:
-   least recently used, for comparison). Ties go to the block touched earlier, then to the one
-   earlier in its request, then to the lower class index. With a capacity smaller than one
-   request, a request can evict its own blocks.
+4. Capacity is a number of resident blocks (bytes are converted by the caller), enforced
+   after each request's inserts, as a store that writes a request's blocks and then evicts
+   down to its limit: while over capacity, the block with the smallest
+   ``EvictionOrder.priority`` goes (``EXPIRY``: earliest expiry first, the store's policy;
+   ``LRU``: least recently used, for comparison). Ties go to the lower class index, then to
+   the block touched earlier, then to the one earlier in its request. The request's own
+   blocks are candidates too: under ``EXPIRY`` a block just touched by a short-TTL class can
+   go before older blocks of a long-TTL class.
 5. Warm-up: requests before ``start + warmup_fraction x span`` are simulated but not counted;
    footprint is measured over the counted window only.
 
@@ -34,7 +36,9 @@ instant, evicted ones when evicted).
 The core is pure: no clock, no I/O. Speed comes from one dense hot loop in ``_Cache.run``:
 dense int block ids in flat lists, and per class a queue of *request* indices in time order
 (the class's TTL is fixed, so time order is expiry order and LRU order) that expiry and
-eviction consume lazily; a block's live entry is the request that touched it last.
+eviction consume lazily; a block's live entry is the request that touched it last. Per
+access the loop does one list read and one list write (more only on inserts); expiry and
+eviction later walk each queued position once, skipping stale ones in C.
 """
 
 from __future__ import annotations

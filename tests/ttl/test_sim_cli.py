@@ -59,6 +59,10 @@ def test_bad_input_is_a_clear_error(trace_path: Path, capsys) -> None:
     assert main(["sim", "--trace", str(trace_path), "--capacity", "1TiB", "--ttl", "chat=1d",
                  "--ttl", "agent=1d", "--capacity", "x"]) == 2  # fmt: skip
     assert "bad capacity 'x'" in capsys.readouterr().err
+    assert main(["sim", "--trace", str(trace_path), "--policy", "fifo"]) == 2
+    assert "choose from expiry, lru" in capsys.readouterr().err
+    assert main(["sim", "--trace", str(trace_path / "missing")]) == 2
+    assert "no trace at" in capsys.readouterr().err
 
 
 def test_the_installed_command_runs(trace_path: Path, tmp_path: Path) -> None:
