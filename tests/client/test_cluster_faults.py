@@ -275,4 +275,6 @@ async def test_tenants_are_isolated(cluster: LocalCluster) -> None:
         assert await globex.get(key) == b"globex" * 10
         await acme.delete([key])
         assert await acme.get(key) is None and await acme.contains([key]) == [False]
-        assert await globex.get(key) == b"globex" * 10
+    kv = await KVClient.connect(cluster.cluster_toml, tenant="globex")
+    async with kv:  # the other documented form: async with await KVClient.connect(...)
+        assert await kv.get(key) == b"globex" * 10

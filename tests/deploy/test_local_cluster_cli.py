@@ -35,13 +35,17 @@ def _wait_gone(node_to_pid: dict[str, int], timeout_s: float = 15.0) -> list[str
 def test_up_status_down(tmp_path: Path) -> None:
     root = tmp_path / "cluster"
     try:
-        up = _kvstore("cluster", "up", "--nodes", "12", "--dir", str(root), "--no-fsync")
+        up = _kvstore(
+            "cluster", "up", "--nodes", "12", "--dir", str(root), "--no-fsync",
+            "--time-scale", "86400",
+        )  # fmt: skip
         assert up.returncode == 0, f"cluster up failed:\n{up.stdout}\n{up.stderr}"
         node_to_pid = read_pids(root)
         assert sorted(node_to_pid) == [f"n{i:02d}" for i in range(12)]
         assert all(is_node_process(pid, n) for n, pid in node_to_pid.items()), "a node died"
         config = load_cluster(root / "cluster.toml")
         assert len(config.groups) == 12 and not config.nodes[0].fsync
+        assert config.ttl.time_scale == 86400 and config.ttl.origin_unix_s > 0
         assert all(len({config.node(n).failure_domain for n in g}) == 12 for g in config.groups)
 
         status = _kvstore("cluster", "status", "--dir", str(root))
