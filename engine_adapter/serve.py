@@ -128,14 +128,16 @@ class WorkerPool:
                 pool.spawn(f"{prefix}{index}", role)
         return pool
 
-    def spawn(self, worker_id: str, role: str, port: int = 0) -> WorkerProcess:
+    def spawn(
+        self, worker_id: str, role: str, port: int = 0, extra_args: Sequence[str] = ()
+    ) -> WorkerProcess:
         """Start one worker in its own session, logging to ``run_dir/logs/<id>.log``."""
         ready_file = self.run_dir / f"{worker_id}.ready.json"
         ready_file.unlink(missing_ok=True)
         command = [sys.executable, "-m", "engine_adapter.workers", role, "--id", worker_id]
         command += ["--cluster", str(self.cluster_toml), "--model", self.model]
         command += ["--port", str(port), "--ready-file", str(ready_file)]
-        command += ["--parent-pid", str(os.getpid()), *self.worker_args]
+        command += ["--parent-pid", str(os.getpid()), *self.worker_args, *extra_args]
         with open(self.run_dir / "logs" / f"{worker_id}.log", "ab") as log_file:
             proc = subprocess.Popen(
                 command,
@@ -194,8 +196,24 @@ class WorkerPool:
         worker.proc.kill()
         worker.proc.wait()
 
+    def restart(self, worker_id: str, extra_args: Sequence[str] = ()) -> None:
+        """Stop the worker if it runs, start it on its port with ``extra_args``; wait."""
+        worker = self.workers[worker_id]
+        if worker.alive:
+            worker.proc.terminate()
+            worker.proc.wait(STOP_TIMEOUT_S)
+        self.spawn(worker_id, worker.role, worker.port, extra_args)
+        self.wait_ready()
+
     def restart_dead(self) -> list[str]:
-        """Start again, on the same port, every worker that exited; the ids restarted."""
+        """Start again, on the same port, every worker that exited after it served.
+
+        A worker that dies before it serves is not restarted (it would likely die again);
+        the router keeps routing around it.
+        """
+        for worker in self.workers.values():
+            if not worker.address:
+                self._read_ready(worker)
         dead = [w for w in self.workers.values() if w.address and not w.alive]
         for worker in dead:
             log.warning(
@@ -205,8 +223,7 @@ class WorkerPool:
                 worker.proc.returncode,
                 worker.port,
             )
-            restarted = self.spawn(worker.worker_id, worker.role, worker.port)
-            restarted.address = worker.address
+            self.spawn(worker.worker_id, worker.role, worker.port)
         return [w.worker_id for w in dead]
 
     def stop(self) -> None:
@@ -245,8 +262,23 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def cancel_on_signals() -> None:
+    """In a running event loop: SIGTERM and SIGINT cancel the current task.
+
+    Raising from a plain signal handler could land inside any callback of the loop; a
+    cancelled task unwinds through its ``finally`` blocks and ``asyncio.run`` then raises
+    CancelledError.
+    """
+    task = asyncio.current_task()
+    assert task is not None, "cancel_on_signals() must be called from a task"
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+
+
 async def serve_router(pool: WorkerPool, port: int, policy: str) -> None:
     """Run the router's gRPC server on 127.0.0.1:``port`` until cancelled; restart dead workers."""
+    cancel_on_signals()
     async with Router(pool.addresses("prefill"), pool.addresses("decode"), policy=policy) as router:
         server = grpc.aio.server(options=CHANNEL_OPTIONS)
         pb_grpc.add_RouterServicer_to_server(RouterService(router), server)
@@ -293,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             ) as pool,
         ):
             asyncio.run(serve_router(pool, args.port, args.policy))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("stopped; workers stopped", file=sys.stderr)
     except (InvalidArgument, Unavailable) as exc:
         print(f"error: {exc}\n(worker logs: {run_dir}/logs)", file=sys.stderr)

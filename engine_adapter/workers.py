@@ -224,11 +224,18 @@ class WorkerBase:
 
     role = ""
 
-    def __init__(self, worker_id: str, runtime: KVRuntime, clients: TenantClients) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        runtime: KVRuntime,
+        clients: TenantClients,
+        inject_delay_s: float = 0.0,
+    ) -> None:
         self.worker_id = worker_id
         self.runtime = runtime
         self.clients = clients
         self.tokenizer = runtime.loaded.tokenizer
+        self.inject_delay_s = inject_delay_s  # test-only: a slow worker, to kill mid-request
         self.num_active = 0
 
     async def Health(  # gRPC method name
@@ -253,6 +260,7 @@ class WorkerBase:
         self.num_active += 1
         try:
             async with self.runtime.lock:
+                await asyncio.sleep(self.inject_delay_s)
                 yield
         except KVStoreError as exc:
             log.warning("%s %s: request %s failed: %s", self.role, self.worker_id, request_id, exc)
@@ -534,6 +542,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=1, help="torch threads (1 suits shared CPUs)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random-init seed (random:<size>)")
+    parser.add_argument("--inject-delay-ms", type=float, default=0.0, help="tests: slow requests")
 
 
 async def serve_worker(args: argparse.Namespace) -> None:
@@ -543,7 +552,7 @@ async def serve_worker(args: argparse.Namespace) -> None:
     runtime = KVRuntime(loaded, args.block_tokens, args.max_model_len)
     clients = TenantClients(args.cluster)
     worker_type = PrefillWorker if args.role == "prefill" else DecodeWorker
-    worker = worker_type(args.id, runtime, clients)
+    worker = worker_type(args.id, runtime, clients, args.inject_delay_ms / 1000)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     add = (
         pb_grpc.add_PrefillWorkerServicer_to_server

@@ -1,0 +1,134 @@
+"""End to end through the router with real worker processes and a real 12-node cluster.
+
+The prompt's KV reaches the decode worker through the store, so a wrong block key, a wrong
+block layout, a lost tail or a wrong first token would all change the generated tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from client import KVClient
+from engine_adapter.router import Router
+from engine_adapter.serve import WorkerPool
+from kvstore.errors import InvalidArgument
+from tests.serving.conftest import BLOCK_TOKENS, reference_generate
+
+pytestmark = pytest.mark.timeout(180)
+
+# Prompt lengths: inside the first block, exactly two blocks, blocks plus a tail.
+PROMPT_LENGTHS = (40, 2 * BLOCK_TOKENS, 3 * BLOCK_TOKENS + 17)
+
+
+def _prompt(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1024) for _ in range(num_tokens)]
+
+
+def _router(pool: WorkerPool, policy: str = "round-robin") -> Router:
+    return Router(pool.addresses("prefill"), pool.addresses("decode"), policy=policy)
+
+
+@pytest.mark.parametrize("num_tokens", PROMPT_LENGTHS)
+async def test_greedy_output_matches_in_process_engine(worker_pool, reference_model, num_tokens):
+    prompt = _prompt(num_tokens, num_tokens)
+    expected = reference_generate(reference_model, prompt, max_new_tokens=12)
+    async with _router(worker_pool) as router:
+        cold = await router.generate(token_ids=prompt, tenant="e2e", max_new_tokens=12)
+        warm = await router.generate(token_ids=prompt, tenant="e2e", max_new_tokens=12)
+    assert cold.token_ids == expected, (
+        "serving (cold) differs from the in-process model: handoff bug"
+    )
+    assert warm.token_ids == expected, "serving with cached blocks differs: swapped-in KV is wrong"
+    num_full_blocks = num_tokens // BLOCK_TOKENS
+    assert cold.num_swapped_tokens == num_full_blocks * BLOCK_TOKENS, (
+        "the decode worker did not read every full prompt block from the store"
+    )
+    assert cold.num_recomputed_tokens == 0, "blocks written before the handoff were not readable"
+    assert cold.finish_reason == "length" and len(cold.token_ids) == 12
+
+
+async def test_seeded_sampling_matches_and_repeats(worker_pool, reference_model):
+    prompt = _prompt(7, 150)
+    expected = reference_generate(reference_model, prompt, 10, temperature=0.8, seed=42)
+    async with _router(worker_pool) as router:
+        first = await router.generate(
+            token_ids=prompt, tenant="e2e", max_new_tokens=10, temperature=0.8, seed=42
+        )
+        other_seed = await router.generate(
+            token_ids=prompt, tenant="e2e", max_new_tokens=10, temperature=0.8, seed=43
+        )
+    assert first.token_ids == expected, (
+        "seeded sampling differs from the in-process model: the sampler state was not handed off"
+    )
+    assert other_seed.token_ids != expected, "the seed does not reach the sampler"
+
+
+async def test_prefix_written_by_one_prefill_worker_is_hit_by_the_other(worker_pool):
+    prompt = _prompt(11, 4 * BLOCK_TOKENS + 5)
+    async with _router(worker_pool) as router:
+        writer = await router.generate(token_ids=prompt, tenant="cross", max_new_tokens=2)
+        reader = await router.generate(token_ids=prompt, tenant="cross", max_new_tokens=2)
+        longer = await router.generate(
+            token_ids=prompt + [3] * 80, tenant="cross", max_new_tokens=2
+        )
+    assert writer.num_cached_tokens == 0, "a fresh tenant's prompt hit: keys are not salted"
+    assert writer.prefill_worker_id != reader.prefill_worker_id, (
+        "round-robin sent both to one worker"
+    )
+    assert reader.num_cached_tokens == 4 * BLOCK_TOKENS, (
+        f"{reader.prefill_worker_id} did not hit the prefix {writer.prefill_worker_id} wrote"
+    )
+    assert longer.num_cached_tokens == 4 * BLOCK_TOKENS
+    assert reader.token_ids == writer.token_ids
+
+
+async def test_least_loaded_spreads_concurrent_requests(worker_pool):
+    async with _router(worker_pool, policy="least-loaded") as router:
+        completions = await asyncio.gather(
+            *(
+                router.generate(token_ids=_prompt(100 + i, 90), tenant="spread", max_new_tokens=2)
+                for i in range(4)
+            )
+        )
+    workers = sorted(c.prefill_worker_id for c in completions)
+    assert workers == ["p0", "p0", "p1", "p1"], f"least-loaded routing gave {workers}"
+
+
+async def test_tenants_do_not_share_kv_and_traffic_class_reaches_the_store(
+    worker_pool, serving_cluster
+):
+    prompt = _prompt(21, 3 * BLOCK_TOKENS)
+
+    async def agent_blocks() -> int:
+        async with KVClient.connect(serving_cluster.cluster_toml, tenant="stats") as kv:
+            stats = await kv.node_stats()
+        return sum(
+            c.blocks for s in stats.values() if s for c in s.classes if c.traffic_class == "agent"
+        )
+
+    before = await agent_blocks()
+    async with _router(worker_pool) as router:
+        acme = await router.generate(token_ids=prompt, tenant="acme", traffic_class="agent")
+        globex = await router.generate(token_ids=prompt, tenant="globex", traffic_class="agent")
+        acme_again = await router.generate(token_ids=prompt, tenant="acme", traffic_class="agent")
+    assert acme.num_cached_tokens == 0, "a fresh prompt hit"
+    assert globex.num_cached_tokens == 0, "tenant globex hit tenant acme's blocks"
+    assert acme_again.num_cached_tokens == 2 * BLOCK_TOKENS
+    # 2 tenants x 3 blocks, 12 shards each (some shards may still be in flight: >= 11 each).
+    assert await agent_blocks() - before >= 2 * 3 * 11, "puts did not carry traffic_class=agent"
+
+
+async def test_bad_requests_fail_cleanly(worker_pool):
+    async with _router(worker_pool) as router:
+        with pytest.raises(InvalidArgument, match="traffic class"):
+            await router.generate(token_ids=[1, 2, 3], traffic_class="nope")
+        with pytest.raises(InvalidArgument, match="no tokenizer"):
+            await router.generate([{"role": "user", "content": "hi"}])
+        with pytest.raises(InvalidArgument, match="max_model_len"):
+            await router.generate(token_ids=[1] * 1000, max_new_tokens=100)
+        ok = await router.generate(token_ids=[1, 2, 3], max_new_tokens=3)
+    assert len(ok.token_ids) == 3, "a worker is broken after rejecting bad requests"

@@ -1,0 +1,189 @@
+"""Faults while serving: killed and hung workers, storage nodes lost during a workload, and
+clean shutdown of ``kvstore serve`` (no worker process survives it, even a SIGKILL of it).
+
+Every request has a deadline, so a test that hangs is itself the bug; pytest-timeout turns
+it into a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine_adapter import serving_pb2 as pb
+from engine_adapter.router import Router, ServingClient
+from engine_adapter.serve import WorkerPool
+from kvstore.errors import Unavailable
+from tests.serving.conftest import BLOCK_TOKENS, MODEL, is_gone, reference_generate
+
+pytestmark = pytest.mark.timeout(180)
+
+SLOW_MS = "4000"  # a worker slowed this much is surely mid-request when it is killed
+
+
+def _prompt(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1024) for _ in range(num_tokens)]
+
+
+async def _wait_busy(router: Router, worker_id: str, timeout_s: float = 10.0) -> None:
+    """Wait until ``worker_id`` reports a request in progress (its Health says so)."""
+    worker = next(w for w in router.endpoints if w.worker_id == worker_id)
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        reply = await worker.stub.Health(pb.HealthRequest(), timeout=2.0)
+        if reply.num_active:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{worker_id} never started the request: routing picked another worker")
+
+
+@pytest.mark.slow
+async def test_prefill_worker_killed_mid_request_is_retried_on_the_other(
+    worker_pool: WorkerPool, reference_model
+):
+    prompt = _prompt(1, 2 * BLOCK_TOKENS + 9)
+    expected = reference_generate(reference_model, prompt, 6)
+    worker_pool.restart("p0", ["--inject-delay-ms", SLOW_MS])
+    try:
+        addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
+        async with Router(*addresses, policy="round-robin") as router:
+            request = asyncio.create_task(
+                router.generate(token_ids=prompt, tenant="faults", max_new_tokens=6)
+            )
+            await _wait_busy(router, "p0")
+            worker_pool.kill("p0")
+            completion = await asyncio.wait_for(request, 30)
+    finally:
+        worker_pool.restart("p0")
+    assert completion.prefill_worker_id == "p1", "the request was not retried on p1"
+    assert completion.num_prefill_attempts == 2
+    assert completion.token_ids == expected, "the retried request generated other tokens"
+
+
+@pytest.mark.slow
+async def test_decode_worker_killed_fails_cleanly_then_recovers(worker_pool: WorkerPool):
+    prompt = _prompt(2, 100)
+    worker_pool.restart("d0", ["--inject-delay-ms", SLOW_MS])
+    try:
+        addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
+        async with Router(*addresses) as router:
+            request = asyncio.create_task(
+                router.generate(token_ids=prompt, tenant="faults", max_new_tokens=4)
+            )
+            await _wait_busy(router, "d0")
+            worker_pool.kill("d0")
+            start_s = time.monotonic()
+            with pytest.raises(Unavailable, match="no healthy decode worker"):
+                await asyncio.wait_for(request, 30)
+            assert time.monotonic() - start_s < 5, "the router was slow to see d0 die"
+            assert worker_pool.restart_dead() == ["d0"]  # what `kvstore serve` does each second
+            worker_pool.wait_ready()
+            await asyncio.sleep(1.5)  # the router's probe finds d0 again
+            again = await router.generate(token_ids=prompt, tenant="faults", max_new_tokens=4)
+    finally:
+        if not worker_pool.workers["d0"].alive:
+            worker_pool.restart("d0")
+    assert again.decode_worker_id == "d0" and len(again.token_ids) == 4
+
+
+async def test_hung_prefill_worker_is_given_up_on(worker_pool: WorkerPool):
+    prompt = _prompt(3, 80)
+    addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
+    router = Router(*addresses, policy="round-robin", prefill_attempt_timeout_s=2.0)
+    async with router:
+        pid = worker_pool.workers["p0"].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start_s = time.monotonic()
+            completion = await router.generate(token_ids=prompt, tenant="faults", max_new_tokens=3)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert completion.prefill_worker_id == "p1" and completion.num_prefill_attempts == 2
+    assert time.monotonic() - start_s < 10, "the hung worker held the request past its deadline"
+
+
+async def test_storage_nodes_killed_during_workload_change_no_output(
+    worker_pool: WorkerPool, serving_cluster, reference_model
+):
+    """Nodes die one by one mid-workload: every output is unchanged. Up to 2 of 12 down,
+    blocks still read (10 shards suffice); with 3 down the prefix misses and the decode
+    worker recomputes the blocks it cannot read."""
+    shared = _prompt(4, 2 * BLOCK_TOKENS)
+    prompts = [shared + _prompt(10 + i, 40 + 30 * i) for i in range(6)]
+    expected = [reference_generate(reference_model, p, 4) for p in prompts]
+    index_to_killed = {2: "n03", 4: "n07", 5: "n11"}
+    completions = []
+    addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
+    try:
+        async with Router(*addresses) as router:
+            for index, prompt in enumerate(prompts):
+                if index in index_to_killed:
+                    serving_cluster.kill_node(index_to_killed[index])
+                completions.append(
+                    await router.generate(token_ids=prompt, tenant="nodes", max_new_tokens=4)
+                )
+    finally:
+        for node_id in index_to_killed.values():
+            if not serving_cluster.is_running(node_id):
+                serving_cluster.restart_node(node_id)
+    for index, (completion, tokens) in enumerate(zip(completions, expected, strict=True)):
+        assert completion.token_ids == tokens, f"request {index} changed after nodes died"
+    one_down, two_down, three_down = completions[2], completions[4], completions[5]
+    for completion in (one_down, two_down):
+        assert completion.num_cached_tokens == 2 * BLOCK_TOKENS, "a lost node lost the hits"
+        assert completion.num_recomputed_tokens == 0, "blocks on 10+ nodes were not readable"
+    assert three_down.num_cached_tokens == 0, "3 of 12 nodes down must read as a miss"
+    num_full_tokens = len(prompts[5]) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert three_down.num_recomputed_tokens == num_full_tokens, (
+        "the decode worker must recompute the blocks the store cannot return"
+    )
+
+
+def _start_serve(cluster_toml, run_dir) -> tuple[subprocess.Popen[str], int, dict[str, int]]:
+    """``kvstore serve`` as a real process; its router port and worker pids."""
+    command = [sys.executable, "-m", "kvstore.cli", "serve", "--cluster", str(cluster_toml)]
+    command += ["--model", MODEL, "--port", "0", "--run-dir", str(run_dir)]
+    command += ["--prefill-workers", "1", "--decode-workers", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # the worker pool is ready when the router prints this
+    match = re.search(r"127\.0\.0\.1:(\d+); workers: (\{.*\})", line)
+    assert match, f"kvstore serve did not start: {line!r}; see {run_dir}/logs"
+    pids = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", match.group(2))}
+    return proc, int(match.group(1)), pids
+
+
+def _wait_gone(pids: dict[str, int], timeout_s: float) -> list[str]:
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s and not all(is_gone(p) for p in pids.values()):
+        time.sleep(0.1)
+    return [worker_id for worker_id, pid in pids.items() if not is_gone(pid)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+async def test_serve_stops_every_worker(serving_cluster, tmp_path, stop_signal):
+    proc, port, pids = _start_serve(serving_cluster.cluster_toml, tmp_path)
+    try:
+        assert sorted(pids) == ["d0", "p0"], f"expected workers p0 and d0, got {pids}"
+        async with ServingClient(f"127.0.0.1:{port}") as client:
+            completion = await client.generate(token_ids=[5] * 70, tenant="serve", max_new_tokens=3)
+        assert len(completion.token_ids) == 3 and completion.ttft_s > 0
+        proc.send_signal(stop_signal)
+        proc.wait(20)
+        left = _wait_gone(pids, 15)
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids.values():
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived kvstore serve ({stop_signal.name}): orphans"
