@@ -101,8 +101,9 @@ class EngineConfig:
     max_num_seqs: int = 2  # sequences that can hold KV at once (sizes the block pool)
     max_model_len: int = 0  # longest sequence in tokens; 0 = the model's context length
     traffic_class: str = "chat"  # default class of writes; a request may name its own
+    fetch_policy: str = "cost"  # "cost": fetch when the cost model says it is faster; "always"
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
-    fetch_min_deadline_s: float = 0.05  # a fetch always gets at least this long
+    fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
     fetch_concurrency: int = 16  # get_into calls in flight per fetch
     write_back: bool = True  # store newly computed full blocks after prefill
     write_concurrency: int = 4  # puts in flight during write-back
@@ -120,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {sorted(BYTES_PER_DTYPE)}")
         if self.max_num_seqs <= 0 or self.max_model_len < 0:
             raise ValueError("max_num_seqs must be > 0 and max_model_len >= 0")
+        if self.fetch_policy not in ("cost", "always"):
+            raise ValueError(f"fetch_policy {self.fetch_policy!r}: choose 'cost' or 'always'")
         if not 0 < self.fetch_min_deadline_s <= self.fetch_deadline_s:
             raise ValueError("need 0 < fetch_min_deadline_s <= fetch_deadline_s")
         if self.fetch_concurrency <= 0 or self.write_concurrency <= 0:

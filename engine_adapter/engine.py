@@ -1,0 +1,315 @@
+"""The engine's Python API: load a model, open a store, prefill with the cache, generate.
+
+::
+
+    engine = Engine.load("default", EngineConfig())          # SmolLM2-135M-Instruct, CPU fp32
+    engine.open_store("DIR/cluster.toml")                     # optional: cache-backed prefill
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    out = await engine.generate(ids, max_new_tokens=32, tenant="acme", traffic_class="chat")
+    out.text, out.prefill.num_cached_tokens, out.prefill.ttft_s
+    await engine.close()
+
+Prefill with a store: the prompt's full blocks are looked up, the cached leading blocks
+fetched and swapped in (``connector``), and only the rest is computed, in chunks of
+``prefill_chunk_tokens`` aligned to absolute positions. At least one token is always
+computed to produce logits: when the whole prompt is cached in full blocks, the last block
+is recomputed (``num_usable_blocks``). The new full blocks are then written back in the
+background. Time to first token (TTFT) runs from the call to the first token's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_adapter.config import EngineConfig
+from engine_adapter.connector import FetchOutcome, StoreConnector
+from engine_adapter.kv_layout import KVBlockLayout
+from engine_adapter.loader import LoadedModel, load_model
+from engine_adapter.paged_kv import BlockTable, PagedKVCache
+from engine_adapter.swap_in import SwapIn
+from engine_adapter.tokenizer import Message
+from kvstore.config import ClusterConfig
+from kvstore.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Sequence:
+    """One prompt (and what is generated after it) holding KV blocks in the engine's pool."""
+
+    token_ids: list[int]
+    table: BlockTable
+    tenant: str
+    traffic_class: str
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    sequence: Sequence
+    logits: torch.Tensor  # [vocab] fp32, for the token after the prompt
+    first_token_id: int  # greedy choice from ``logits``
+    num_prompt_tokens: int
+    num_cached_tokens: int  # swapped in from the store
+    num_computed_tokens: int
+    num_matched_tokens: int  # the store had these (the cost model may have fetched fewer)
+    ttft_s: float  # call to first token id, everything included
+    lookup_s: float
+    fetch_s: float
+    compute_s: float
+    fallback: str | None  # why matched tokens were computed anyway (see FetchOutcome)
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]  # generated tokens, the first one included
+    text: str | None  # decoded (special tokens skipped) when the model has a tokenizer
+    finish_reason: str  # "stop" (a stop token) or "length"
+    prefill: PrefillResult
+    decode_s: float
+
+
+class Engine:
+    """A Llama-style model with a paged KV cache and an optional store connector."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded, self.config = loaded, config
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        cfg = self.model.config
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.layout = KVBlockLayout.for_model(cfg, config.block_tokens, config.dtype)
+        self.namespace = self.layout.namespace(loaded.fingerprint)
+        self.max_blocks_per_seq = -(-self.max_model_len // config.block_tokens)
+        num_blocks = config.max_num_seqs * self.max_blocks_per_seq
+        self.cache = PagedKVCache(self.layout, num_blocks, torch.device(config.device))
+        self.connector: StoreConnector | None = None
+
+    @classmethod
+    def load(cls, model: str = "default", config: EngineConfig | None = None) -> Engine:
+        """Load ``model`` ('default', 'random:<size>', a .gguf file or a safetensors dir)."""
+        config = config or EngineConfig()
+        return cls(load_model(model, config.device, config.dtype, config.seed), config)
+
+    def open_store(self, cluster: str | Path | ClusterConfig, token: str | None = None) -> None:
+        """Use the cluster of ``cluster.toml`` for cache-backed prefill (clients open lazily)."""
+        self.connector = StoreConnector(
+            cluster, self.cache, self.namespace, self.config, self.max_blocks_per_seq, token
+        )
+
+    def num_usable_blocks(self, num_prompt_tokens: int) -> int:
+        """Full blocks that may come from the store: all but what holds the last token."""
+        return (num_prompt_tokens - 1) // self.config.block_tokens
+
+    async def prefill(
+        self,
+        prompt_ids: list[int],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        traffic_class: str | None = None,
+        use_cache: bool = True,
+    ) -> PrefillResult:
+        """Prefill ``prompt_ids``; the caller owns the sequence (``release`` it when done)."""
+        started = time.perf_counter()
+        seq = self._new_sequence(prompt_ids, tenant, traffic_class or self.config.traffic_class)
+        store = self.connector if use_cache else None
+        keys = store.keys(prompt_ids, tenant) if store else []
+        outcome = None
+        try:
+            if store:
+                num_usable = self.num_usable_blocks(len(prompt_ids))
+                outcome = await store.fetch_prefix(keys, seq.table, num_usable, tenant)
+            swap_in = outcome.swap_in if outcome else None
+            num_cached = outcome.num_fetched_blocks * self.config.block_tokens if outcome else 0
+            compute_started = time.perf_counter()
+            logits, first = await asyncio.to_thread(self._compute, seq, num_cached, swap_in)
+            compute_s = time.perf_counter() - compute_started
+            ttft_s = time.perf_counter() - started
+        except BaseException:
+            self.release(seq)
+            raise
+        finally:
+            if store and outcome:
+                store.release(outcome)
+        result = self._result(seq, logits, first, num_cached, outcome, ttft_s, compute_s)
+        if self.connector:  # every prefill teaches the cost model the compute rate
+            self.connector.cost_model.observe_compute(result.num_computed_tokens, compute_s)
+        if store and self.config.write_back:
+            first_new = outcome.num_matched_blocks if outcome else 0
+            await store.write_back(keys, seq.table, first_new, tenant, seq.traffic_class)
+        return result
+
+    async def generate(
+        self,
+        prompt: str | list[int] | list[Message],
+        *,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        tenant: str = DEFAULT_TENANT,
+        traffic_class: str | None = None,
+        use_cache: bool = True,
+    ) -> Generation:
+        """Prefill then decode greedily (``temperature`` 0) or by seeded sampling."""
+        prompt_ids = self.encode_prompt(prompt)
+        if max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self._check_length(len(prompt_ids) + max_new_tokens - 1)
+        prefill = await self.prefill(
+            prompt_ids, tenant=tenant, traffic_class=traffic_class, use_cache=use_cache
+        )
+        sampler = Sampler(temperature, top_k, self.config.seed if seed is None else seed)
+        started = time.perf_counter()
+        try:
+            token_ids, reason = await asyncio.to_thread(
+                self._decode, prefill.sequence, prefill.logits, max_new_tokens, sampler
+            )
+        finally:
+            self.release(prefill.sequence)
+        text = self.tokenizer.decode(token_ids) if self.tokenizer else None
+        return Generation(token_ids, text, reason, prefill, time.perf_counter() - started)
+
+    def encode_prompt(self, prompt: str | list[int] | list[Message]) -> list[int]:
+        """Token ids of a prompt: ids as given, untrusted text, or chat messages (template)."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise InvalidArgument(f"model {self.loaded.spec!r} has no tokenizer: pass ids")
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            return self.tokenizer.apply_chat_template(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids or min(ids) < 0 or max(ids) >= self.model.config.vocab_size:
+            raise InvalidArgument(
+                f"prompt ids must be non-empty and in [0, {self.model.config.vocab_size})"
+            )
+        return ids
+
+    def release(self, seq: Sequence) -> None:
+        """Return a sequence's KV blocks to the pool."""
+        self.cache.pool.free(seq.table.block_ids)
+        seq.table.block_ids = []
+
+    async def flush(self) -> None:
+        """Wait for background write-backs (tests and benchmarks call this)."""
+        if self.connector:
+            await self.connector.drain()
+
+    async def close(self) -> None:
+        if self.connector:
+            await self.connector.close()
+
+    def _new_sequence(self, prompt_ids: list[int], tenant: str, traffic_class: str) -> Sequence:
+        if not prompt_ids:
+            raise InvalidArgument("the prompt is empty; pass at least one token")
+        self._check_length(len(prompt_ids))
+        table = BlockTable(self.config.block_tokens)
+        table.block_ids = self.cache.pool.allocate(table.num_blocks_for(len(prompt_ids)))
+        return Sequence(list(prompt_ids), table, tenant, traffic_class)
+
+    def _check_length(self, num_tokens: int) -> None:
+        if num_tokens > self.max_model_len:
+            raise InvalidArgument(
+                f"{num_tokens} tokens exceed the engine's max_model_len={self.max_model_len}; "
+                "shorten the prompt or max_new_tokens"
+            )
+
+    def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """[start, end) cut at absolute multiples of prefill_chunk_tokens (deterministic)."""
+        size = self.config.prefill_chunk_tokens
+        bounds = [start, *range((start // size + 1) * size, end, size), end]
+        return list(itertools.pairwise(bounds))
+
+    def _compute(
+        self, seq: Sequence, start: int, swap_in: SwapIn | None
+    ) -> tuple[torch.Tensor, int]:
+        """Forward the prompt from ``start``; (last token's logits, greedy next id)."""
+        ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.cache.kv.device)
+        hook = swap_in.before_layer if swap_in else None
+        for chunk_start, chunk_end in self._chunks(start, len(seq.token_ids)):
+            hidden = self.model(
+                ids[chunk_start:chunk_end], chunk_start, self.cache, seq.table, hook
+            )
+        logits = self.model.logits(hidden[-1])  # [vocab]
+        return logits, int(logits.argmax())
+
+    def _decode(
+        self, seq: Sequence, logits: torch.Tensor, max_new_tokens: int, sampler: Sampler
+    ) -> tuple[list[int], str]:
+        """Sample, append and forward one token at a time (runs in a worker thread)."""
+        stop_ids = {t for t in (self.model.config.eos_token_id,) if t is not None}
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        out: list[int] = []
+        while True:
+            token_id = sampler.sample(logits)
+            out.append(token_id)
+            if token_id in stop_ids:
+                return out, "stop"
+            if len(out) >= max_new_tokens:
+                return out, "length"
+            logits = self._step(seq, token_id)
+
+    def _step(self, seq: Sequence, token_id: int) -> torch.Tensor:
+        position = len(seq.token_ids)
+        seq.token_ids.append(token_id)
+        if position // self.config.block_tokens >= len(seq.table.block_ids):
+            seq.table.block_ids += self.cache.pool.allocate(1)
+        ids = torch.tensor([token_id], dtype=torch.long, device=self.cache.kv.device)
+        return self.model.logits(self.model(ids, position, self.cache, seq.table)[-1])
+
+    def _result(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        first_token_id: int,
+        num_cached: int,
+        outcome: FetchOutcome | None,
+        ttft_s: float,
+        compute_s: float,
+    ) -> PrefillResult:
+        block_tokens = self.config.block_tokens
+        return PrefillResult(
+            sequence=seq,
+            logits=logits,
+            first_token_id=first_token_id,
+            num_prompt_tokens=len(seq.token_ids),
+            num_cached_tokens=num_cached,
+            num_computed_tokens=len(seq.token_ids) - num_cached,
+            num_matched_tokens=outcome.num_matched_blocks * block_tokens if outcome else 0,
+            ttft_s=ttft_s,
+            lookup_s=outcome.lookup_s if outcome else 0.0,
+            fetch_s=outcome.fetch_s if outcome else 0.0,
+            compute_s=compute_s,
+            fallback=outcome.fallback if outcome else None,
+        )
+
+
+class Sampler:
+    """Greedy when ``temperature`` is 0, else seeded sampling (optionally top-k)."""
+
+    def __init__(self, temperature: float, top_k: int, seed: int) -> None:
+        if temperature < 0 or top_k < 0:
+            raise InvalidArgument(
+                f"need temperature >= 0 and top_k >= 0, got {temperature}, {top_k}"
+            )
+        self.temperature, self.top_k = temperature, top_k
+        self.generator = torch.Generator().manual_seed(seed)  # CPU: same draws on any device
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.temperature == 0:
+            return int(logits.argmax())
+        scaled = logits.float().cpu() / self.temperature  # [vocab]
+        if self.top_k:
+            threshold = torch.topk(scaled, min(self.top_k, scaled.numel())).values[-1]
+            scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

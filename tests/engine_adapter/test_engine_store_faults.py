@@ -1,0 +1,103 @@
+"""Cache-backed prefill when the store misbehaves: nodes down, a slow store, expired blocks.
+
+Whatever happens, the answer is the one computed without a cache; only the number of cached
+tokens changes. Each test runs its own 12-node cluster of real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from deploy.local_cluster import LocalCluster  # noqa: E402
+from engine_adapter.config import EngineConfig  # noqa: E402
+from engine_adapter.engine import Engine  # noqa: E402
+from engine_adapter.loader import load_model  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+CONFIG = EngineConfig(
+    block_tokens=16,
+    prefill_chunk_tokens=16,
+    max_model_len=1024,
+    fetch_policy="always",
+    fetch_min_deadline_s=2.0,
+    fetch_deadline_s=5.0,
+)
+PROMPT = [(i * 53 + 5) % 1000 for i in range(170)]  # 10 full blocks and a 10-token tail
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return load_model("random:small", "cpu", "float32", seed=0)
+
+
+async def prefill(engine: Engine, prompt: list[int], **kwargs):
+    result = await engine.prefill(prompt, **kwargs)
+    engine.release(result.sequence)
+    await engine.flush()
+    return result
+
+
+async def test_two_nodes_down_still_hit_three_down_compute(tmp_path, small_model):
+    with LocalCluster.start(tmp_path, fsync=False) as cluster:
+        engine = Engine(small_model, CONFIG)
+        engine.open_store(cluster.cluster_toml)
+        cold = await prefill(engine, PROMPT, use_cache=False)
+        await prefill(engine, PROMPT)
+        cluster.kill_node("n03")
+        cluster.kill_node("n07")
+        degraded = await prefill(engine, PROMPT)
+        cluster.kill_node("n11")
+        lost = await prefill(engine, PROMPT)
+        await engine.close()
+    assert degraded.num_cached_tokens == 160, "10+2 coding must survive two lost nodes"
+    assert lost.num_cached_tokens == 0, "with three nodes lost the blocks are gone"
+    for result in (degraded, lost):
+        assert torch.equal(result.logits, cold.logits), "a degraded store changed the answer"
+
+
+async def test_slow_store_hits_the_deadline_and_computes(tmp_path, small_model):
+    with LocalCluster.start(tmp_path, fsync=False, inject_delay_ms=500.0) as cluster:
+        writer = Engine(small_model, CONFIG)
+        writer.open_store(cluster.cluster_toml)
+        cold = await prefill(writer, PROMPT, use_cache=False)
+        await prefill(writer, PROMPT)  # lookups and puts are slow, but they land
+        await writer.close()
+        hurried = dataclasses.replace(CONFIG, fetch_min_deadline_s=0.2, fetch_deadline_s=0.2)
+        engine = Engine(small_model, hurried)
+        engine.open_store(cluster.cluster_toml)
+        started = time.perf_counter()
+        result = await prefill(engine, PROMPT)
+        elapsed_s = time.perf_counter() - started
+        await engine.close()
+    assert result.num_matched_tokens == 160, "the blocks were written; the lookup should see them"
+    assert result.fallback == "deadline" and result.num_cached_tokens == 0
+    assert result.fetch_s < 0.5, f"the fetch ignored its 0.2 s deadline ({result.fetch_s:.2f} s)"
+    assert elapsed_s < 5.0
+    assert torch.equal(result.logits, cold.logits), "the deadline fallback changed the answer"
+
+
+async def test_expired_blocks_are_recomputed_and_classes_keep_their_ttl(tmp_path, small_model):
+    # One real second is one virtual day: agent blocks (3 days) expire after 3 s, chat (7) not.
+    with LocalCluster.start(tmp_path, time_scale=86_400.0, fsync=False) as cluster:
+        engine = Engine(small_model, CONFIG)
+        engine.open_store(cluster.cluster_toml)
+        agent_prompt, chat_prompt = PROMPT, PROMPT[::-1]
+        cold = await prefill(engine, agent_prompt, use_cache=False)
+        written_at = time.monotonic()
+        await prefill(engine, agent_prompt, traffic_class="agent")
+        await prefill(engine, chat_prompt, traffic_class="chat")
+        await asyncio.sleep(max(0.0, 3.5 - (time.monotonic() - written_at)))
+        engine.config = dataclasses.replace(CONFIG, write_back=False)
+        expired = await prefill(engine, agent_prompt)
+        alive = await prefill(engine, chat_prompt)
+        await engine.close()
+    assert time.monotonic() - written_at < 6.5, "too slow to tell the two TTLs apart"
+    assert expired.num_matched_tokens == 0, "agent blocks outlived their 3-day TTL"
+    assert alive.num_cached_tokens == 160, "chat blocks should live 7 days"
+    assert torch.equal(expired.logits, cold.logits)
