@@ -116,8 +116,13 @@ class Engine:
         tenant: str = DEFAULT_TENANT,
         traffic_class: str | None = None,
         use_cache: bool = True,
+        write_back: bool | None = None,
     ) -> PrefillResult:
-        """Prefill ``prompt_ids``; the caller owns the sequence (``release`` it when done)."""
+        """Prefill ``prompt_ids``; the caller owns the sequence (``release`` it when done).
+
+        ``use_cache=False`` leaves the store out entirely; ``write_back`` (default: the
+        config's) says whether the new full blocks are stored afterwards.
+        """
         started = time.perf_counter()
         seq = self._new_sequence(prompt_ids, tenant, traffic_class or self.config.traffic_class)
         store = self.connector if use_cache else None
@@ -142,7 +147,7 @@ class Engine:
         result = self._result(seq, logits, first, num_cached, outcome, ttft_s, compute_s)
         if self.connector:  # every prefill teaches the cost model the compute rate
             self.connector.cost_model.observe_compute(result.num_computed_tokens, compute_s)
-        if store and self.config.write_back:
+        if store and (self.config.write_back if write_back is None else write_back):
             first_new = outcome.num_matched_blocks if outcome else 0
             await store.write_back(keys, seq.table, first_new, tenant, seq.traffic_class)
         return result
@@ -177,6 +182,20 @@ class Engine:
             self.release(prefill.sequence)
         text = self.tokenizer.decode(token_ids) if self.tokenizer else None
         return Generation(token_ids, text, reason, prefill, time.perf_counter() - started)
+
+    async def extend(self, seq: Sequence, token_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Append ``token_ids`` to ``seq`` and compute them; (logits, greedy next id).
+
+        No store involved: e.g. the next turn of a conversation held in this engine.
+        """
+        if not token_ids:
+            raise InvalidArgument("extend() needs at least one token")
+        start = len(seq.token_ids)
+        self._check_length(start + len(token_ids))
+        seq.token_ids.extend(token_ids)
+        num_missing = seq.table.num_blocks_for(len(seq.token_ids)) - len(seq.table.block_ids)
+        seq.table.block_ids += self.cache.pool.allocate(max(num_missing, 0))
+        return await asyncio.to_thread(self._compute, seq, start, None)
 
     def encode_prompt(self, prompt: str | list[int] | list[Message]) -> list[int]:
         """Token ids of a prompt: ids as given, untrusted text, or chat messages (template)."""

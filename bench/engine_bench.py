@@ -1,0 +1,339 @@
+"""``kvstore bench engine``: time to first token (TTFT), cold vs cached, and how close to ideal.
+
+::
+
+    kvstore bench engine --json PATH [--model default|random:<size>|PATH] [--device cpu|cuda]
+        [--prompt-lengths 1024,4096,8192] [--cached-fractions 0,0.5,0.9,1.0]
+        [--cluster DIR/cluster.toml] [--repeats 1] [--block-tokens 64] [--chunk-tokens N]
+
+Without ``--cluster`` a 12-node local cluster is started in a temporary directory (fsync off:
+only reads are timed) and stopped at the end. For each prompt length L (seeded random token
+ids; capped at the model's context length):
+
+- ``ttft_cold_s``: prefill of the whole prompt with no store at all (median of repeats).
+- For each cached fraction f, under a fresh tenant (so nothing else is cached): a seeding
+  prefill of the first ``u`` full blocks writes them to the store, where ``u`` is what the
+  cached prefill can use (f*L rounded down to whole blocks and chunks; at least one block is
+  always recomputed). The seeding sequence is then extended by the rest of the prompt
+  without the store: that is ``suffix_compute_s``, the compute an ideal cache leaves.
+- ``ttft_s``: cache-backed prefill of the whole prompt (lookup, fetch, swap-in, compute of
+  the rest, first token), median of repeats, write-back off so repeats see the same cache.
+- ``speedup = ttft_cold_s / ttft_s``; ``ideal_speedup = ttft_cold_s / (suffix_compute_s +
+  fetch_s)`` with the fetch time (``get_into`` of the blocks) of the cached runs, i.e. what
+  a cache that costs nothing beyond the transfer would give (1 when nothing is cached);
+  ``ratio_to_ideal = speedup / ideal_speedup`` (target >= 0.8 at 90% cached). The lookup
+  (``match_prefix``), key hashing, swap-in copies and thread hand-offs count against it.
+- ``fetch_gb_per_s``: bytes swapped in / fetch time; ``compute_tokens_per_s``: L / cold TTFT.
+
+Every cached run's first token is compared with the cold run's (``same_first_token``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from deploy.local_cluster import LocalCluster
+from engine_adapter.config import EngineConfig
+from engine_adapter.engine import Engine, PrefillResult
+from engine_adapter.loader import load_model
+
+GB = 1e9
+DEFAULT_LENGTHS = "1024,4096,8192"
+DEFAULT_FRACTIONS = "0,0.5,0.9,1.0"
+
+
+@dataclass
+class Row:
+    prompt_tokens: int
+    cached_fraction: float  # requested
+    cached_tokens: int  # actually swapped in
+    computed_tokens: int
+    ttft_s: float
+    ttft_cold_s: float
+    speedup: float
+    ideal_speedup: float
+    ratio_to_ideal: float
+    suffix_compute_s: float
+    lookup_s: float
+    fetch_s: float
+    fetch_gb_per_s: float
+    compute_tokens_per_s: float
+    same_first_token: bool
+    fallback: str | None
+    repeats: int
+
+
+class Bench:
+    """One engine, one store, the measurements of one run."""
+
+    def __init__(self, engine: Engine, repeats: int, progress: Progress, task: Any) -> None:
+        self.engine, self.repeats = engine, repeats
+        self.progress, self.task = progress, task
+        self.run_id = f"{time.time_ns():x}"
+
+    async def prompt_rows(self, prompt: list[int], fractions: list[float]) -> list[Row]:
+        cold = [await self._prefill(prompt, use_cache=False) for _ in range(self.repeats)]
+        self._advance()
+        rows = []
+        for fraction in fractions:
+            rows.append(await self._cached_row(prompt, fraction, cold))
+            self._advance()
+        return rows
+
+    async def _cached_row(
+        self, prompt: list[int], fraction: float, cold: list[PrefillResult]
+    ) -> Row:
+        tenant = f"bench-{self.run_id}-{len(prompt)}-{fraction}"
+        num_blocks = self._usable_blocks(len(prompt), fraction)
+        if num_blocks:
+            suffix_compute_s = await self._seed(prompt, num_blocks, tenant)
+        else:  # nothing cached: the ideal is the cold prefill itself
+            suffix_compute_s = statistics.median(r.ttft_s for r in cold)
+        cached = [
+            await self._prefill(prompt, tenant=tenant, write_back=False)
+            for _ in range(self.repeats)
+        ]
+        return make_row(prompt, fraction, cold, cached, suffix_compute_s, self.engine)
+
+    def _usable_blocks(self, num_tokens: int, fraction: float) -> int:
+        config = self.engine.config
+        wanted = min(
+            int(fraction * num_tokens) // config.block_tokens,
+            self.engine.num_usable_blocks(num_tokens),
+        )
+        return wanted // config.blocks_per_chunk * config.blocks_per_chunk
+
+    async def _seed(self, prompt: list[int], num_blocks: int, tenant: str) -> float:
+        """Store the first ``num_blocks`` blocks; return the time to compute the rest."""
+        prefix = prompt[: num_blocks * self.engine.config.block_tokens]
+        seeded = await self.engine.prefill(prefix, tenant=tenant)
+        await self.engine.flush()
+        started = time.perf_counter()
+        await self.engine.extend(seeded.sequence, prompt[len(prefix) :])
+        suffix_compute_s = time.perf_counter() - started
+        self.engine.release(seeded.sequence)
+        return suffix_compute_s
+
+    async def _prefill(self, prompt: list[int], **kwargs: Any) -> PrefillResult:
+        result = await self.engine.prefill(prompt, **kwargs)
+        self.engine.release(result.sequence)
+        return result
+
+    def _advance(self) -> None:
+        self.progress.advance(self.task)
+
+
+def make_row(
+    prompt: list[int],
+    fraction: float,
+    cold: list[PrefillResult],
+    cached: list[PrefillResult],
+    suffix_compute_s: float,
+    engine: Engine,
+) -> Row:
+    """Medians of the repeats and the ratios derived from them (see the module doc)."""
+    ttft_cold_s = statistics.median(r.ttft_s for r in cold)
+    ttft_s = statistics.median(r.ttft_s for r in cached)
+    lookup_s = statistics.median(r.lookup_s for r in cached)
+    fetch_s = statistics.median(r.fetch_s for r in cached)
+    cached_tokens = min(r.num_cached_tokens for r in cached)
+    fetched_bytes = cached_tokens // engine.config.block_tokens * engine.layout.block_bytes
+    ideal_speedup = ttft_cold_s / (suffix_compute_s + fetch_s) if cached_tokens else 1.0
+    speedup = ttft_cold_s / ttft_s
+    return Row(
+        prompt_tokens=len(prompt),
+        cached_fraction=fraction,
+        cached_tokens=cached_tokens,
+        computed_tokens=len(prompt) - cached_tokens,
+        ttft_s=ttft_s,
+        ttft_cold_s=ttft_cold_s,
+        speedup=speedup,
+        ideal_speedup=ideal_speedup,
+        ratio_to_ideal=speedup / ideal_speedup,
+        suffix_compute_s=suffix_compute_s,
+        lookup_s=lookup_s,
+        fetch_s=fetch_s,
+        fetch_gb_per_s=fetched_bytes / fetch_s / GB if fetched_bytes and fetch_s else 0.0,
+        compute_tokens_per_s=len(prompt) / ttft_cold_s,
+        same_first_token=all(r.first_token_id == cold[0].first_token_id for r in cached),
+        fallback=next((r.fallback for r in cached if r.fallback), None),
+        repeats=len(cached),
+    )
+
+
+def results_table(rows: list[Row], title: str) -> Table:
+    table = Table(title=title)
+    columns = ["prompt", "cached", "TTFT cold s", "TTFT s", "speedup", "ideal", "of ideal"]
+    for name in [*columns, "fetch GB/s", "compute tok/s", "same 1st"]:
+        table.add_column(name, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row.prompt_tokens),
+            f"{row.cached_fraction:.0%} ({row.cached_tokens})",
+            f"{row.ttft_cold_s:.3f}",
+            f"{row.ttft_s:.3f}",
+            f"{row.speedup:.2f}x",
+            f"{row.ideal_speedup:.2f}x",
+            f"{row.ratio_to_ideal:.2f}",
+            f"{row.fetch_gb_per_s:.2f}",
+            f"{row.compute_tokens_per_s:.0f}",
+            "yes" if row.same_first_token else "NO",
+        )
+    return table
+
+
+def make_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
+    """Seeded random token ids, clear of the low ids where control tokens usually live."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(
+        min(100, vocab_size // 2), vocab_size, (num_tokens,), generator=generator
+    ).tolist()
+
+
+@contextlib.contextmanager
+def cluster_toml(path: Path | None, num_nodes: int) -> Iterator[Path]:
+    """The given cluster, or a local one started (and stopped) around the run."""
+    if path is not None:
+        yield path
+        return
+    with (
+        tempfile.TemporaryDirectory(prefix="kvstore-engine-bench-") as root,
+        LocalCluster.start(root, num_nodes=num_nodes, fsync=False) as cluster,
+    ):
+        yield cluster.cluster_toml
+
+
+def engine_config(args: argparse.Namespace, max_model_len: int) -> EngineConfig:
+    cuda = args.device.startswith("cuda")
+    return EngineConfig(
+        block_tokens=args.block_tokens,
+        prefill_chunk_tokens=args.chunk_tokens or (512 if cuda else args.block_tokens),
+        device=args.device,
+        dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+        max_num_seqs=2,
+        max_model_len=max_model_len,
+        fetch_policy=args.fetch_policy,
+        fetch_deadline_s=args.fetch_deadline_s,
+        seed=args.seed,
+    )
+
+
+async def bench(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    fractions = [float(x) for x in args.cached_fractions.split(",")]
+    config = engine_config(args, 0)
+    loaded = load_model(args.model, config.device, config.dtype, config.seed)
+    context = loaded.model.config.max_position_embeddings
+    lengths = sorted({min(n, context) for n in lengths})
+    engine = Engine(loaded, engine_config(args, max(lengths)))
+    rows: list[Row] = []
+    with (
+        cluster_toml(args.cluster, args.nodes) as toml,
+        Progress(console=console, transient=True) as progress,
+    ):
+        engine.open_store(toml)
+        task = progress.add_task("engine bench", total=len(lengths) * (1 + len(fractions)))
+        runner = Bench(engine, args.repeats, progress, task)
+        for num_tokens in lengths:
+            prompt = make_prompt(num_tokens, engine.model.config.vocab_size, args.seed)
+            rows += await runner.prompt_rows(prompt, fractions)
+        await engine.close()
+    return {"config": describe(args, engine), "results": [asdict(r) for r in rows]}
+
+
+def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
+    cfg = engine.model.config
+    return {
+        "model": args.model,
+        "model_fingerprint": engine.loaded.fingerprint,
+        "num_params": cfg.num_params(),
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or platform.machine(),
+        "dtype": engine.config.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "block_tokens": engine.config.block_tokens,
+        "prefill_chunk_tokens": engine.config.prefill_chunk_tokens,
+        "block_bytes": engine.layout.block_bytes,
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(engine.config.dtype),
+        "fetch_policy": engine.config.fetch_policy,
+        "cluster": str(args.cluster) if args.cluster else f"local, {args.nodes} nodes, fsync off",
+        "repeats": args.repeats,
+        "connector_stats": asdict(engine.connector.stats) if engine.connector else {},
+    }
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="default | random:<size> | a .gguf file | a safetensors dir",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)",
+    )
+    parser.add_argument(
+        "--prompt-lengths",
+        default=DEFAULT_LENGTHS,
+        help=f"comma-separated (default {DEFAULT_LENGTHS})",
+    )
+    parser.add_argument(
+        "--cached-fractions",
+        default=DEFAULT_FRACTIONS,
+        help=f"comma-separated (default {DEFAULT_FRACTIONS})",
+    )
+    parser.add_argument(
+        "--cluster",
+        type=Path,
+        default=None,
+        help="DIR/cluster.toml (default: start a local cluster)",
+    )
+    parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per setting (median)")
+    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="prefill chunk (default: one block on CPU, 512 on CUDA)",
+    )
+    parser.add_argument("--fetch-policy", default="cost", choices=["cost", "always"])
+    parser.add_argument("--fetch-deadline-s", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    report = asyncio.run(bench(args, console))
+    rows = [Row(**r) for r in report["results"]]
+    config = report["config"]
+    console.print(
+        results_table(
+            rows, f"engine TTFT: {config['model']} on {config['device']} ({config['dtype']})"
+        )
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    console.print(f"wrote {args.json}")
+    return 0 if all(r.same_first_token for r in rows) else 1
