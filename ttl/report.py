@@ -43,7 +43,7 @@ def print_table(records: Sequence[Record], console: Console | None = None) -> No
     table = Table(title="hit rate and footprint per traffic class")
     for column in ("class", "TTL", "capacity", "policy", "requests", "block hit", "token hit"):
         table.add_column(column, justify="left" if column in ("class", "policy") else "right")
-    for column in ("tokens saved", "peak blocks", "mean blocks", "TB x days"):
+    for column in ("tokens saved", "peak blocks", "mean blocks", "bytes x days"):
         table.add_column(column, justify="right")
     single_class = len({r["traffic_class"] for r in records}) == 2  # one class and ALL
     for r in records:
@@ -60,7 +60,7 @@ def print_table(records: Sequence[Record], console: Console | None = None) -> No
             f"{r['tokens_saved']:,}",
             f"{r['peak_blocks']:,}",
             f"{r['mean_blocks']:,.0f}",
-            f"{r['byte_days'] / 1e12:,.3f}",
+            _si_bytes(r["byte_days"]) + "-days",
         )
     (console or Console(width=None if sys.stdout.isatty() else 160)).print(table)
 
@@ -198,6 +198,14 @@ def _capacity_key(record: Record) -> float:
 
 def _to_percent(ratio: float | None) -> float:
     return math.nan if ratio is None else 100.0 * ratio
+
+
+def _si_bytes(num_bytes: float) -> str:
+    """``1.5e12`` -> ``"1.50 TB"`` (powers of 1000)."""
+    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 def _percent(ratio: float | None) -> str:

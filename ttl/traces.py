@@ -514,6 +514,11 @@ def _reorder_segments(
 
 def _dense_ids(raw_ids: np.ndarray) -> tuple[np.ndarray, int]:
     distinct, inverse = np.unique(raw_ids, return_inverse=True)
+    if len(distinct) >= 2**31:
+        raise TraceFormatError(
+            f"{len(distinct):,} distinct blocks: more than the simulator's 2**31; "
+            "split the trace by time"
+        )
     return inverse.astype(np.int32), len(distinct)
 
 
