@@ -1,0 +1,363 @@
+"""UCX vs gRPC data path microbenchmark: GET throughput of one client from one server process.
+
+::
+
+    python -m bench.ucx_bench [--json PATH] [--sizes 256KiB,1MiB,4MiB]
+        [--concurrency 1,8,32] [--transports grpc,ucx,ucx-tcp] [--seconds S] [--rounds R]
+
+A server process holds a 64 MiB buffer of random bytes and serves GETs of (offset, size):
+
+- ``grpc``: a grpc.aio unary call whose reply carries the bytes; the client copies them into
+  its buffer (what ``get_into`` over gRPC does).
+- ``ucx`` / ``ucx-tcp``: the client registers its buffer (client/ucx_transport.py), sends
+  its worker address and tag base in a grpc.aio unary call; the server replies at once and
+  sends the bytes over UCX from the buffer itself (kvstore/ucx_server.py). ``ucx`` lets UCX
+  pick transports (shared memory and CMA on one host), ``ucx-tcp`` forces UCX_TLS=tcp.
+
+So every UCX GET also pays one gRPC round trip, as a storage read will. Each setting runs
+``--rounds`` times, the transports interleaved, for ``--seconds`` each after a short warm-up;
+the table shows the median GB/s (10**9 bytes/s) and latency percentiles over all rounds.
+Every setting checks the bytes of one GET per task against the server's. Both processes tune
+glibc malloc first (erasure/allocator.py), which helps gRPC's per-reply allocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.storage_bench import parse_size, percentile_ms, run_load, size_label
+from client.buffer_pool import BufferPool
+from client.ucx_transport import UcxTransport
+from erasure.allocator import tune_glibc_malloc
+from kvstore.ucx_server import UcxServer
+from kvstore.ucx_worker import ucx_available
+
+SOURCE_BYTES = 64 << 20
+UCX_TRANSPORTS = {"ucx": None, "ucx-tcp": "tcp"}  # bench name -> UCX_TLS (None: UCX's choice)
+_GET = "/ucxbench.Bench/Get"
+_UCX_GET = "/ucxbench.Bench/UcxGet"
+_GET_REQUEST = struct.Struct("<QI")  # offset, size
+_UCX_REQUEST = struct.Struct("<QQIB")  # tag_base, offset, size, index into UCX_TRANSPORTS
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 2 * SOURCE_BYTES)]
+_SEND_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Result:
+    transport: str
+    block_bytes: int
+    concurrency: int
+    gb_per_s: float  # median over rounds
+    gb_per_s_rounds: list[float]
+    p50_ms: float
+    p99_ms: float
+    num_gets: int
+
+
+def source_buffer() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, SOURCE_BYTES, dtype=np.uint8)
+
+
+def block_offset(index: int, size: int) -> int:
+    """Where GET number ``index`` of ``size`` bytes starts: spread over the source buffer."""
+    return (index * 4099 * 4096) % (SOURCE_BYTES - size)
+
+
+# --- server process ---------------------------------------------------------------------
+
+
+class BenchServer:
+    """gRPC control plus one UcxServer per UCX transport, all over one source buffer."""
+
+    def __init__(self) -> None:
+        self.source = memoryview(source_buffer()).cast("B")
+        tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
+        self.senders = [UcxServer(transports=tls) for tls in tls_options]
+        self._tasks: set[asyncio.Task[bool]] = set()
+
+    def get(self, request: bytes, context: Any) -> bytes:
+        offset, size = _GET_REQUEST.unpack(request)
+        return bytes(self.source[offset : offset + size])
+
+    def ucx_get(self, request: bytes, context: Any) -> bytes:
+        """Post the UCX send and reply at once: the bytes travel while the reply does."""
+        tag_base, offset, size, index = _UCX_REQUEST.unpack_from(request)
+        address = request[_UCX_REQUEST.size :]
+        sender = self.senders[index]
+        send = sender.send(address, tag_base, [self.source[offset : offset + size]], 10.0)
+        task = asyncio.get_running_loop().create_task(send)
+        self._tasks.add(task)  # keep a reference until the send ends
+        task.add_done_callback(self._tasks.discard)
+        return b""
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        methods = {"Get": self.get, "UcxGet": self.ucx_get}
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(_as_async(fn)) for name, fn in methods.items()
+        }
+        return grpc.method_handlers_generic_handler("ucxbench.Bench", handlers)
+
+
+def _as_async(fn: Callable[[bytes, Any], bytes]) -> Callable[[bytes, Any], Awaitable[bytes]]:
+    async def handle(request: bytes, context: Any) -> bytes:
+        return fn(request, context)
+
+    return handle
+
+
+async def serve() -> None:
+    """Serve until stdin closes; print one JSON line with the gRPC port first."""
+    bench_server = BenchServer()
+    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers([bench_server.handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(json.dumps({"port": port}), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await server.stop(grace=None)
+    for sender in bench_server.senders:
+        await sender.close()
+
+
+# --- client process ---------------------------------------------------------------------
+
+
+class BenchClient:
+    """One GET function per transport, each filling a per-task slot of one buffer pool."""
+
+    def __init__(self, channel: grpc.aio.Channel, max_bytes: int, concurrency: int) -> None:
+        self._get = channel.unary_unary(_GET)
+        self._ucx_get = channel.unary_unary(_UCX_GET)
+        self.pool = BufferPool(max_bytes, concurrency)
+        self.slots = [self.pool.try_acquire() for _ in range(concurrency)]
+        tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
+        self.receivers = [UcxTransport(transports=tls, seed=7) for tls in tls_options]
+        self._counter = 0
+
+    def request_fn(self, transport: str, size: int) -> Callable[[int], Awaitable[bool]]:
+        if transport == "grpc":
+            return lambda task: self.grpc_get(task, size)
+        index = list(UCX_TRANSPORTS).index(transport)
+        return lambda task: self.ucx_get(index, task, size)
+
+    def _next_offset(self, size: int) -> int:
+        self._counter += 1
+        return block_offset(self._counter, size)
+
+    async def grpc_get(self, task: int, size: int) -> bool:
+        data = await self._get(_GET_REQUEST.pack(self._next_offset(size), size))
+        self.slots[task].view[:size] = data
+        return len(data) == size
+
+    async def ucx_get(self, index: int, task: int, size: int) -> bool:
+        receiver = self.receivers[index]
+        batch = receiver.new_batch([self.slots[task].view[:size]])
+        request = _UCX_REQUEST.pack(batch.tag_base, self._next_offset(size), size, index)
+        await self._ucx_get(request + receiver.address)
+        (num_bytes,) = await batch.wait(None, _SEND_TIMEOUT_S)
+        return num_bytes == size
+
+    async def check(self, transport: str, size: int, source: np.ndarray) -> None:
+        """One GET per task, each compared with the server's bytes."""
+        get = self.request_fn(transport, size)
+        for task in range(len(self.slots)):
+            offset = block_offset(self._counter + 1, size)
+            expected = source[offset : offset + size].tobytes()
+            if not await get(task) or self.slots[task].view[:size] != expected:
+                raise AssertionError(f"{transport} returned wrong bytes for a {size}-byte GET")
+
+    async def close(self) -> None:
+        for receiver in self.receivers:
+            await receiver.close()
+
+
+async def measure(
+    client: BenchClient, transport: str, size: int, concurrency: int, seconds: float
+) -> tuple[float, list[float]]:
+    get = client.request_fn(transport, size)
+    await run_load(get, concurrency, seconds / 4)  # warm-up
+    latencies_s, num_failed, elapsed_s = await run_load(get, concurrency, seconds)
+    if num_failed:
+        raise AssertionError(f"{num_failed} {transport} GETs of {size} bytes came back short")
+    return len(latencies_s) * size / elapsed_s / 1e9, latencies_s
+
+
+async def bench_setting(
+    client: BenchClient, args: argparse.Namespace, size: int, concurrency: int
+) -> list[Result]:
+    rounds: dict[str, list[tuple[float, list[float]]]] = {t: [] for t in args.transports}
+    for _ in range(args.rounds):
+        for transport in args.transports:
+            rounds[transport].append(
+                await measure(client, transport, size, concurrency, args.seconds)
+            )
+    return [_result(t, size, concurrency, runs) for t, runs in rounds.items()]
+
+
+def _result(
+    transport: str, size: int, concurrency: int, runs: list[tuple[float, list[float]]]
+) -> Result:
+    latencies_s = [lat for _, lats in runs for lat in lats]
+    gb_per_s = [round(gbps, 3) for gbps, _ in runs]
+    return Result(
+        transport=transport,
+        block_bytes=size,
+        concurrency=concurrency,
+        gb_per_s=round(statistics.median(gb_per_s), 3),
+        gb_per_s_rounds=gb_per_s,
+        p50_ms=round(percentile_ms(latencies_s, 50), 3),
+        p99_ms=round(percentile_ms(latencies_s, 99), 3),
+        num_gets=len(latencies_s),
+    )
+
+
+def start_server() -> tuple[subprocess.Popen[str], int]:
+    cmd = [sys.executable, "-m", "bench.ucx_bench", "--serve"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"bench server exited before listening (code {proc.wait()})")
+    return proc, json.loads(line)["port"]
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    """Close the server's stdin (its signal to stop); kill it if it does not exit."""
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    proc, port = start_server()
+    results: list[Result] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
+            client = BenchClient(ch, max(args.sizes), max(args.concurrency))
+            source = source_buffer()
+            for size in args.sizes:
+                for transport in args.transports:
+                    await client.check(transport, size, source)
+                for concurrency in args.concurrency:
+                    results += await bench_setting(client, args, size, concurrency)
+            await client.close()
+    finally:
+        stop_server(proc)
+    return {"settings": _settings(args), "results": [asdict(r) for r in results]}
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "seconds": args.seconds,
+        "rounds": args.rounds,
+        "source_bytes": SOURCE_BYTES,
+        "cpu_count": os.cpu_count(),
+        "load_avg_at_end": os.getloadavg(),
+        "ucxx": _ucxx_version(),
+    }
+
+
+def _ucxx_version() -> str:
+    if not ucx_available():
+        return "not installed"
+    import ucxx
+
+    return f"ucxx {ucxx.__version__}, UCX {'.'.join(map(str, ucxx.get_ucx_version()))}"
+
+
+def results_table(results: list[Result]) -> Table:
+    table = Table(title="GET throughput, one client process, one server process")
+    for column in (
+        "transport",
+        "block",
+        "conc",
+        "GB/s (median)",
+        "GB/s rounds",
+        "p50 ms",
+        "p99 ms",
+    ):
+        table.add_column(column, justify="right")
+    for r in results:
+        rounds = " ".join(f"{g:.2f}" for g in r.gb_per_s_rounds)
+        table.add_row(
+            r.transport,
+            size_label(r.block_bytes),
+            str(r.concurrency),
+            f"{r.gb_per_s:.2f}",
+            rounds,
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+        )
+    return table
+
+
+def _transport_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = set(names) - {"grpc", *UCX_TRANSPORTS}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown transports {sorted(unknown)}")
+    return names
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, default=None, help="where to write the results")
+    parser.add_argument(
+        "--sizes", type=lambda t: [parse_size(s) for s in t.split(",")], default="256KiB,1MiB,4MiB"
+    )
+    parser.add_argument(
+        "--concurrency", type=lambda t: [int(c) for c in t.split(",")], default="1,8,32"
+    )
+    parser.add_argument("--transports", type=_transport_list, default="grpc,ucx,ucx-tcp")
+    parser.add_argument("--seconds", type=float, default=1.0, help="measured seconds per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per setting")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    tune_glibc_malloc()
+    if args.serve:
+        asyncio.run(serve())
+        return 0
+    if not ucx_available():
+        args.transports = [t for t in args.transports if t == "grpc"]
+        Console().print("note: ucxx is not installed; measuring gRPC only")
+    start_s = time.perf_counter()
+    report = asyncio.run(bench(args))
+    report["settings"]["wall_s"] = round(time.perf_counter() - start_s, 1)
+    Console().print(results_table([Result(**r) for r in report["results"]]))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ucx_bench", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

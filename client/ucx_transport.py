@@ -1,0 +1,145 @@
+"""Client side of the UCX data path: shard bytes land straight in the client's own buffers.
+
+The client registers, for one read from one node, the slot where each message must land
+(e.g. message 2i = shard i's 48-byte header into a header array, message 2i+1 = its payload
+into its place in the destination block), then asks the node over gRPC to deliver with the
+batch's tag base; kvstore/ucx_server.py shows the exchange. UCX moves the bytes: over shared
+memory the client pulls them with one CMA get from the node's memory into the slot, so the
+only copy is the transport's own. The caller still verifies every shard's checksum.
+
+Tags are made here and are unique per client worker: a random 44-bit request counter in the
+high bits and the message index in the low 20 bits (kvstore.ucx_worker.batch_tag).
+
+Nodes are tracked by the worker address each advertises over gRPC: a node that restarts
+comes back with a new address, :meth:`UcxTransport.observe_node` reports the change, and the
+caller drops what it knew about the old process. Endpoints are made and cached on the
+sending side (the node), keyed by this client's worker address, so a client needs none.
+Failures never surface as wrong bytes: a message that does not arrive in time is reported
+missing (``None``), its receive is cancelled before the slot is handed back, and the caller
+falls back to gRPC or to other nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+from kvstore.ucx_worker import BATCH_INDEX_BITS, MAX_BATCH_MESSAGES, UcxWorker, batch_tag
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID_BITS = 64 - BATCH_INDEX_BITS
+
+
+class UcxReceiveBatch:
+    """The receives of one read from one node: message i lands in ``slots[i]``."""
+
+    def __init__(self, worker: UcxWorker, tag_base: int, slots: Sequence[Any | None]) -> None:
+        if len(slots) > MAX_BATCH_MESSAGES:
+            raise InvalidArgument(
+                f"{len(slots)} messages in one batch; at most {MAX_BATCH_MESSAGES}, split it"
+            )
+        self.tag_base = tag_base
+        self._worker = worker
+        self._futures: dict[int, asyncio.Future[int]] = {
+            i: worker.receive(batch_tag(tag_base, i), slot)
+            for i, slot in enumerate(slots)
+            if slot is not None
+        }
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    async def wait(self, indexes: Iterable[int] | None, timeout_s: float) -> list[int | None]:
+        """Byte counts of messages ``indexes`` (None = all), waiting up to ``timeout_s``.
+
+        A message that failed or did not arrive in time is ``None``; its receive is cancelled
+        before this returns, so every slot asked about is free to reuse afterwards.
+        """
+        wanted = list(self._futures) if indexes is None else list(indexes)
+        unknown = [i for i in wanted if i not in self._futures]
+        if unknown:
+            raise InvalidArgument(f"messages {unknown} have no receive slot in this batch")
+        futures = [self._futures[i] for i in wanted]
+        if futures:
+            await asyncio.wait(futures, timeout=timeout_s)
+        counts = [_byte_count(i, f, self.tag_base) for i, f in zip(wanted, futures, strict=True)]
+        await self._cancel(i for i, n in zip(wanted, counts, strict=True) if n is None)
+        return counts
+
+    async def cancel(self) -> None:
+        """Cancel every receive not yet delivered; afterwards no slot can be written."""
+        await self._cancel(i for i, f in self._futures.items() if not f.done())
+
+    async def _cancel(self, indexes: Iterable[int]) -> None:
+        for index in indexes:
+            await self._worker.cancel(batch_tag(self.tag_base, index))
+
+    async def __aenter__(self) -> UcxReceiveBatch:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.cancel()
+
+
+class UcxTransport:
+    """A client's UCX receiver: one worker, tag bases, and the UCX address of each node."""
+
+    def __init__(
+        self,
+        worker: UcxWorker | None = None,
+        *,
+        transports: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.worker = worker if worker is not None else UcxWorker(transports)
+        self._next_request_id = random.Random(seed).getrandbits(_REQUEST_ID_BITS)
+        self._node_to_address: dict[str, bytes] = {}
+
+    @property
+    def address(self) -> bytes:
+        """This client's UCX worker address: sent to nodes in each UCX read request."""
+        return self.worker.address
+
+    def new_batch(self, slots: Sequence[Any | None]) -> UcxReceiveBatch:
+        """Register receives for one request: message i lands in ``slots[i]`` (None: none).
+
+        Call before sending the request; pass the batch's ``tag_base`` to the node.
+        """
+        request_id = self._next_request_id
+        self._next_request_id = (request_id + 1) % (1 << _REQUEST_ID_BITS)
+        return UcxReceiveBatch(self.worker, request_id << BATCH_INDEX_BITS, slots)
+
+    def observe_node(self, node_id: str, node_address: bytes) -> bool:
+        """Record the UCX address a node advertises; True if it changed (the node restarted)."""
+        previous = self._node_to_address.get(node_id)
+        self._node_to_address[node_id] = node_address
+        if previous is not None and previous != node_address:
+            logger.info("node %s has a new UCX worker address: it restarted", node_id)
+            return True
+        return False
+
+    def node_address(self, node_id: str) -> bytes | None:
+        """The UCX address last seen for ``node_id``, or None if it has none."""
+        return self._node_to_address.get(node_id)
+
+    def forget_node(self, node_id: str) -> None:
+        """Stop using UCX for ``node_id`` until it advertises an address again."""
+        self._node_to_address.pop(node_id, None)
+
+    async def close(self) -> None:
+        await self.worker.close()
+
+
+def _byte_count(index: int, future: asyncio.Future[int], tag_base: int) -> int | None:
+    if not future.done() or future.cancelled():
+        return None
+    error = future.exception()
+    if error is not None:
+        logger.warning("UCX message %d of batch %#x not delivered: %s", index, tag_base, error)
+        return None
+    return future.result()

@@ -1,0 +1,126 @@
+"""Node side of the UCX data path: send shard bytes from the memory that holds them.
+
+gRPC stays the control plane; only shard bytes of reads travel over UCX. One read::
+
+    client                                   node
+    ------                                   ----
+    batch = transport.new_batch(slots)       (slot i: where message i must land)
+    GetShards(keys, ucx={worker_address,
+              tag_base})  ---- gRPC ---->    look up the shards; for each HIT choose the
+                                             buffers to send (e.g. header, payload)
+                          <--- gRPC -----    reply: status and byte counts per key
+                          <--- UCX ------    UcxServer.send(worker_address, tag_base, buffers):
+    batch.wait(indexes) -> byte counts       message i with tag tag_base + i, read in place
+    verify shard checksums, decode           from the node's memory by the client (CMA get)
+
+The node keeps the memory it sends from alive (its segment pinned) until :meth:`send`
+returns; a segment freed by expiry is a MISS in the reply and is never sent. Endpoints to
+clients are made from the client's worker address in the request and cached; an endpoint
+whose send fails or times out (client gone, or it gave up on us) is dropped, and the next
+request from that address makes a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+from kvstore.ucx_worker import UcxWorker, batch_tag
+
+logger = logging.getLogger(__name__)
+
+
+class UcxServer:
+    """A node's UCX sender: one worker, endpoints cached per client worker address."""
+
+    def __init__(
+        self,
+        worker: UcxWorker | None = None,
+        *,
+        transports: str | None = None,
+        max_endpoints: int = 256,
+    ) -> None:
+        if max_endpoints < 1:
+            raise InvalidArgument(f"max_endpoints must be >= 1, got {max_endpoints}")
+        self.worker = worker if worker is not None else UcxWorker(transports)
+        self._max_endpoints = max_endpoints
+        self._endpoints: OrderedDict[bytes, Any] = OrderedDict()
+        # Also at interpreter exit if close() was never awaited (see _drop for why).
+        weakref.finalize(self, _close_endpoints, self._endpoints)
+
+    @property
+    def address(self) -> bytes:
+        """This node's UCX worker address: advertise it to clients over gRPC."""
+        return self.worker.address
+
+    @property
+    def num_endpoints(self) -> int:
+        return len(self._endpoints)
+
+    async def send(
+        self,
+        client_address: bytes,
+        tag_base: int,
+        buffers: Sequence[Any],
+        timeout_s: float,
+    ) -> bool:
+        """Send ``buffers[i]`` with tag ``tag_base + i`` (None entries are skipped).
+
+        Returns True once the client has taken every message, False if a send failed or
+        ``timeout_s`` passed (the client is gone or gave up; its endpoint is dropped). The
+        buffers are read in place and must stay unchanged until this returns. Raises
+        Unavailable if the client's worker cannot be reached at all.
+        """
+        tags = [batch_tag(tag_base, i) for i in range(len(buffers))]
+        endpoint = self._endpoint(client_address)
+        futures = [
+            self.worker.send(endpoint, tag, buf)
+            for tag, buf in zip(tags, buffers, strict=True)
+            if buf is not None
+        ]
+        try:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
+        except Exception as exc:  # TimeoutError, or Unavailable from a failed transfer
+            logger.warning("UCX send of %d messages failed: %r", len(futures), exc)
+            for future in futures:
+                future.cancel()  # stop tracking sends the client will never take
+            self._drop(client_address)
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Drop every endpoint and close the worker."""
+        for address in list(self._endpoints):
+            self._drop(address)
+        await self.worker.close()
+
+    def _endpoint(self, address: bytes) -> Any:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            self._endpoints.move_to_end(address)
+            return endpoint
+        endpoint = self.worker.connect(address)
+        self._endpoints[address] = endpoint
+        if len(self._endpoints) > self._max_endpoints:
+            self._drop(next(iter(self._endpoints)))
+        return endpoint
+
+    def _drop(self, address: bytes) -> None:
+        """Close and forget an endpoint without waiting for the peer.
+
+        Start the close ourselves: an endpoint destroyed unclosed makes ucxx flush it in its
+        destructor, which over TCP blocks until the peer progresses, forever if it is gone.
+        """
+        endpoint = self._endpoints.pop(address, None)
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _close_endpoints(endpoints: OrderedDict[bytes, Any]) -> None:
+    while endpoints:
+        endpoints.popitem()[1].close()

@@ -1,0 +1,394 @@
+"""One UCX worker driven by the asyncio loop: the engine under both ends of the UCX data path.
+
+The UCX data path moves shard bytes from a node's memory straight into slots of the client's
+buffer pool; gRPC stays the control plane (kvstore/ucx_server.py, client/ucx_transport.py).
+This module owns what both ends share: the UCX context and worker, endpoints, tagged sends,
+tagged receives into caller-owned buffers, their cancellation, and progress.
+
+Why tagged messages and not RMA (one-sided gets)
+    ucxx's Python API has tagged, stream and active messages but no RMA calls (its C++ library
+    has them, the bindings do not). RMA is reachable through ctypes on libucp (``ucp_mem_map``,
+    ``ucp_rkey_pack``, ``ucp_get_nbx`` with the handles ucxx exposes); measured on the 2-core
+    dev machine, 2 processes, shared memory, 1-4 MiB: RMA get 15-23 GB/s uncontended, tagged
+    sends 9-15 GB/s, and both fell to the same 1-2 GB/s whenever other work shared the cores.
+    We chose tagged messages anyway:
+    - over shared memory a tagged send of >= 8 KiB already *is* a one-sided read: UCX's
+      rendezvous protocol has the receiver pull the bytes with a CMA get (process_vm_readv)
+      straight from the sender's memory into the posted buffer; the gap above is one extra
+      rendezvous message, and it is small next to the gRPC round trip every read pays anyway;
+    - the node decides what it sends: a segment freed by expiry is reported as a MISS and is
+      never read, and the node keeps the memory alive until the send completes. With RMA a
+      client holding an rkey could read a region that was freed and reused;
+    - no ctypes struct layouts to keep in step with each UCX release.
+
+Why endpoints from worker addresses, with peer error handling off
+    Endpoints made from worker addresses (exchanged over gRPC) with error handling off use
+    shared memory (about 20 GB/s at 4 MiB); with error handling on, UCX drops the shared-memory
+    transports and falls back to TCP (0.7-1.6 GB/s). Without UCX's peer failure detection we
+    detect failures ourselves: every wait has a timeout, gRPC tells us a node is down or
+    restarted, and over TCP a dead peer still surfaces as a connection-reset error. A sender
+    survives a dead receiver (measured: its send just never completes, or fails over TCP).
+
+Why receives are matched on arrival (probe, then receive) rather than pre-posted
+    A pre-posted receive cannot be cancelled safely from Python: ucxx cancels a request only
+    when its Python object dies, and a receive already matched keeps writing into its buffer.
+    So :meth:`UcxWorker.receive` only *registers* the slot; when a message arrives the
+    progress loop probes it, reads its length and receives it into the exact slot. A message
+    whose tag nobody expects (cancelled, timed out, or too long for its slot) is received into
+    a 1-byte tombstone: the truncated receive completes the sender's send without reading
+    the payload. :meth:`UcxWorker.cancel` returns only once no UCX operation can still write
+    into the slot, so the caller may reuse the buffer at once.
+
+Progress
+    One asyncio task calls ``worker.progress`` while anything is pending, yielding to the loop
+    between calls; after ``spin_s`` without activity it arms the worker and sleeps on its epoll
+    file descriptor (and wakes when new work is submitted). An idle worker costs no CPU, which
+    matters with a dozen nodes and clients sharing two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.errors import InvalidArgument, Unavailable
+
+# ucxx sets UCX_MEMTYPE_CACHE, which this UCX release no longer knows and warns about.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+try:
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+except ImportError:  # the optional `ucx` extra is not installed
+    ucx_api = None
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "install the ucx extra (`pip install 'kvstore[ucx]'`) or use transport='grpc'"
+MAX_TAG = (1 << 64) - 1
+# A batch of messages shares one tag base: message i travels with tag `tag_base + i`.
+BATCH_INDEX_BITS = 20
+MAX_BATCH_MESSAGES = 1 << BATCH_INDEX_BITS
+_MAX_ADDRESS_BYTES = 1 << 16
+_ADDRESS_VERSION_MASK = 0x0F  # low bits of a packed worker address's first byte
+_TOMBSTONE_BYTES = 1  # a receive this small truncates any real message: nothing is read
+
+
+def ucx_available() -> bool:
+    """True when ucxx can be imported (the optional `ucx` extra is installed)."""
+    return ucx_api is not None
+
+
+@dataclass(eq=False)
+class _Receive:
+    """A slot waiting for the message with one tag; ``request`` is set once it is matched."""
+
+    tag: int
+    view: memoryview
+    future: asyncio.Future[int]
+    request: Any = None
+    num_bytes: int = 0
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class _Send:
+    request: Any
+    future: asyncio.Future[None]
+    array: Any  # keeps the source buffer alive until UCX is done with it
+
+
+class UcxWorker:
+    """A UCX context and worker, progressed by the running asyncio loop.
+
+    ``transports`` sets UCX_TLS for this worker only (e.g. ``"tcp"``); None keeps UCX's choice
+    (shared memory and CMA between processes of one host, TCP across hosts). All methods must
+    be called from the loop's thread.
+    """
+
+    def __init__(
+        self,
+        transports: str | None = None,
+        *,
+        spin_s: float = 200e-6,
+        idle_wait_s: float = 0.05,
+        grace_s: float = 10.0,
+    ) -> None:
+        if ucx_api is None:
+            raise Unavailable(f"UCX is not available: ucxx is not installed; {INSTALL_HINT}")
+        config = {"TLS": transports} if transports else {}
+        features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+        self._context = ucx_api.UCXContext(config, features)
+        self._worker = ucx_api.UCXWorker(self._context)
+        self._worker.init_blocking_progress_mode()
+        self.address: bytes = self._worker.address.tobytes()
+        self.transports = transports or "default"
+        self._spin_s = spin_s
+        self._idle_wait_s = idle_wait_s
+        self._grace_s = grace_s  # how long a cancelled tag's late message is still drained
+        self._expected: dict[int, _Receive] = {}
+        self._matched: dict[int, _Receive] = {}
+        self._abandoned: dict[int, float] = {}  # tag -> monotonic deadline
+        self._sends: dict[asyncio.Future[None], _Send] = {}
+        self._tombstones: list[Any] = []
+        self._tombstone = bytearray(_TOMBSTONE_BYTES)
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def connect(self, address: bytes) -> Any:
+        """A new endpoint to the worker at ``address`` (raise Unavailable if unreachable)."""
+        self._check_open()
+        self._check_address(address)
+        try:
+            remote = ucx_api.UCXAddress.create_from_buffer(address)
+            return ucx_api.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
+        except Exception as exc:  # ucxx raises its own error types, one per UCX status
+            raise Unavailable(f"cannot reach UCX worker ({type(exc).__name__}: {exc})") from exc
+
+    def send(self, endpoint: Any, tag: int, data: Any) -> asyncio.Future[None]:
+        """Send ``data`` (any contiguous buffer) with ``tag``; the future resolves when sent.
+
+        ``data`` must stay unchanged until then: UCX reads it in place (zero copy). Cancel
+        the future to give up; the peer may still read ``data`` later if it claims the
+        message, which is why readers verify checksums.
+        """
+        self._check_open()
+        _check_tag(tag)
+        array = Array(data)
+        try:
+            request = endpoint.tag_send(array, ucx_api.UCXXTag(tag))
+        except Exception as exc:
+            raise Unavailable(f"UCX send of tag {tag:#x} failed: {exc}") from exc
+        future = asyncio.get_running_loop().create_future()
+        self._sends[future] = _Send(request, future, array)
+        future.add_done_callback(self._forget_abandoned_send)
+        self._wake()
+        return future
+
+    def receive(self, tag: int, out: memoryview) -> asyncio.Future[int]:
+        """Deliver the message tagged ``tag`` into ``out``; the future gives its length.
+
+        ``out`` must be writable, contiguous and at least as long as the message (a longer
+        message fails the future with InvalidArgument and is discarded). Register before
+        asking the peer to send: a message whose tag is not registered is discarded.
+        """
+        self._check_open()
+        _check_tag(tag)
+        view = memoryview(out).cast("B")
+        if view.readonly or not view.contiguous:
+            raise InvalidArgument("receive buffer must be writable and contiguous")
+        if tag in self._expected or tag in self._matched:
+            raise InvalidArgument(f"tag {tag:#x} already has a receive; tags are single-use")
+        future = asyncio.get_running_loop().create_future()
+        self._expected[tag] = _Receive(tag, view, future)
+        self._abandoned.pop(tag, None)
+        self._wake()
+        return future
+
+    async def cancel(self, tag: int) -> None:
+        """Stop waiting for ``tag``; return once nothing can write into its buffer any more.
+
+        A message that arrives later is discarded without being read. Cancelling a tag that
+        is done or unknown does nothing.
+        """
+        receive = self._expected.pop(tag, None)
+        if receive is not None:
+            receive.future.cancel()
+            receive.released.set()
+            self._abandoned[tag] = time.monotonic() + self._grace_s
+            return
+        receive = self._matched.get(tag)
+        if receive is not None:
+            receive.future.cancel()
+            await receive.released.wait()
+
+    @property
+    def num_pending(self) -> int:
+        """Sends, receives and tombstones still in flight (for tests and metrics)."""
+        return len(self._sends) + len(self._expected) + len(self._matched) + len(self._tombstones)
+
+    async def close(self) -> None:
+        """Cancel every receive, stop progress and release the worker."""
+        if self._closed:
+            return
+        for tag in list(self._expected):
+            await self.cancel(tag)
+        for tag in list(self._matched):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cancel(tag), self._idle_wait_s * 10)
+        self._closed = True
+        for future in list(self._sends):
+            if not future.done():
+                future.set_exception(Unavailable("UCX worker closed before the send ended"))
+        self._sends.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _check_address(self, address: bytes) -> None:
+        """Reject what is surely no worker address before UCX sees it.
+
+        UCX asserts, aborting the whole process, when an address's first byte carries an
+        unknown format version; other malformed addresses make it raise, which we map.
+        """
+        if not 0 < len(address) <= _MAX_ADDRESS_BYTES or (
+            address[0] & _ADDRESS_VERSION_MASK != self.address[0] & _ADDRESS_VERSION_MASK
+        ):
+            raise InvalidArgument(
+                f"{len(address)} bytes are not a UCX worker address of this UCX release; "
+                "send the address that UcxWorker.address gives, unchanged"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("this UCX worker is closed; create a new one")
+
+    def _wake(self) -> None:
+        self._kick.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._progress_loop())
+
+    def _busy(self) -> bool:
+        return bool(
+            self._sends or self._expected or self._matched or self._tombstones or self._abandoned
+        )
+
+    async def _progress_loop(self) -> None:
+        try:
+            await self._progress_until_idle()
+        except Exception as exc:
+            logger.exception("UCX progress failed; failing every pending transfer")
+            self._fail_all(Unavailable(f"UCX progress failed: {type(exc).__name__}: {exc}"))
+
+    async def _progress_until_idle(self) -> None:
+        last_active_s = time.monotonic()
+        while self._busy() and not self._closed:
+            active = self._worker.progress_once()
+            active = self._dispatch() or active
+            active = self._reap() or active
+            now_s = time.monotonic()
+            if active:
+                last_active_s = now_s
+            if active or now_s - last_active_s < self._spin_s:
+                await asyncio.sleep(0)
+            else:
+                self._expire_abandoned(now_s)
+                await self._wait_for_event()
+
+    async def _wait_for_event(self) -> None:
+        """Sleep until the worker's epoll fd fires, new work arrives, or idle_wait_s passes."""
+        self._kick.clear()
+        if not self._worker.arm():
+            return  # events are already pending: progress again
+        loop = asyncio.get_running_loop()
+        fd = self._worker.epoll_file_descriptor
+        loop.add_reader(fd, self._kick.set)
+        try:
+            await asyncio.wait_for(self._kick.wait(), self._idle_wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(fd)
+
+    def _dispatch(self) -> bool:
+        """Match every arrived message to its slot, or to a tombstone; True if any arrived."""
+        arrived = False
+        while True:
+            probe = self._worker.tag_probe(ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0), True)
+            if not probe.matched:
+                return arrived
+            arrived = True
+            self._match(probe, probe.sender_tag.value, probe.length)
+
+    def _match(self, probe: Any, tag: int, num_bytes: int) -> None:
+        receive = self._expected.pop(tag, None)
+        if receive is not None and num_bytes > len(receive.view):
+            receive.future.set_exception(
+                InvalidArgument(
+                    f"message with tag {tag:#x} is {num_bytes} bytes but its receive buffer "
+                    f"holds {len(receive.view)}; size receive slots for the largest shard"
+                )
+            )
+            receive.released.set()
+            receive = None
+        if receive is None:
+            self._abandoned.pop(tag, None)
+            tombstone = Array(self._tombstone)
+            self._tombstones.append(self._worker.tag_recv_with_handle(tombstone, probe))
+            return
+        receive.num_bytes = num_bytes
+        receive.request = self._worker.tag_recv_with_handle(Array(receive.view[:num_bytes]), probe)
+        self._matched[tag] = receive
+
+    def _reap(self) -> bool:
+        """Resolve the futures of completed requests; True if any completed."""
+        num_before = len(self._matched) + len(self._sends) + len(self._tombstones)
+        for tag, receive in list(self._matched.items()):
+            if receive.request.completed:
+                del self._matched[tag]
+                _resolve(receive.future, receive.request, receive.num_bytes)
+                receive.released.set()
+        for send in [s for s in self._sends.values() if s.request.completed]:
+            del self._sends[send.future]
+            _resolve(send.future, send.request, None)
+        self._tombstones = [t for t in self._tombstones if not t.completed]
+        return len(self._matched) + len(self._sends) + len(self._tombstones) < num_before
+
+    def _forget_abandoned_send(self, future: asyncio.Future[None]) -> None:
+        """Stop tracking a send whose caller gave up (a timeout): a send to a silent peer
+        may never complete, and the worker must not progress for it forever."""
+        if future.cancelled():
+            self._sends.pop(future, None)
+
+    def _fail_all(self, error: Unavailable) -> None:
+        pending = [*self._expected.values(), *self._matched.values()]
+        for future in [r.future for r in pending] + list(self._sends):
+            if not future.done():
+                future.set_exception(error)
+        for receive in self._expected.values():
+            receive.released.set()  # never matched: UCX holds no pointer into its buffer
+        self._expected.clear()
+        self._sends.clear()
+
+    def _expire_abandoned(self, now_s: float) -> None:
+        for tag in [t for t, deadline_s in self._abandoned.items() if deadline_s <= now_s]:
+            del self._abandoned[tag]
+
+
+def batch_tag(tag_base: int, index: int) -> int:
+    """The tag of message ``index`` of the batch starting at ``tag_base``."""
+    if tag_base % MAX_BATCH_MESSAGES or not 0 <= tag_base <= MAX_TAG:
+        raise InvalidArgument(
+            f"tag base {tag_base:#x} must be a 64-bit value with its low {BATCH_INDEX_BITS} "
+            "bits zero (the client makes them with UcxTransport.new_batch)"
+        )
+    if not 0 <= index < MAX_BATCH_MESSAGES:
+        raise InvalidArgument(
+            f"message index {index} is outside a batch of at most {MAX_BATCH_MESSAGES}; "
+            "split the request"
+        )
+    return tag_base + index
+
+
+def _check_tag(tag: int) -> None:
+    if not 0 <= tag <= MAX_TAG:
+        raise InvalidArgument(f"UCX tag {tag} is not an unsigned 64-bit integer")
+
+
+def _resolve(future: asyncio.Future[Any], request: Any, result: Any) -> None:
+    """Complete ``future`` from a finished ucxx request (unless the waiter gave up)."""
+    if future.done():
+        return
+    try:
+        request.check_error()
+    except Exception as exc:  # one ucxx error type per UCX status; all mean "not delivered"
+        future.set_exception(Unavailable(f"UCX transfer failed: {type(exc).__name__}: {exc}"))
+    else:
+        future.set_result(result)

@@ -1,0 +1,73 @@
+"""A tiny node-side process for the UCX tests: sends shards from a mapped file over UCX.
+
+::
+
+    python -m tests.ucx.shard_server SHARD_FILE SHARD_BYTES [--transports tcp]
+
+SHARD_FILE holds equal-sized shards back to back. The process maps it and prints one JSON
+line ``{"address": HEX}`` (its UCX worker address). Then, for each JSON request line on
+stdin::
+
+    {"client": HEX, "tag_base": INT, "shards": [i, ...], "delay_s": FLOAT}
+
+it sleeps ``delay_s`` (a straggler), sends for the j-th listed shard its 48-byte header with
+tag ``tag_base + 2j`` and its payload with ``tag_base + 2j + 1``, straight from the mapped
+file, and answers ``{"ok": BOOL}`` once the sends ended. It exits when stdin closes. A
+stand-in for the storage node until the node serves GetShards over UCX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import sys
+from pathlib import Path
+
+from erasure.shard import HEADER_BYTES
+from kvstore.ucx_server import UcxServer
+
+SEND_TIMEOUT_S = 5.0
+
+
+def split_messages(mapped: memoryview, shard_bytes: int, shard_ids: list[int]) -> list[memoryview]:
+    """Header then payload of each listed shard, as views into the mapped file."""
+    messages = []
+    for shard_id in shard_ids:
+        start = shard_id * shard_bytes
+        messages.append(mapped[start : start + HEADER_BYTES])
+        messages.append(mapped[start + HEADER_BYTES : start + shard_bytes])
+    return messages
+
+
+async def handle(server: UcxServer, mapped: memoryview, shard_bytes: int, line: str) -> None:
+    request = json.loads(line)
+    await asyncio.sleep(request.get("delay_s", 0.0))
+    messages = split_messages(mapped, shard_bytes, request["shards"])
+    client = bytes.fromhex(request["client"])
+    ok = await server.send(client, request["tag_base"], messages, SEND_TIMEOUT_S)
+    print(json.dumps({"ok": ok}), flush=True)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    with args.shard_file.open("rb") as file:
+        # The mapping lives as long as the process: the views sent from it are never freed.
+        mapped = memoryview(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ))
+    server = UcxServer(transports=args.transports)
+    print(json.dumps({"address": server.address.hex()}), flush=True)
+    while line := await asyncio.to_thread(sys.stdin.readline):
+        await handle(server, mapped, args.shard_bytes, line)
+    await server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("shard_file", type=Path)
+    parser.add_argument("shard_bytes", type=int)
+    parser.add_argument("--transports", default=None, help="UCX_TLS for this worker")
+    asyncio.run(serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
