@@ -77,6 +77,7 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt KV the prefill worker swapped in from the store
+    num_matched_tokens: int  # prompt prefix the store held (the cost model may fetch less)
     num_computed_tokens: int  # prompt KV the prefill worker computed
     ttft_s: float  # from the call until the first token arrived, measured by the caller
     total_s: float
@@ -95,7 +96,7 @@ def make_request(
     traffic_class: str = "chat",
     max_new_tokens: int = 16,
     temperature: float = 0.0,
-    top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     ignore_eos: bool = False,
     timeout_s: float = 0.0,
@@ -104,10 +105,10 @@ def make_request(
     """A GenerateRequest for a conversation (``messages``) or a prompt's ``token_ids``."""
     if (messages is None) == (token_ids is None):
         raise InvalidArgument("pass either messages=[{'role':..., 'content':...}] or token_ids")
-    if max_new_tokens < 1 or temperature < 0 or not 0 <= top_p <= 1:
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0:
         raise InvalidArgument(
-            f"need max_new_tokens >= 1, temperature >= 0 and 0 <= top_p <= 1; got "
-            f"{max_new_tokens}, {temperature}, {top_p}"
+            f"need max_new_tokens >= 1, temperature >= 0 and top_k >= 0; got "
+            f"{max_new_tokens}, {temperature}, {top_k}"
         )
     return pb.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex[:12],
@@ -118,7 +119,7 @@ def make_request(
         sampling=pb.SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
-            top_p=top_p,
+            top_k=top_k,
             seed=seed,
             ignore_eos=ignore_eos,
         ),
@@ -157,6 +158,7 @@ def _completion(
         finish_reason=finish.finish_reason,
         num_prompt_tokens=stats.num_prompt_tokens,
         num_cached_tokens=stats.num_cached_tokens,
+        num_matched_tokens=stats.num_matched_tokens,
         num_computed_tokens=stats.num_computed_tokens,
         ttft_s=ttft_s,
         total_s=time.perf_counter() - start_s,

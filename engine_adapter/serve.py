@@ -303,6 +303,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
     parser.add_argument("--run-dir", type=Path, help="worker logs and ready files (default: tmp)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
+    parser.add_argument(
+        "--fetch-policy",
+        choices=["cost", "always"],
+        default="cost",
+        help="prefill: fetch cached blocks when faster than computing (cost) or always",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -311,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: no cluster config at {args.cluster}", file=sys.stderr)
         return 1
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
-    worker_args = ["--max-model-len", str(args.max_model_len)]
+    worker_args = ["--max-model-len", str(args.max_model_len), "--fetch-policy", args.fetch_policy]
     try:
         with (
             sigterm_as_interrupt(),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x12kvstore.serving.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"n\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x31\n\x08messages\x18\x04 \x03(\x0b\x32\x1f.kvstore.serving.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".kvstore.serving.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"\x9d\x01\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x14\n\x0cnum_attempts\x18\x06 \x01(\r\"\xac\x01\n\rGenerateEvent\x12\x33\n\x07prefill\x18\x01 \x01(\x0b\x32 .kvstore.serving.v1.PrefillStatsH\x00\x12/\n\x05token\x18\x02 \x01(\x0b\x32\x1e.kvstore.serving.v1.TokenDeltaH\x00\x12,\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x1a.kvstore.serving.v1.FinishH\x00\x42\x07\n\x05\x65vent\",\n\nTokenDelta\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x82\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x1a\n\x12num_swapped_tokens\x18\x03 \x01(\r\x12\x1d\n\x15num_recomputed_tokens\x18\x04 \x01(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x31\n\x08messages\x18\x04 \x03(\x0b\x32\x1f.kvstore.serving.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".kvstore.serving.v1.SamplingParams\"\x8a\x02\n\x07Handoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_stored_blocks\x18\x07 \x01(\r\x12\x0f\n\x07tail_kv\x18\x08 \x01(\x0c\x12\x13\n\x0btail_tokens\x18\t \x01(\r\x12\x10\n\x08kv_dtype\x18\n \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0b \x01(\r\x12\x15\n\rsampler_state\x18\x0c \x01(\x0c\"z\n\x0cPrefillEvent\x12\x31\n\x05\x66irst\x18\x01 \x01(\x0b\x32 .kvstore.serving.v1.PrefillFirstH\x00\x12.\n\x07handoff\x18\x02 \x01(\x0b\x32\x1b.kvstore.serving.v1.HandoffH\x00\x42\x07\n\x05\x65vent\"e\n\x0cPrefillFirst\x12/\n\x05stats\x18\x01 \x01(\x0b\x32 .kvstore.serving.v1.PrefillStats\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"s\n\rDecodeRequest\x12,\n\x07handoff\x18\x01 \x01(\x0b\x32\x1b.kvstore.serving.v1.Handoff\x12\x34\n\x08sampling\x18\x02 \x01(\x0b\x32\".kvstore.serving.v1.SamplingParams\"u\n\x0b\x44\x65\x63odeEvent\x12/\n\x05token\x18\x01 \x01(\x0b\x32\x1e.kvstore.serving.v1.TokenDeltaH\x00\x12,\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x1a.kvstore.serving.v1.FinishH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rHealthRequest\"j\n\x0bHealthReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_active\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r2\xac\x01\n\x06Router\x12T\n\x08Generate\x12#.kvstore.serving.v1.GenerateRequest\x1a!.kvstore.serving.v1.GenerateEvent0\x01\x12L\n\x06Health\x12!.kvstore.serving.v1.HealthRequest\x1a\x1f.kvstore.serving.v1.HealthReply2\xb0\x01\n\rPrefillWorker\x12Q\n\x07Prefill\x12\".kvstore.serving.v1.PrefillRequest\x1a .kvstore.serving.v1.PrefillEvent0\x01\x12L\n\x06Health\x12!.kvstore.serving.v1.HealthRequest\x1a\x1f.kvstore.serving.v1.HealthReply2\xac\x01\n\x0c\x44\x65\x63odeWorker\x12N\n\x06\x44\x65\x63ode\x12!.kvstore.serving.v1.DecodeRequest\x1a\x1f.kvstore.serving.v1.DecodeEvent0\x01\x12L\n\x06Health\x12!.kvstore.serving.v1.HealthRequest\x1a\x1f.kvstore.serving.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x12kvstore.serving.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"n\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x31\n\x08messages\x18\x04 \x03(\x0b\x32\x1f.kvstore.serving.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".kvstore.serving.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"\xb9\x01\n\x0cPrefillStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x14\n\x0cnum_attempts\x18\x06 \x01(\r\x12\x1a\n\x12num_matched_tokens\x18\x07 \x01(\r\"\xac\x01\n\rGenerateEvent\x12\x33\n\x07prefill\x18\x01 \x01(\x0b\x32 .kvstore.serving.v1.PrefillStatsH\x00\x12/\n\x05token\x18\x02 \x01(\x0b\x32\x1e.kvstore.serving.v1.TokenDeltaH\x00\x12,\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x1a.kvstore.serving.v1.FinishH\x00\x42\x07\n\x05\x65vent\",\n\nTokenDelta\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x82\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x1a\n\x12num_swapped_tokens\x18\x03 \x01(\r\x12\x1d\n\x15num_recomputed_tokens\x18\x04 \x01(\r\x12\x0c\n\x04text\x18\x05 \x01(\t\"\xc7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x31\n\x08messages\x18\x04 \x03(\x0b\x32\x1f.kvstore.serving.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".kvstore.serving.v1.SamplingParams\"\x8a\x02\n\x07Handoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_stored_blocks\x18\x07 \x01(\r\x12\x0f\n\x07tail_kv\x18\x08 \x01(\x0c\x12\x13\n\x0btail_tokens\x18\t \x01(\r\x12\x10\n\x08kv_dtype\x18\n \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0b \x01(\r\x12\x15\n\rsampler_state\x18\x0c \x01(\x0c\"z\n\x0cPrefillEvent\x12\x31\n\x05\x66irst\x18\x01 \x01(\x0b\x32 .kvstore.serving.v1.PrefillFirstH\x00\x12.\n\x07handoff\x18\x02 \x01(\x0b\x32\x1b.kvstore.serving.v1.HandoffH\x00\x42\x07\n\x05\x65vent\"e\n\x0cPrefillFirst\x12/\n\x05stats\x18\x01 \x01(\x0b\x32 .kvstore.serving.v1.PrefillStats\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"s\n\rDecodeRequest\x12,\n\x07handoff\x18\x01 \x01(\x0b\x32\x1b.kvstore.serving.v1.Handoff\x12\x34\n\x08sampling\x18\x02 \x01(\x0b\x32\".kvstore.serving.v1.SamplingParams\"u\n\x0b\x44\x65\x63odeEvent\x12/\n\x05token\x18\x01 \x01(\x0b\x32\x1e.kvstore.serving.v1.TokenDeltaH\x00\x12,\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x1a.kvstore.serving.v1.FinishH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rHealthRequest\"j\n\x0bHealthReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_active\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r2\xac\x01\n\x06Router\x12T\n\x08Generate\x12#.kvstore.serving.v1.GenerateRequest\x1a!.kvstore.serving.v1.GenerateEvent0\x01\x12L\n\x06Health\x12!.kvstore.serving.v1.HealthRequest\x1a\x1f.kvstore.serving.v1.HealthReply2\xb0\x01\n\rPrefillWorker\x12Q\n\x07Prefill\x12\".kvstore.serving.v1.PrefillRequest\x1a .kvstore.serving.v1.PrefillEvent0\x01\x12L\n\x06Health\x12!.kvstore.serving.v1.HealthRequest\x1a\x1f.kvstore.serving.v1.HealthReply2\xac\x01\n\x0c\x44\x65\x63odeWorker\x12N\n\x06\x44\x65\x63ode\x12!.kvstore.serving.v1.DecodeRequest\x1a\x1f.kvstore.serving.v1.DecodeEvent0\x01\x12L\n\x06Health\x12!.kvstore.serving.v1.HealthRequest\x1a\x1f.kvstore.serving.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,33 +38,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=196
   _globals['_GENERATEREQUEST']._serialized_end=415
   _globals['_PREFILLSTATS']._serialized_start=418
-  _globals['_PREFILLSTATS']._serialized_end=575
-  _globals['_GENERATEEVENT']._serialized_start=578
-  _globals['_GENERATEEVENT']._serialized_end=750
-  _globals['_TOKENDELTA']._serialized_start=752
-  _globals['_TOKENDELTA']._serialized_end=796
-  _globals['_FINISH']._serialized_start=799
-  _globals['_FINISH']._serialized_end=929
-  _globals['_PREFILLREQUEST']._serialized_start=932
-  _globals['_PREFILLREQUEST']._serialized_end=1131
-  _globals['_HANDOFF']._serialized_start=1134
-  _globals['_HANDOFF']._serialized_end=1400
-  _globals['_PREFILLEVENT']._serialized_start=1402
-  _globals['_PREFILLEVENT']._serialized_end=1524
-  _globals['_PREFILLFIRST']._serialized_start=1526
-  _globals['_PREFILLFIRST']._serialized_end=1627
-  _globals['_DECODEREQUEST']._serialized_start=1629
-  _globals['_DECODEREQUEST']._serialized_end=1744
-  _globals['_DECODEEVENT']._serialized_start=1746
-  _globals['_DECODEEVENT']._serialized_end=1863
-  _globals['_HEALTHREQUEST']._serialized_start=1865
-  _globals['_HEALTHREQUEST']._serialized_end=1880
-  _globals['_HEALTHREPLY']._serialized_start=1882
-  _globals['_HEALTHREPLY']._serialized_end=1988
-  _globals['_ROUTER']._serialized_start=1991
-  _globals['_ROUTER']._serialized_end=2163
-  _globals['_PREFILLWORKER']._serialized_start=2166
-  _globals['_PREFILLWORKER']._serialized_end=2342
-  _globals['_DECODEWORKER']._serialized_start=2345
-  _globals['_DECODEWORKER']._serialized_end=2517
+  _globals['_PREFILLSTATS']._serialized_end=603
+  _globals['_GENERATEEVENT']._serialized_start=606
+  _globals['_GENERATEEVENT']._serialized_end=778
+  _globals['_TOKENDELTA']._serialized_start=780
+  _globals['_TOKENDELTA']._serialized_end=824
+  _globals['_FINISH']._serialized_start=827
+  _globals['_FINISH']._serialized_end=957
+  _globals['_PREFILLREQUEST']._serialized_start=960
+  _globals['_PREFILLREQUEST']._serialized_end=1159
+  _globals['_HANDOFF']._serialized_start=1162
+  _globals['_HANDOFF']._serialized_end=1428
+  _globals['_PREFILLEVENT']._serialized_start=1430
+  _globals['_PREFILLEVENT']._serialized_end=1552
+  _globals['_PREFILLFIRST']._serialized_start=1554
+  _globals['_PREFILLFIRST']._serialized_end=1655
+  _globals['_DECODEREQUEST']._serialized_start=1657
+  _globals['_DECODEREQUEST']._serialized_end=1772
+  _globals['_DECODEEVENT']._serialized_start=1774
+  _globals['_DECODEEVENT']._serialized_end=1891
+  _globals['_HEALTHREQUEST']._serialized_start=1893
+  _globals['_HEALTHREQUEST']._serialized_end=1908
+  _globals['_HEALTHREPLY']._serialized_start=1910
+  _globals['_HEALTHREPLY']._serialized_end=2016
+  _globals['_ROUTER']._serialized_start=2019
+  _globals['_ROUTER']._serialized_end=2191
+  _globals['_PREFILLWORKER']._serialized_start=2194
+  _globals['_PREFILLWORKER']._serialized_end=2370
+  _globals['_DECODEWORKER']._serialized_start=2373
+  _globals['_DECODEWORKER']._serialized_end=2545
 # @@protoc_insertion_point(module_scope)

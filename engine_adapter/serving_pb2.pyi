@@ -15,18 +15,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_eos")
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "seed", "ignore_eos")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
-    top_p: float
+    top_k: int
     seed: int
     ignore_eos: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "messages", "token_ids", "sampling", "timeout_s")
@@ -47,20 +47,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = ("worker_id", "num_prompt_tokens", "num_cached_tokens", "num_computed_tokens", "prefill_s", "num_attempts")
+    __slots__ = ("worker_id", "num_prompt_tokens", "num_cached_tokens", "num_computed_tokens", "prefill_s", "num_attempts", "num_matched_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_prompt_tokens: int
     num_cached_tokens: int
     num_computed_tokens: int
     prefill_s: float
     num_attempts: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_attempts: _Optional[int] = ...) -> None: ...
+    num_matched_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., num_attempts: _Optional[int] = ..., num_matched_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "finish")

@@ -14,12 +14,9 @@ import pytest
 import torch
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter import serving_pb2 as pb
-from engine_adapter.kv_layout import KVBlockLayout
-from engine_adapter.loader import LoadedModel, load_model
-from engine_adapter.paged_kv import BlockTable, PagedKVCache
+from engine_adapter.config import EngineConfig
+from engine_adapter.engine import Engine
 from engine_adapter.serve import WorkerPool
-from engine_adapter.workers import Sampler
 
 MODEL = "random:small"  # 4 layers, vocab 1024: fast, and KV blocks of 64 KiB
 BLOCK_TOKENS = 64
@@ -43,42 +40,38 @@ def worker_pool(
         num_prefill=2,
         num_decode=1,
         model=MODEL,
-        worker_args=["--max-model-len", "1024"],
+        # The cost model would rightly recompute this tiny model's blocks rather than fetch
+        # them; the tests want every hit swapped in.
+        worker_args=["--max-model-len", "1024", "--fetch-policy", "always"],
         startup_timeout_s=120,
     ) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
-def reference_model() -> LoadedModel:
+def reference_engine() -> Engine:
+    """A single in-process engine, no store: what serving must reproduce token for token."""
     torch.set_num_threads(1)
-    return load_model(MODEL, "cpu", "float32", seed=0)
+    config = EngineConfig(block_tokens=BLOCK_TOKENS, max_num_seqs=1, max_model_len=1024)
+    return Engine.load(MODEL, config)
 
 
-def reference_generate(
-    loaded: LoadedModel,
+async def reference_generate(
+    engine: Engine,
     token_ids: Sequence[int],
     max_new_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
 ) -> list[int]:
-    """Tokens of one request from a single in-process model with no store: the prompt is
-    computed block by block, then one token per step (stops at max_new_tokens only)."""
-    model = loaded.model
-    layout = KVBlockLayout.for_model(model.config, BLOCK_TOKENS, "float32")
-    num_tokens = len(token_ids) + max_new_tokens
-    cache = PagedKVCache(layout, -(-num_tokens // BLOCK_TOKENS), torch.device("cpu"))
-    table = BlockTable(BLOCK_TOKENS, cache.pool.allocate(-(-num_tokens // BLOCK_TOKENS)))
-    ids = torch.tensor(list(token_ids))
-    for start in range(0, len(ids), BLOCK_TOKENS):
-        hidden = model(ids[start : start + BLOCK_TOKENS], start, cache, table)
-    sampler = Sampler(pb.SamplingParams(temperature=temperature, seed=seed))
-    generated = [sampler(model.logits(hidden[-1]))]
-    while len(generated) < max_new_tokens:
-        position = len(ids) + len(generated) - 1
-        hidden = model(torch.tensor(generated[-1:]), position, cache, table)
-        generated.append(sampler(model.logits(hidden[-1])))
-    return generated
+    """Tokens of one request from ``engine`` without the cache."""
+    generation = await engine.generate(
+        list(token_ids),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        use_cache=False,
+    )
+    return generation.token_ids
 
 
 def is_gone(pid: int) -> bool:

@@ -33,9 +33,9 @@ def _router(pool: WorkerPool, policy: str = "round-robin") -> Router:
 
 
 @pytest.mark.parametrize("num_tokens", PROMPT_LENGTHS)
-async def test_greedy_output_matches_in_process_engine(worker_pool, reference_model, num_tokens):
+async def test_greedy_output_matches_in_process_engine(worker_pool, reference_engine, num_tokens):
     prompt = _prompt(num_tokens, num_tokens)
-    expected = reference_generate(reference_model, prompt, max_new_tokens=12)
+    expected = await reference_generate(reference_engine, prompt, max_new_tokens=12)
     async with _router(worker_pool) as router:
         cold = await router.generate(token_ids=prompt, tenant="e2e", max_new_tokens=12)
         warm = await router.generate(token_ids=prompt, tenant="e2e", max_new_tokens=12)
@@ -51,9 +51,9 @@ async def test_greedy_output_matches_in_process_engine(worker_pool, reference_mo
     assert cold.finish_reason == "length" and len(cold.token_ids) == 12
 
 
-async def test_seeded_sampling_matches_and_repeats(worker_pool, reference_model):
+async def test_seeded_sampling_matches_and_repeats(worker_pool, reference_engine):
     prompt = _prompt(7, 150)
-    expected = reference_generate(reference_model, prompt, 10, temperature=0.8, seed=42)
+    expected = await reference_generate(reference_engine, prompt, 10, temperature=0.8, seed=42)
     async with _router(worker_pool) as router:
         first = await router.generate(
             token_ids=prompt, tenant="e2e", max_new_tokens=10, temperature=0.8, seed=42

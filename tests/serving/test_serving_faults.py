@@ -48,10 +48,10 @@ async def _wait_busy(router: Router, worker_id: str, timeout_s: float = 10.0) ->
 
 @pytest.mark.slow
 async def test_prefill_worker_killed_mid_request_is_retried_on_the_other(
-    worker_pool: WorkerPool, reference_model
+    worker_pool: WorkerPool, reference_engine
 ):
     prompt = _prompt(1, 2 * BLOCK_TOKENS + 9)
-    expected = reference_generate(reference_model, prompt, 6)
+    expected = await reference_generate(reference_engine, prompt, 6)
     worker_pool.restart("p0", ["--inject-delay-ms", SLOW_MS])
     try:
         addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
@@ -112,14 +112,14 @@ async def test_hung_prefill_worker_is_given_up_on(worker_pool: WorkerPool):
 
 
 async def test_storage_nodes_killed_during_workload_change_no_output(
-    worker_pool: WorkerPool, serving_cluster, reference_model
+    worker_pool: WorkerPool, serving_cluster, reference_engine
 ):
     """Nodes die one by one mid-workload: every output is unchanged. Up to 2 of 12 down,
     blocks still read (10 shards suffice); with 3 down the prefix misses and the decode
     worker recomputes the blocks it cannot read."""
     shared = _prompt(4, 2 * BLOCK_TOKENS)
     prompts = [shared + _prompt(10 + i, 40 + 30 * i) for i in range(6)]
-    expected = [reference_generate(reference_model, p, 4) for p in prompts]
+    expected = [await reference_generate(reference_engine, p, 4) for p in prompts]
     index_to_killed = {2: "n03", 4: "n07", 5: "n11"}
     completions = []
     addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
