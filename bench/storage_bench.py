@@ -7,11 +7,12 @@
         [--straggler-ms 50] [--baseline redis] [--no-fsync]
 
 One client process runs N concurrent asyncio tasks per setting, each issuing one request after
-another for ``--seconds``. Order: PUTs (fresh keys) for every block size and concurrency, GETs
-of random written keys, then the same GETs with one node restarted with
-``--inject-delay-ms`` (only when the bench started the cluster itself). Each setting is
-preceded by an unmeasured warm-up (a quarter of its duration, at least one request per task),
-so the client has learned which node is slow, as it would have in steady state. GETs use
+another for ``--seconds``; systems run interleaved in ``--rounds`` (A B, B A, ...). Order: PUTs
+(fresh keys) for every block size and concurrency; then per GET setting: GETs of random written
+keys, the same GETs on kvstore with one node restarted with ``--inject-delay-ms``, and again
+after restarting it without the delay (the straggler runs only when the bench started the
+cluster itself). Each measurement starts with an unmeasured warm-up (a quarter of its first
+round), so the client has learned which node is slow, as it would have in steady state. GETs use
 ``get_into`` with one preallocated buffer per task (the swap-in path). MB/s counts 10**6
 bytes of block data per second. The client process tunes glibc's malloc for multi-megabyte
 buffers first (``--malloc tuned``, see erasure/allocator.py). With ``--baseline redis`` the
@@ -87,6 +88,7 @@ class Result:
     seconds: float
     num_misses: int = 0
     repeat: int = 0  # 1: the calm GETs measured again after the straggler phase
+    load_avg_1m: float = 0.0  # the machine's 1-minute load average after the setting
 
 
 @dataclass
@@ -221,20 +223,27 @@ class Bench:
         self.task = task
         self.results: list[Result] = []
 
-    async def setting(
+    def settings(self) -> list[tuple[int, int]]:
+        """(block_bytes, concurrency) pairs in the order they run."""
+        workload = self.workload
+        return [(b, c) for b in workload.block_sizes for c in workload.concurrencies]
+
+    async def measure(
         self,
         op: str,
+        setting: tuple[int, int],
         systems: list[SystemUnderTest],
         straggler_ms: float = 0.0,
         repeat: int = 0,
     ) -> None:
-        """Every block size and concurrency of ``op`` on ``systems``."""
-        for block_bytes in self.workload.block_sizes:
-            for concurrency in self.workload.concurrencies:
-                label = f"{op} {size_label(block_bytes)} x{concurrency}"
-                self.progress.update(self.task, description=label)
-                await self._measure(op, block_bytes, concurrency, systems, straggler_ms, repeat)
-                self.progress.advance(self.task)
+        """One setting of ``op`` on ``systems``, with progress."""
+        block_bytes, concurrency = setting
+        label = f"{op} {size_label(block_bytes)} x{concurrency}"
+        if straggler_ms:
+            label += f" (+{straggler_ms:g} ms straggler)"
+        self.progress.update(self.task, description=label)
+        await self._measure(op, block_bytes, concurrency, systems, straggler_ms, repeat)
+        self.progress.advance(self.task)
 
     async def _measure(
         self,
@@ -276,6 +285,7 @@ class Bench:
                     seconds=sum(elapsed_s),
                     num_misses=sum(num_false),
                     repeat=repeat,
+                    load_avg_1m=os.getloadavg()[0],
                 )
             )
 
@@ -326,7 +336,7 @@ def _wait_for_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
 def results_table(results: list[Result]) -> Table:
     table = Table(title="storage benchmark")
     columns = ("system", "op", "block", "conc", "straggler", "MB/s", "p50 ms", "p99 ms")
-    for column in (*columns, "p999 ms", "ops"):
+    for column in (*columns, "p999 ms", "ops", "load"):
         table.add_column(column, justify="left" if column in ("system", "op") else "right")
     for r in results:
         table.add_row(
@@ -340,6 +350,7 @@ def results_table(results: list[Result]) -> Table:
             f"{r.p99_ms:.2f}",
             f"{r.p999_ms:.2f}",
             str(r.num_ops),
+            f"{r.load_avg_1m:.1f}",
         )
     return table
 
@@ -417,16 +428,24 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster | No
 async def run_phases(
     bench: Bench, systems: list[SystemUnderTest], cluster: LocalCluster | None
 ) -> list[str]:
-    """PUTs and GETs on every system, then kvstore GETs with a straggler and calm again."""
-    await bench.setting("put", systems)
-    await bench.setting("get", systems)
+    """PUTs on every system; then per GET setting: calm, straggler, calm again (kvstore only).
+
+    Restarting the straggler around each setting keeps the calm and straggler runs seconds
+    apart, so load from other processes drifts less between the runs being compared.
+    """
+    for setting in bench.settings():
+        await bench.measure("put", setting, systems)
+    for setting in bench.settings():
+        await bench.measure("get", setting, systems)
+        if cluster is None:
+            continue
+        straggler_ms = bench.workload.straggler_ms
+        await asyncio.to_thread(_restart, cluster, straggler_ms)
+        await bench.measure("get", setting, systems[:1], straggler_ms=straggler_ms)
+        await asyncio.to_thread(_restart, cluster, 0.0)
+        await bench.measure("get", setting, systems[:1], repeat=1)
     if cluster is None:
         return ["straggler GETs skipped: --cluster given, so its nodes cannot be restarted"]
-    straggler_ms = bench.workload.straggler_ms
-    await asyncio.to_thread(_restart, cluster, straggler_ms)
-    await bench.setting("get", systems[:1], straggler_ms=straggler_ms)
-    await asyncio.to_thread(_restart, cluster, 0.0)
-    await bench.setting("get", systems[:1], repeat=1)
     return []
 
 
