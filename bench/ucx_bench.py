@@ -101,8 +101,7 @@ class BenchServer:
         tag_base, offset, size, index = _UCX_REQUEST.unpack_from(request)
         address = request[_UCX_REQUEST.size :]
         sender = self.senders[index]
-        send = sender.send(address, tag_base, [self.source[offset : offset + size]], 10.0)
-        task = asyncio.get_running_loop().create_task(send)
+        task = sender.post(address, tag_base, [self.source[offset : offset + size]], 10.0)
         self._tasks.add(task)  # keep a reference until the send ends
         task.add_done_callback(self._tasks.discard)
         return b""

@@ -62,6 +62,36 @@ class UcxServer:
     def num_endpoints(self) -> int:
         return len(self._endpoints)
 
+    def post(
+        self,
+        client_address: bytes,
+        tag_base: int,
+        buffers: Sequence[Any],
+        timeout_s: float,
+    ) -> asyncio.Task[bool]:
+        """Start sending ``buffers[i]`` with tag ``tag_base + i`` (None entries are skipped).
+
+        Raises at once (InvalidArgument for a malformed address or tag base, Unavailable if
+        the client's worker cannot be reached): the node then answers inline over gRPC.
+        Otherwise returns a task that gives True once the client has taken every message,
+        or False if a send failed or ``timeout_s`` passed (the client is gone or gave up; its
+        endpoint is dropped). The buffers are read in place: keep them alive and unchanged
+        (their segment pinned) until the task ends.
+        """
+        tags = [batch_tag(tag_base, i) for i in range(len(buffers))]
+        endpoint = self._endpoint(client_address)
+        futures: list[asyncio.Future[None]] = []
+        try:
+            for tag, buf in zip(tags, buffers, strict=True):
+                if buf is not None:
+                    futures.append(self.worker.send(endpoint, tag, buf))
+        except Exception:
+            self._give_up(client_address, futures)
+            raise
+        return asyncio.get_running_loop().create_task(
+            self._finish(client_address, futures, timeout_s)
+        )
+
     async def send(
         self,
         client_address: bytes,
@@ -69,29 +99,24 @@ class UcxServer:
         buffers: Sequence[Any],
         timeout_s: float,
     ) -> bool:
-        """Send ``buffers[i]`` with tag ``tag_base + i`` (None entries are skipped).
+        """:meth:`post`, then wait for its outcome."""
+        return await self.post(client_address, tag_base, buffers, timeout_s)
 
-        Returns True once the client has taken every message, False if a send failed or
-        ``timeout_s`` passed (the client is gone or gave up; its endpoint is dropped). The
-        buffers are read in place and must stay unchanged until this returns. Raises
-        Unavailable if the client's worker cannot be reached at all.
-        """
-        tags = [batch_tag(tag_base, i) for i in range(len(buffers))]
-        endpoint = self._endpoint(client_address)
-        futures = [
-            self.worker.send(endpoint, tag, buf)
-            for tag, buf in zip(tags, buffers, strict=True)
-            if buf is not None
-        ]
+    async def _finish(
+        self, client_address: bytes, futures: list[asyncio.Future[None]], timeout_s: float
+    ) -> bool:
         try:
             await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
         except Exception as exc:  # TimeoutError, or Unavailable from a failed transfer
             logger.warning("UCX send of %d messages failed: %r", len(futures), exc)
-            for future in futures:
-                future.cancel()  # stop tracking sends the client will never take
-            self._drop(client_address)
+            self._give_up(client_address, futures)
             return False
         return True
+
+    def _give_up(self, client_address: bytes, futures: list[asyncio.Future[None]]) -> None:
+        for future in futures:
+            future.cancel()  # stop tracking sends the client will never take
+        self._drop(client_address)
 
     async def close(self) -> None:
         """Drop every endpoint and close the worker."""

@@ -142,12 +142,18 @@ class UcxWorker:
         self._closed = False
 
     def connect(self, address: bytes) -> Any:
-        """A new endpoint to the worker at ``address`` (raise Unavailable if unreachable)."""
+        """A new endpoint to the worker at ``address``.
+
+        Raises InvalidArgument for a malformed address, Unavailable if UCX finds no
+        transport to reach it.
+        """
         self._check_open()
         self._check_address(address)
         try:
             remote = ucx_api.UCXAddress.create_from_buffer(address)
             return ucx_api.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
+        except ucx_api.UCXInvalidParamError as exc:
+            raise InvalidArgument(f"malformed UCX worker address ({exc})") from exc
         except Exception as exc:  # ucxx raises its own error types, one per UCX status
             raise Unavailable(f"cannot reach UCX worker ({type(exc).__name__}: {exc})") from exc
 

@@ -124,13 +124,35 @@ async def test_misuse_raises_with_advice() -> None:
             worker.receive(1 << 64, memoryview(bytearray(4)))
         with pytest.raises(InvalidArgument, match="not a UCX worker address"):
             worker.connect(b"not a worker address")  # UCX itself would abort the process
-        with pytest.raises(Unavailable, match="cannot reach"):
+        with pytest.raises(InvalidArgument, match="malformed"):
             worker.connect(worker.address[:1] + bytes(100))
         await worker.cancel(5)
     finally:
         await worker.close()
     with pytest.raises(Unavailable, match="closed"):
         worker.receive(6, memoryview(bytearray(4)))
+
+
+async def test_post_refuses_bad_requests_at_once() -> None:
+    server = UcxServer()
+    try:
+        with pytest.raises(InvalidArgument, match="UCX worker address"):
+            server.post(b"\x00garbage", 0, [b"x"], timeout_s=1)
+        with pytest.raises(InvalidArgument, match="low 20 bits"):
+            server.post(server.address, 1, [b"x"], timeout_s=1)
+        assert server.num_endpoints == 0 and server.worker.num_pending == 0
+    finally:
+        await server.close()
+
+
+async def test_unreachable_worker_is_unavailable() -> None:
+    tcp_only, shm_only = UcxWorker("tcp"), UcxWorker("sm")
+    try:
+        with pytest.raises(Unavailable, match="cannot reach"):
+            tcp_only.connect(shm_only.address)  # no transport in common
+    finally:
+        await tcp_only.close()
+        await shm_only.close()
 
 
 def test_batch_tags_keep_index_and_base_apart() -> None:
