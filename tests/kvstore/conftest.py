@@ -1,4 +1,7 @@
-"""Fixtures of the node tests: start real node processes and stop them, also on failure."""
+"""Fixtures of the node tests: real node processes, and stores on a manual clock.
+
+Every node started is stopped at teardown and every store opened is closed, also on failure.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import NodeConfig, TTLConfig
+from kvstore.index import MemoryBackend
+from kvstore.shard_store import ShardStore
 from tests.kvstore.node_harness import NodeProcess
+from tests.kvstore.store_harness import CLASSES, T0, MakeStore
+from ttl.clock import ManualClock
 
 
 @pytest.fixture
@@ -23,3 +31,27 @@ def start_node() -> Iterator[Callable[..., NodeProcess]]:
     yield start
     for node in started:
         node.stop()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(T0)
+
+
+@pytest.fixture(params=["lmdb", "memory"])
+def make_store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock
+) -> Iterator[MakeStore]:
+    """``make_store(**node_fields)`` -> a store on ``tmp_path`` (closed at teardown)."""
+    stores: list[ShardStore] = []
+
+    def make(**node_fields: object) -> ShardStore:
+        node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False, **node_fields)
+        ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0)
+        backend = MemoryBackend() if request.param == "memory" else None
+        stores.append(ShardStore(node, ttl, clock, backend))
+        return stores[-1]
+
+    yield make
+    for store in stores:
+        store.close()

@@ -6,7 +6,6 @@ import errno
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import pytest
 import kvstore.segments
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.errors import CapacityExhausted, InvalidArgument, UnknownTrafficClass
-from kvstore.index import MemoryBackend
 from kvstore.shard_store import (
     INF_WINDOW,
     ShardStore,
@@ -23,37 +21,8 @@ from kvstore.shard_store import (
     window_id,
 )
 from tests.kvstore.node_harness import DAY_S, make_shard, version_of
+from tests.kvstore.store_harness import CLASSES, MakeStore
 from ttl.clock import ManualClock
-from ttl.policy import TrafficClasses
-
-T0 = 1_000 * DAY_S
-CLASSES = TrafficClasses({"chat": 7 * DAY_S, "agent": 3 * DAY_S, "pinned": float("inf")})
-
-MakeStore = Callable[..., ShardStore]
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock(T0)
-
-
-@pytest.fixture(params=["lmdb", "memory"])
-def make_store(
-    request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock
-) -> Iterator[MakeStore]:
-    """``make_store(**node_fields)`` -> a store on ``tmp_path`` (closed at teardown)."""
-    stores: list[ShardStore] = []
-
-    def make(**node_fields: object) -> ShardStore:
-        node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False, **node_fields)
-        ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0)
-        backend = MemoryBackend() if request.param == "memory" else None
-        stores.append(ShardStore(node, ttl, clock, backend))
-        return stores[-1]
-
-    yield make
-    for store in stores:
-        store.close()
 
 
 def _key(i: int) -> bytes:
