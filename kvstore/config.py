@@ -117,6 +117,8 @@ class NodeConfig:
     max_batch_bytes: int = 64 * MiB  # largest request a node accepts
     inject_delay_ms: float = 0.0  # test-only: a fixed delay per request (a straggler)
     auth_token: str = ""  # if set, requests must carry metadata ("authorization", "Bearer <token>")
+    scrub_bytes_per_s: int = 64 * MiB  # background re-read and verify of records; 0 = no scrub
+    scrub_pass_interval_s: float = 3600.0  # a full scrub pass starts at most this often
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -128,6 +130,12 @@ class NodeConfig:
             raise ValueError(f"node {self.id}: need 0 < low_watermark < high_watermark <= 1")
         if self.max_bytes < 0 or self.inject_delay_ms < 0:
             raise ValueError(f"node {self.id}: max_bytes and inject_delay_ms must be >= 0")
+        if self.scrub_bytes_per_s < 0 or self.scrub_pass_interval_s <= 0:
+            raise ValueError(
+                f"node {self.id}: need scrub_bytes_per_s >= 0 (0 disables the scrub) and "
+                f"scrub_pass_interval_s > 0, got {self.scrub_bytes_per_s} and "
+                f"{self.scrub_pass_interval_s}"
+            )
 
 
 @dataclass(frozen=True)

@@ -374,6 +374,12 @@ class IndexView:
         items = self._txn.scan("by_seg", prefix, _u64(segment_id + 1), limit)
         return [self._entry_at(k[8:]) for k, _ in items]
 
+    def by_segment(self, start: bytes, limit: int) -> list[tuple[bytes, Entry]]:
+        """Up to ``limit`` (position, entry) in segment order from position ``start`` (b"": the
+        first); the next scan resumes after a position at ``position + b"\\x00"``."""
+        items = self._txn.scan("by_seg", start, None, limit)
+        return [(k, self._entry_at(k[8:])) for k, _ in items]
+
     def segments(self) -> list[SegmentMeta]:
         return [_decode_segment(k, v) for k, v in self._txn.scan("segments", b"", None, 1 << 40)]
 

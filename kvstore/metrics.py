@@ -11,6 +11,8 @@ scrape time, so they equal the persisted counters that ``Stats`` reports and sur
     kvstore_class_{blocks,bytes}{traffic_class}
     kvstore_class_{hits,misses,expired,evicted}_total{traffic_class}
     kvstore_class_youngest_evicted_age_seconds{traffic_class}   (-1 = nothing evicted yet)
+    kvstore_scrubbed_bytes_total  kvstore_scrub_passes_total        (since the node started)
+    kvstore_scrub_last_full_pass_seconds    (store-clock time; -1 = no full pass yet)
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ _NODE_GAUGES = {
     "used_bytes": ("used_bytes", "bytes of segment files, live and dead records"),
     "capacity_bytes": ("capacity_bytes", "effective byte limit (configured or disk)"),
     "segments": ("num_segments", "segment files"),
+    "scrub_last_full_pass_seconds": (
+        "last_full_pass_s",
+        "store-clock time the last full scrub pass ended (-1 = none yet)",
+    ),
 }
 _NODE_COUNTERS = {
     "hits": ("hits", "keys served"),
     "misses": ("misses", "keys not found, including keys of no known class"),
     "corrupt_shards": ("corrupt_shards", "shards that failed a checksum (never served)"),
+    "scrubbed_bytes": ("scrubbed_bytes", "record bytes re-read and verified by the scrub"),
+    "scrub_passes": ("num_scrub_passes", "full scrub passes finished"),
 }
 _CLASS_GAUGES = ("blocks", "bytes")
 _CLASS_COUNTERS = ("hits", "misses", "expired", "evicted")

@@ -4,7 +4,7 @@
 foreground: it recovers the store, runs one expiry pass, serves gRPC on ``NodeConfig.address``
 and Prometheus on ``metrics_port`` (0 = off), prints ``node <id> serving on <address>`` when
 ready, and on SIGTERM or SIGINT finishes in-flight requests, persists pending TTL refreshes and
-closes the index.
+closes the index. In the background it runs upkeep ticks and the scrub (kvstore/scrub.py).
 
 The servicer is a thin shell: it checks the token (every RPC but Health, which tells only the
 node's id, epoch and clock, so health checkers need no secret), injects the straggler delay,
@@ -46,6 +46,7 @@ from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, to_grpc_status
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.scrub import scrub_forever
 from kvstore.shard_store import ShardStore, StoreStats
 from ttl.clock import make_clock
 
@@ -281,10 +282,12 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
             metrics.serve(node.address.rpartition(":")[0], node.metrics_port)
         period_s = upkeep_period_s(cluster.ttl.time_scale, cluster.ttl.expiry_window_s)
         upkeep = asyncio.create_task(_upkeep(store, period_s, executor))
+        scrub = asyncio.create_task(scrub_forever(store.scrub, node, executor))
         log.info("node %s serving on %s", node.id, node.address)
         print(f"node {node.id} serving on {node.address}", flush=True)
         await stop.wait()
         upkeep.cancel()
+        scrub.cancel()
         await server.stop(STOP_GRACE_S)
     finally:
         metrics.close()

@@ -16,6 +16,7 @@ read snapshot and a ``pread`` per shard), writes serialize on one lock (lmdb has
     kvstore/eviction.py          the byte limit, eviction by earliest expiry, compaction
     kvstore/recovery.py          start-up: data_dir lock, segment files checked against the index
     kvstore/store_stats.py       figures per node and per traffic class, and how they count
+    kvstore/scrub.py             background scrub: every record re-read and verified, paced
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvstore.read_state import ReadState
 from kvstore.reclaimer import Reclaimer
 from kvstore.recovery import lock_data_dir, recover
 from kvstore.request_checks import check_keys, check_put, check_tenant, check_version
+from kvstore.scrub import Scrubber, ScrubStep
 from kvstore.segment_appender import INF_WINDOW, SegmentAppender, window_end_s, window_id
 from kvstore.segments import SegmentFiles
 from kvstore.shard_reader import GetResult, ShardReader, Status
@@ -82,6 +84,7 @@ class ShardStore:
         self._puts = GroupCommit(
             self._index, self._appender, self._evictor, self._reads, ttl.classes
         )
+        self._scrubber = Scrubber(self._index, self._reader, self._reads)
 
     def put(self, tenant: str, traffic_class: str, shards: Sequence[tuple[bytes, bytes]]) -> int:
         """Store ``(key, shard)`` pairs durably, all or nothing; return how many were new.
@@ -151,6 +154,14 @@ class ShardStore:
         with self._write_lock:
             self._reads.flush(self._index)
 
+    def scrub(self, max_bytes: int) -> ScrubStep:
+        """Verify the next records of the background scrub's pass (see kvstore/scrub.py).
+
+        Corrupt records are reported as a read reports them; nothing is refreshed or counted
+        as a hit or miss. Runs concurrently with reads and writes.
+        """
+        return self._scrubber.step(max_bytes, self.clock.now())
+
     def capacity_bytes(self) -> int:
         """The byte limit: configured, or the disk's free space plus what segments use."""
         return self._evictor.capacity_bytes()
@@ -166,10 +177,12 @@ class ShardStore:
             self.ttl.classes.names,
             num_segments=num_segments,
             capacity_bytes=self.capacity_bytes(),
+            scrub=self._scrubber.progress,
         )
 
     def close(self) -> None:
         """Persist pending state and close files and the index."""
+        self._scrubber.close()
         with self._write_lock:
             self._reads.flush(self._index)
             self._files.close()

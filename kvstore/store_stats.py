@@ -43,6 +43,18 @@ class StoreStats:
     hits: int
     misses: int  # includes keys of no known class
     classes: tuple[ClassStats, ...]
+    scrubbed_bytes: int = 0  # record bytes the background scrub verified since start-up
+    num_scrub_passes: int = 0  # full scrub passes finished since start-up
+    last_full_pass_s: float = -1.0  # store-clock time the last full pass ended; -1 = none
+
+
+@dataclass(frozen=True)
+class ScrubProgress:
+    """How far the background scrub got since the store opened (kept in memory only)."""
+
+    scrubbed_bytes: int = 0
+    num_passes: int = 0
+    last_full_pass_s: float = -1.0
 
 
 def store_stats(
@@ -51,6 +63,7 @@ def store_stats(
     *,
     num_segments: int,
     capacity_bytes: int,
+    scrub: ScrubProgress,
 ) -> StoreStats:
     """Node and class figures from the counters (persisted plus pending ones)."""
     names = dict.fromkeys(class_names)
@@ -66,6 +79,9 @@ def store_stats(
         hits=sum(c.hits for c in classes),
         misses=int(counters[NODE_MISSES]),
         classes=classes,
+        scrubbed_bytes=scrub.scrubbed_bytes,
+        num_scrub_passes=scrub.num_passes,
+        last_full_pass_s=scrub.last_full_pass_s,
     )
 
 

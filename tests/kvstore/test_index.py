@@ -97,6 +97,20 @@ def test_expiry_order_and_segment_membership(index: Index) -> None:
         assert {e.key[0] for e in view.in_segment(1, 10)} == {2, 4}
 
 
+def test_by_segment_walks_every_entry_in_segment_order_and_resumes(index: Index) -> None:
+    _with_segments(index, 1, 2, 3)
+    with index.write() as w:
+        for key in range(9):
+            w.put_entry(_entry(key, segment=3 - key % 3))
+    seen, position = [], b""
+    with index.read() as view:
+        while batch := view.by_segment(position, 2):
+            seen += [e for _, e in batch]
+            position = batch[-1][0] + b"\x00"
+    assert [e.segment_id for e in seen] == [1, 1, 1, 2, 2, 2, 3, 3, 3], "not in segment order"
+    assert sorted(e.key[0] for e in seen) == list(range(9)), "a resumed scan skipped or repeated"
+
+
 def test_replace_and_delete_keep_derived_figures_exact(index: Index) -> None:
     _with_segments(index, 1, 2)
     entry = _entry(1, expires=100.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
@@ -146,6 +147,34 @@ async def test_bitrot_is_reported_corrupt_and_repairable(tmp_path: Path, start_n
         assert (await client.stats()).corrupt_shards == 1, "corrupt shard not counted"
         bad_key = bytes([2]) * 16
         await client.put([(bad_key, make_shard(key_to_payload[bad_key]))])  # a repair
+        await _assert_all_hit(client, key_to_payload)
+
+
+async def test_scrub_finds_bitrot_without_a_read(tmp_path: Path, start_node) -> None:
+    metrics_port = free_port()
+    config = write_config(tmp_path, metrics_port=metrics_port, scrub_pass_interval_s=0.2)
+    start_node(config)
+    key_to_payload = {bytes([i]) * 16: bytes([65 + i]) * 3000 for i in range(5)}
+    bad_key = bytes([3]) * 16
+    async with NodeClient(_address(config)) as client:
+        await client.put([(k, make_shard(p)) for k, p in key_to_payload.items()])
+        [segment] = _segment_files(config)
+        data = bytearray(segment.read_bytes())
+        data[data.index(key_to_payload[bad_key]) + 500] ^= 0x01
+        segment.write_bytes(bytes(data))
+        deadline_s = time.monotonic() + 20.0
+        while await client.contains([bad_key]) != [[]]:  # found, then dropped by a tick
+            assert time.monotonic() < deadline_s, "the scrub did not find the flipped byte"
+            await asyncio.sleep(0.1)
+        stats = await client.stats()
+        assert (stats.corrupt_shards, stats.hits, stats.misses) == (1, 0, 0), (
+            "the scrub must report bitrot once and count no read"
+        )
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as reply:
+            text = reply.read().decode()
+        assert "kvstore_scrubbed_bytes_total" in text and "kvstore_scrub_passes_total" in text
+        assert "kvstore_scrub_last_full_pass_seconds -1.0" not in text, "no pass recorded"
+        assert await client.put([(bad_key, make_shard(key_to_payload[bad_key]))]) == 1
         await _assert_all_hit(client, key_to_payload)
 
 
