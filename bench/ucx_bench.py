@@ -47,7 +47,7 @@ from client.buffer_pool import BufferPool
 from client.ucx_transport import UcxTransport
 from erasure.allocator import tune_glibc_malloc
 from kvstore.ucx_server import UcxServer
-from kvstore.ucx_worker import ucx_available
+from kvstore.ucx_worker import DEFAULT_SPIN_S, UcxWorker, ucx_available
 
 SOURCE_BYTES = 64 << 20
 UCX_TRANSPORTS = {"ucx": None, "ucx-tcp": "tcp"}  # bench name -> UCX_TLS (None: UCX's choice)
@@ -86,10 +86,10 @@ def block_offset(index: int, size: int) -> int:
 class BenchServer:
     """gRPC control plus one UcxServer per UCX transport, all over one source buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, spin_s: float) -> None:
         self.source = memoryview(source_buffer()).cast("B")
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
-        self.senders = [UcxServer(transports=tls) for tls in tls_options]
+        self.senders = [UcxServer(UcxWorker(tls, spin_s=spin_s)) for tls in tls_options]
         self._tasks: set[asyncio.Task[bool]] = set()
 
     def get(self, request: bytes, context: Any) -> bytes:
@@ -121,9 +121,9 @@ def _as_async(fn: Callable[[bytes, Any], bytes]) -> Callable[[bytes, Any], Await
     return handle
 
 
-async def serve() -> None:
+async def serve(spin_s: float) -> None:
     """Serve until stdin closes; print one JSON line with the gRPC port first."""
-    bench_server = BenchServer()
+    bench_server = BenchServer(spin_s)
     server = grpc.aio.server(options=_CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers([bench_server.handler()])
     port = server.add_insecure_port("127.0.0.1:0")
@@ -141,13 +141,17 @@ async def serve() -> None:
 class BenchClient:
     """One GET function per transport, each filling a per-task slot of one buffer pool."""
 
-    def __init__(self, channel: grpc.aio.Channel, max_bytes: int, concurrency: int) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, max_bytes: int, concurrency: int, spin_s: float
+    ) -> None:
         self._get = channel.unary_unary(_GET)
         self._ucx_get = channel.unary_unary(_UCX_GET)
         self.pool = BufferPool(max_bytes, concurrency)
         self.slots = [self.pool.try_acquire() for _ in range(concurrency)]
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
-        self.receivers = [UcxTransport(transports=tls, seed=7) for tls in tls_options]
+        self.receivers = [
+            UcxTransport(UcxWorker(tls, spin_s=spin_s), seed=7) for tls in tls_options
+        ]
         self._counter = 0
 
     def request_fn(self, transport: str, size: int) -> Callable[[int], Awaitable[bool]]:
@@ -227,8 +231,8 @@ def _result(
     )
 
 
-def start_server() -> tuple[subprocess.Popen[str], int]:
-    cmd = [sys.executable, "-m", "bench.ucx_bench", "--serve"]
+def start_server(spin_us: float) -> tuple[subprocess.Popen[str], int]:
+    cmd = [sys.executable, "-m", "bench.ucx_bench", "--serve", "--spin-us", str(spin_us)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -250,11 +254,12 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    proc, port = start_server()
+    proc, port = start_server(args.spin_us)
     results: list[Result] = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
-            client = BenchClient(ch, max(args.sizes), max(args.concurrency))
+            spin_s = args.spin_us / 1e6
+            client = BenchClient(ch, max(args.sizes), max(args.concurrency), spin_s)
             source = source_buffer()
             for size in args.sizes:
                 for transport in args.transports:
@@ -272,6 +277,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": args.seconds,
         "rounds": args.rounds,
         "source_bytes": SOURCE_BYTES,
+        "spin_us": args.spin_us,
         "cpu_count": os.cpu_count(),
         "load_avg_at_end": os.getloadavg(),
         "ucxx": _ucxx_version(),
@@ -331,13 +337,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", type=_transport_list, default="grpc,ucx,ucx-tcp")
     parser.add_argument("--seconds", type=float, default=1.0, help="measured seconds per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per setting")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=DEFAULT_SPIN_S * 1e6,
+        help="how long an idle UCX worker polls before it sleeps on its epoll fd",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     tune_glibc_malloc()
     if args.serve:
-        asyncio.run(serve())
+        asyncio.run(serve(args.spin_us / 1e6))
         return 0
     if not ucx_available():
         args.transports = [t for t in args.transports if t == "grpc"]

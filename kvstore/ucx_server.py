@@ -1,23 +1,27 @@
 """Node side of the UCX data path: send shard bytes from the memory that holds them.
 
-gRPC stays the control plane; only shard bytes of reads travel over UCX. One read::
+gRPC stays the control plane; only shard payloads of reads travel over UCX. One read::
 
-    client                                   node
-    ------                                   ----
-    batch = transport.new_batch(slots)       (slot i: where message i must land)
+    client                                     node
+    ------                                     ----
+    batch = transport.new_batch(slots)         (slot i: where key i's payload must land)
     GetShards(keys, ucx={worker_address,
-              tag_base})  ---- gRPC ---->    look up the shards; for each HIT choose the
-                                             buffers to send (e.g. header, payload)
-                          <--- gRPC -----    reply: status and byte counts per key
-                          <--- UCX ------    UcxServer.send(worker_address, tag_base, buffers):
-    batch.wait(indexes) -> byte counts       message i with tag tag_base + i, read in place
-    verify shard checksums, decode           from the node's memory by the client (CMA get)
+              tag_base})  ----- gRPC ----->    look up the shards; for each HIT pin its
+                                               segment and post its payload:
+                                               UcxServer.post(worker_address, tag_base,
+                                               payloads) sends payload i with tag_base + i
+                          <---- gRPC ------    reply at once: status and the 48-byte shard
+                                               header per key (version, lengths, checksum)
+                          <---- UCX -------    the client pulls each payload straight from
+    batch.wait(hit indexes) -> byte counts     the node's memory into slot i (CMA get);
+    verify shard checksums, decode             the post task ends, the node unpins
 
-The node keeps the memory it sends from alive (its segment pinned) until :meth:`send`
-returns; a segment freed by expiry is a MISS in the reply and is never sent. Endpoints to
-clients are made from the client's worker address in the request and cached; an endpoint
-whose send fails or times out (client gone, or it gave up on us) is dropped, and the next
-request from that address makes a new one.
+A MISS or a segment freed by expiry is reported in the reply and nothing is sent for it; the
+node keeps what it sends from alive until the post task ends. Endpoints to clients are made
+from the client's worker address in the request and cached; an endpoint whose send fails or
+times out (client gone, or it gave up on us) is dropped, and the next request from that
+address makes a new one. If :meth:`UcxServer.post` raises (malformed or unreachable address),
+the node answers with the shards inline, as without UCX.
 """
 
 from __future__ import annotations

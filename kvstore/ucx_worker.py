@@ -76,7 +76,8 @@ BATCH_INDEX_BITS = 20
 MAX_BATCH_MESSAGES = 1 << BATCH_INDEX_BITS
 _MAX_ADDRESS_BYTES = 1 << 16
 _ADDRESS_VERSION_MASK = 0x0F  # low bits of a packed worker address's first byte
-_TOMBSTONE_BYTES = 1  # a receive this small truncates any real message: nothing is read
+_TOMBSTONE_BYTES = 1
+DEFAULT_SPIN_S = 200e-6  # a receive this small truncates any real message: nothing is read
 
 
 def ucx_available() -> bool:
@@ -115,7 +116,7 @@ class UcxWorker:
         self,
         transports: str | None = None,
         *,
-        spin_s: float = 200e-6,
+        spin_s: float = DEFAULT_SPIN_S,
         idle_wait_s: float = 0.05,
         grace_s: float = 10.0,
     ) -> None:

@@ -10,10 +10,11 @@ stdin::
 
     {"client": HEX, "tag_base": INT, "shards": [i, ...], "delay_s": FLOAT}
 
-it sleeps ``delay_s`` (a straggler), sends for the j-th listed shard its 48-byte header with
-tag ``tag_base + 2j`` and its payload with ``tag_base + 2j + 1``, straight from the mapped
-file, and answers ``{"ok": BOOL}`` once the sends ended. It exits when stdin closes. A
-stand-in for the storage node until the node serves GetShards over UCX.
+it sleeps ``delay_s`` (a straggler), starts sending the payload of the j-th listed shard
+with tag ``tag_base + j`` straight from the mapped file, answers at once with the shards'
+48-byte headers ``{"headers": [HEX, ...]}`` (the metadata a GetShards reply carries), and
+then ``{"ok": BOOL}`` once the sends ended. It exits when stdin closes. A stand-in for the
+storage node until the node serves GetShards over UCX.
 """
 
 from __future__ import annotations
@@ -31,23 +32,24 @@ from kvstore.ucx_server import UcxServer
 SEND_TIMEOUT_S = 5.0
 
 
-def split_messages(mapped: memoryview, shard_bytes: int, shard_ids: list[int]) -> list[memoryview]:
-    """Header then payload of each listed shard, as views into the mapped file."""
-    messages = []
-    for shard_id in shard_ids:
-        start = shard_id * shard_bytes
-        messages.append(mapped[start : start + HEADER_BYTES])
-        messages.append(mapped[start + HEADER_BYTES : start + shard_bytes])
-    return messages
+def shard_parts(
+    mapped: memoryview, shard_bytes: int, shard_ids: list[int]
+) -> tuple[list[str], list[memoryview]]:
+    """Headers (hex) and payloads (views into the mapped file) of the listed shards."""
+    starts = [shard_id * shard_bytes for shard_id in shard_ids]
+    headers = [mapped[start : start + HEADER_BYTES].hex() for start in starts]
+    payloads = [mapped[start + HEADER_BYTES : start + shard_bytes] for start in starts]
+    return headers, payloads
 
 
 async def handle(server: UcxServer, mapped: memoryview, shard_bytes: int, line: str) -> None:
     request = json.loads(line)
     await asyncio.sleep(request.get("delay_s", 0.0))
-    messages = split_messages(mapped, shard_bytes, request["shards"])
+    headers, payloads = shard_parts(mapped, shard_bytes, request["shards"])
     client = bytes.fromhex(request["client"])
-    ok = await server.send(client, request["tag_base"], messages, SEND_TIMEOUT_S)
-    print(json.dumps({"ok": ok}), flush=True)
+    sent = server.post(client, request["tag_base"], payloads, SEND_TIMEOUT_S)
+    print(json.dumps({"headers": headers}), flush=True)
+    print(json.dumps({"ok": await sent}), flush=True)
 
 
 async def serve(args: argparse.Namespace) -> None:

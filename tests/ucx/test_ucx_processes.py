@@ -1,6 +1,7 @@
 """The UCX data path between real processes: a node-side process sends erasure-coded shards
-from a mapped file; the client receives headers into a header array and data-shard payloads
-straight into their places in a buffer-pool slot, so the block needs no decode and no copy.
+from a mapped file. As in the proposed GetShards-over-UCX exchange, shard headers come back on
+the control pipe and payloads over UCX, straight into their places in a buffer-pool slot, so
+the block needs no decode and no copy; every checksum is verified on arrival.
 
 Runs over UCX's own choice (shared memory + CMA) and over forced TCP; covers a node that
 dies and restarts with a new worker address, and a straggler whose late reply is discarded.
@@ -59,9 +60,9 @@ class ShardServer:
         self.proc.stdin.write(json.dumps(line | {"delay_s": delay_s}).encode() + b"\n")
         await self.proc.stdin.drain()
 
-    async def reply(self) -> bool:
+    async def reply(self) -> dict:
         line = await asyncio.wait_for(self.proc.stdout.readline(), WAIT_S)
-        return json.loads(line)["ok"]
+        return json.loads(line)
 
     async def stop(self) -> None:
         if self.proc.returncode is None:
@@ -96,27 +97,22 @@ async def start_server() -> AsyncIterator[Callable[..., asyncio.Future[ShardServ
 
 
 class BlockRead:
-    """Slots for one read of the k data shards: headers apart, payloads in block order."""
+    """One read of the k data shards: payload i lands at offset i * payload_bytes."""
 
     def __init__(self, pool: BufferPool, payload_bytes: int) -> None:
         self.slot = pool.try_acquire()
         assert self.slot is not None
-        self.headers = bytearray(K * HEADER_BYTES)
         self.payload_bytes = payload_bytes
-        self.messages: list[memoryview] = []
-        for i in range(K):
-            self.messages.append(memoryview(self.headers)[i * HEADER_BYTES :][:HEADER_BYTES])
-            self.messages.append(self.slot.view[i * payload_bytes :][:payload_bytes])
+        self.payloads = [self.slot.view[i * payload_bytes :][:payload_bytes] for i in range(K)]
 
-    def verified_block(self, block_len: int) -> bytes:
+    def verified_block(self, hex_headers: list[str], block_len: int) -> bytes:
         """The block, after checking every shard checksum and the block checksum."""
-        for i in range(K):
-            header = self.headers[i * HEADER_BYTES :][:HEADER_BYTES]
-            payload = self.slot.view[i * self.payload_bytes :][: self.payload_bytes]
-            stored = int.from_bytes(header[40:48], "little")
+        headers = [bytes.fromhex(h) for h in hex_headers]
+        for i, (header, payload) in enumerate(zip(headers, self.payloads, strict=True)):
+            stored = int.from_bytes(header[40:HEADER_BYTES], "little")
             assert shard_checksum(header[:40], payload) == stored, f"shard {i} arrived corrupt"
         block = bytes(self.slot.view[:block_len])
-        assert block_checksum(block) == shard_version(self.headers[:HEADER_BYTES])
+        assert block_checksum(block) == shard_version(headers[0]), "block checksum mismatch"
         return block
 
 
@@ -135,12 +131,12 @@ async def test_block_lands_in_place_from_a_mapped_file(
     try:
         for _ in range(2):  # the second read reuses the node's cached endpoint
             read = BlockRead(_pool(payload_bytes), payload_bytes)
-            batch = client.new_batch(read.messages)
+            batch = client.new_batch(read.payloads)
             await server.request(client, batch.tag_base, list(range(K)))
-            counts = await batch.wait(None, WAIT_S)
-            assert counts == [HEADER_BYTES, payload_bytes] * K, "messages missing or torn"
-            assert await server.reply(), "the node must see every send taken by the client"
-            assert read.verified_block(len(block)) == block, "UCX delivered wrong bytes"
+            headers = (await server.reply())["headers"]
+            assert await batch.wait(None, WAIT_S) == [payload_bytes] * K, "payloads missing"
+            assert (await server.reply())["ok"], "the node must see every send taken"
+            assert read.verified_block(headers, len(block)) == block, "UCX delivered wrong bytes"
     finally:
         await client.close()
 
@@ -156,19 +152,20 @@ async def test_node_restart_is_detected_and_reads_resume(
         server = await start_server(path, shard_bytes)
         assert not client.observe_node("n00", server.address)
         read = BlockRead(pool, payload_bytes)
-        batch = client.new_batch(read.messages)
+        batch = client.new_batch(read.payloads)
         await server.request(client, batch.tag_base, list(range(K)), delay_s=30.0)
         await server.stop()  # killed before it sends: the read must end, not hang
-        assert await batch.wait(None, timeout_s=0.2) == [None] * (2 * K)
+        assert await batch.wait(None, timeout_s=0.2) == [None] * K
         read.slot.release()  # safe: wait() cancelled every receive it reported missing
 
         server = await start_server(path, shard_bytes)
         assert client.observe_node("n00", server.address), "a restart must be detected"
         read = BlockRead(pool, payload_bytes)
-        batch = client.new_batch(read.messages)
+        batch = client.new_batch(read.payloads)
         await server.request(client, batch.tag_base, list(range(K)))
+        headers = (await server.reply())["headers"]
         assert None not in await batch.wait(None, WAIT_S)
-        assert read.verified_block(len(block)) == block
+        assert read.verified_block(headers, len(block)) == block
     finally:
         await client.close()
 
@@ -182,11 +179,12 @@ async def test_straggler_reply_after_cancel_is_discarded(
     client = UcxTransport(seed=3)
     try:
         read = BlockRead(_pool(payload_bytes), payload_bytes)
-        batch = client.new_batch(read.messages)
+        batch = client.new_batch(read.payloads)
         await server.request(client, batch.tag_base, list(range(K)), delay_s=0.3)
-        assert await batch.wait(None, timeout_s=0.05) == [None] * (2 * K)
+        assert await batch.wait(None, timeout_s=0.05) == [None] * K
         read.slot.view[:] = b"\xee" * len(read.slot.view)  # the slot is reused at once
-        assert await server.reply(), "late sends must still complete (discarded unread)"
+        assert "headers" in await server.reply()
+        assert (await server.reply())["ok"], "late sends must still complete (discarded unread)"
         assert read.slot.view == b"\xee" * len(read.slot.view), "a late shard overwrote a slot"
     finally:
         await client.close()
