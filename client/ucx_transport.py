@@ -1,11 +1,11 @@
 """Client side of the UCX data path: shard bytes land straight in the client's own buffers.
 
 The client registers, for one read from one node, the slot where each message must land
-(e.g. message 2i = shard i's 48-byte header into a header array, message 2i+1 = its payload
-into its place in the destination block), then asks the node over gRPC to deliver with the
-batch's tag base; kvstore/ucx_server.py shows the exchange. UCX moves the bytes: over shared
-memory the client pulls them with one CMA get from the node's memory into the slot, so the
-only copy is the transport's own. The caller still verifies every shard's checksum.
+(message i = the payload of the request's key i, e.g. into its place in the destination
+block), then asks the node over gRPC to deliver with the batch's tag base; the shard headers
+come back in the gRPC reply (kvstore/ucx_server.py shows the exchange). UCX moves the bytes:
+over shared memory the client pulls them with one CMA get from the node's memory into the
+slot, so the only copy is the transport's own. The caller still verifies every checksum.
 
 Tags are made here and are unique per client worker: a random 44-bit request counter in the
 high bits and the message index in the low 20 bits (kvstore.ucx_worker.batch_tag).
