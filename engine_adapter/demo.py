@@ -50,8 +50,14 @@ SUPPORT_SYSTEM = (
     "under Settings, then Security; old keys keep working for 24 hours after a rotation. "
     "Backups run every night at 02:00 UTC and are kept for 30 days. The free plan includes "
     "one small virtual machine and 10 GB of storage; paid plans start at 12 euros a month. "
-    "Support is open around the clock by chat and by email at help@acme.example. Never share "
-    "one customer's data with another customer, and never invent features we do not offer."
+    "Support is open around the clock by chat and by email at help@acme.example. Invoices are "
+    "sent on the first day of each month and can be paid by card or bank transfer within 14 "
+    "days. Virtual machines can be resized in the console without losing data, but resizing "
+    "restarts the machine. Object storage is billed per gigabyte stored and per gigabyte sent "
+    "out of our network; traffic between our data centres is free. Two-factor authentication "
+    "is available for every account and required for accounts with more than five members. "
+    "Never share one customer's data with another customer, and never invent features we do "
+    "not offer."
 )
 AGENT_SYSTEM = (
     "You are a deployment agent for Acme Cloud. You fix failed deployments by calling tools. "
@@ -60,8 +66,14 @@ AGENT_SYSTEM = (
     "of a deployment; get_config(service) returns the service configuration as YAML; "
     "set_config(service, key, value) changes one configuration key; redeploy(service) starts "
     "a new deployment and returns its id; get_status(deploy_id) returns queued, running, "
-    "failed or healthy. Always read the logs before you change anything, change as little as "
-    "possible, and check the status after every redeploy."
+    "failed or healthy; rollback(service, deploy_id) returns the service to an earlier "
+    "deployment; list_deploys(service) returns the ten most recent deployments with their "
+    "status and author. Always read the logs before you change anything, change as little as "
+    "possible, and check the status after every redeploy. Never change more than one key per "
+    "turn. If a redeploy fails twice, roll back to the last healthy deployment and report "
+    "DONE with what you tried. Ports below 1024 need root, which services do not have; the "
+    "default port for web services is 8080. Secrets are never printed in full: show only "
+    "their last four characters."
 )
 
 
@@ -150,6 +162,15 @@ async def replay(router: Router, steps: Sequence[Step], max_new_tokens: int) -> 
         )
         conversation.messages.append({"role": "assistant", "content": completion.text})
         yield _row(index, step, completion)
+
+
+async def warm_up(router: Router) -> None:
+    """One short request per prefill worker (tenant "warmup": it shares no blocks with the
+    workload), so first-call costs (connections, allocations) stay out of the TTFTs shown."""
+    for _ in router.prefill.workers:
+        await router.generate(
+            [{"role": "user", "content": "Hello!"}], tenant="warmup", max_new_tokens=2
+        )
 
 
 def _row(index: int, step: Step, completion: Completion) -> Row:
@@ -263,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
             rows = _run_workload(console, stack, args, work_dir, cluster_toml)
     except (KeyboardInterrupt, asyncio.CancelledError):
-        console.print("interrupted: workers and nodes stopped")
+        console.print("\ninterrupted: workers and nodes stopped")
         return 130
     except (KVStoreError, ValueError) as exc:
         console.print(f"error: {exc}\n(logs under {work_dir})")
@@ -292,7 +313,10 @@ def _run_workload(
             stack.enter_context(LocalCluster.start(cluster_toml.parent, num_nodes=12))
             console.print(f"12 storage nodes serving (10+2 erasure code): {cluster_toml}")
         pool.wait_ready()
-    console.print(f"workers ready: {pool.pids()} (logs: {work_dir / 'serve' / 'logs'})")
+    console.print(
+        f"workers ready: {pool.pids()} (logs: {work_dir / 'serve' / 'logs'}); "
+        "one warm-up request per prefill worker, not shown"
+    )
     return asyncio.run(_replay_live(console, pool, args.max_new_tokens))
 
 
@@ -300,6 +324,7 @@ async def _replay_live(console: Console, pool: WorkerPool, max_new_tokens: int) 
     cancel_on_signals()
     rows: list[Row] = []
     async with Router(pool.addresses("prefill"), pool.addresses("decode")) as router:
+        await warm_up(router)
         with Live(transcript_table(rows), console=console, auto_refresh=False) as live:
             async for row in replay(router, WORKLOAD, max_new_tokens):
                 rows.append(row)
