@@ -4,7 +4,8 @@
 
     kvstore bench engine --json PATH [--model default|random:<size>|PATH] [--device cpu|cuda]
         [--prompt-lengths 1024,4096,8192] [--cached-fractions 0,0.5,0.9,1.0]
-        [--cluster DIR/cluster.toml] [--repeats 1] [--block-tokens 64] [--chunk-tokens N]
+        [--cluster DIR/cluster.toml] [--repeats 3] [--block-tokens 64] [--chunk-tokens N]
+        [--fetch-policy always|cost] [--fetch-deadline-s 10]
 
 Without ``--cluster`` a 12-node local cluster is started in a temporary directory (fsync off:
 only reads are timed) and stopped at the end. For each prompt length L (seeded random token
@@ -14,10 +15,13 @@ ids; capped at the model's context length):
 - For each cached fraction f, under a fresh tenant (so nothing else is cached): a seeding
   prefill of the first ``u`` full blocks writes them to the store, where ``u`` is what the
   cached prefill can use (f*L rounded down to whole blocks and chunks; at least one block is
-  always recomputed). The seeding sequence is then extended by the rest of the prompt
-  without the store: that is ``suffix_compute_s``, the compute an ideal cache leaves.
+  always recomputed). The seeding sequence stays in the engine; extending it by the rest of
+  the prompt (no store) is ``suffix_compute_s``, the compute an ideal cache leaves.
 - ``ttft_s``: cache-backed prefill of the whole prompt (lookup, fetch, swap-in, compute of
-  the rest, first token), median of repeats, write-back off so repeats see the same cache.
+  the rest, first token), write-back off so repeats see the same cache. ``--fetch-policy
+  always`` (the default) swaps in whatever is cached; ``cost`` lets the cost model choose.
+- Runs are interleaved round by round (see ``Bench``) and reported as medians; the 1-minute
+  load average before and after goes into the JSON, since other processes skew wall time.
 - ``speedup = ttft_cold_s / ttft_s``; ``ideal_speedup = ttft_cold_s / (suffix_compute_s +
   fetch_s)`` with the fetch time (``get_into`` of the blocks) of the cached runs, i.e. what
   a cache that costs nothing beyond the transfer would give (1 when nothing is cached);
@@ -34,12 +38,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +55,7 @@ from rich.table import Table
 
 from deploy.local_cluster import LocalCluster
 from engine_adapter.config import EngineConfig
-from engine_adapter.engine import Engine, PrefillResult
+from engine_adapter.engine import Engine, PrefillResult, Sequence
 from engine_adapter.loader import load_model
 
 GB = 1e9
@@ -79,8 +84,24 @@ class Row:
     repeats: int
 
 
+@dataclass
+class Setup:
+    """One cached fraction of one prompt: its tenant and the stored prefix, held in the engine."""
+
+    fraction: float
+    tenant: str
+    prefix: Sequence | None  # the seeding sequence (None when nothing is cached)
+    suffix_compute_s: list[float] = field(default_factory=list)
+    cached: list[PrefillResult] = field(default_factory=list)
+
+
 class Bench:
-    """One engine, one store, the measurements of one run."""
+    """One engine, one store, the measurements of one run.
+
+    Timed runs are interleaved (a cold prefill, then every fraction's suffix compute and
+    cached prefill, repeated ``repeats`` times) so that load from other processes hits every
+    measurement alike; each figure is the median of its repeats.
+    """
 
     def __init__(self, engine: Engine, repeats: int, progress: Progress, task: Any) -> None:
         self.engine, self.repeats = engine, repeats
@@ -88,28 +109,45 @@ class Bench:
         self.run_id = f"{time.time_ns():x}"
 
     async def prompt_rows(self, prompt: list[int], fractions: list[float]) -> list[Row]:
-        cold = [await self._prefill(prompt, use_cache=False) for _ in range(self.repeats)]
-        self._advance()
-        rows = []
-        for fraction in fractions:
-            rows.append(await self._cached_row(prompt, fraction, cold))
-            self._advance()
-        return rows
+        setups = [await self._seed(prompt, fraction) for fraction in fractions]
+        cold: list[PrefillResult] = []
+        for _ in range(self.repeats):
+            cold.append(await self._prefill(prompt, use_cache=False))
+            for setup in setups:
+                setup.suffix_compute_s.append(await self._suffix_compute_s(setup, prompt, cold[-1]))
+                setup.cached.append(
+                    await self._prefill(prompt, tenant=setup.tenant, write_back=False)
+                )
+            self.progress.advance(self.task)
+        for setup in setups:
+            if setup.prefix is not None:
+                self.engine.release(setup.prefix)
+        return [make_row(prompt, s, cold, self.engine) for s in setups]
 
-    async def _cached_row(
-        self, prompt: list[int], fraction: float, cold: list[PrefillResult]
-    ) -> Row:
+    async def _seed(self, prompt: list[int], fraction: float) -> Setup:
+        """Store the blocks a cached prefill of ``prompt`` may use at ``fraction``."""
         tenant = f"bench-{self.run_id}-{len(prompt)}-{fraction}"
         num_blocks = self._usable_blocks(len(prompt), fraction)
-        if num_blocks:
-            suffix_compute_s = await self._seed(prompt, num_blocks, tenant)
-        else:  # nothing cached: the ideal is the cold prefill itself
-            suffix_compute_s = statistics.median(r.ttft_s for r in cold)
-        cached = [
-            await self._prefill(prompt, tenant=tenant, write_back=False)
-            for _ in range(self.repeats)
-        ]
-        return make_row(prompt, fraction, cold, cached, suffix_compute_s, self.engine)
+        if num_blocks == 0:
+            return Setup(fraction, tenant, None)
+        seeded = await self.engine.prefill(
+            prompt[: num_blocks * self.engine.config.block_tokens], tenant=tenant
+        )
+        await self.engine.flush()
+        return Setup(fraction, tenant, seeded.sequence)
+
+    async def _suffix_compute_s(
+        self, setup: Setup, prompt: list[int], cold: PrefillResult
+    ) -> float:
+        """Time to compute the uncached rest with the prefix already in the KV cache."""
+        if setup.prefix is None:  # nothing cached: the rest is the whole prompt
+            return cold.ttft_s
+        num_prefix = len(setup.prefix.token_ids)
+        started = time.perf_counter()
+        await self.engine.extend(setup.prefix, prompt[num_prefix:])
+        elapsed_s = time.perf_counter() - started
+        self.engine.truncate(setup.prefix, num_prefix)
+        return elapsed_s
 
     def _usable_blocks(self, num_tokens: int, fraction: float) -> int:
         config = self.engine.config
@@ -119,35 +157,16 @@ class Bench:
         )
         return wanted // config.blocks_per_chunk * config.blocks_per_chunk
 
-    async def _seed(self, prompt: list[int], num_blocks: int, tenant: str) -> float:
-        """Store the first ``num_blocks`` blocks; return the time to compute the rest."""
-        prefix = prompt[: num_blocks * self.engine.config.block_tokens]
-        seeded = await self.engine.prefill(prefix, tenant=tenant)
-        await self.engine.flush()
-        started = time.perf_counter()
-        await self.engine.extend(seeded.sequence, prompt[len(prefix) :])
-        suffix_compute_s = time.perf_counter() - started
-        self.engine.release(seeded.sequence)
-        return suffix_compute_s
-
     async def _prefill(self, prompt: list[int], **kwargs: Any) -> PrefillResult:
         result = await self.engine.prefill(prompt, **kwargs)
         self.engine.release(result.sequence)
         return result
 
-    def _advance(self) -> None:
-        self.progress.advance(self.task)
 
-
-def make_row(
-    prompt: list[int],
-    fraction: float,
-    cold: list[PrefillResult],
-    cached: list[PrefillResult],
-    suffix_compute_s: float,
-    engine: Engine,
-) -> Row:
+def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine: Engine) -> Row:
     """Medians of the repeats and the ratios derived from them (see the module doc)."""
+    cached, fraction = setup.cached, setup.fraction
+    suffix_compute_s = statistics.median(setup.suffix_compute_s)
     ttft_cold_s = statistics.median(r.ttft_s for r in cold)
     ttft_s = statistics.median(r.ttft_s for r in cached)
     lookup_s = statistics.median(r.lookup_s for r in cached)
@@ -219,14 +238,14 @@ def cluster_toml(path: Path | None, num_nodes: int) -> Iterator[Path]:
         yield cluster.cluster_toml
 
 
-def engine_config(args: argparse.Namespace, max_model_len: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, max_model_len: int, num_fractions: int) -> EngineConfig:
     cuda = args.device.startswith("cuda")
     return EngineConfig(
         block_tokens=args.block_tokens,
         prefill_chunk_tokens=args.chunk_tokens or (512 if cuda else args.block_tokens),
         device=args.device,
         dtype=args.dtype or ("bfloat16" if cuda else "float32"),
-        max_num_seqs=2,
+        max_num_seqs=num_fractions + 2,  # the held prefixes, a prefill and a spare
         max_model_len=max_model_len,
         fetch_policy=args.fetch_policy,
         fetch_deadline_s=args.fetch_deadline_s,
@@ -237,24 +256,27 @@ def engine_config(args: argparse.Namespace, max_model_len: int) -> EngineConfig:
 async def bench(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     lengths = [int(x) for x in args.prompt_lengths.split(",")]
     fractions = [float(x) for x in args.cached_fractions.split(",")]
-    config = engine_config(args, 0)
+    config = engine_config(args, 0, 0)
     loaded = load_model(args.model, config.device, config.dtype, config.seed)
     context = loaded.model.config.max_position_embeddings
     lengths = sorted({min(n, context) for n in lengths})
-    engine = Engine(loaded, engine_config(args, max(lengths)))
+    engine = Engine(loaded, engine_config(args, max(lengths), len(fractions)))
     rows: list[Row] = []
+    load_before = os.getloadavg()
     with (
         cluster_toml(args.cluster, args.nodes) as toml,
         Progress(console=console, transient=True) as progress,
     ):
         engine.open_store(toml)
-        task = progress.add_task("engine bench", total=len(lengths) * (1 + len(fractions)))
+        task = progress.add_task("engine bench", total=len(lengths) * args.repeats)
         runner = Bench(engine, args.repeats, progress, task)
         for num_tokens in lengths:
             prompt = make_prompt(num_tokens, engine.model.config.vocab_size, args.seed)
             rows += await runner.prompt_rows(prompt, fractions)
         await engine.close()
-    return {"config": describe(args, engine), "results": [asdict(r) for r in rows]}
+    config = describe(args, engine)
+    config["load_average_1m_before_after"] = [load_before[0], os.getloadavg()[0]]
+    return {"config": config, "results": [asdict(r) for r in rows]}
 
 
 def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
@@ -310,7 +332,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="DIR/cluster.toml (default: start a local cluster)",
     )
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per setting (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument(
         "--chunk-tokens",
@@ -318,7 +340,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="prefill chunk (default: one block on CPU, 512 on CUDA)",
     )
-    parser.add_argument("--fetch-policy", default="cost", choices=["cost", "always"])
+    parser.add_argument(
+        "--fetch-policy",
+        default="always",
+        choices=["always", "cost"],
+        help="always: measure the swap-in (default); cost: let the cost model choose",
+    )
     parser.add_argument("--fetch-deadline-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
 

@@ -83,13 +83,16 @@ class FetchCostModel:
     ) -> FetchPlan:
         """How many of the ``num_cached_blocks`` leading blocks to fetch, and the deadline.
 
-        ``always`` fetches whatever the prediction (a decode worker must swap the KV in).
+        ``always`` fetches whatever the prediction, with the longest deadline (a decode
+        worker must swap the KV in; a benchmark measures the swap-in).
         """
         fetch_s = self.fetch_s(num_cached_blocks, block_bytes)
         compute_s = self.compute_s(num_cached_blocks * block_tokens)
         worth_it = always or self.num_fetches == 0 or fetch_s < compute_s
         num_blocks = num_cached_blocks if worth_it else 0
         deadline_s = min(max(compute_s, self.min_deadline_s), self.max_deadline_s)
+        if always:
+            deadline_s = self.max_deadline_s
         return FetchPlan(num_blocks, deadline_s, fetch_s, compute_s)
 
     def _ewma(self, old: float, new: float) -> float:

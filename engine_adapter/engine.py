@@ -197,6 +197,15 @@ class Engine:
         seq.table.block_ids += self.cache.pool.allocate(max(num_missing, 0))
         return await asyncio.to_thread(self._compute, seq, start, None)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget ``seq``'s tokens from position ``num_tokens`` on (their KV is dropped)."""
+        if not 0 < num_tokens <= len(seq.token_ids):
+            raise InvalidArgument(f"can keep 1 to {len(seq.token_ids)} tokens, not {num_tokens}")
+        del seq.token_ids[num_tokens:]
+        num_blocks = seq.table.num_blocks_for(num_tokens)
+        self.cache.pool.free(seq.table.block_ids[num_blocks:])
+        del seq.table.block_ids[num_blocks:]
+
     def encode_prompt(self, prompt: str | list[int] | list[Message]) -> list[int]:
         """Token ids of a prompt: ids as given, untrusted text, or chat messages (template)."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine_adapter.config import ModelConfig
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
@@ -88,13 +89,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = ctx.rotary(q, ctx.start), ctx.rotary(k, ctx.start)
         ctx.before_layer(layer)
-        ctx.cache.write(layer, ctx.table, ctx.start, k, v)
+        ctx.cache.write(layer, ctx.slots, k, v)
         kv = ctx.cache.read(layer, ctx.table, ctx.end)  # [2, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
             kv[0].unsqueeze(0),  # [1, Hkv, S, D]
             kv[1].unsqueeze(0),
-            attn_mask=ctx.causal_mask,  # [n, S] or None when every key is visible
+            attn_mask=ctx.causal_mask,  # [n, S] (or a CausalBias), None when all keys are visible
             enable_gqa=True,
         )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))  # [n, H*D]
@@ -139,13 +140,20 @@ class ForwardContext:
         self.rotary, self.cache, self.table = rotary, cache, table
         self.start, self.end = start, end
         self.before_layer = before_layer or (lambda layer: None)
+        self.slots = cache.slots(table, start, end)  # [n], computed once for every layer
         self.causal_mask = _causal_mask(start, end, cache.kv.device)
 
 
-def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor | None:
-    """``[n, S]`` bool: query at position p sees keys at positions <= p; None for n == 1."""
+def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor | CausalBias | None:
+    """Query at position p sees keys at positions <= p (None when n == 1: it sees all).
+
+    On CUDA a lower-right causal bias lets SDPA pick its flash kernel; elsewhere an explicit
+    ``[n, S]`` bool mask (the same values; CausalBias would rebuild it for every layer).
+    """
     if end - start == 1:
         return None
+    if device.type == "cuda":
+        return causal_lower_right(end - start, end)
     query_pos = torch.arange(start, end, device=device)[:, None]
     return torch.arange(end, device=device)[None, :] <= query_pos
 

@@ -90,11 +90,12 @@ class PagedKVCache:
             layout.num_layers, 2, h, num_blocks * t, d, dtype=dtype, device=device
         )
 
-    def write(
-        self, layer: int, table: BlockTable, start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store K and V ``[n, kv_heads, head_dim]`` of positions [start, start + n)."""
-        slots = torch.tensor(table.slots(start, start + k.shape[0]), device=self.kv.device)
+    def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
+        """Pool slots of positions [start, end) as a device tensor (for ``write``)."""
+        return torch.tensor(table.slots(start, end), device=self.kv.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V ``[n, kv_heads, head_dim]`` at pool ``slots`` ``[n]``."""
         self.kv[layer, 0].index_copy_(1, slots, k.transpose(0, 1))  # [kv_heads, n, head_dim]
         self.kv[layer, 1].index_copy_(1, slots, v.transpose(0, 1))
 
