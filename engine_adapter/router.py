@@ -105,12 +105,7 @@ def make_request(
     """A GenerateRequest for a conversation (``messages``) or a prompt's ``token_ids``."""
     if (messages is None) == (token_ids is None):
         raise InvalidArgument("pass either messages=[{'role':..., 'content':...}] or token_ids")
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-        raise InvalidArgument(
-            f"need max_new_tokens >= 1, temperature >= 0 and top_k >= 0; got "
-            f"{max_new_tokens}, {temperature}, {top_k}"
-        )
-    return pb.GenerateRequest(
+    request = pb.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex[:12],
         tenant=tenant,
         traffic_class=traffic_class,
@@ -125,6 +120,22 @@ def make_request(
         ),
         timeout_s=timeout_s,
     )
+    check_request(request)
+    return request
+
+
+def check_request(request: pb.GenerateRequest) -> None:
+    """InvalidArgument for a request no worker could serve (checked before routing it)."""
+    sampling = request.sampling
+    if bool(request.messages) == bool(request.token_ids):
+        raise InvalidArgument("a request needs a non-empty conversation or prompt token ids")
+    if not request.tenant or not request.traffic_class:
+        raise InvalidArgument("a request needs a tenant and a traffic class, e.g. acme / chat")
+    if sampling.max_new_tokens < 1 or sampling.temperature < 0:
+        raise InvalidArgument(
+            f"need max_new_tokens >= 1 and temperature >= 0; got "
+            f"{sampling.max_new_tokens}, {sampling.temperature}"
+        )
 
 
 async def collect(request_id: str, events: AsyncIterator[pb.GenerateEvent]) -> Completion:
@@ -239,7 +250,55 @@ class _WorkerFault(Exception):
     """A worker failed in a way another worker may not (it died, hung or is unreachable)."""
 
 
-class Router:
+class RequestAPI:
+    """``generate`` and ``stream``, shared by the in-process :class:`Router` and the remote
+    :class:`ServingClient`; subclasses implement ``stream_request``."""
+
+    def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        messages: Sequence[Message] | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        tenant: str = "default",
+        traffic_class: str = "chat",
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        ignore_eos: bool = False,
+        timeout_s: float = 0.0,
+        request_id: str = "",
+    ) -> Completion:
+        """Run one request to completion (arguments as :func:`make_request`)."""
+        request = make_request(
+            messages,
+            token_ids=token_ids,
+            tenant=tenant,
+            traffic_class=traffic_class,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            timeout_s=timeout_s,
+            request_id=request_id,
+        )
+        return await collect(request.request_id, self.stream_request(request))
+
+    def stream(
+        self, messages: Sequence[Message] | None = None, **kwargs: Any
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        """Events of one request: ``prefill`` stats, a ``token`` per token, then ``finish``.
+
+        Keyword arguments as :meth:`generate`.
+        """
+        return self.stream_request(make_request(messages, **kwargs))
+
+
+class Router(RequestAPI):
     """Routes requests over prefill and decode worker processes (see the module doc)."""
 
     def __init__(
@@ -289,7 +348,7 @@ class Router:
             await asyncio.sleep(PROBE_INTERVAL_S)
             down = [w for w in self.endpoints if not w.healthy]
             if down:
-                await asyncio.gather(*(w.probe() for w in down))
+                await asyncio.gather(*(w.probe() for w in down), return_exceptions=True)
 
     async def close(self) -> None:
         if self._probe_task is not None:
@@ -304,21 +363,9 @@ class Router:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def generate(
-        self, messages: Sequence[Message] | None = None, **kwargs: Any
-    ) -> Completion:
-        """Run one request to completion; keyword arguments as :func:`make_request`."""
-        request = make_request(messages, **kwargs)
-        return await collect(request.request_id, self.stream_request(request))
-
-    def stream(
-        self, messages: Sequence[Message] | None = None, **kwargs: Any
-    ) -> AsyncIterator[pb.GenerateEvent]:
-        """Events of one request: ``prefill`` stats, ``token`` per token, then ``finish``."""
-        return self.stream_request(make_request(messages, **kwargs))
-
     async def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
         """Run ``request`` through a prefill worker, then a decode worker, streaming events."""
+        check_request(request)
         deadline_s = time.monotonic() + (request.timeout_s or self.timeout_s)
         prefill_request = pb.PrefillRequest(
             request_id=request.request_id,
@@ -497,7 +544,7 @@ class RouterService(pb_grpc.RouterServicer):
         return pb.HealthReply(worker_id="router", role="router", num_active=num_active)
 
 
-class ServingClient:
+class ServingClient(RequestAPI):
     """Python client of a running router (``kvstore serve --port P``)."""
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -514,19 +561,6 @@ class ServingClient:
 
     async def close(self) -> None:
         await self.channel.close()
-
-    async def generate(
-        self, messages: Sequence[Message] | None = None, **kwargs: Any
-    ) -> Completion:
-        """Run one request to completion; keyword arguments as :func:`make_request`."""
-        request = make_request(messages, **kwargs)
-        return await collect(request.request_id, self.stream_request(request))
-
-    def stream(
-        self, messages: Sequence[Message] | None = None, **kwargs: Any
-    ) -> AsyncIterator[pb.GenerateEvent]:
-        """Events of one request, as :meth:`Router.stream`."""
-        return self.stream_request(make_request(messages, **kwargs))
 
     async def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
         timeout_s = (request.timeout_s or self.timeout_s) + 5.0  # the router enforces the deadline

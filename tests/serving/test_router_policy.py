@@ -47,6 +47,10 @@ def test_make_request_validates():
         make_request([{"role": "user", "content": "hi"}], token_ids=[1])
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
         make_request(token_ids=[1], max_new_tokens=0)
+    with pytest.raises(InvalidArgument, match="non-empty"):
+        make_request(token_ids=[])
+    with pytest.raises(InvalidArgument, match="tenant"):
+        make_request(token_ids=[1], tenant="")
     request = make_request(token_ids=[1, 2], tenant="t", traffic_class="agent", seed=3, top_k=5)
     assert request.request_id and list(request.token_ids) == [1, 2]
     assert (request.sampling.seed, request.sampling.top_k) == (3, 5)
