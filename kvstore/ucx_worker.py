@@ -122,13 +122,10 @@ class UcxWorker:
     ) -> None:
         if ucx_api is None:
             raise Unavailable(f"UCX is not available: ucxx is not installed; {INSTALL_HINT}")
-        config = {"TLS": transports} if transports else {}
-        features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        self._context = ucx_api.UCXContext(config, features)
+        self._context = _context(transports)
         self._worker = ucx_api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
         self.address: bytes = self._worker.address.tobytes()
-        self.transports = transports or "default"
         self._spin_s = spin_s
         self._idle_wait_s = idle_wait_s
         self._grace_s = grace_s  # how long a cancelled tag's late message is still drained
@@ -365,8 +362,24 @@ class UcxWorker:
         self._sends.clear()
 
     def _expire_abandoned(self, now_s: float) -> None:
-        for tag in [t for t, deadline_s in self._abandoned.items() if deadline_s <= now_s]:
+        # Insertion order is deadline order (one grace period for all): stop at the first
+        # tag still in its grace period instead of scanning them all.
+        while self._abandoned:
+            tag, deadline_s = next(iter(self._abandoned.items()))
+            if deadline_s > now_s:
+                return
             del self._abandoned[tag]
+
+
+def _context(transports: str | None) -> Any:
+    config = {"TLS": transports} if transports else {}
+    try:
+        return ucx_api.UCXContext(config, (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    except ucx_api.UCXError as exc:
+        raise InvalidArgument(
+            f"UCX cannot start with transports {transports!r} ({exc}); use None for UCX's "
+            "choice, or names such as 'tcp', 'sm' (shared memory), 'cma', 'self'"
+        ) from exc
 
 
 def batch_tag(tag_base: int, index: int) -> int:

@@ -137,12 +137,17 @@ async def test_post_refuses_bad_requests_at_once() -> None:
     server = UcxServer()
     try:
         with pytest.raises(InvalidArgument, match="UCX worker address"):
-            server.post(b"\x00garbage", 0, [b"x"], timeout_s=1)
+            server.post(b"\x0fgarbage", 0, [b"x"], timeout_s=1)
         with pytest.raises(InvalidArgument, match="low 20 bits"):
             server.post(server.address, 1, [b"x"], timeout_s=1)
         assert server.num_endpoints == 0 and server.worker.num_pending == 0
     finally:
         await server.close()
+
+
+def test_unknown_transport_names_are_rejected() -> None:
+    with pytest.raises(InvalidArgument, match="transports 'bogus'"):
+        UcxWorker("bogus")
 
 
 async def test_unreachable_worker_is_unavailable() -> None:
