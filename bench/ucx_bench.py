@@ -14,6 +14,12 @@ A server process holds a 64 MiB buffer of random bytes and serves GETs of (offse
   sends the bytes over UCX from the buffer itself (kvstore/ucx_server.py). ``ucx`` lets UCX
   pick transports (shared memory and CMA on one host), ``ucx-tcp`` forces UCX_TLS=tcp.
 
+- ``ucx-rma``: the alternative we did not choose, kept to re-measure the choice: the server
+  registers its buffer once (``ucp_mem_map``, rkey sent once); per GET the client asks the
+  server over gRPC where the block is, then reads it with a one-sided ``ucp_get_nbx``.
+  ucxx's Python API has no RMA calls, so :class:`UcpRma` reaches libucp's C API through
+  ctypes (shared memory and CMA only).
+
 So every UCX GET also pays one gRPC round trip, as a storage read will. Each setting runs
 ``--rounds`` times, the transports interleaved, for ``--seconds`` each after a short warm-up;
 the table shows the median GB/s (10**9 bytes/s) and latency percentiles over all rounds.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import os
 import statistics
@@ -51,8 +58,12 @@ from kvstore.ucx_worker import DEFAULT_SPIN_S, UcxWorker, ucx_available
 
 SOURCE_BYTES = 64 << 20
 UCX_TRANSPORTS = {"ucx": None, "ucx-tcp": "tcp"}  # bench name -> UCX_TLS (None: UCX's choice)
+RMA = "ucx-rma"
 _GET = "/ucxbench.Bench/Get"
 _UCX_GET = "/ucxbench.Bench/UcxGet"
+_RMA_INFO = "/ucxbench.Bench/RmaInfo"
+_RMA_GET = "/ucxbench.Bench/RmaGet"
+_RMA_INFO_REPLY = struct.Struct("<QI")  # remote base address, rkey length; rkey, worker address
 _GET_REQUEST = struct.Struct("<QI")  # offset, size
 _UCX_REQUEST = struct.Struct("<QQIB")  # tag_base, offset, size, index into UCX_TRANSPORTS
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 2 * SOURCE_BYTES)]
@@ -80,6 +91,109 @@ def block_offset(index: int, size: int) -> int:
     return (index * 4099 * 4096) % (SOURCE_BYTES - size)
 
 
+# --- one-sided gets through libucp's C API (the alternative we measure against) ------------
+
+UCS_INPROGRESS = 1
+_FIRST_ERROR_POINTER = (1 << 64) - 100  # UCS_PTR_IS_ERR: statuses -100..-1 cast to pointers
+_MEM_MAP_ADDRESS_AND_LENGTH = 0b11  # UCP_MEM_MAP_PARAM_FIELD_ADDRESS | _LENGTH
+
+
+class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t (UCX 1.21)
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    ]
+
+
+class _RequestParam(ctypes.Structure):  # ucp_request_param_t (UCX 1.21), all fields unused
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+class UcpRma:
+    """A ucxx worker with RMA enabled, plus the few libucp C calls one-sided gets need."""
+
+    def __init__(self) -> None:
+        import libucx
+        import ucxx._lib.libucxx as ucx_api
+
+        self._api = ucx_api
+        self._lib = ctypes.CDLL(str(Path(libucx.__file__).parent / "lib" / "libucp.so.0"))
+        self._lib.ucp_get_nbx.restype = ctypes.c_void_p
+        features = (ucx_api.Feature.TAG, ucx_api.Feature.RMA, ucx_api.Feature.WAKEUP)
+        self.context = ucx_api.UCXContext({}, features)
+        self.worker = ucx_api.UCXWorker(self.context)
+        self.address = self.worker.address.tobytes()
+        self._endpoint: Any = None
+        self._rkey = ctypes.c_void_p()
+        self._param = _RequestParam()
+
+    def expose(self, buffer: np.ndarray) -> bytes:
+        """Register ``buffer`` for remote reads; returns its packed remote key."""
+        params = _MemMapParams(_MEM_MAP_ADDRESS_AND_LENGTH, buffer.ctypes.data, buffer.nbytes)
+        self._memh = ctypes.c_void_p()
+        handle = ctypes.c_void_p(self.context.handle)
+        _ok(self._lib.ucp_mem_map(handle, ctypes.byref(params), ctypes.byref(self._memh)))
+        packed, size = ctypes.c_void_p(), ctypes.c_size_t()
+        _ok(self._lib.ucp_rkey_pack(handle, self._memh, ctypes.byref(packed), ctypes.byref(size)))
+        rkey = ctypes.string_at(packed, size.value)
+        self._lib.ucp_rkey_buffer_release(packed)
+        return rkey
+
+    def connect(self, address: bytes, rkey: bytes) -> None:
+        remote = self._api.UCXAddress.create_from_buffer(address)
+        self._endpoint = self._api.UCXEndpoint.create_from_worker_address(
+            self.worker, remote, False
+        )
+        ep = ctypes.c_void_p(self._endpoint.handle)
+        _ok(self._lib.ucp_ep_rkey_unpack(ep, rkey, ctypes.byref(self._rkey)))
+
+    async def get(self, out: memoryview, remote_address: int) -> None:
+        """Read ``len(out)`` bytes at ``remote_address`` into ``out``, polling until done."""
+        local = ctypes.addressof(ctypes.c_char.from_buffer(out))
+        ep = ctypes.c_void_p(self._endpoint.handle)
+        request = self._lib.ucp_get_nbx(
+            ep, ctypes.c_void_p(local), ctypes.c_size_t(len(out)),
+            ctypes.c_uint64(remote_address), self._rkey, ctypes.byref(self._param),
+        )  # fmt: skip
+        if request is not None and request >= _FIRST_ERROR_POINTER:
+            _ok(request - (1 << 64))
+        while request:  # NULL: done at once; else a request to progress
+            self.worker.progress()
+            status = self._lib.ucp_request_check_status(ctypes.c_void_p(request))
+            if status != UCS_INPROGRESS:
+                self._lib.ucp_request_free(ctypes.c_void_p(request))
+                _ok(status)
+                return
+            await asyncio.sleep(0)
+
+    def close(self) -> None:
+        if self._endpoint is not None:
+            self._lib.ucp_rkey_destroy(self._rkey)
+            self._endpoint.close()
+            self._endpoint = None
+
+
+def _ok(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"libucp call failed with ucs_status_t {status}")
+
+
 # --- server process ---------------------------------------------------------------------
 
 
@@ -87,10 +201,13 @@ class BenchServer:
     """gRPC control plus one UcxServer per UCX transport, all over one source buffer."""
 
     def __init__(self, spin_s: float) -> None:
-        self.source = memoryview(source_buffer()).cast("B")
+        self._array = source_buffer()
+        self.source = memoryview(self._array).cast("B")
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
         self.senders = [UcxServer(UcxWorker(tls, spin_s=spin_s)) for tls in tls_options]
         self._tasks: set[asyncio.Task[bool]] = set()
+        self.rma = UcpRma() if ucx_available() else None
+        self._rkey = self.rma.expose(self._array) if self.rma else b""
 
     def get(self, request: bytes, context: Any) -> bytes:
         offset, size = _GET_REQUEST.unpack(request)
@@ -106,8 +223,24 @@ class BenchServer:
         task.add_done_callback(self._tasks.discard)
         return b""
 
+    def rma_info(self, request: bytes, context: Any) -> bytes:
+        """Where the source buffer lives, its remote key and the RMA worker's address."""
+        header = _RMA_INFO_REPLY.pack(self._array.ctypes.data, len(self._rkey))
+        return header + self._rkey + self.rma.address
+
+    def rma_get(self, request: bytes, context: Any) -> bytes:
+        """The lookup a one-sided read still needs: the address of (offset, size)."""
+        offset, _ = _GET_REQUEST.unpack(request)
+        self.rma.worker.progress()  # wire-up messages from new endpoints
+        return struct.pack("<Q", self._array.ctypes.data + offset)
+
     def handler(self) -> grpc.GenericRpcHandler:
-        methods = {"Get": self.get, "UcxGet": self.ucx_get}
+        methods = {
+            "Get": self.get,
+            "UcxGet": self.ucx_get,
+            "RmaInfo": self.rma_info,
+            "RmaGet": self.rma_get,
+        }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(_as_async(fn)) for name, fn in methods.items()
         }
@@ -146,6 +279,9 @@ class BenchClient:
     ) -> None:
         self._get = channel.unary_unary(_GET)
         self._ucx_get = channel.unary_unary(_UCX_GET)
+        self._rma_info = channel.unary_unary(_RMA_INFO)
+        self._rma_get = channel.unary_unary(_RMA_GET)
+        self.rma: UcpRma | None = None
         self.pool = BufferPool(max_bytes, concurrency)
         self.slots = [self.pool.try_acquire() for _ in range(concurrency)]
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
@@ -157,6 +293,8 @@ class BenchClient:
     def request_fn(self, transport: str, size: int) -> Callable[[int], Awaitable[bool]]:
         if transport == "grpc":
             return lambda task: self.grpc_get(task, size)
+        if transport == RMA:
+            return lambda task: self.rma_get(task, size)
         index = list(UCX_TRANSPORTS).index(transport)
         return lambda task: self.ucx_get(index, task, size)
 
@@ -177,6 +315,20 @@ class BenchClient:
         (num_bytes,) = await batch.wait(None, _SEND_TIMEOUT_S)
         return num_bytes == size
 
+    async def connect_rma(self) -> None:
+        """Fetch the server's RMA details once, as a client would per node."""
+        reply = await self._rma_info(b"")
+        _, rkey_bytes = _RMA_INFO_REPLY.unpack_from(reply)
+        rkey = reply[_RMA_INFO_REPLY.size :][:rkey_bytes]
+        self.rma = UcpRma()
+        self.rma.connect(reply[_RMA_INFO_REPLY.size + rkey_bytes :], rkey)
+
+    async def rma_get(self, task: int, size: int) -> bool:
+        reply = await self._rma_get(_GET_REQUEST.pack(self._next_offset(size), size))
+        (remote_address,) = struct.unpack("<Q", reply)
+        await self.rma.get(self.slots[task].view[:size], remote_address)
+        return True
+
     async def check(self, transport: str, size: int, source: np.ndarray) -> None:
         """One GET per task, each compared with the server's bytes."""
         get = self.request_fn(transport, size)
@@ -189,6 +341,8 @@ class BenchClient:
     async def close(self) -> None:
         for receiver in self.receivers:
             await receiver.close()
+        if self.rma is not None:
+            self.rma.close()
 
 
 async def measure(
@@ -260,6 +414,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
             spin_s = args.spin_us / 1e6
             client = BenchClient(ch, max(args.sizes), max(args.concurrency), spin_s)
+            if RMA in args.transports:
+                await client.connect_rma()
             source = source_buffer()
             for size in args.sizes:
                 for transport in args.transports:
@@ -320,7 +476,7 @@ def results_table(results: list[Result]) -> Table:
 
 def _transport_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = set(names) - {"grpc", *UCX_TRANSPORTS}
+    unknown = set(names) - {"grpc", *UCX_TRANSPORTS, RMA}
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown transports {sorted(unknown)}")
     return names

@@ -20,6 +20,8 @@ Why tagged messages and not RMA (one-sided gets)
       never read, and the node keeps the memory alive until the send completes. With RMA a
       client holding an rkey could read a region that was freed and reused;
     - no ctypes struct layouts to keep in step with each UCX release.
+    ``python -m bench.ucx_bench --transports ucx,ucx-rma`` re-measures both, each paying the
+    gRPC round trip a storage read pays.
 
 Why endpoints from worker addresses, with peer error handling off
     Endpoints made from worker addresses (exchanged over gRPC) with error handling off use
