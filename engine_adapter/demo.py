@@ -165,12 +165,12 @@ async def replay(router: Router, steps: Sequence[Step], max_new_tokens: int) -> 
 
 
 async def warm_up(router: Router) -> None:
-    """One short request per prefill worker (tenant "warmup": it shares no blocks with the
-    workload), so first-call costs (connections, allocations) stay out of the TTFTs shown."""
+    """One request per prefill worker, two blocks long, under tenant "warmup" (it shares no
+    blocks with the workload): first-call costs (connections, allocations, the first
+    full-block forward, the first write-back) stay out of the TTFTs shown."""
+    message = {"role": "user", "content": " ".join(["warm-up"] * 60)}
     for _ in router.prefill.workers:
-        await router.generate(
-            [{"role": "user", "content": "Hello!"}], tenant="warmup", max_new_tokens=2
-        )
+        await router.generate([message], tenant="warmup", max_new_tokens=2)
 
 
 def _row(index: int, step: Step, completion: Completion) -> Row:
