@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -49,6 +51,9 @@ from rich.table import Table
 from client import KVClient
 from deploy.local_cluster import LocalCluster, free_ports
 from erasure.allocator import tune_glibc_malloc
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger(__name__)
 
 STRAGGLER_NODE = "n00"
 _NO_REDIS = "redis baseline skipped: no redis-server (apt-get install -y redis-server)"
@@ -86,7 +91,7 @@ class Result:
     p999_ms: float
     num_ops: int
     seconds: float
-    num_misses: int = 0
+    num_failed: int = 0  # GETs that missed, PUTs that raised (e.g. QuorumError)
     repeat: int = 0  # 1: the calm GETs measured again after the straggler phase
     load_avg_1m: float = 0.0  # the machine's 1-minute load average after the setting
 
@@ -188,6 +193,7 @@ class SystemUnderTest:
         self.target = target
         self.rng = rng
         self.size_to_keys: dict[int, list[bytes]] = {}
+        self._key_numbers = itertools.count()
 
     def request(
         self, op: str, block_bytes: int, concurrency: int
@@ -198,11 +204,14 @@ class SystemUnderTest:
             blocks = [np.random.default_rng(block_bytes + i).bytes(block_bytes) for i in range(4)]
 
             async def put(index: int) -> bool:
-                key = xxhash.xxh3_128_digest(
-                    f"{self.target.name}/{block_bytes}/{len(keys)}".encode()
-                )
+                number = next(self._key_numbers)
+                key = xxhash.xxh3_128_digest(f"{self.target.name}/{block_bytes}/{number}".encode())
+                try:
+                    await self.target.put(key, blocks[number % len(blocks)])
+                except KVStoreError as exc:
+                    log.warning("%s put failed: %s", self.target.name, exc)
+                    return False
                 keys.append(key)
-                await self.target.put(key, blocks[len(keys) % len(blocks)])
                 return True
 
             return put
@@ -277,13 +286,16 @@ class Bench:
                     block_bytes=block_bytes,
                     concurrency=concurrency,
                     straggler_ms=straggler_ms,
-                    mb_per_s=len(latencies_s) * block_bytes / sum(elapsed_s) / 1e6,
+                    mb_per_s=(len(latencies_s) - sum(num_false))
+                    * block_bytes
+                    / sum(elapsed_s)
+                    / 1e6,
                     p50_ms=percentile_ms(latencies_s, 50),
                     p99_ms=percentile_ms(latencies_s, 99),
                     p999_ms=percentile_ms(latencies_s, 99.9),
                     num_ops=len(latencies_s),
                     seconds=sum(elapsed_s),
-                    num_misses=sum(num_false),
+                    num_failed=sum(num_false),
                     repeat=repeat,
                     load_avg_1m=os.getloadavg()[0],
                 )
@@ -336,7 +348,7 @@ def _wait_for_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
 def results_table(results: list[Result]) -> Table:
     table = Table(title="storage benchmark")
     columns = ("system", "op", "block", "conc", "straggler", "MB/s", "p50 ms", "p99 ms")
-    for column in (*columns, "p999 ms", "ops", "load"):
+    for column in (*columns, "p999 ms", "ops", "failed", "load"):
         table.add_column(column, justify="left" if column in ("system", "op") else "right")
     for r in results:
         table.add_row(
@@ -350,6 +362,7 @@ def results_table(results: list[Result]) -> Table:
             f"{r.p99_ms:.2f}",
             f"{r.p999_ms:.2f}",
             str(r.num_ops),
+            str(r.num_failed),
             f"{r.load_avg_1m:.1f}",
         )
     return table
