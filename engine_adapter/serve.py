@@ -196,6 +196,24 @@ class WorkerPool:
         worker.proc.kill()
         worker.proc.wait()
 
+    def add(self, worker_id: str, role: str, extra_args: Sequence[str] = ()) -> WorkerProcess:
+        """Start one more worker and wait until it serves (scale up)."""
+        if worker_id in self.workers:
+            raise InvalidArgument(f"worker {worker_id} exists; pick another id")
+        worker = self.spawn(worker_id, role, extra_args=extra_args)
+        self.wait_ready()
+        return worker
+
+    def remove(self, worker_id: str) -> None:
+        """Stop one worker and forget it (scale down); routers must drop its address."""
+        worker = self.workers.pop(worker_id)
+        worker.proc.terminate()
+        try:
+            worker.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
+
     def restart(self, worker_id: str, extra_args: Sequence[str] = ()) -> None:
         """Stop the worker if it runs, start it on its port with ``extra_args``; wait."""
         worker = self.workers[worker_id]

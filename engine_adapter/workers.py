@@ -60,20 +60,31 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 2.0
+DECODE_MIN_FETCH_DEADLINE_S = 1.0
 
 
 def engine_config(
     role: str, block_tokens: int, max_model_len: int, seed: int, fetch_policy: str = "cost"
 ) -> EngineConfig:
     """One sequence at a time; prefill fetches by ``fetch_policy`` and writes back, decode
-    always fetches (its KV must come from the store) and never writes."""
+    always fetches (its KV must come from the store) and never writes.
+
+    A decode worker never prefills, so its cost model never learns the compute rate that
+    sets fetch deadlines; a floor of DECODE_MIN_FETCH_DEADLINE_S keeps a busy machine from
+    turning its swap-in into a recompute.
+    """
+    is_prefill = role == "prefill"
+    defaults = EngineConfig()
     return EngineConfig(
         block_tokens=block_tokens,
         prefill_chunk_tokens=block_tokens,
         max_num_seqs=1,
         max_model_len=max_model_len,
-        fetch_policy=fetch_policy if role == "prefill" else "always",
-        write_back=role == "prefill",
+        fetch_policy=fetch_policy if is_prefill else "always",
+        fetch_min_deadline_s=(
+            defaults.fetch_min_deadline_s if is_prefill else DECODE_MIN_FETCH_DEADLINE_S
+        ),
+        write_back=is_prefill,
         seed=seed,
     )
 
@@ -134,7 +145,8 @@ class WorkerBase:
         self.worker_id = worker_id
         self.engine = engine
         self.cluster_toml = cluster_toml
-        self.inject_delay_s = inject_delay_s  # test-only: a slow worker, to kill mid-request
+        # Test-only: a slow worker (per request, and per token when decoding), to kill mid-request.
+        self.inject_delay_s = inject_delay_s
         self.num_active = 0
         self.lock = asyncio.Lock()  # one request holds the engine's KV pool at a time
         self._classes: TrafficClasses | None = None
@@ -379,6 +391,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
         text = self.text(generated)
         while not self._stop_reason(generated, sampling):
             position = len(prompt_ids) + len(generated) - 1
+            await asyncio.sleep(self.inject_delay_s)
             logits = await asyncio.to_thread(self._step, generated[-1], position, table)
             generated.append(sampler.sample(logits))
             text, delta = self._text_delta(generated, text)
@@ -424,7 +437,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="cost",
         help="prefill: fetch cached blocks when faster than computing them (cost) or always",
     )
-    parser.add_argument("--inject-delay-ms", type=float, default=0.0, help="tests: slow requests")
+    parser.add_argument(
+        "--inject-delay-ms", type=float, default=0.0, help="tests: slow requests and tokens"
+    )
 
 
 async def serve_worker(args: argparse.Namespace) -> None:

@@ -95,6 +95,32 @@ async def test_decode_worker_killed_fails_cleanly_then_recovers(worker_pool: Wor
     assert again.decode_worker_id == "d0" and len(again.token_ids) == 4
 
 
+@pytest.mark.slow
+async def test_decode_worker_killed_mid_stream_resumes_on_another(
+    worker_pool: WorkerPool, reference_engine
+):
+    """The router restarts decode on d0 from the same handoff, checks the tokens already
+    streamed come out again, and streams the rest: the caller sees one clean sequence."""
+    prompt = _prompt(5, 150)
+    expected = await reference_generate(reference_engine, prompt, 8)
+    worker_pool.add("d1", "decode", ["--inject-delay-ms", "700"])
+    token_ids, finish = [], None
+    try:
+        decode = [worker_pool.workers["d1"].address, worker_pool.workers["d0"].address]
+        async with Router(worker_pool.addresses("prefill"), decode, policy="round-robin") as router:
+            async for event in router.stream(token_ids=prompt, tenant="faults", max_new_tokens=8):
+                if event.WhichOneof("event") == "token":
+                    token_ids.append(event.token.token_id)
+                    if len(token_ids) == 3:  # the first token and two from d1
+                        worker_pool.kill("d1")
+                elif event.WhichOneof("event") == "finish":
+                    finish = event.finish
+    finally:
+        worker_pool.remove("d1")
+    assert finish is not None and finish.decode_worker_id == "d0", "decode did not move to d0"
+    assert token_ids == expected, "the resumed stream repeated, skipped or changed tokens"
+
+
 async def test_hung_prefill_worker_is_given_up_on(worker_pool: WorkerPool):
     prompt = _prompt(3, 80)
     addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
