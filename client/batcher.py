@@ -27,6 +27,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvstore.errors import DeadlineExceeded
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -45,6 +47,7 @@ class Batcher(Generic[Item, Result]):
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
+        # (item, its future, its bytes, its deadline on the loop's clock)
         self._queue: list[tuple[Item, asyncio.Future[Result], int, float]] = []
         self._num_in_flight = 0
         self._flush_handle: asyncio.Handle | None = None
@@ -52,9 +55,14 @@ class Batcher(Generic[Item, Result]):
         self.num_items = 0
 
     def submit(self, item: Item, timeout_s: float, num_bytes: int = 0) -> asyncio.Future[Result]:
-        """Queue ``item``; the future resolves to its result or the RPC's exception."""
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self._queue.append((item, future, num_bytes, timeout_s))
+        """Queue ``item``; the future resolves to its result or the RPC's exception.
+
+        ``timeout_s`` counts from now: time spent queued counts against it, and an item whose
+        deadline passes while queued fails with DeadlineExceeded without being sent.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Result] = loop.create_future()
+        self._queue.append((item, future, num_bytes, loop.time() + timeout_s))
         self._schedule()
         return future
 
@@ -65,6 +73,11 @@ class Batcher(Generic[Item, Result]):
     def _flush(self) -> None:
         """Send queued items as batches while fewer than ``max_in_flight`` are outstanding."""
         self._flush_handle = None
+        now_s = asyncio.get_running_loop().time()
+        for _, future, _, deadline_s in self._queue:
+            if deadline_s <= now_s and not future.done():
+                future.set_exception(DeadlineExceeded("deadline passed while queued for a batch"))
+                future.add_done_callback(_retrieve)
         self._queue = [entry for entry in self._queue if not entry[1].done()]
         while self._queue and self._num_in_flight < self.max_in_flight:
             batch = self._take_batch()
@@ -85,7 +98,7 @@ class Batcher(Generic[Item, Result]):
         return batch
 
     async def _run(self, batch: list[tuple[Item, asyncio.Future[Result], int, float]]) -> None:
-        timeout_s = max(entry[3] for entry in batch)
+        timeout_s = max(entry[3] for entry in batch) - asyncio.get_running_loop().time()
         try:
             results = await self._send([item for item, _, _, _ in batch], timeout_s)
         except asyncio.CancelledError:

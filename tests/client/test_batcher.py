@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from client.batcher import Batcher
+from kvstore.errors import DeadlineExceeded
 
 
 class FakeRpc:
@@ -88,3 +89,18 @@ async def test_abandoned_batches_are_cancelled_and_dropped() -> None:
     assert rpc.batches == [["a", "b"]], "a cancelled queued request must not be sent"
     rpc.release.set()
     assert await batcher.submit("d", 1.0) == "D", "the batcher must stay usable"
+
+
+async def test_time_in_the_queue_counts_against_the_deadline() -> None:
+    rpc = FakeRpc()
+    rpc.release.clear()
+    batcher = Batcher(rpc, max_items=16, max_in_flight=1)
+    first = batcher.submit("a", 5.0)
+    await asyncio.sleep(0)
+    expires = batcher.submit("b", 0.01)
+    await asyncio.sleep(0.05)
+    rpc.release.set()
+    assert await first == "A"
+    with pytest.raises(DeadlineExceeded):
+        await expires
+    assert rpc.batches == [["a"]], "an item past its deadline must not be sent"
