@@ -13,7 +13,8 @@ Layout (every box is a process; the store's nodes are started separately)::
     (ServingClient)   +--> prefill worker p1 --+                      | 12 nodes    |
                       |                                               | (10+2 EC)   |
                       +--> decode worker d0  <------------------------+-------------+
-                                                 get_into full blocks
+                           (handoff: token ids,  get_into full blocks
+                            tail KV, first token)
 
 Worker processes run in their own sessions (a terminal's Ctrl-C reaches only this process,
 which then stops them in order), watch this process (they exit if it dies, even by SIGKILL)
