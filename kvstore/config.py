@@ -16,6 +16,7 @@
     time_scale = 1.0               # virtual seconds per real second
     origin_unix_s = 1764400000.0   # real time the virtual clock starts from
     expiry_window_s = 3600.0       # segments group shards whose expiry falls in one window
+    eviction_order = "lru"         # under capacity pressure: "lru" or "expiry" (ttl/policy.py)
     [ttl.classes]
     chat = "7d"
     agent = "3d"
@@ -45,7 +46,13 @@ from typing import Any
 
 import tomli_w
 
-from ttl.policy import DEFAULT_CLASS_TO_TTL_S, TrafficClasses, parse_duration_s
+from ttl.policy import (
+    DEFAULT_CLASS_TO_TTL_S,
+    DEFAULT_EVICTION_ORDER,
+    EvictionOrder,
+    TrafficClasses,
+    parse_duration_s,
+)
 
 KEY_BYTES = 16  # block keys are xxh3-128 digests
 MiB = 1 << 20
@@ -91,12 +98,23 @@ class TTLConfig:
     time_scale: float = 1.0
     origin_unix_s: float = 0.0
     expiry_window_s: float = 3600.0
+    eviction_order: str = DEFAULT_EVICTION_ORDER.value  # "lru" or "expiry" (ttl/policy.py)
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if self.expiry_window_s <= 0:
             raise ValueError(f"expiry_window_s must be > 0, got {self.expiry_window_s}")
+        if self.eviction_order not in {order.value for order in EvictionOrder}:
+            raise ValueError(
+                f"[ttl] eviction_order {self.eviction_order!r}: choose 'lru' (least recently "
+                "accessed first, the default) or 'expiry' (earliest expiry first)"
+            )
+
+    @property
+    def eviction(self) -> EvictionOrder:
+        """The configured eviction order as the policy object the store and simulator share."""
+        return EvictionOrder(self.eviction_order)
 
 
 @dataclass(frozen=True)
@@ -190,8 +208,9 @@ _NODE_DEFAULTS = {f.name for f in dataclasses.fields(NodeConfig)} - {
 def _ttl_from_toml(raw: Mapping[str, Any]) -> TTLConfig:
     raw_classes = raw.get("classes", DEFAULT_CLASS_TO_TTL_S)
     classes = TrafficClasses({name: parse_duration_s(v) for name, v in raw_classes.items()})
-    rest = {k: float(v) for k, v in raw.items() if k != "classes"}
-    return TTLConfig(classes=classes, **rest)
+    rest = {k: float(v) for k, v in raw.items() if k not in ("classes", "eviction_order")}
+    eviction_order = str(raw.get("eviction_order", DEFAULT_EVICTION_ORDER.value))
+    return TTLConfig(classes=classes, eviction_order=eviction_order, **rest)
 
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:

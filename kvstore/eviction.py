@@ -1,45 +1,70 @@
-"""Capacity: the byte limit, eviction by earliest expiry, and compaction of dead bytes.
+"""Capacity: the byte limit, eviction in the configured order, and compaction of dead bytes.
 
 The byte limit is ``NodeConfig.max_bytes`` or, if 0, the disk's free space plus what the
 segments already use. When a put would pass ``high_watermark`` of it, the store expires, then
-evicts entries in ``EvictionOrder.EXPIRY`` order (earliest expiry first; within a class that is
-least recently accessed first) until usage is under ``low_watermark``. Evicting an entry leaves
-dead bytes in its segment; segments with no live entry are deleted, and segments holding dead
-bytes are compacted (live records carried forward, most dead bytes first) until usage is under
-the target. Entries of classes with an infinite TTL are never evicted: a put fails with
-CapacityExhausted only when the space is held by them or by the request itself.
+evicts entries in the configured order (``[ttl] eviction_order``, ttl/policy.py) until usage is
+under ``low_watermark``:
+
+    lru      least recently accessed first, whatever the class (the default: the simulator
+             showed earliest expiry first starves short-TTL traffic; ttl/policy.py has figures)
+    expiry   earliest expiry first (within a class that is least recently accessed first)
+
+Each order is a range scan of its own index order (kvstore/index.py), never a scan of every
+entry. The last access is the one persisted in the index: a read hit counts once the read-side
+state is flushed, which every write does first. Blocks a put re-puts (touches) are never
+evicted to make room for that put's own group commit: the touch is an access.
+
+Evicting an entry leaves dead bytes in its segment; segments with no live entry are deleted,
+and segments holding dead bytes are compacted (live records carried forward, most dead bytes
+first) until usage is under the target. Entries of classes with an infinite TTL are never
+evicted in either order (they are pinned on purpose, and LRU gives no reason to drop them
+before data that can expire): a put fails with CapacityExhausted only when the space is held by
+them or by the request itself.
 
 Single writer: callers hold the store's write lock.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
+from collections.abc import Collection
 
 from kvstore.config import NodeConfig
 from kvstore.errors import CapacityExhausted
-from kvstore.index import Entry, Index, IndexWriter, SegmentMeta, class_counter
+from kvstore.index import Entry, Index, IndexView, IndexWriter, SegmentMeta, class_counter
 from kvstore.reclaimer import Reclaimer
 from kvstore.segments import SegmentFiles
 from ttl.policy import EvictionOrder
 
-# The store's eviction policy; the simulator uses the same object (ttl/policy.py).
-EVICTION_ORDER = EvictionOrder.EXPIRY
-assert EVICTION_ORDER.priority(0.0, 1.0) == 1.0, "the expiry index orders by expires_at_s"
 _EVICT_BATCH = 64
+
+
+def eviction_candidates(
+    view: IndexView, order: EvictionOrder, start: bytes, limit: int
+) -> list[tuple[bytes, Entry]]:
+    """Up to ``limit`` (position, entry) in ``order`` from ``start``: entries that can expire,
+    by ascending ``order.priority`` (the simulator's policy object: ttl/policy.py)."""
+    if order is EvictionOrder.LRU:
+        return view.evictable_by_access(start, limit)
+    return view.evictable_by_expiry(start, limit)
 
 
 class Evictor:
     """Keeps a node's segments under its byte limit."""
 
     def __init__(
-        self, node: NodeConfig, index: Index, files: SegmentFiles, reclaimer: Reclaimer
+        self,
+        node: NodeConfig,
+        index: Index,
+        files: SegmentFiles,
+        reclaimer: Reclaimer,
+        order: EvictionOrder,
     ) -> None:
         self._node = node
         self._index = index
         self._files = files
         self._reclaimer = reclaimer
+        self._order = order
 
     def capacity_bytes(self) -> int:
         """The byte limit: configured, or the disk's free space plus what segments use."""
@@ -53,12 +78,15 @@ class Evictor:
         with self._index.read() as view:
             return view.used_bytes()
 
-    def make_room(self, need_bytes: int, now: float) -> None:
-        """Evict so that ``need_bytes`` more fit under the high watermark, or raise."""
+    def make_room(self, need_bytes: int, now: float, keep: Collection[bytes] = ()) -> None:
+        """Evict so that ``need_bytes`` more fit under the high watermark, or raise.
+
+        Entries whose index key is in ``keep`` (blocks the caller is touching) are not evicted.
+        """
         limit = self.capacity_bytes()
         if self.used_bytes() + need_bytes <= self._node.high_watermark * limit:
             return
-        self.evict_to(self._node.low_watermark * limit - need_bytes, now)
+        self.evict_to(self._node.low_watermark * limit - need_bytes, now, keep)
         used = self.used_bytes()
         if used + need_bytes > limit:
             raise CapacityExhausted(
@@ -73,29 +101,30 @@ class Evictor:
         if self.used_bytes() > self._node.high_watermark * limit:
             self.evict_to(self._node.low_watermark * limit, now)
 
-    def evict_to(self, target_bytes: float, now: float) -> None:
+    def evict_to(self, target_bytes: float, now: float, keep: Collection[bytes] = ()) -> None:
         """Expire, then evict by the eviction order until usage is under ``target_bytes``."""
         self._reclaimer.expire(now)
         while True:
             self._free_dead_space(target_bytes)
             used = self.used_bytes()
-            if used <= target_bytes or not self._evict_entries(used - target_bytes, now):
+            if used <= target_bytes or not self._evict_entries(used - target_bytes, now, keep):
                 return
 
-    def _evict_entries(self, excess_bytes: float, now: float) -> int:
+    def _evict_entries(self, excess_bytes: float, now: float, keep: Collection[bytes]) -> int:
         """Evict entries in eviction order until their records add up to ``excess_bytes``."""
-        freed_bytes, num_evicted = 0, 0
+        freed_bytes, num_evicted, position = 0, 0, b""
         with self._index.write() as w:
             while freed_bytes < excess_bytes:
-                batch = w.by_expiry(math.inf, _EVICT_BATCH)
-                for entry in batch:
+                batch = eviction_candidates(w, self._order, position, _EVICT_BATCH)
+                if not batch:
+                    break
+                position = batch[-1][0] + b"\x00"
+                for entry in (e for _, e in batch if e.index_key not in keep):
                     _evict_one(w, entry, now)
                     freed_bytes += entry.record_bytes
                     num_evicted += 1
                     if freed_bytes >= excess_bytes:
                         break
-                if not batch:
-                    break
         return num_evicted
 
     def _free_dead_space(self, target_bytes: float) -> None:

@@ -7,7 +7,8 @@ A put request is all-or-nothing::
     queue it; under the write lock take the whole queue:
       persist read-side state (refreshes, counts, corrupt shards)
       per request: new shards vs re-puts; make room (expire,     -> CapacityExhausted fails that
-        then evict by earliest expiry)                              request alone
+        then evict in the configured order, sparing the            request alone
+        group's re-puts)
       append every new record, fsync each segment once, commit   <- the commit point
         one index transaction (kvstore/segment_appender.py)
       (an unexpected failure fails every request of the group: none is left silently unstored)
@@ -107,8 +108,8 @@ class GroupCommit:
     ) -> None:
         """Add ``request``'s new shards to ``appends`` and re-puts to ``refreshed``; make room.
 
-        A re-put only refreshes the held entry. Should a later request of the group evict it
-        before the commit, the refresh is skipped: the same as an eviction just after the put.
+        A re-put only refreshes the held entry (at the commit). Making room never evicts an
+        entry the group re-puts: the re-put is an access, and the put reports it stored.
         """
         planned = {(e.tenant, e.key, e.version) for e, _ in appends}
         new_entries, touched = [], []
@@ -122,7 +123,8 @@ class GroupCommit:
                 else:
                     touched.append((held, request.now))
         need_bytes = sum(record_bytes(e.shard_bytes) for e, _ in [*appends, *new_entries])
-        self._evictor.make_room(need_bytes, request.now)
+        keep = {e.index_key for e, _ in [*refreshed, *touched]}
+        self._evictor.make_room(need_bytes, request.now, keep)
         appends.extend(new_entries)
         refreshed.extend(touched)
         request.num_stored = len(new_entries)

@@ -9,9 +9,12 @@ Sub-databases and their keys (``th`` = 8-byte tenant hash, integers big-endian s
 numeric order)::
 
     entries   th(8) key(16) version(16)                -> entry value (below)
-    expiry    expires_at_us(8) th key version           -> b""    earliest expiry first: both
-                                                                   expiry and eviction are
-                                                                   range scans from the start
+    expiry    expires_at_us(8) th key version           -> b""    earliest expiry first: expiry
+                                                                   (and eviction in that order)
+                                                                   is a range scan from the start
+    access    last_access_us(8) th key version          -> b""    least recently accessed first,
+                                                                   entries that can expire only:
+                                                                   LRU eviction is a range scan
     by_seg    segment_id(8) th key version              -> b""    a segment's entries, for
                                                                    carry-forward and compaction
     segments  segment_id(8)                             -> window_id(i64) committed_bytes(u64)
@@ -37,7 +40,10 @@ Writing the entry is the commit point of a put: the store appends and fsyncs the
 first, then commits the transaction that adds the entry. Derived figures (per-class blocks and
 bytes, per-segment live bytes, used bytes) change only inside :meth:`IndexWriter.put_entry`,
 :meth:`IndexWriter.delete_entry` and the segment methods, in the same transaction, so they never
-drift from the entries.
+drift from the entries. A write, a re-put and a persisted read refresh all go through
+:meth:`IndexWriter.put_entry`, so the ``access`` order follows every access the store records.
+Indexes written before the ``access`` order existed get it once, at start-up
+(:meth:`IndexWriter.index_access_order`).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ import xxhash
 from kvstore.errors import CapacityExhausted
 from kvstore.segments import record_bytes
 
-DBS = ("entries", "expiry", "by_seg", "segments", "counters")
+DBS = ("entries", "expiry", "access", "by_seg", "segments", "counters")
 ENTRY_KEY_BYTES = 40
 _ENTRY = struct.Struct("<QQIQdddB")
 _SEGMENT = struct.Struct("<qQQQ")
@@ -69,6 +75,7 @@ _F64 = struct.Struct("<d")
 _MAX_U64 = (1 << 64) - 1
 USED_BYTES = "node/used_bytes"
 NEXT_SEGMENT_ID = "node/next_segment_id"
+ACCESS_ORDER_INDEXED = "node/access_order_indexed"  # 1 once every entry is in ``access``
 
 
 def class_counter(traffic_class: str, name: str) -> str:
@@ -134,11 +141,18 @@ def _prefix_end(prefix: bytes) -> bytes | None:
     return None if value >> (8 * len(prefix)) else value.to_bytes(len(prefix), "big")
 
 
-def _expiry_prefix(expires_at_s: float) -> bytes:
+def _time_prefix(time_s: float) -> bytes:
     """Order-preserving 8 bytes for a time; inf sorts last (never expires, never evicted)."""
-    if math.isinf(expires_at_s):
+    if math.isinf(time_s):
         return _u64(_MAX_U64)
-    return _u64(min(max(int(expires_at_s * 1e6), 0), _MAX_U64 - 1))
+    return _u64(min(max(int(time_s * 1e6), 0), _MAX_U64 - 1))
+
+
+def _access_key(entry: Entry) -> bytes | None:
+    """The entry's key in the ``access`` order; None for one that never expires (never evicted)."""
+    if math.isinf(entry.expires_at_s):
+        return None
+    return _time_prefix(entry.last_access_s) + entry.index_key
 
 
 def encode_entry(entry: Entry) -> bytes:
@@ -365,9 +379,21 @@ class IndexView:
 
     def by_expiry(self, before_s: float, limit: int) -> list[Entry]:
         """Entries with ``expires_at_s < before_s``, earliest expiry first."""
-        stop = _expiry_prefix(before_s)
+        stop = _time_prefix(before_s)
         items = self._txn.scan("expiry", b"", stop, limit)
         return [self._entry_at(k[8:]) for k, _ in items]
+
+    def evictable_by_expiry(self, start: bytes, limit: int) -> list[tuple[bytes, Entry]]:
+        """Up to ``limit`` (position, entry) of entries that can expire, earliest expiry first,
+        from position ``start`` (b"": the first); the next scan resumes after a position at
+        ``position + b"\\x00"``."""
+        items = self._txn.scan("expiry", start, _time_prefix(math.inf), limit)
+        return [(k, self._entry_at(k[8:])) for k, _ in items]
+
+    def evictable_by_access(self, start: bytes, limit: int) -> list[tuple[bytes, Entry]]:
+        """As :meth:`evictable_by_expiry`, least recently accessed first."""
+        items = self._txn.scan("access", start, None, limit)
+        return [(k, self._entry_at(k[8:])) for k, _ in items]
 
     def in_segment(self, segment_id: int, limit: int) -> list[Entry]:
         prefix = _u64(segment_id)
@@ -463,8 +489,10 @@ class IndexWriter(IndexView):
         if old is not None:
             self._unlink(old)
         self._txn.put("entries", entry.index_key, encode_entry(entry))
-        self._txn.put("expiry", _expiry_prefix(entry.expires_at_s) + entry.index_key, b"")
+        self._txn.put("expiry", _time_prefix(entry.expires_at_s) + entry.index_key, b"")
         self._txn.put("by_seg", _u64(entry.segment_id) + entry.index_key, b"")
+        if (access_key := _access_key(entry)) is not None:
+            self._txn.put("access", access_key, b"")
         self._account(entry, +1)
         return old
 
@@ -476,6 +504,24 @@ class IndexWriter(IndexView):
         self._unlink(decode_entry(entry.index_key, value))
         self._txn.delete("entries", entry.index_key)
         return True
+
+    def index_access_order(self, batch: int = 4096) -> int:
+        """Add every entry to the ``access`` order unless that was done; return how many.
+
+        For indexes written before the ``access`` order existed; a no-op on any other.
+        """
+        if self.counter(ACCESS_ORDER_INDEXED):
+            return 0
+        num_indexed, start = 0, b""
+        while items := self._txn.scan("entries", start, None, batch):
+            for index_key, value in items:
+                access_key = _access_key(decode_entry(index_key, value))
+                if access_key is not None:
+                    self._txn.put("access", access_key, b"")
+                    num_indexed += 1
+            start = items[-1][0] + b"\x00"
+        self._set(ACCESS_ORDER_INDEXED, 1.0)
+        return num_indexed
 
     def add_segment(self, segment_id: int, window_id: int) -> None:
         """Register a new, empty segment file; segment ids are never reused."""
@@ -514,8 +560,10 @@ class IndexWriter(IndexView):
         self._dirty_segments.add(meta.segment_id)
 
     def _unlink(self, entry: Entry) -> None:
-        self._txn.delete("expiry", _expiry_prefix(entry.expires_at_s) + entry.index_key)
+        self._txn.delete("expiry", _time_prefix(entry.expires_at_s) + entry.index_key)
         self._txn.delete("by_seg", _u64(entry.segment_id) + entry.index_key)
+        if (access_key := _access_key(entry)) is not None:
+            self._txn.delete("access", access_key)
         self._account(entry, -1)
 
     def _account(self, entry: Entry, sign: int) -> None:

@@ -7,6 +7,8 @@ The index is the commit point, so at start-up it is the truth and the files are 
     file shorter than committed  bytes lost on disk: entries past the file's end are dropped
                                  and counted as corrupt shards (a repair can store them again)
     file not in the index        an orphan (crash after creating it, before its commit): removed
+
+An index written before the last-access order existed gets it here, once (kvstore/index.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def lock_data_dir(data_dir: Path) -> int:
 def recover(index: Index, files: SegmentFiles) -> int:
     """Check every segment against the index; return the next unused segment id."""
     with index.write() as w:
+        if num_indexed := w.index_access_order():
+            log.info("indexed %d entries by last access (an older index)", num_indexed)
         metas = w.segments()
         for meta in metas:
             _recover_segment(w, files, meta)

@@ -13,7 +13,8 @@ read snapshot and a ``pread`` per shard), writes serialize on one lock (lmdb has
     kvstore/read_state.py        what reads learn (TTL refreshes, hit/miss counts, corrupt
                                  shards), persisted by the next write or tick
     kvstore/reclaimer.py         expiry and carry-forward: whole segment files freed
-    kvstore/eviction.py          the byte limit, eviction by earliest expiry, compaction
+    kvstore/eviction.py          the byte limit, eviction in the configured order (LRU by
+                                 default, or earliest expiry), compaction
     kvstore/recovery.py          start-up: data_dir lock, segment files checked against the index
     kvstore/store_stats.py       figures per node and per traffic class, and how they count
     kvstore/scrub.py             background scrub: every record re-read and verified, paced
@@ -80,7 +81,7 @@ class ShardStore:
         self._reclaimer = Reclaimer(
             self._index, self._files, self._appender, self._reader, self._reads, ttl.expiry_window_s
         )
-        self._evictor = Evictor(node, self._index, self._files, self._reclaimer)
+        self._evictor = Evictor(node, self._index, self._files, self._reclaimer, ttl.eviction)
         self._puts = GroupCommit(
             self._index, self._appender, self._evictor, self._reads, ttl.classes
         )

@@ -9,10 +9,33 @@ Semantics (the store and the simulator share them):
 * ``expires_at_s = last_access_s + ttl_s``. A block is expired when ``now_s >= expires_at_s``:
   a block touched exactly at its expiry instant is already gone (a miss), and the touch
   re-inserts it as a new block.
-* Under capacity pressure blocks are evicted earliest expiry first (``EvictionOrder.EXPIRY``):
-  the block that would die soonest anyway goes first, so a chat block outlives an agent
-  block written at the same time. ``EvictionOrder.LRU`` (oldest last access first) is kept
-  for comparison in the simulator.
+* Under capacity pressure blocks are evicted least recently accessed first
+  (``EvictionOrder.LRU``, ``DEFAULT_EVICTION_ORDER``), whatever their class.
+  ``EvictionOrder.EXPIRY`` (earliest expiry first) is the other choice
+  (``[ttl] eviction_order`` in cluster.toml, ``kvstore sim --policy``). Blocks of a class with
+  an infinite TTL come after every expirable block in both orders (the store never evicts them).
+
+Why LRU is the default: under earliest-expiry-first, a block an agent session (3-day TTL) wrote
+a moment ago expires sooner than a chat block (7-day TTL) last touched 4 days ago, so under
+pressure the agent blocks go first, including those the current request just wrote, and agent
+traffic stops hitting at all. The simulator on a 14-day generated workload (chat TTL 7d, agent
+TTL 3d, capacity as a share of the distinct blocks, block hit ratio over the last 7 days;
+docs/ttl_capacity.json)::
+
+    capacity   agent            chat             all
+               expiry   LRU     expiry   LRU     expiry   LRU
+        5%      0.00%  96.38%   83.16%  81.77%   34.30%  90.35%
+       10%      0.00%  96.73%   86.73%  85.45%   35.78%  92.08%
+       25%     32.46%  96.77%   89.46%  88.83%   55.97%  93.49%
+       50%     96.77%  96.77%   89.99%  89.99%   93.97%  93.97%
+
+    kvstore sim generate --out out/ttl/workload14.jsonl --days 14 --seed 0
+    kvstore sim --trace out/ttl/workload14.jsonl --format mooncake --block-tokens 128 \\
+        --ttl chat=7d --ttl agent=3d --capacity 5%,10%,25%,50%,inf --policy expiry,lru \\
+        --warmup 0.5 --json docs/ttl_capacity.json
+
+LRU costs chat at most 1.4 points of its hit ratio (chat's old blocks now go before fresh agent
+blocks) and wins by far overall; the class TTLs still bound how long any block lives.
 """
 
 from __future__ import annotations
@@ -49,12 +72,17 @@ def parse_duration_s(text: str | float | int) -> float:
 
 
 class EvictionOrder(enum.Enum):
-    EXPIRY = "expiry"  # earliest expiry first: the store's policy
-    LRU = "lru"  # least recently used first: for comparison
+    EXPIRY = "expiry"  # earliest expiry first
+    LRU = "lru"  # least recently accessed first: the default (module docstring)
 
     def priority(self, last_access_s: float, expires_at_s: float) -> float:
-        """Smaller value = evicted sooner."""
-        return expires_at_s if self is EvictionOrder.EXPIRY else last_access_s
+        """Smaller value = evicted sooner; a block that never expires comes last (``inf``)."""
+        if self is EvictionOrder.EXPIRY or math.isinf(expires_at_s):
+            return expires_at_s
+        return last_access_s
+
+
+DEFAULT_EVICTION_ORDER = EvictionOrder.LRU
 
 
 @dataclass(frozen=True)

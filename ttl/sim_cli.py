@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvstore.errors import KVStoreError
-from ttl.policy import EvictionOrder
+from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder
 from ttl.report import print_table, write_json, write_parquet, write_plots
 from ttl.simulator import ProgressFn
 from ttl.sweep import grid_points, parse_capacities, parse_ttl_grid, result_records, run_grid
@@ -90,8 +90,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     grid.add_argument(
         "--policy",
-        default="expiry",
-        help="eviction order(s) under capacity: expiry (the store's), lru, or expiry,lru",
+        default=DEFAULT_EVICTION_ORDER.value,
+        help="eviction order(s) under capacity: lru, expiry, or expiry,lru "
+        f"(default {DEFAULT_EVICTION_ORDER.value}, the store's default)",
     )
     grid.add_argument(
         "--warmup",

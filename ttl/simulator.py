@@ -16,11 +16,11 @@ Semantics (the README quotes this list):
 4. Capacity is a number of resident blocks (bytes are converted by the caller), enforced
    after each request's inserts, as a store that writes a request's blocks and then evicts
    down to its limit: while over capacity, the block with the smallest
-   ``EvictionOrder.priority`` goes (``EXPIRY``: earliest expiry first, the store's policy;
-   ``LRU``: least recently used, for comparison). Ties go to the lower class index, then to
-   the block touched earlier, then to the one earlier in its request. The request's own
-   blocks are candidates too: under ``EXPIRY`` a block just touched by a short-TTL class can
-   go before older blocks of a long-TTL class.
+   ``EvictionOrder.priority`` goes (``LRU``: least recently accessed first, the store's
+   default; ``EXPIRY``: earliest expiry first; in both a block that never expires goes last).
+   Ties go to the lower class index, then to the block touched earlier, then to the one
+   earlier in its request. The request's own blocks are candidates too: under ``EXPIRY`` a
+   block just touched by a short-TTL class can go before older blocks of a long-TTL class.
 5. Warm-up: requests before ``start + warmup_fraction x span`` are simulated but not counted;
    footprint is measured over the counted window only.
 
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from ttl.policy import EvictionOrder, TrafficClasses, is_expired
+from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder, TrafficClasses, is_expired
 from ttl.traces import Trace
 
 ALL = "all"
@@ -63,7 +63,7 @@ ProgressFn = Callable[[int], None]  # called with the number of block accesses s
 class SimConfig:
     classes: TrafficClasses = field(default_factory=TrafficClasses)
     capacity_blocks: int | None = None  # None: unlimited
-    eviction: EvictionOrder = EvictionOrder.EXPIRY
+    eviction: EvictionOrder = DEFAULT_EVICTION_ORDER  # the store's default
     warmup_fraction: float = 0.0
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ Every node started is stopped at teardown and every store opened is closed, also
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,12 +43,16 @@ def clock() -> ManualClock:
 def make_store(
     request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock
 ) -> Iterator[MakeStore]:
-    """``make_store(**node_fields)`` -> a store on ``tmp_path`` (closed at teardown)."""
+    """``make_store(**fields)`` -> a store on ``tmp_path`` (closed at teardown); ``fields`` are
+    NodeConfig or TTLConfig fields (e.g. ``max_bytes=...``, ``eviction_order="expiry"``)."""
     stores: list[ShardStore] = []
+    ttl_names = {f.name for f in dataclasses.fields(TTLConfig)}
 
-    def make(**node_fields: object) -> ShardStore:
+    def make(**fields: object) -> ShardStore:
+        node_fields = {k: v for k, v in fields.items() if k not in ttl_names}
+        ttl_fields = {k: v for k, v in fields.items() if k in ttl_names}
         node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False, **node_fields)
-        ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0)
+        ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0, **ttl_fields)
         backend = MemoryBackend() if request.param == "memory" else None
         stores.append(ShardStore(node, ttl, clock, backend))
         return stores[-1]

@@ -56,6 +56,7 @@ def write_config(
     classes: Mapping[str, float] | None = None,
     time_scale: float = 1.0,
     expiry_window_s: float = 3600.0,
+    eviction_order: str = TTLConfig.eviction_order,
     data_dir: Path | None = None,
     **node_fields: Any,
 ) -> Path:
@@ -74,6 +75,7 @@ def write_config(
         time_scale=time_scale,
         origin_unix_s=time.time(),
         expiry_window_s=expiry_window_s,
+        eviction_order=eviction_order,
     )
     cluster = ClusterConfig(
         epoch=1,

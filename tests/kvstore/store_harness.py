@@ -11,4 +11,4 @@ from ttl.policy import TrafficClasses
 T0 = 1_000 * DAY_S
 CLASSES = TrafficClasses({"chat": 7 * DAY_S, "agent": 3 * DAY_S, "pinned": float("inf")})
 
-MakeStore = Callable[..., ShardStore]  # make_store(**node_fields) -> an open store
+MakeStore = Callable[..., ShardStore]  # make_store(**node_or_ttl_fields) -> an open store

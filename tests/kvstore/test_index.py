@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.index import (
+    ACCESS_ORDER_INDEXED,
     USED_BYTES,
     Entry,
     Index,
@@ -95,6 +96,58 @@ def test_expiry_order_and_segment_membership(index: Index) -> None:
         assert [e.key[0] for e in view.by_expiry(math.inf, 1)] == [2]
         assert {e.key[0] for e in view.in_segment(2, 10)} == {1, 3}
         assert {e.key[0] for e in view.in_segment(1, 10)} == {2, 4}
+
+
+def _keys(batch: list[tuple[bytes, Entry]]) -> list[int]:
+    return [e.key[0] for _, e in batch]
+
+
+def test_eviction_orders_skip_entries_that_never_expire(index: Index) -> None:
+    _with_segments(index, 1)
+    with index.write() as w:  # last access = expiry - 50, so both orders agree here
+        for key, expires in [(1, 300.0), (2, 100.0), (3, math.inf), (4, 200.0)]:
+            w.put_entry(_entry(key, expires=expires))
+    with index.read() as view:
+        assert _keys(view.evictable_by_expiry(b"", 10)) == [2, 4, 1], "inf must never be evicted"
+        assert _keys(view.evictable_by_access(b"", 10)) == [2, 4, 1], "inf must never be evicted"
+        first = view.evictable_by_access(b"", 1)
+        assert _keys(view.evictable_by_access(first[0][0] + b"\x00", 10)) == [4, 1], "resume"
+
+
+def test_access_order_follows_refreshes_and_deletes(index: Index) -> None:
+    _with_segments(index, 1)
+    a, b = _entry(1, expires=100.0), _entry(2, expires=500.0, cls="agent")
+    with index.write() as w:
+        w.put_entry(a)
+        w.put_entry(b)
+    with index.read() as view:
+        assert _keys(view.evictable_by_access(b"", 10)) == [1, 2]
+        assert _keys(view.evictable_by_expiry(b"", 10)) == [1, 2]
+    with index.write() as w:  # a read hit on 1, persisted: it moves behind 2 in LRU order
+        w.put_entry(replace(a, last_access_s=600.0, expires_at_s=650.0))
+    with index.read() as view:
+        assert _keys(view.evictable_by_access(b"", 10)) == [2, 1], "refresh not in LRU order"
+    with index.write() as w:
+        w.delete_entry(b)
+    with index.read() as view:
+        assert _keys(view.evictable_by_access(b"", 10)) == [1], "a deleted entry stays in LRU"
+
+
+def test_an_index_without_the_access_order_gets_it_once(index: Index) -> None:
+    _with_segments(index, 1)
+    with index.write() as w:
+        for key, expires in [(1, 300.0), (2, math.inf), (3, 100.0)]:
+            w.put_entry(_entry(key, expires=expires))
+    with index.backend.begin(write=True) as txn:  # as an older version left it
+        for access_key, _ in txn.scan("access", b"", None, 100):
+            txn.delete("access", access_key)
+    with index.write() as w:
+        assert w.index_access_order(batch=1) == 2, "entries that can expire, across batches"
+    with index.write() as w:
+        assert w.index_access_order() == 0, "indexed twice"
+    with index.read() as view:
+        assert _keys(view.evictable_by_access(b"", 10)) == [3, 1]
+        assert view.counter(ACCESS_ORDER_INDEXED) == 1.0
 
 
 def test_by_segment_walks_every_entry_in_segment_order_and_resumes(index: Index) -> None:

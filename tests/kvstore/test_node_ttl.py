@@ -90,22 +90,32 @@ async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) ->
         assert class_stats(stats, "agent").expired == 1, "expiry stopped after the restart"
 
 
-async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> None:
-    config = write_config(tmp_path, max_bytes=1 << 20, high_watermark=0.9, low_watermark=0.5)
-    start_node(config)
-    address, _ = _node(config)
-    rng = random.Random(4)
+async def _fill_past_the_byte_limit(
+    client: NodeClient, rng: random.Random
+) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """Put 10 agent, 10 chat and 40 filler chat blocks of 20 kB, one request each (distinct
+    access times), reading agent 0 after the first two fillers; returns the three key lists."""
     agents = [rng.randbytes(16) for _ in range(10)]
     chats = [rng.randbytes(16) for _ in range(10)]
     fillers = [rng.randbytes(16) for _ in range(40)]
+    for key in agents:
+        await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="agent")
+    for key in chats + fillers[:2]:
+        await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="chat")
+    assert (await client.get([agents[0]]))[0].status == HIT  # a0 is now the newest agent
+    for key in fillers[2:]:
+        await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="chat")
+    return agents, chats, fillers
+
+
+async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> None:
+    config = write_config(
+        tmp_path, eviction_order="expiry", max_bytes=1 << 20, high_watermark=0.9, low_watermark=0.5
+    )
+    start_node(config)
+    address, _ = _node(config)
     async with NodeClient(address) as client:
-        for key in agents:  # one request each: distinct last-access times
-            await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="agent")
-        for key in chats + fillers[:2]:
-            await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="chat")
-        assert (await client.get([agents[0]]))[0].status == HIT  # a0 is now the newest agent
-        for key in fillers[2:]:
-            await client.put([(key, make_shard(rng.randbytes(20_000)))], traffic_class="chat")
+        agents, chats, fillers = await _fill_past_the_byte_limit(client, random.Random(4))
         expected_order = agents[1:] + agents[:1] + chats + fillers
         present = [len(v) > 0 for v in await client.contains(expected_order)]
         num_evicted = present.index(True)
@@ -117,3 +127,25 @@ async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> 
         assert class_stats(stats, "agent").evicted == 10
         assert class_stats(stats, "chat").evicted == num_evicted - 10
         assert stats.capacity_bytes == 1 << 20
+
+
+async def test_lru_eviction_under_a_byte_limit(tmp_path: Path, start_node) -> None:
+    config = write_config(tmp_path, max_bytes=1 << 20, high_watermark=0.9, low_watermark=0.5)
+    assert load_cluster(config).ttl.eviction_order == "lru", "LRU must be the default order"
+    start_node(config)
+    address, _ = _node(config)
+    async with NodeClient(address) as client:
+        agents, chats, fillers = await _fill_past_the_byte_limit(client, random.Random(4))
+        expected_order = agents[1:] + chats + fillers[:2] + agents[:1] + fillers[2:]
+        present = [len(v) > 0 for v in await client.contains(expected_order)]
+        num_evicted = present.index(True)
+        assert not any(present[:num_evicted]) and all(present[num_evicted:]), (
+            f"evicted set is not a prefix of least-recently-accessed order: {present}"
+        )
+        assert 9 < num_evicted <= 9 + 10 + 2, (
+            f"{num_evicted} evicted: chat blocks written before the read of agent 0 must go "
+            "before it (and agent 0 must stay)"
+        )
+        stats = await client.stats()
+        assert class_stats(stats, "agent").evicted == 9, "the read hit did not protect agent 0"
+        assert class_stats(stats, "chat").evicted == num_evicted - 9

@@ -147,7 +147,9 @@ def test_refreshes_and_counters_survive_a_restart(tmp_path: Path, clock: ManualC
 
 
 def test_eviction_order_is_earliest_expiry_first(make_store: MakeStore, clock: ManualClock) -> None:
-    store = make_store(max_bytes=100_000, high_watermark=0.9, low_watermark=0.5)
+    store = make_store(
+        eviction_order="expiry", max_bytes=100_000, high_watermark=0.9, low_watermark=0.5
+    )
     shard_of = {i: make_shard(bytes([i]) * 4_000) for i in range(40)}
     for i in range(5):  # agents 0-4, chats 10-14, one second apart
         store.put("acme", "agent", [(_key(i), shard_of[i])])

@@ -1,0 +1,71 @@
+"""``[ttl] eviction_order`` in cluster.toml: default, validation, loading and round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import TTLConfig, load_cluster, save_cluster
+from tests.kvstore.node_harness import write_config
+from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder
+
+_MINIMAL_TOML = """
+epoch = 1
+[codec]
+k = 1
+m = 0
+backend = "zfec"
+[client]
+read_fanout = 1
+write_quorum = 1
+[ttl]
+{ttl_line}
+[[nodes]]
+id = "n0"
+address = "127.0.0.1:1"
+metrics_port = 0
+failure_domain = "d0"
+data_dir = "/tmp/unused"
+[[groups]]
+nodes = ["n0"]
+"""
+
+
+def test_default_is_lru() -> None:
+    assert DEFAULT_EVICTION_ORDER is EvictionOrder.LRU
+    assert TTLConfig().eviction_order == "lru" and TTLConfig().eviction is EvictionOrder.LRU
+
+
+def test_unknown_order_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"choose 'lru'.*or 'expiry'"):
+        TTLConfig(eviction_order="fifo")
+
+
+@pytest.mark.parametrize(
+    ("ttl_line", "expected"),
+    [("", EvictionOrder.LRU), ('eviction_order = "expiry"', EvictionOrder.EXPIRY)],
+)
+def test_loaded_from_the_ttl_section(
+    tmp_path: Path, ttl_line: str, expected: EvictionOrder
+) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(_MINIMAL_TOML.format(ttl_line=ttl_line))
+    assert load_cluster(path).ttl.eviction is expected, "[ttl] eviction_order not honoured"
+
+
+def test_bad_order_in_toml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(_MINIMAL_TOML.format(ttl_line='eviction_order = "random"'))
+    with pytest.raises(ValueError, match=r"cluster\.toml.*eviction_order 'random'"):
+        load_cluster(path)
+
+
+@pytest.mark.parametrize("eviction_order", ["lru", "expiry"])
+def test_round_trips_through_save_and_load(tmp_path: Path, eviction_order: str) -> None:
+    cluster = load_cluster(write_config(tmp_path, eviction_order=eviction_order))
+    assert cluster.ttl.eviction_order == eviction_order
+    again = tmp_path / "again.toml"
+    save_cluster(cluster, again)
+    assert 'eviction_order = "' + eviction_order + '"' in again.read_text()
+    assert load_cluster(again) == cluster, "save_cluster/load_cluster changed the config"
