@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.node_conn import NodeConn
-from client.read_plan import plan_read
+from client.read_plan import ReadPlan, plan_read
 from client.shard_tally import ShardCollector, can_complete
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
@@ -61,7 +61,7 @@ class BlockRead:
         self.key = key
         self.collector = collector
         self.counters = counters
-        self.tasks: dict[asyncio.Future[Any], int] = {}
+        self.pending: dict[asyncio.Future[Any], int] = {}  # future of a node's reply -> position
 
     async def run(self, timeout_s: float, out: memoryview | None) -> bytes | memoryview | None:
         """The block's bytes (written into ``out`` when given), or None."""
@@ -69,26 +69,26 @@ class BlockRead:
         reserve = list(plan.reserve)
         self._ask(plan.ask, timeout_s)
         try:
-            while self.tasks:
-                done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    block = self._absorb(task, self.tasks.pop(task), out)
+            while self.pending:
+                done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    block = self._absorb(future, self.pending.pop(future), out)
                     if block is not None:
                         self._record_lateness(plan.ask)
                         return block
                 best = self.collector.best_count
-                if reserve and not can_complete(best, len(self.tasks), self.codec.k):
+                if reserve and not can_complete(best, len(self.pending), self.codec.k):
                     self.counters.num_reserve_asks += 1
                     self._ask(reserve, timeout_s)
                     reserve = []
-                if not can_complete(best, len(self.tasks), self.codec.k):
+                if not can_complete(best, len(self.pending), self.codec.k):
                     return None
             return None
         finally:
             self._cancel_outstanding()
             self.counters.num_corrupt_shards += self.collector.num_corrupt
 
-    def _plan(self) -> Any:
+    def _plan(self) -> ReadPlan:
         now_suspect = [conn.is_suspect() for conn in self.conns]
         late_scores = [conn.health.late_score for conn in self.conns]
         probe = [conn.health.is_slow and conn.health.take_probe() for conn in self.conns]
@@ -96,14 +96,14 @@ class BlockRead:
 
     def _ask(self, positions: Sequence[int], timeout_s: float) -> None:
         for position in positions:
-            self.tasks[self.conns[position].get_shard(self.key, timeout_s)] = position
+            self.pending[self.conns[position].get_shard(self.key, timeout_s)] = position
 
     def _absorb(
-        self, task: asyncio.Future[Any], position: int, out: memoryview | None
+        self, future: asyncio.Future[Any], position: int, out: memoryview | None
     ) -> bytes | memoryview | None:
         """Take one node's reply; return the decoded block once a version completes."""
         try:
-            result = task.result()
+            result = future.result()
         except PermissionDenied:
             raise
         except KVStoreError as exc:
@@ -136,13 +136,13 @@ class BlockRead:
             return None
 
     def _record_lateness(self, asked: Sequence[int]) -> None:
-        outstanding = set(self.tasks.values())
+        outstanding = {p for future, p in self.pending.items() if not future.done()}
         if outstanding:
             self.counters.num_hedged += 1
         for position in asked:
             self.conns[position].health.record_lateness(position in outstanding)
 
     def _cancel_outstanding(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        self.tasks.clear()
+        for future in self.pending:
+            future.cancel()
+        self.pending.clear()
