@@ -38,8 +38,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import torch
@@ -57,6 +58,7 @@ from ttl.policy import TrafficClasses
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 ROLES = ("prefill", "decode")
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 2.0
@@ -87,6 +89,27 @@ def engine_config(
         write_back=is_prefill,
         seed=seed,
     )
+
+
+async def complete(
+    awaitable: Awaitable[T], abandon: Callable[[T], object] = lambda result: None
+) -> T:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile.
+
+    A cancelled RPC must not free its KV blocks while a compute thread still writes them (a
+    thread cannot be stopped): the next request would get those blocks and could read, or
+    write back to the store, KV that is not its own. So the work always finishes; on
+    cancellation ``abandon(result)`` then releases what it produced, and the cancellation
+    propagates.
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is None:
+            abandon(task.result())
+        raise
 
 
 def make_sampler(sampling: pb.SamplingParams, state: bytes = b"") -> Sampler:
@@ -214,9 +237,10 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
             await self.check_traffic_class(request.traffic_class)
             prompt_ids = self.prompt_ids(request)
             self.check_length(len(prompt_ids), request.sampling)
-            result = await self.engine.prefill(
+            prefill = self.engine.prefill(
                 prompt_ids, tenant=request.tenant, traffic_class=request.traffic_class
             )
+            result = await complete(prefill, lambda r: self.engine.release(r.sequence))
             try:
                 async for event in self._handoff(request, result, start_s):
                     yield event
@@ -252,7 +276,7 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
         # connector; the decode worker then computes that block, so the answer is unchanged.
         await self.engine.flush()
         table, token_ids = result.sequence.table, result.sequence.token_ids
-        tail = await asyncio.to_thread(tail_kv, self.engine.cache, table, len(token_ids))
+        tail = await complete(asyncio.to_thread(tail_kv, self.engine.cache, table, len(token_ids)))
         block_tokens = self.engine.config.block_tokens
         yield pb.PrefillEvent(
             handoff=pb.Handoff(
@@ -344,13 +368,16 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
         assert connector is not None, "a decode worker opens the store before serving"
         token_ids = list(handoff.token_ids)
         keys = connector.keys(token_ids, handoff.tenant)
-        outcome = await connector.fetch_prefix(keys, table, len(keys), handoff.tenant)
+        fetch = connector.fetch_prefix(keys, table, len(keys), handoff.tenant)
+        outcome = await complete(fetch, connector.release)
         try:
-            await asyncio.to_thread(self._place_and_compute, token_ids, table, outcome, len(keys))
+            place = asyncio.to_thread(self._place_and_compute, token_ids, table, outcome, len(keys))
+            await complete(place)
         finally:
             connector.release(outcome)
         cache = self.engine.cache
-        await asyncio.to_thread(load_tail_kv, cache, table, len(token_ids), handoff.tail_kv)
+        tail = asyncio.to_thread(load_tail_kv, cache, table, len(token_ids), handoff.tail_kv)
+        await complete(tail)
         block_tokens = self.engine.config.block_tokens
         finish.num_swapped_tokens = outcome.num_fetched_blocks * block_tokens
         finish.num_recomputed_tokens = (len(keys) - outcome.num_fetched_blocks) * block_tokens
@@ -392,7 +419,8 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
         while not self._stop_reason(generated, sampling):
             position = len(prompt_ids) + len(generated) - 1
             await asyncio.sleep(self.inject_delay_s)
-            logits = await asyncio.to_thread(self._step, generated[-1], position, table)
+            step = asyncio.to_thread(self._step, generated[-1], position, table)
+            logits = await complete(step)
             generated.append(sampler.sample(logits))
             text, delta = self._text_delta(generated, text)
             yield pb.TokenDelta(token_id=generated[-1], text=delta)

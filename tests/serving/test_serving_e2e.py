@@ -14,7 +14,7 @@ import pytest
 from client import KVClient
 from engine_adapter.router import Router
 from engine_adapter.serve import WorkerPool
-from kvstore.errors import InvalidArgument
+from kvstore.errors import DeadlineExceeded, InvalidArgument
 from tests.serving.conftest import BLOCK_TOKENS, reference_generate
 
 pytestmark = pytest.mark.timeout(180)
@@ -132,3 +132,23 @@ async def test_bad_requests_fail_cleanly(worker_pool):
             await router.generate(token_ids=[1] * 1000, max_new_tokens=100)
         ok = await router.generate(token_ids=[1, 2, 3], max_new_tokens=3)
     assert len(ok.token_ids) == 3, "a worker is broken after rejecting bad requests"
+
+
+async def test_cancelled_requests_leave_no_trace_in_the_next(worker_pool, reference_engine):
+    """A caller that gives up mid-prefill or mid-decode cancels the worker's RPC while its
+    compute thread runs; the next request on that worker must still be exact (the blocks of
+    the cancelled request may not be reused before its thread is done with them)."""
+    long_prompt = _prompt(31, 900)
+    prompt = _prompt(32, 300)
+    expected = await reference_generate(reference_engine, prompt, 8)
+    async with _router(worker_pool, policy="least-loaded") as router:
+        for timeout_s in (0.02, 0.05, 0.1, 0.2):
+            with pytest.raises(DeadlineExceeded):
+                await router.generate(
+                    token_ids=long_prompt, tenant="cancel", max_new_tokens=100, timeout_s=timeout_s
+                )
+            completion = await router.generate(token_ids=prompt, tenant="cancel", max_new_tokens=8)
+            assert completion.token_ids == expected, (
+                f"after a request cancelled at {timeout_s} s the next one differs: a cancelled "
+                "request's compute thread wrote into blocks handed to the next request"
+            )
