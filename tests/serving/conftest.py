@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter.config import EngineConfig
-from engine_adapter.engine import Engine
 from engine_adapter.serve import WorkerPool
+
+if TYPE_CHECKING:  # torch is imported only by the tests that need it
+    from engine_adapter.engine import Engine
 
 MODEL = "random:small"  # 4 layers, vocab 1024: fast, and KV blocks of 64 KiB
 BLOCK_TOKENS = 64
@@ -51,6 +52,11 @@ def worker_pool(
 @pytest.fixture(scope="session")
 def reference_engine() -> Engine:
     """A single in-process engine, no store: what serving must reproduce token for token."""
+    import torch
+
+    from engine_adapter.config import EngineConfig
+    from engine_adapter.engine import Engine
+
     torch.set_num_threads(1)
     config = EngineConfig(block_tokens=BLOCK_TOKENS, max_num_seqs=1, max_model_len=1024)
     return Engine.load(MODEL, config)

@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
+pytest.importorskip("torch")
+
 from engine_adapter import weights
 from engine_adapter.demo import WORKLOAD
 from kvstore.errors import InvalidArgument
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(400)]
 
 
 def _has_default_model() -> bool:

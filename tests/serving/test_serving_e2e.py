@@ -17,7 +17,8 @@ from engine_adapter.serve import WorkerPool
 from kvstore.errors import DeadlineExceeded, InvalidArgument
 from tests.serving.conftest import BLOCK_TOKENS, reference_generate
 
-pytestmark = pytest.mark.timeout(180)
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
 
 # Prompt lengths: inside the first block, exactly two blocks, blocks plus a tail.
 PROMPT_LENGTHS = (40, 2 * BLOCK_TOKENS, 3 * BLOCK_TOKENS + 17)

@@ -24,7 +24,8 @@ from engine_adapter.serve import WorkerPool
 from kvstore.errors import Unavailable
 from tests.serving.conftest import BLOCK_TOKENS, MODEL, is_gone, reference_generate
 
-pytestmark = pytest.mark.timeout(180)
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
 
 SLOW_MS = "4000"  # a worker slowed this much is surely mid-request when it is killed
 
