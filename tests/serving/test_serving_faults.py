@@ -53,18 +53,18 @@ async def test_prefill_worker_killed_mid_request_is_retried_on_the_other(
 ):
     prompt = _prompt(1, 2 * BLOCK_TOKENS + 9)
     expected = await reference_generate(reference_engine, prompt, 6)
-    worker_pool.restart("p0", ["--inject-delay-ms", SLOW_MS])
+    worker_pool.add("p2", "prefill", ["--inject-delay-ms", SLOW_MS])
     try:
-        addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
-        async with Router(*addresses, policy="round-robin") as router:
+        prefill = [worker_pool.workers["p2"].address, worker_pool.workers["p1"].address]
+        async with Router(prefill, worker_pool.addresses("decode"), policy="round-robin") as router:
             request = asyncio.create_task(
                 router.generate(token_ids=prompt, tenant="faults", max_new_tokens=6)
             )
-            await _wait_busy(router, "p0")
-            worker_pool.kill("p0")
+            await _wait_busy(router, "p2")
+            worker_pool.kill("p2")
             completion = await asyncio.wait_for(request, 30)
     finally:
-        worker_pool.restart("p0")
+        worker_pool.remove("p2")
     assert completion.prefill_worker_id == "p1", "the request was not retried on p1"
     assert completion.num_prefill_attempts == 2
     assert completion.token_ids == expected, "the retried request generated other tokens"
