@@ -22,7 +22,9 @@ A server process holds a 64 MiB buffer of random bytes and serves GETs of (offse
 
 So every UCX GET also pays one gRPC round trip, as a storage read will. Each setting runs
 ``--rounds`` times, the transports interleaved, for ``--seconds`` each after a short warm-up;
-the table shows the median GB/s (10**9 bytes/s) and latency percentiles over all rounds.
+the table shows the median GB/s (10**9 bytes/s), latency percentiles over all rounds, and
+the CPU seconds each process spent per GB moved (which, unlike GB/s, holds up when other
+work shares the cores).
 Every setting checks the bytes of one GET per task against the server's. Both processes tune
 glibc malloc first (erasure/allocator.py), which helps gRPC's per-reply allocations.
 """
@@ -80,6 +82,23 @@ class Result:
     p50_ms: float
     p99_ms: float
     num_gets: int
+    client_cpu_s_per_gb: float  # CPU time per GB moved: robust where the cores are shared
+    server_cpu_s_per_gb: float
+
+
+@dataclass
+class Round:
+    gb_per_s: float
+    latencies_s: list[float]
+    num_bytes: int
+    client_cpu_s: float
+    server_cpu_s: float
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def source_buffer() -> np.ndarray:
@@ -205,7 +224,7 @@ class BenchServer:
         self.source = memoryview(self._array).cast("B")
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
         self.senders = [UcxServer(UcxWorker(tls, spin_s=spin_s)) for tls in tls_options]
-        self._tasks: set[asyncio.Task[bool]] = set()
+        self._posts: set[asyncio.Future[bool]] = set()
         self.rma = UcpRma() if ucx_available() else None
         self._rkey = self.rma.expose(self._array) if self.rma else b""
 
@@ -218,9 +237,9 @@ class BenchServer:
         tag_base, offset, size, index = _UCX_REQUEST.unpack_from(request)
         address = request[_UCX_REQUEST.size :]
         sender = self.senders[index]
-        task = sender.post(address, tag_base, [self.source[offset : offset + size]], 10.0)
-        self._tasks.add(task)  # keep a reference until the send ends
-        task.add_done_callback(self._tasks.discard)
+        post = sender.post(address, tag_base, [self.source[offset : offset + size]], 10.0)
+        self._posts.add(post)  # keep a reference until the send ends
+        post.add_done_callback(self._posts.discard)
         return b""
 
     def rma_info(self, request: bytes, context: Any) -> bytes:
@@ -289,6 +308,7 @@ class BenchClient:
             UcxTransport(UcxWorker(tls, spin_s=spin_s), seed=7) for tls in tls_options
         ]
         self._counter = 0
+        self.server_pid = 0  # set once the server runs; measure() reads its CPU time
 
     def request_fn(self, transport: str, size: int) -> Callable[[int], Awaitable[bool]]:
         if transport == "grpc":
@@ -347,19 +367,23 @@ class BenchClient:
 
 async def measure(
     client: BenchClient, transport: str, size: int, concurrency: int, seconds: float
-) -> tuple[float, list[float]]:
+) -> Round:
     get = client.request_fn(transport, size)
     await run_load(get, concurrency, seconds / 4)  # warm-up
+    client_cpu_s, server_cpu_s = time.process_time(), process_cpu_s(client.server_pid)
     latencies_s, num_failed, elapsed_s = await run_load(get, concurrency, seconds)
+    client_cpu_s = time.process_time() - client_cpu_s
+    server_cpu_s = process_cpu_s(client.server_pid) - server_cpu_s
     if num_failed:
         raise AssertionError(f"{num_failed} {transport} GETs of {size} bytes came back short")
-    return len(latencies_s) * size / elapsed_s / 1e9, latencies_s
+    num_bytes = len(latencies_s) * size
+    return Round(num_bytes / elapsed_s / 1e9, latencies_s, num_bytes, client_cpu_s, server_cpu_s)
 
 
 async def bench_setting(
     client: BenchClient, args: argparse.Namespace, size: int, concurrency: int
 ) -> list[Result]:
-    rounds: dict[str, list[tuple[float, list[float]]]] = {t: [] for t in args.transports}
+    rounds: dict[str, list[Round]] = {t: [] for t in args.transports}
     for _ in range(args.rounds):
         for transport in args.transports:
             rounds[transport].append(
@@ -368,11 +392,10 @@ async def bench_setting(
     return [_result(t, size, concurrency, runs) for t, runs in rounds.items()]
 
 
-def _result(
-    transport: str, size: int, concurrency: int, runs: list[tuple[float, list[float]]]
-) -> Result:
-    latencies_s = [lat for _, lats in runs for lat in lats]
-    gb_per_s = [round(gbps, 3) for gbps, _ in runs]
+def _result(transport: str, size: int, concurrency: int, runs: list[Round]) -> Result:
+    latencies_s = [lat for run in runs for lat in run.latencies_s]
+    gb_per_s = [round(run.gb_per_s, 3) for run in runs]
+    num_gb = sum(run.num_bytes for run in runs) / 1e9
     return Result(
         transport=transport,
         block_bytes=size,
@@ -382,6 +405,8 @@ def _result(
         p50_ms=round(percentile_ms(latencies_s, 50), 3),
         p99_ms=round(percentile_ms(latencies_s, 99), 3),
         num_gets=len(latencies_s),
+        client_cpu_s_per_gb=round(sum(run.client_cpu_s for run in runs) / num_gb, 3),
+        server_cpu_s_per_gb=round(sum(run.server_cpu_s for run in runs) / num_gb, 3),
     )
 
 
@@ -414,6 +439,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
             spin_s = args.spin_us / 1e6
             client = BenchClient(ch, max(args.sizes), max(args.concurrency), spin_s)
+            client.server_pid = proc.pid
             if RMA in args.transports:
                 await client.connect_rma()
             source = source_buffer()
@@ -450,15 +476,8 @@ def _ucxx_version() -> str:
 
 def results_table(results: list[Result]) -> Table:
     table = Table(title="GET throughput, one client process, one server process")
-    for column in (
-        "transport",
-        "block",
-        "conc",
-        "GB/s (median)",
-        "GB/s rounds",
-        "p50 ms",
-        "p99 ms",
-    ):
+    columns = ["transport", "block", "conc", "GB/s (median)", "GB/s rounds", "p50 ms", "p99 ms"]
+    for column in [*columns, "client CPU s/GB", "server CPU s/GB"]:
         table.add_column(column, justify="right")
     for r in results:
         rounds = " ".join(f"{g:.2f}" for g in r.gb_per_s_rounds)
@@ -470,6 +489,8 @@ def results_table(results: list[Result]) -> Table:
             rounds,
             f"{r.p50_ms:.2f}",
             f"{r.p99_ms:.2f}",
+            f"{r.client_cpu_s_per_gb:.2f}",
+            f"{r.server_cpu_s_per_gb:.2f}",
         )
     return table
 
@@ -513,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
     start_s = time.perf_counter()
     report = asyncio.run(bench(args))
     report["settings"]["wall_s"] = round(time.perf_counter() - start_s, 1)
-    Console().print(results_table([Result(**r) for r in report["results"]]))
+    Console(width=160).print(results_table([Result(**r) for r in report["results"]]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

@@ -14,13 +14,13 @@ gRPC stays the control plane; only shard payloads of reads travel over UCX. One 
                                                header per key (version, lengths, checksum)
                           <---- UCX -------    the client pulls each payload straight from
     batch.wait(hit indexes) -> byte counts     the node's memory into slot i (CMA get);
-    verify shard checksums, decode             the post task ends, the node unpins
+    verify shard checksums, decode             the post's future is done, the node unpins
 
 A MISS or a segment freed by expiry is reported in the reply and nothing is sent for it; the
-node keeps what it sends from alive until the post task ends. Endpoints to clients are made
-from the client's worker address in the request and cached; an endpoint whose send fails or
-times out (client gone, or it gave up on us) is dropped, and the next request from that
-address makes a new one. If :meth:`UcxServer.post` raises (malformed or unreachable address),
+node keeps what it sends from alive until the post's future is done. Endpoints to clients
+are made from the client's worker address in the request and cached; an endpoint whose send
+fails or times out (client gone, or it gave up on us) is dropped, and the next request from
+that address makes a new one. If :meth:`UcxServer.post` raises (malformed or unreachable address),
 the node answers with the shards inline, as without UCX.
 """
 
@@ -72,15 +72,15 @@ class UcxServer:
         tag_base: int,
         buffers: Sequence[Any],
         timeout_s: float,
-    ) -> asyncio.Task[bool]:
+    ) -> asyncio.Future[bool]:
         """Start sending ``buffers[i]`` with tag ``tag_base + i`` (None entries are skipped).
 
         Raises at once (InvalidArgument for a malformed address or tag base, Unavailable if
         the client's worker cannot be reached): the node then answers inline over gRPC.
-        Otherwise returns a task that gives True once the client has taken every message,
+        Otherwise returns a future that turns True once the client has taken every message,
         or False if a send failed or ``timeout_s`` passed (the client is gone or gave up; its
         endpoint is dropped). The buffers are read in place: keep them alive and unchanged
-        (their segment pinned) until the task ends.
+        (their segment pinned) until the future is done.
         """
         tags = [batch_tag(tag_base, i) for i in range(len(buffers))]
         endpoint = self._endpoint(client_address)
@@ -92,9 +92,7 @@ class UcxServer:
         except Exception:
             self._give_up(client_address, futures)
             raise
-        return asyncio.get_running_loop().create_task(
-            self._finish(client_address, futures, timeout_s)
-        )
+        return self._outcome(client_address, futures, timeout_s)
 
     async def send(
         self,
@@ -106,16 +104,41 @@ class UcxServer:
         """:meth:`post`, then wait for its outcome."""
         return await self.post(client_address, tag_base, buffers, timeout_s)
 
-    async def _finish(
+    def _outcome(
         self, client_address: bytes, futures: list[asyncio.Future[None]], timeout_s: float
-    ) -> bool:
-        try:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
-        except Exception as exc:  # TimeoutError, or Unavailable from a failed transfer
-            logger.warning("UCX send of %d messages failed: %r", len(futures), exc)
-            self._give_up(client_address, futures)
-            return False
-        return True
+    ) -> asyncio.Future[bool]:
+        """True once every send completed; False at the first failure or at the timeout.
+
+        Callbacks and one timer rather than a task per request: a node posts one of these
+        per read, and tasks, gather and wait_for cost more CPU than the sends themselves.
+        """
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[bool] = loop.create_future()
+        pending = set(futures)
+
+        def settle(ok: bool) -> None:
+            if outcome.done():
+                return
+            timer.cancel()
+            if not ok:
+                logger.warning("UCX send of %d messages failed or timed out", len(futures))
+                self._give_up(client_address, futures)
+            outcome.set_result(ok)
+
+        def on_done(future: asyncio.Future[None]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                settle(False)
+                return
+            pending.discard(future)
+            if not pending:
+                settle(True)
+
+        timer = loop.call_later(timeout_s, settle, False)
+        for future in futures:
+            future.add_done_callback(on_done)
+        if not futures:
+            settle(True)
+        return outcome
 
     def _give_up(self, client_address: bytes, futures: list[asyncio.Future[None]]) -> None:
         for future in futures:

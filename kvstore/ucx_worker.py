@@ -136,7 +136,8 @@ class UcxWorker:
         self._sends: dict[asyncio.Future[None], _Send] = {}
         self._tombstones: list[Any] = []
         self._tombstone = bytearray(_TOMBSTONE_BYTES)
-        self._kick = asyncio.Event()
+        self._any_tag = (ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0))  # a probe matching all
+        self._wakeup: asyncio.Future[None] | None = None  # set while the loop sleeps
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -256,7 +257,8 @@ class UcxWorker:
             raise Unavailable("this UCX worker is closed; create a new one")
 
     def _wake(self) -> None:
-        self._kick.set()
+        if self._wakeup is not None:
+            _set_once(self._wakeup)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._progress_loop())
 
@@ -290,24 +292,25 @@ class UcxWorker:
 
     async def _wait_for_event(self) -> None:
         """Sleep until the worker's epoll fd fires, new work arrives, or idle_wait_s passes."""
-        self._kick.clear()
         if not self._worker.arm():
             return  # events are already pending: progress again
         loop = asyncio.get_running_loop()
+        wakeup = self._wakeup = loop.create_future()
         fd = self._worker.epoll_file_descriptor
-        loop.add_reader(fd, self._kick.set)
+        loop.add_reader(fd, _set_once, wakeup)
+        timer = loop.call_later(self._idle_wait_s, _set_once, wakeup)
         try:
-            await asyncio.wait_for(self._kick.wait(), self._idle_wait_s)
-        except TimeoutError:
-            pass
+            await wakeup
         finally:
+            timer.cancel()
             loop.remove_reader(fd)
+            self._wakeup = None
 
     def _dispatch(self) -> bool:
         """Match every arrived message to its slot, or to a tombstone; True if any arrived."""
         arrived = False
         while True:
-            probe = self._worker.tag_probe(ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0), True)
+            probe = self._worker.tag_probe(*self._any_tag, True)
             if not probe.matched:
                 return arrived
             arrived = True
@@ -335,6 +338,8 @@ class UcxWorker:
 
     def _reap(self) -> bool:
         """Resolve the futures of completed requests; True if any completed."""
+        if not (self._matched or self._sends or self._tombstones):
+            return False
         num_before = len(self._matched) + len(self._sends) + len(self._tombstones)
         for tag, receive in list(self._matched.items()):
             if receive.request.completed:
@@ -397,6 +402,11 @@ def batch_tag(tag_base: int, index: int) -> int:
             "split the request"
         )
     return tag_base + index
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _check_tag(tag: int) -> None:
