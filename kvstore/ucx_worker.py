@@ -8,20 +8,24 @@ tagged receives into caller-owned buffers, their cancellation, and progress.
 Why tagged messages and not RMA (one-sided gets)
     ucxx's Python API has tagged, stream and active messages but no RMA calls (its C++ library
     has them, the bindings do not). RMA is reachable through ctypes on libucp (``ucp_mem_map``,
-    ``ucp_rkey_pack``, ``ucp_get_nbx`` with the handles ucxx exposes); measured on the 2-core
-    dev machine, 2 processes, shared memory, 1-4 MiB: RMA get 15-23 GB/s uncontended, tagged
-    sends 9-15 GB/s, and both fell to the same 1-2 GB/s whenever other work shared the cores.
-    We chose tagged messages anyway:
-    - over shared memory a tagged send of >= 8 KiB already *is* a one-sided read: UCX's
-      rendezvous protocol has the receiver pull the bytes with a CMA get (process_vm_readv)
-      straight from the sender's memory into the posted buffer; the gap above is one extra
-      rendezvous message, and it is small next to the gRPC round trip every read pays anyway;
-    - the node decides what it sends: a segment freed by expiry is reported as a MISS and is
-      never read, and the node keeps the memory alive until the send completes. With RMA a
-      client holding an rkey could read a region that was freed and reused;
-    - no ctypes struct layouts to keep in step with each UCX release.
-    ``python -m bench.ucx_bench --transports ucx,ucx-rma`` re-measures both, each paying the
-    gRPC round trip a storage read pays.
+    ``ucp_rkey_pack``, ``ucp_get_nbx`` on the handles ucxx exposes), so we measured both with
+    ``python -m bench.ucx_bench --transports grpc,ucx,ucx-rma`` (each GET pays one gRPC round
+    trip, as a storage read does; 2-core VM shared with other work, load 6-11): 4 MiB at
+    concurrency 8, RMA 2.9-4.4 GB/s, tagged 1.4-3.4, gRPC 0.3-0.9; CPU per GB, client + server,
+    0.25 s, 0.40 s and 1.15 s. Without the gRPC round trip, on a quiet machine: RMA 18-23
+    GB/s, tagged 8-15. RMA wins the microbenchmark, whose source is one buffer registered
+    once. We chose tagged messages for the store:
+    - a node reads a shard with ``pread`` into memory it owns for one request (its segments
+      are files opened per read and deleted by expiry). RMA needs long-lived registered
+      memory, an rkey per region, and a release message from the client before the node may
+      reuse it: one more round trip and a lease per read, which the benchmark does not pay.
+      A tagged send's completion *is* that release, for free;
+    - the node decides what it sends: a freed segment is a MISS, never read; with RMA a client
+      holding an rkey could read a region that was freed and reused (checksums would catch it);
+    - over shared memory a tagged send of >= 8 KiB is already a one-sided read underneath: the
+      receiver pulls the bytes with a CMA get (process_vm_readv) from the sender's memory into
+      the slot; the difference is one rendezvous message and our completion bookkeeping;
+    - no ctypes bindings to keep in step with UCX releases.
 
 Why endpoints from worker addresses, with peer error handling off
     Endpoints made from worker addresses (exchanged over gRPC) with error handling off use
