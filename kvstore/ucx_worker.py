@@ -10,11 +10,12 @@ Why tagged messages and not RMA (one-sided gets)
     has them, the bindings do not). RMA is reachable through ctypes on libucp (``ucp_mem_map``,
     ``ucp_rkey_pack``, ``ucp_get_nbx`` on the handles ucxx exposes), so we measured both with
     ``python -m bench.ucx_bench --transports grpc,ucx,ucx-rma`` (each GET pays one gRPC round
-    trip, as a storage read does; 2-core VM shared with other work, load 6-11): 4 MiB at
-    concurrency 8, RMA 2.9-4.4 GB/s, tagged 1.4-3.4, gRPC 0.3-0.9; CPU per GB, client + server,
-    0.25 s, 0.40 s and 1.15 s. Without the gRPC round trip, on a quiet machine: RMA 18-23
-    GB/s, tagged 8-15. RMA wins the microbenchmark, whose source is one buffer registered
-    once. We chose tagged messages for the store:
+    trip, as a storage read does; 2-core VM shared with other work, load 10-13): 4 MiB at
+    concurrency 8, RMA 3.7 GB/s (rounds 3.0-4.5), tagged 2.9 (2.2-3.4), gRPC 0.62; CPU
+    seconds per GB, client + server, which hold up under load: 0.25, 0.40 and 1.15. Without
+    the gRPC round trip, on a quieter machine: RMA 18-23 GB/s, tagged 8-15. RMA wins the
+    microbenchmark, whose source is one buffer registered once. We chose tagged messages for
+    the store:
     - a node reads a shard with ``pread`` into memory it owns for one request (its segments
       are files opened per read and deleted by expiry). RMA needs long-lived registered
       memory, an rkey per region, and a release message from the client before the node may
@@ -26,6 +27,10 @@ Why tagged messages and not RMA (one-sided gets)
       receiver pulls the bytes with a CMA get (process_vm_readv) from the sender's memory into
       the slot; the difference is one rendezvous message and our completion bookkeeping;
     - no ctypes bindings to keep in step with UCX releases.
+
+UCX over TCP (``transports="tcp"``; the only transport this wheel has between hosts without a
+system UCX built for RDMA) moved 0.4-0.5 GB/s at 4 MiB, below gRPC: pick UCX for a peer only
+when a worker with ``transports="^tcp"`` can reach it (shared memory, CMA, RDMA).
 
 Why endpoints from worker addresses, with peer error handling off
     Endpoints made from worker addresses (exchanged over gRPC) with error handling off use
