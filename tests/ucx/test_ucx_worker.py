@@ -21,10 +21,12 @@ from kvstore.ucx_worker import MAX_BATCH_MESSAGES, UcxWorker, batch_tag, ucx_ava
 if not ucx_available():
     pytest.skip("the optional ucx extra (ucxx) is not installed", allow_module_level=True)
 
-TRANSPORTS = [None, "tcp"]  # UCX's choice (shared memory + CMA) and forced TCP
+# UCX's choice (shared memory + CMA here), forced TCP, and everything but TCP (what
+# transport="auto" should require of a peer: TCP through UCX is slower than gRPC).
+TRANSPORTS = [None, "tcp", "^tcp"]
 
 
-@pytest.fixture(params=TRANSPORTS, ids=["shm", "tcp"])
+@pytest.fixture(params=TRANSPORTS, ids=["default", "tcp", "no-tcp"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[UcxServer, UcxTransport]]:
     server = UcxServer(transports=request.param)
     client = UcxTransport(transports=request.param, seed=1)
