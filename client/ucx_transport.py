@@ -12,8 +12,9 @@ high bits and the message index in the low 20 bits (kvstore.ucx_worker.batch_tag
 
 Nodes are tracked by the worker address each advertises over gRPC: a node that restarts
 comes back with a new address, :meth:`UcxTransport.observe_node` reports the change, and the
-caller drops what it knew about the old process. Endpoints are made and cached on the
-sending side (the node), keyed by this client's worker address, so a client needs none.
+caller drops what it knew about the old process. Whether UCX reaches a node is checked once
+per node process (:meth:`UcxTransport.reachable`). Data endpoints are made and cached on the
+sending side (the node), keyed by this client's worker address, so a client keeps none.
 Failures never surface as wrong bytes: a message that does not arrive in time is reported
 missing (``None``), its receive is cancelled before the slot is handed back, and the caller
 falls back to gRPC or to other nodes.
@@ -27,7 +28,7 @@ import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.ucx_worker import BATCH_INDEX_BITS, MAX_BATCH_MESSAGES, UcxWorker, batch_tag
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class UcxTransport:
         self.worker = worker if worker is not None else UcxWorker(transports)
         self._next_request_id = random.Random(seed).getrandbits(_REQUEST_ID_BITS)
         self._node_to_address: dict[str, bytes] = {}
+        self._node_to_reachable: dict[str, bool] = {}
 
     @property
     def address(self) -> bytes:
@@ -115,13 +117,32 @@ class UcxTransport:
         return UcxReceiveBatch(self.worker, request_id << BATCH_INDEX_BITS, slots)
 
     def observe_node(self, node_id: str, node_address: bytes) -> bool:
-        """Record the UCX address a node advertises; True if it changed (the node restarted)."""
+        """Record the UCX address a node advertises; True if it changed (the node restarted).
+
+        A change forgets what was known about the old process, reachability included.
+        """
         previous = self._node_to_address.get(node_id)
+        if previous == node_address:
+            return False
         self._node_to_address[node_id] = node_address
-        if previous is not None and previous != node_address:
+        self._node_to_reachable.pop(node_id, None)
+        if previous is not None:
             logger.info("node %s has a new UCX worker address: it restarted", node_id)
-            return True
-        return False
+        return previous is not None
+
+    def reachable(self, node_id: str) -> bool:
+        """Whether reads from ``node_id`` can come over UCX: the node advertised an address
+        and this worker's transports reach it. Checked once per node process, then cached.
+
+        A worker made with ``transports="^tcp"`` reaches only nodes on the same host (or over
+        RDMA): over TCP, UCX is slower than gRPC, so transport="auto" should use such a worker.
+        """
+        address = self._node_to_address.get(node_id)
+        if address is None:
+            return False
+        if node_id not in self._node_to_reachable:
+            self._node_to_reachable[node_id] = self._probe(node_id, address)
+        return self._node_to_reachable[node_id]
 
     def node_address(self, node_id: str) -> bytes | None:
         """The UCX address last seen for ``node_id``, or None if it has none."""
@@ -130,6 +151,16 @@ class UcxTransport:
     def forget_node(self, node_id: str) -> None:
         """Stop using UCX for ``node_id`` until it advertises an address again."""
         self._node_to_address.pop(node_id, None)
+        self._node_to_reachable.pop(node_id, None)
+
+    def _probe(self, node_id: str, address: bytes) -> bool:
+        """Make (and close at once) an endpoint: UCX checks for a common transport."""
+        try:
+            self.worker.connect(address).close()
+        except (InvalidArgument, Unavailable) as exc:
+            logger.info("node %s is not reachable over UCX, reads use gRPC: %s", node_id, exc)
+            return False
+        return True
 
     async def close(self) -> None:
         await self.worker.close()

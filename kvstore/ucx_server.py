@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.ucx_worker import UcxWorker, batch_tag
 
 logger = logging.getLogger(__name__)
+
+UNREACHABLE_RETRY_S = 60.0  # a client UCX cannot reach is answered inline this long
 
 
 class UcxServer:
@@ -54,6 +57,7 @@ class UcxServer:
         self.worker = worker if worker is not None else UcxWorker(transports)
         self._max_endpoints = max_endpoints
         self._endpoints: OrderedDict[bytes, Any] = OrderedDict()
+        self._unreachable: OrderedDict[bytes, float] = OrderedDict()  # address -> retry time
         # Also at interpreter exit if close() was never awaited (see _drop for why).
         weakref.finalize(self, _close_endpoints, self._endpoints)
 
@@ -156,11 +160,27 @@ class UcxServer:
         if endpoint is not None:
             self._endpoints.move_to_end(address)
             return endpoint
-        endpoint = self.worker.connect(address)
+        self._check_reachable(address)
+        try:
+            endpoint = self.worker.connect(address)
+        except Unavailable:
+            self._unreachable[address] = time.monotonic() + UNREACHABLE_RETRY_S
+            if len(self._unreachable) > self._max_endpoints:
+                self._unreachable.popitem(last=False)
+            raise
         self._endpoints[address] = endpoint
         if len(self._endpoints) > self._max_endpoints:
             self._drop(next(iter(self._endpoints)))
         return endpoint
+
+    def _check_reachable(self, address: bytes) -> None:
+        """Fail fast for a client UCX could not reach recently (UCX logs each failed try)."""
+        retry_s = self._unreachable.get(address)
+        if retry_s is None:
+            return
+        if time.monotonic() < retry_s:
+            raise Unavailable("client's UCX worker was unreachable moments ago; answer inline")
+        del self._unreachable[address]
 
     def _drop(self, address: bytes) -> None:
         """Close and forget an endpoint without waiting for the peer.

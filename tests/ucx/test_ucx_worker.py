@@ -162,6 +162,28 @@ async def test_unreachable_worker_is_unavailable() -> None:
         await shm_only.close()
 
 
+async def test_reachability_is_checked_once_per_node_process() -> None:
+    same_host = UcxServer()
+    client = UcxTransport(transports="^tcp", seed=4)
+    tcp_only = UcxServer(transports="tcp")
+    try:
+        assert not client.reachable("n00"), "a node that advertised nothing is not reachable"
+        assert not client.observe_node("n00", same_host.address)
+        assert client.reachable("n00")
+        assert not client.observe_node("n01", tcp_only.address)
+        assert not client.reachable("n01"), "without TCP this client must not reach a TCP node"
+        assert client.observe_node("n01", same_host.address), "a new address is a restart"
+        assert client.reachable("n01"), "a restarted node must be checked again"
+        with pytest.raises(Unavailable, match="cannot reach"):
+            tcp_only.post(client.address, 0, [b"x"], timeout_s=1)
+        with pytest.raises(Unavailable, match="moments ago"):
+            tcp_only.post(client.address, 0, [b"x"], timeout_s=1)  # cached: UCX not asked
+    finally:
+        await client.close()
+        await same_host.close()
+        await tcp_only.close()
+
+
 def test_batch_tags_keep_index_and_base_apart() -> None:
     base = 3 * MAX_BATCH_MESSAGES
     assert batch_tag(base, 0) == base and batch_tag(base, 7) == base + 7
