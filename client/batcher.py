@@ -18,7 +18,9 @@ keys), with at most ``max_in_flight`` batches outstanding per node:
 
 A waiter may stop waiting (its read finished elsewhere): its future is cancelled. Cancelled
 requests still queued are dropped; when every future of a batch in flight is cancelled, its RPC
-is cancelled too, so a straggler's pending batches do not keep running for nobody.
+is cancelled too, so a straggler's pending batches do not keep running for nobody (unless
+``cancel_abandoned`` is False: then the batch keeps its in-flight slot until its reply comes,
+for sends that cannot be called back, like a message on a stream).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ class Batcher(Generic[Item, Result]):
         max_items: int,
         max_bytes: int | None = None,
         max_in_flight: int = 2,
+        *,
+        cancel_abandoned: bool = True,
     ) -> None:
         self._send = send
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
+        self.cancel_abandoned = cancel_abandoned
         # (item, its future, its bytes, its deadline on the loop's clock)
         self._queue: list[tuple[Item, asyncio.Future[Result], int, float]] = []
         self._num_in_flight = 0
@@ -85,7 +90,8 @@ class Batcher(Generic[Item, Result]):
             self.num_batches += 1
             self.num_items += len(batch)
             rpc = asyncio.ensure_future(self._run(batch))
-            _cancel_when_abandoned(rpc, [future for _, future, _, _ in batch])
+            if self.cancel_abandoned:
+                _cancel_when_abandoned(rpc, [future for _, future, _, _ in batch])
 
     def _take_batch(self) -> list[tuple[Item, asyncio.Future[Result], int, float]]:
         size, num_bytes = 0, 0

@@ -5,6 +5,12 @@ a failed RPC into the kvstore.errors exception for its status code (one mapping,
 kvstore/errors.py) and keeps :class:`client.node_health.NodeHealth` up to date. Per-key shard
 reads and writes go through :meth:`NodeConn.get_shard` and :meth:`NodeConn.put_shard`, which
 coalesce the requests of one event-loop turn into one batched RPC (client/batcher.py).
+
+Batched gets travel as messages on one long-lived ``GetShardsStream`` per node
+(client/get_stream.py): a stream message costs both ends less CPU than a unary call. If the
+stream breaks, the requests it still owed are sent again as unary ``GetShards`` within their
+deadline (so a request's own error, say INVALID_ARGUMENT, reaches only that request), and the
+next batch opens a new stream; a node without the streaming RPC gets unary calls from then on.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import Any
 import grpc
 
 from client.batcher import Batcher
+from client.get_stream import GetStream, StreamBroken
 from client.node_health import NodeHealth
 from client.wire import ShardResultView, parse_get_shards_reply
 from kvstore.config import NodeConfig
-from kvstore.errors import CodecError, from_grpc_status
+from kvstore.errors import CodecError, DeadlineExceeded, from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 
@@ -67,11 +74,21 @@ class NodeConn:
             request_serializer=pb.GetShardsRequest.SerializeToString,
             response_deserializer=parse_get_shards_reply,
         )
+        self._open_get_stream = self.channel.stream_stream(
+            "/kvstore.v1.ShardStore/GetShardsStream",
+            request_serializer=pb.GetShardsRequest.SerializeToString,
+            response_deserializer=parse_get_shards_reply,
+        )
+        self._get_stream: GetStream | None = None
+        self.use_get_stream = True
         self.health = NodeHealth()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_put_batch_bytes = node.max_batch_bytes // 2
+        # An abandoned batch keeps its slot until its stream reply comes: the node answers a
+        # stream in order, so sending more behind it would only queue there (a straggler's
+        # queue stays here instead, where cancelled requests are dropped unsent).
         self._get_batcher: Batcher[bytes, ShardResultView] = Batcher(
-            self._get_batch, MAX_GET_BATCH_KEYS
+            self._get_batch, MAX_GET_BATCH_KEYS, cancel_abandoned=False
         )
         self._class_to_put_batcher: dict[str, Batcher[tuple[bytes, bytes], None]] = {}
 
@@ -95,10 +112,40 @@ class NodeConn:
 
     async def _get_batch(self, keys: list[bytes], timeout_s: float) -> list[ShardResultView]:
         request = pb.GetShardsRequest(tenant=self.tenant, keys=keys)
-        results = await self.call("GetShards", request, timeout_s)
+        deadline_s = asyncio.get_running_loop().time() + timeout_s
+        results = None
+        if self.use_get_stream:
+            try:
+                results = await self._stream_get(request, timeout_s)
+            except StreamBroken as exc:
+                log.debug("node %s: %s; retrying over unary GetShards", self.node_id, exc)
+                if exc.code is grpc.StatusCode.UNIMPLEMENTED:
+                    self.use_get_stream = False
+        if results is None:
+            timeout_s = deadline_s - asyncio.get_running_loop().time()
+            results = await self.call("GetShards", request, timeout_s)
         if results is None or len(results) != len(keys):
             # gRPC hands the client None when the deserializer raised (it logs the error).
             raise CodecError(f"node {self.node_id} sent a malformed GetShards reply")
+        return results
+
+    async def _stream_get(
+        self, request: pb.GetShardsRequest, timeout_s: float
+    ) -> list[ShardResultView] | None:
+        """One request over the node's GetShardsStream (opened on first use or after a break)."""
+        if self._get_stream is None or not self._get_stream.is_open:
+            self._get_stream = GetStream(
+                lambda requests: self._open_get_stream(requests, metadata=self._metadata)
+            )
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.001)):
+                results = await self._get_stream.send(request)
+        except TimeoutError:
+            self.health.record_failure(time.monotonic())
+            raise DeadlineExceeded(
+                f"node {self.node_id}: no GetShardsStream reply within {timeout_s:.3f} s"
+            ) from None
+        self.health.record_success()
         return results
 
     async def _put_batch(
@@ -128,6 +175,8 @@ class NodeConn:
         return self.health.is_suspect(time.monotonic())
 
     async def close(self) -> None:
+        if self._get_stream is not None:
+            await self._get_stream.close()
         await self.channel.close()
 
 
