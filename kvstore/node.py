@@ -29,8 +29,11 @@ gets INVALID_ARGUMENT (ask for fewer keys per request).
 Unary vs streaming, measured with one shard per request on loopback (grpc.aio, 16-core host,
 glibc mmap threshold raised as in DESIGN.md): unary 0.30 GB/s vs bidi stream 0.48 GB/s at
 410 KiB, 0.50 vs 0.55 GB/s at 4 MiB. So both exist: unary ``GetShards`` is the simple contract
-(cancellable per call, used for hedged reads) and ``GetShardsStream`` serves the same requests
-over one long-lived stream for clients that want the cheaper per-request path.
+(cancellable per call) and ``GetShardsStream`` serves the same requests, one at a time and in
+order, over one long-lived stream: the client's read path uses it (client/get_stream.py) and
+falls back to unary when a stream breaks. In a 12-node cluster on 2 loaded cores the stream cut
+the nodes' CPU per 1 MiB GET at concurrency 1 by about a quarter again after the inline reads
+(14 -> 10 -> 7.4 ms over the 11 nodes asked).
 """
 
 from __future__ import annotations
