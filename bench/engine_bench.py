@@ -130,9 +130,9 @@ class Bench:
         num_blocks = self._usable_blocks(len(prompt), fraction)
         if num_blocks == 0:
             return Setup(fraction, tenant, None)
-        seeded = await self.engine.prefill(
-            prompt[: num_blocks * self.engine.config.block_tokens], tenant=tenant
-        )
+        prefix = prompt[: num_blocks * self.engine.config.block_tokens]
+        reserve = len(prompt) - len(prefix)  # room for the suffix: consecutive blocks
+        seeded = await self.engine.prefill(prefix, tenant=tenant, reserve_tokens=reserve)
         await self.engine.flush()
         return Setup(fraction, tenant, seeded.sequence)
 

