@@ -1,0 +1,51 @@
+"""The CUDA swap-in path: pinned host slots, side-stream copies, per-layer events.
+
+Runs only where CUDA is present (``gpu`` marker); the CPU path is covered by the store tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine_adapter.config import EngineConfig  # noqa: E402
+from engine_adapter.engine import Engine  # noqa: E402
+from engine_adapter.host_buffers import HostBlockPool  # noqa: E402
+from engine_adapter.loader import load_model  # noqa: E402
+from engine_adapter.swap_in import SwapIn  # noqa: E402
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+PROMPT = [(i * 31 + 7) % 1000 for i in range(200)]  # 12 full blocks of 16 and a tail
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_side_stream_swap_in_equals_recompute(dtype):
+    config = EngineConfig(block_tokens=16, prefill_chunk_tokens=32, device="cuda", dtype=dtype)
+    engine = Engine(load_model("random:small", "cuda", dtype, seed=0), config)
+    cold = asyncio.run(engine.prefill(PROMPT, use_cache=False))
+    host = HostBlockPool(engine.layout, num_slots=12, pin_memory=True)
+    slots = host.acquire(12)
+    assert slots[0].block.is_pinned(), "swap-in buffers must be pinned on CUDA"
+    for index, slot in enumerate(slots):
+        engine.cache.save_block(cold.sequence.table.block_ids[index], slot.block)
+    torch.cuda.synchronize()
+    seq = engine._new_sequence(PROMPT, "t", "chat", 0)
+    swap_in = SwapIn(engine.cache, seq.table.block_ids, [s.block for s in slots])
+    for index in range(12):
+        swap_in.block_arrived(index)
+    swap_in.start(num_blocks=12)
+    logits, first = engine._compute(seq, 12 * 16, swap_in)
+    assert first == cold.first_token_id
+    assert torch.equal(logits, cold.logits), "swapped-in KV gave other logits than recomputing"
+    for index in range(12):
+        for layer in range(engine.layout.num_layers):
+            got = engine.cache.block(layer, seq.table.block_ids[index])
+            want = engine.cache.block(layer, cold.sequence.table.block_ids[index])
+            assert torch.equal(got, want), f"block {index} layer {layer} placed wrongly"
