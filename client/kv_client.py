@@ -31,17 +31,21 @@ from typing import Any
 from client.node_conn import NodeConn, consume_result
 from client.read_path import BlockRead, ReadCounters
 from client.shard_tally import PresenceTally, ShardCollector
+from client.ucx_gets import UcxGets
+from client.ucx_transport import UcxTransport
 from client.write_path import WriteCounters, write_block
 from erasure.codec import make_codec
 from kvstore.config import ClusterConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.ucx_worker import INSTALL_HINT, ucx_available
 from ttl.clock import Clock, make_clock
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
+TRANSPORTS = ("auto", "grpc", "ucx")
 
 
 class KVClient:
@@ -60,6 +64,7 @@ class KVClient:
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
         self._background: set[asyncio.Task[Any]] = set()
+        self.ucx: UcxGets | None = None  # the UCX read path, when connect() enabled it
         self._closed = False
 
     @classmethod
@@ -69,23 +74,55 @@ class KVClient:
         tenant: str,
         token: str | None = None,
         *,
-        transport: str = "grpc",
+        transport: str = "auto",
     ) -> _Connecting:
         """Open a client: ``await KVClient.connect(...)`` or ``async with KVClient.connect(...)``.
 
         Channels connect lazily; a node that is down only shows up as a failed RPC later.
-        ``transport`` is reserved for a later UCX data path; only "grpc" exists today.
+        ``transport`` picks how read payloads travel (client/ucx_gets.py): "grpc"; "ucx"
+        (Unavailable at connect unless ucxx is installed and some node answers with a UCX
+        address this client reaches); "auto" = UCX to each node a shared-memory/RDMA UCX
+        worker reaches (learned in the background), gRPC to the rest. Results are identical.
         """
-        if transport != "grpc":
-            raise InvalidArgument(f"transport {transport!r} is not available; use 'grpc'")
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(
+                f"transport {transport!r} is not one of {TRANSPORTS}; 'auto' picks per node"
+            )
 
         async def open_client() -> KVClient:
             if isinstance(cluster_toml, ClusterConfig):
-                return cls(cluster_toml, tenant, token)
-            config = await asyncio.to_thread(load_cluster, cluster_toml)
-            return cls(config, tenant, token)
+                client = cls(cluster_toml, tenant, token)
+            else:
+                client = cls(await asyncio.to_thread(load_cluster, cluster_toml), tenant, token)
+            if transport != "grpc":
+                try:
+                    await client._start_ucx(forced=transport == "ucx")
+                except BaseException:
+                    await client.close()
+                    raise
+            return client
 
         return _Connecting(open_client)
+
+    async def _start_ucx(self, *, forced: bool) -> None:
+        """Give every node connection the UCX read path (see :meth:`connect`)."""
+        if not ucx_available():
+            if forced:
+                raise Unavailable(f"transport='ucx' but ucxx is not installed; {INSTALL_HINT}")
+            return
+        # "auto" uses UCX only where it beats gRPC: shared memory, CMA or RDMA, never TCP.
+        transport = UcxTransport(transports=None if forced else "^tcp")
+        self.ucx = UcxGets(transport, self.codec.payload_bytes(self.config.codec.max_block_bytes))
+        for conn in self.conns.values():
+            conn.ucx = self.ucx
+        if forced:
+            await asyncio.gather(*(self.ucx.observe(conn) for conn in self.conns.values()))
+            if not any(self.ucx.reachable(conn) for conn in self.conns.values()):
+                raise Unavailable(
+                    "transport='ucx' but no node answered with a UCX address this client "
+                    "reaches (nodes down, started with ucx='off', or without ucxx); use "
+                    "transport='auto' or 'grpc'"
+                )
 
     async def __aenter__(self) -> KVClient:
         return self
@@ -279,6 +316,8 @@ class KVClient:
         self._closed = True
         await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))
+        if self.ucx is not None:
+            await self.ucx.close()
 
 
 def _byte_view(buffer: object, what: str) -> memoryview:

@@ -25,6 +25,7 @@ import grpc
 from client.batcher import Batcher
 from client.get_stream import GetStream, StreamBroken
 from client.node_health import NodeHealth
+from client.ucx_gets import UcxGets
 from client.wire import ShardResultView, parse_get_shards_reply
 from kvstore.config import NodeConfig
 from kvstore.errors import CodecError, DeadlineExceeded, from_grpc_status
@@ -91,6 +92,8 @@ class NodeConn:
             self._get_batch, MAX_GET_BATCH_KEYS, cancel_abandoned=False
         )
         self._class_to_put_batcher: dict[str, Batcher[tuple[bytes, bytes], None]] = {}
+        # Set by KVClient when reads may take UCX (client/ucx_gets.py); None = gRPC only.
+        self.ucx: UcxGets | None = None
 
     def get_shard(self, key: bytes, timeout_s: float) -> asyncio.Future[ShardResultView]:
         """Future of this node's ShardResultView for ``key`` (batched with concurrent gets)."""
@@ -111,7 +114,14 @@ class NodeConn:
         return batcher.submit((key, shard), timeout_s, num_bytes=len(shard))
 
     async def _get_batch(self, keys: list[bytes], timeout_s: float) -> list[ShardResultView]:
-        request = pb.GetShardsRequest(tenant=self.tenant, keys=keys)
+        if self.ucx is not None and self.ucx.reachable(self):
+            return await self.ucx.get_batch(self, keys, timeout_s)
+        return await self.send_get(pb.GetShardsRequest(tenant=self.tenant, keys=keys), timeout_s)
+
+    async def send_get(
+        self, request: pb.GetShardsRequest, timeout_s: float
+    ) -> list[ShardResultView]:
+        """One GetShards ``request`` over the stream (unary if it breaks); one result per key."""
         deadline_s = asyncio.get_running_loop().time() + timeout_s
         results = None
         if self.use_get_stream:
@@ -124,7 +134,7 @@ class NodeConn:
         if results is None:
             timeout_s = deadline_s - asyncio.get_running_loop().time()
             results = await self.call("GetShards", request, timeout_s)
-        if results is None or len(results) != len(keys):
+        if results is None or len(results) != len(request.keys):
             # gRPC hands the client None when the deserializer raised (it logs the error).
             raise CodecError(f"node {self.node_id} sent a malformed GetShards reply")
         return results

@@ -137,6 +137,7 @@ class NodeConfig:
     auth_token: str = ""  # if set, requests must carry metadata ("authorization", "Bearer <token>")
     scrub_bytes_per_s: int = 64 * MiB  # background re-read and verify of records; 0 = no scrub
     scrub_pass_interval_s: float = 3600.0  # a full scrub pass starts at most this often
+    ucx: str = "auto"  # UCX data path for reads: "auto" = on when ucxx imports, "off"
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -154,6 +155,8 @@ class NodeConfig:
                 f"scrub_pass_interval_s > 0, got {self.scrub_bytes_per_s} and "
                 f"{self.scrub_pass_interval_s}"
             )
+        if self.ucx not in ("auto", "off"):
+            raise ValueError(f"node {self.id}: ucx must be 'auto' or 'off', got {self.ucx!r}")
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
 from kvstore.shard_store import GetResult, ShardStore, StoreStats
+from kvstore.ucx_get import serve_get_over_ucx
+from kvstore.ucx_server import UcxServer
+from kvstore.ucx_worker import ucx_available
 from ttl.clock import make_clock
 
 log = logging.getLogger(__name__)
@@ -91,8 +94,10 @@ class NodeServicer:
         epoch: int,
         metrics: NodeMetrics,
         executor: ThreadPoolExecutor,
+        ucx: UcxServer | None = None,
     ) -> None:
         self._store = store
+        self._ucx = ucx
         self._node = node
         self._epoch = epoch
         self._metrics = metrics
@@ -176,6 +181,8 @@ class NodeServicer:
                 self._executor, _parse_and_call, request_type, handler, raw
             )
         request = _parse(request_type, raw)  # a get request holds keys only: cheap to parse
+        if self._ucx is not None and request.HasField("ucx"):
+            return await self._get_over_ucx(self._ucx, request)
         if len(request.keys) <= INLINE_GET_MAX_KEYS:
             return handler(request)
         return await loop.run_in_executor(self._executor, handler, request)
@@ -200,6 +207,22 @@ class NodeServicer:
 
     def _get(self, request: pb.GetShardsRequest) -> bytes:
         """The serialized GetShardsReply (encoded here: one copy of each shard)."""
+        return encode_get_shards_reply(self._lookup(request))
+
+    async def _get_over_ucx(self, ucx: UcxServer, request: pb.GetShardsRequest) -> bytes:
+        """Payloads over UCX, headers in the reply (kvstore/ucx_get.py); inline if UCX fails.
+
+        The lookup runs like a plain get's; UCX posts run on the loop (the worker's thread).
+        """
+        if len(request.keys) <= INLINE_GET_MAX_KEYS:
+            results = self._lookup(request)
+        else:
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(self._executor, self._lookup, request)
+        reply = serve_get_over_ucx(ucx, request.ucx, results)
+        return reply if reply is not None else encode_get_shards_reply(results)
+
+    def _lookup(self, request: pb.GetShardsRequest) -> list[GetResult]:
         self._metrics.get_keys.inc(len(request.keys))
         results = self._store.get(request.tenant, list(request.keys), request.version)
         reply_bytes = sum(len(s) for r in results for s in r.shards)
@@ -208,7 +231,7 @@ class NodeServicer:
                 f"reply of {reply_bytes} bytes for {len(request.keys)} keys exceeds "
                 f"max_batch_bytes {self._node.max_batch_bytes}; ask for fewer keys per request"
             )
-        return encode_get_shards_reply(results)
+        return results
 
     def _contains(self, request: pb.ContainsRequest) -> pb.ContainsReply:
         found = self._store.contains(request.tenant, list(request.keys))
@@ -222,7 +245,11 @@ class NodeServicer:
 
     def _health(self, request: pb.HealthRequest) -> pb.HealthReply:
         return pb.HealthReply(
-            node_id=self._node.id, epoch=self._epoch, serving=True, now_s=self._store.clock.now()
+            node_id=self._node.id,
+            epoch=self._epoch,
+            serving=True,
+            now_s=self._store.clock.now(),
+            ucx_worker_address=self._ucx.address if self._ucx is not None else b"",
         )
 
 
@@ -329,7 +356,8 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
     try:
         await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
         server = grpc.aio.server(options=_server_options(node))
-        NodeServicer(store, node, cluster.epoch, metrics, executor).register(server)
+        ucx = _start_ucx(node)
+        NodeServicer(store, node, cluster.epoch, metrics, executor, ucx).register(server)
         server.add_insecure_port(node.address)
         await server.start()
         if node.metrics_port:
@@ -343,11 +371,24 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         upkeep.cancel()
         scrub.cancel()
         await server.stop(STOP_GRACE_S)
+        if ucx is not None:
+            await ucx.close()
     finally:
         metrics.close()
         await loop.run_in_executor(executor, store.close)
         executor.shutdown()
     log.info("node %s stopped", node.id)
+
+
+def _start_ucx(node: NodeConfig) -> UcxServer | None:
+    """The node's UCX sender when ``node.ucx`` allows it and ucxx works here; else None."""
+    if node.ucx == "off" or not ucx_available():
+        return None
+    try:
+        return UcxServer()
+    except KVStoreError as exc:
+        log.warning("node %s serves reads over gRPC only: UCX did not start: %s", node.id, exc)
+        return None
 
 
 async def _main(cluster: ClusterConfig, node: NodeConfig) -> None:

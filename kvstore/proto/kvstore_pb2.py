@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"&\n\x08ShardPut\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05shard\x18\x02 \x01(\x0c\"_\n\x10PutShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12$\n\x06shards\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.ShardPut\"$\n\x0ePutShardsReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"A\n\x10GetShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x0c\"F\n\x0bShardResult\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.kvstore.v1.ShardStatus\x12\x0e\n\x06shards\x18\x02 \x03(\x0c\":\n\x0eGetShardsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.ShardResult\"/\n\x0f\x43ontainsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1f\n\x0bKeyVersions\x12\x10\n\x08versions\x18\x01 \x03(\x0c\"9\n\rContainsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.KeyVersions\"-\n\rDeleteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\"\n\x0b\x44\x65leteReply\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xa2\x01\n\nClassStats\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x07 \x01(\x04\x12\x1e\n\x16youngest_evicted_age_s\x18\x08 \x01(\x01\"\xe8\x01\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06shards\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63orrupt_shards\x18\x06 \x01(\x04\x12\'\n\x07\x63lasses\x18\x07 \x03(\x0b\x32\x16.kvstore.v1.ClassStats\x12\x10\n\x08segments\x18\x08 \x01(\x04\x12\x0c\n\x04hits\x18\t \x01(\x04\x12\x0e\n\x06misses\x18\n \x01(\x04\x12\x12\n\nused_bytes\x18\x0b \x01(\x04\"\x0f\n\rHealthRequest\"M\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\r\n\x05now_s\x18\x04 \x01(\x01*-\n\x0bShardStatus\x12\x08\n\x04MISS\x10\x00\x12\x07\n\x03HIT\x10\x01\x12\x0b\n\x07\x43ORRUPT\x10\x02\x32\xe6\x03\n\nShardStore\x12\x45\n\tPutShards\x12\x1c.kvstore.v1.PutShardsRequest\x1a\x1a.kvstore.v1.PutShardsReply\x12\x45\n\tGetShards\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply\x12O\n\x0fGetShardsStream\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply(\x01\x30\x01\x12\x42\n\x08\x43ontains\x12\x1b.kvstore.v1.ContainsRequest\x1a\x19.kvstore.v1.ContainsReply\x12<\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x17.kvstore.v1.DeleteReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12<\n\x06Health\x12\x19.kvstore.v1.HealthRequest\x1a\x17.kvstore.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"&\n\x08ShardPut\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05shard\x18\x02 \x01(\x0c\"_\n\x10PutShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12$\n\x06shards\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.ShardPut\"$\n\x0ePutShardsReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"g\n\x10GetShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x0c\x12$\n\x03ucx\x18\x04 \x01(\x0b\x32\x17.kvstore.v1.UcxDelivery\"7\n\x0bUcxDelivery\x12\x16\n\x0eworker_address\x18\x01 \x01(\x0c\x12\x10\n\x08tag_base\x18\x02 \x01(\x04\"Z\n\x0bShardResult\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.kvstore.v1.ShardStatus\x12\x0e\n\x06shards\x18\x02 \x03(\x0c\x12\x12\n\nucx_header\x18\x03 \x01(\x0c\":\n\x0eGetShardsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.ShardResult\"/\n\x0f\x43ontainsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1f\n\x0bKeyVersions\x12\x10\n\x08versions\x18\x01 \x03(\x0c\"9\n\rContainsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.KeyVersions\"-\n\rDeleteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\"\n\x0b\x44\x65leteReply\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xa2\x01\n\nClassStats\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x07 \x01(\x04\x12\x1e\n\x16youngest_evicted_age_s\x18\x08 \x01(\x01\"\xe8\x01\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06shards\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63orrupt_shards\x18\x06 \x01(\x04\x12\'\n\x07\x63lasses\x18\x07 \x03(\x0b\x32\x16.kvstore.v1.ClassStats\x12\x10\n\x08segments\x18\x08 \x01(\x04\x12\x0c\n\x04hits\x18\t \x01(\x04\x12\x0e\n\x06misses\x18\n \x01(\x04\x12\x12\n\nused_bytes\x18\x0b \x01(\x04\"\x0f\n\rHealthRequest\"i\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\r\n\x05now_s\x18\x04 \x01(\x01\x12\x1a\n\x12ucx_worker_address\x18\x05 \x01(\x0c*-\n\x0bShardStatus\x12\x08\n\x04MISS\x10\x00\x12\x07\n\x03HIT\x10\x01\x12\x0b\n\x07\x43ORRUPT\x10\x02\x32\xe6\x03\n\nShardStore\x12\x45\n\tPutShards\x12\x1c.kvstore.v1.PutShardsRequest\x1a\x1a.kvstore.v1.PutShardsReply\x12\x45\n\tGetShards\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply\x12O\n\x0fGetShardsStream\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply(\x01\x30\x01\x12\x42\n\x08\x43ontains\x12\x1b.kvstore.v1.ContainsRequest\x1a\x19.kvstore.v1.ContainsReply\x12<\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x17.kvstore.v1.DeleteReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12<\n\x06Health\x12\x19.kvstore.v1.HealthRequest\x1a\x17.kvstore.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHARDSTATUS']._serialized_start=1139
-  _globals['_SHARDSTATUS']._serialized_end=1184
+  _globals['_SHARDSTATUS']._serialized_start=1282
+  _globals['_SHARDSTATUS']._serialized_end=1327
   _globals['_SHARDPUT']._serialized_start=29
   _globals['_SHARDPUT']._serialized_end=67
   _globals['_PUTSHARDSREQUEST']._serialized_start=69
@@ -40,31 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTSHARDSREPLY']._serialized_start=166
   _globals['_PUTSHARDSREPLY']._serialized_end=202
   _globals['_GETSHARDSREQUEST']._serialized_start=204
-  _globals['_GETSHARDSREQUEST']._serialized_end=269
-  _globals['_SHARDRESULT']._serialized_start=271
-  _globals['_SHARDRESULT']._serialized_end=341
-  _globals['_GETSHARDSREPLY']._serialized_start=343
-  _globals['_GETSHARDSREPLY']._serialized_end=401
-  _globals['_CONTAINSREQUEST']._serialized_start=403
-  _globals['_CONTAINSREQUEST']._serialized_end=450
-  _globals['_KEYVERSIONS']._serialized_start=452
-  _globals['_KEYVERSIONS']._serialized_end=483
-  _globals['_CONTAINSREPLY']._serialized_start=485
-  _globals['_CONTAINSREPLY']._serialized_end=542
-  _globals['_DELETEREQUEST']._serialized_start=544
-  _globals['_DELETEREQUEST']._serialized_end=589
-  _globals['_DELETEREPLY']._serialized_start=591
-  _globals['_DELETEREPLY']._serialized_end=625
-  _globals['_STATSREQUEST']._serialized_start=627
-  _globals['_STATSREQUEST']._serialized_end=641
-  _globals['_CLASSSTATS']._serialized_start=644
-  _globals['_CLASSSTATS']._serialized_end=806
-  _globals['_STATSREPLY']._serialized_start=809
-  _globals['_STATSREPLY']._serialized_end=1041
-  _globals['_HEALTHREQUEST']._serialized_start=1043
-  _globals['_HEALTHREQUEST']._serialized_end=1058
-  _globals['_HEALTHREPLY']._serialized_start=1060
-  _globals['_HEALTHREPLY']._serialized_end=1137
-  _globals['_SHARDSTORE']._serialized_start=1187
-  _globals['_SHARDSTORE']._serialized_end=1673
+  _globals['_GETSHARDSREQUEST']._serialized_end=307
+  _globals['_UCXDELIVERY']._serialized_start=309
+  _globals['_UCXDELIVERY']._serialized_end=364
+  _globals['_SHARDRESULT']._serialized_start=366
+  _globals['_SHARDRESULT']._serialized_end=456
+  _globals['_GETSHARDSREPLY']._serialized_start=458
+  _globals['_GETSHARDSREPLY']._serialized_end=516
+  _globals['_CONTAINSREQUEST']._serialized_start=518
+  _globals['_CONTAINSREQUEST']._serialized_end=565
+  _globals['_KEYVERSIONS']._serialized_start=567
+  _globals['_KEYVERSIONS']._serialized_end=598
+  _globals['_CONTAINSREPLY']._serialized_start=600
+  _globals['_CONTAINSREPLY']._serialized_end=657
+  _globals['_DELETEREQUEST']._serialized_start=659
+  _globals['_DELETEREQUEST']._serialized_end=704
+  _globals['_DELETEREPLY']._serialized_start=706
+  _globals['_DELETEREPLY']._serialized_end=740
+  _globals['_STATSREQUEST']._serialized_start=742
+  _globals['_STATSREQUEST']._serialized_end=756
+  _globals['_CLASSSTATS']._serialized_start=759
+  _globals['_CLASSSTATS']._serialized_end=921
+  _globals['_STATSREPLY']._serialized_start=924
+  _globals['_STATSREPLY']._serialized_end=1156
+  _globals['_HEALTHREQUEST']._serialized_start=1158
+  _globals['_HEALTHREQUEST']._serialized_end=1173
+  _globals['_HEALTHREPLY']._serialized_start=1175
+  _globals['_HEALTHREPLY']._serialized_end=1280
+  _globals['_SHARDSTORE']._serialized_start=1330
+  _globals['_SHARDSTORE']._serialized_end=1816
 # @@protoc_insertion_point(module_scope)

@@ -41,22 +41,34 @@ class PutShardsReply(_message.Message):
     def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
 
 class GetShardsRequest(_message.Message):
-    __slots__ = ("tenant", "keys", "version")
+    __slots__ = ("tenant", "keys", "version", "ucx")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    UCX_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     version: bytes
-    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., version: _Optional[bytes] = ...) -> None: ...
+    ucx: UcxDelivery
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., version: _Optional[bytes] = ..., ucx: _Optional[_Union[UcxDelivery, _Mapping]] = ...) -> None: ...
+
+class UcxDelivery(_message.Message):
+    __slots__ = ("worker_address", "tag_base")
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TAG_BASE_FIELD_NUMBER: _ClassVar[int]
+    worker_address: bytes
+    tag_base: int
+    def __init__(self, worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ...) -> None: ...
 
 class ShardResult(_message.Message):
-    __slots__ = ("status", "shards")
+    __slots__ = ("status", "shards", "ucx_header")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    UCX_HEADER_FIELD_NUMBER: _ClassVar[int]
     status: ShardStatus
     shards: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, status: _Optional[_Union[ShardStatus, str]] = ..., shards: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    ucx_header: bytes
+    def __init__(self, status: _Optional[_Union[ShardStatus, str]] = ..., shards: _Optional[_Iterable[bytes]] = ..., ucx_header: _Optional[bytes] = ...) -> None: ...
 
 class GetShardsReply(_message.Message):
     __slots__ = ("results",)
@@ -153,13 +165,15 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "serving", "now_s")
+    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NOW_S_FIELD_NUMBER: _ClassVar[int]
+    UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     serving: bool
     now_s: float
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ...) -> None: ...
+    ucx_worker_address: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ...) -> None: ...

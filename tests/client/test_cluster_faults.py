@@ -254,7 +254,7 @@ async def test_bad_input_raises_clear_errors(cluster: LocalCluster) -> None:
             await kv.contains([key, b"short"])
         assert await kv.get(key) == b"z" * 5000, "a rejected call must not damage stored data"
     with pytest.raises(InvalidArgument, match="transport"):
-        KVClient.connect(cluster.cluster_toml, tenant="acme", transport="ucx")
+        KVClient.connect(cluster.cluster_toml, tenant="acme", transport="rdma")
     with pytest.raises(ValueError, match="no cluster config"):
         await KVClient.connect(cluster.root / "missing.toml", tenant="acme")
 
