@@ -4,7 +4,7 @@
 
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--seconds S]
-        [--straggler-ms 50] [--baseline redis] [--no-fsync]
+        [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx]
 
 One client process runs N concurrent asyncio tasks per setting, each issuing one request after
 another for ``--seconds``; systems run interleaved in ``--rounds`` (A B, B A, ...). Order: PUTs
@@ -94,6 +94,7 @@ class Result:
     num_failed: int = 0  # GETs that missed, PUTs that raised (e.g. QuorumError)
     repeat: int = 0  # 1: the calm GETs measured again after the straggler phase
     load_avg_1m: float = 0.0  # the machine's 1-minute load average after the setting
+    transport: str = ""  # kvstore's read transport ("grpc" or "ucx"); "" for redis
 
 
 @dataclass
@@ -119,10 +120,13 @@ class Target(Protocol):
 
 
 class KVStoreTarget:
-    name = "kvstore"
+    """kvstore through one client; the first transport benched is "kvstore", others
+    "kvstore/<transport>" (the ratios compare "kvstore")."""
 
-    def __init__(self, client: KVClient) -> None:
+    def __init__(self, client: KVClient, transport: str, name: str = "kvstore") -> None:
         self.client = client
+        self.transport = transport
+        self.name = name
 
     async def put(self, key: bytes, data: bytes) -> None:
         await self.client.put(key, data, traffic_class="chat")
@@ -268,6 +272,7 @@ class Bench:
         name_to_samples: dict[str, tuple[list[float], list[int], list[float]]] = {
             s.target.name: ([], [], []) for s in systems
         }
+        name_to_transport = {s.target.name: getattr(s.target, "transport", "") for s in systems}
         for round_index in range(rounds):
             for system in systems if round_index % 2 == 0 else systems[::-1]:
                 request = system.request(op, block_bytes, concurrency)
@@ -298,6 +303,7 @@ class Bench:
                     num_failed=sum(num_false),
                     repeat=repeat,
                     load_avg_1m=os.getloadavg()[0],
+                    transport=name_to_transport[name],
                 )
             )
 
@@ -474,8 +480,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     notes = [] if with_redis or args.baseline == "none" else [_NO_REDIS]
     num_settings = len(workload.block_sizes) * len(workload.concurrencies)
     with _cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
-        client = await KVClient.connect(cluster_toml, tenant="bench")
-        systems = [SystemUnderTest(KVStoreTarget(client), workload.rng)]
+        systems = [
+            SystemUnderTest(await _kvstore_target(cluster_toml, transport, i), workload.rng)
+            for i, transport in enumerate(args.transport)
+        ]
+        client = systems[0].target.client
         if with_redis:
             port = stack.enter_context(redis_server())
             systems.append(SystemUnderTest(RedisTarget(port), workload.rng))
@@ -485,6 +494,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 runner = Bench(workload, progress, task)
                 notes += await run_phases(runner, systems, cluster)
             notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
+            notes += [_ucx_note(s.target) for s in systems if isinstance(s.target, KVStoreTarget)]
         finally:
             for system in systems:
                 await system.target.close()
@@ -507,10 +517,29 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _kvstore_target(cluster_toml: Path, transport: str, position: int) -> KVStoreTarget:
+    """A client forced onto ``transport`` (Unavailable if UCX cannot work here)."""
+    client = await KVClient.connect(cluster_toml, tenant="bench", transport=transport)
+    return KVStoreTarget(client, transport, "kvstore" if position == 0 else f"kvstore/{transport}")
+
+
+def _ucx_note(target: KVStoreTarget) -> str:
+    ucx = target.client.ucx
+    return f"{target.name} ({target.transport}) UCX counters: {ucx.counters if ucx else None}"
+
+
 def _local_cluster_note(args: argparse.Namespace) -> str:
     if args.cluster is not None:
         return ""
     return f"{args.nodes} nodes, scrub off, fsync {'off' if args.no_fsync else 'on'}"
+
+
+def _transport_list(text: str) -> list[str]:
+    transports = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [t for t in transports if t not in ("grpc", "ucx")]
+    if not transports or unknown or len(set(transports)) != len(transports):
+        raise argparse.ArgumentTypeError(f"--transport takes grpc and/or ucx, got {text!r}")
+    return transports
 
 
 def _int_list(text: str) -> list[int]:
@@ -532,6 +561,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--straggler-ms", type=float, default=50.0, help="delay of the slow node")
     parser.add_argument("--baseline", choices=["none", "redis"], default="none")
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
+    parser.add_argument(
+        "--transport",
+        type=_transport_list,
+        default=["grpc"],
+        help="kvstore read transports to bench in one run, e.g. grpc,ucx (the straggler "
+        "phase runs on the first)",
+    )
     parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
     parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
     parser.add_argument(

@@ -18,6 +18,7 @@ import pytest
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
 from kvstore.errors import InvalidArgument, QuorumError, UnknownTrafficClass
+from kvstore.ucx_worker import ucx_available
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,6 +30,26 @@ STRAGGLER_DELAY_MS = 2000
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster.start(tmp_path_factory.mktemp("cluster"), num_nodes=12, fsync=False) as c:
         yield c
+
+
+@pytest.fixture(
+    params=[
+        "grpc",
+        pytest.param(
+            "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+        ),
+    ]
+)
+def transport(request: pytest.FixtureRequest) -> str:
+    """The read transport under test: every read-side fault test runs over both."""
+    return request.param
+
+
+def _assert_transport_used(kv: KVClient, transport: str) -> None:
+    if transport == "ucx":
+        assert kv.ucx is not None and kv.ucx.counters.num_ucx_shards > 0, (
+            "transport='ucx' but no shard payload came over UCX: the UCX read path is unused"
+        )
 
 
 def _block_sizes(rng: random.Random) -> list[int]:
@@ -93,14 +114,17 @@ async def _wait_reachable(kv: KVClient, timeout_s: float = 15.0) -> None:
     raise AssertionError("restarted nodes never became reachable through the client")
 
 
-async def test_every_block_survives_two_dead_nodes(cluster: LocalCluster, stored: dict) -> None:
+async def test_every_block_survives_two_dead_nodes(
+    cluster: LocalCluster, stored: dict, transport: str
+) -> None:
     victims = random.Random(7).sample([n.id for n in cluster.config.nodes], 2)
-    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
         try:
             for node_id in victims:
                 cluster.kill_node(node_id)
             got = await _read_all(kv, stored)
             _assert_all_identical(got, stored, f"with nodes {victims} dead (10 of 12 remain)")
+            _assert_transport_used(kv, transport)
         finally:
             for node_id in victims:
                 cluster.restart_node(node_id)
@@ -108,12 +132,12 @@ async def test_every_block_survives_two_dead_nodes(cluster: LocalCluster, stored
 
 @pytest.mark.slow
 async def test_three_dead_nodes_give_clean_misses_then_restart_heals(
-    cluster: LocalCluster, stored: dict
+    cluster: LocalCluster, stored: dict, transport: str
 ) -> None:
     # With 12 nodes every group holds all 12, so 3 dead nodes are 3 of every group.
     victims = ["n01", "n05", "n10"]
     sample = dict(list(stored.items())[:40])
-    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
         try:
             for node_id in victims:
                 cluster.kill_node(node_id)
@@ -130,18 +154,19 @@ async def test_three_dead_nodes_give_clean_misses_then_restart_heals(
         await _wait_reachable(kv)
         got = await _read_all(kv, stored)
         _assert_all_identical(got, stored, "after restarting the 3 killed nodes (same client)")
+        _assert_transport_used(kv, transport)
         assert await kv.match_prefix(list(stored)) == len(stored)
 
 
 @pytest.mark.slow
 async def test_reads_and_writes_do_not_wait_for_a_straggler(
-    cluster: LocalCluster, stored: dict
+    cluster: LocalCluster, stored: dict, transport: str
 ) -> None:
     straggler = "n04"
     sample = dict(list(stored.items())[150:])  # the medium and 4 MiB blocks, and some small
     cluster.restart_node(straggler, ["--inject-delay-ms", str(STRAGGLER_DELAY_MS)])
     try:
-        async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
             slowest_s = 0.0
             for key, block in sample.items():
                 start_s = time.monotonic()
@@ -184,28 +209,35 @@ def _restore(undo: list[tuple[Path, int, int]]) -> None:
 
 
 async def test_reads_stay_correct_with_corrupt_shards_on_two_nodes(
-    cluster: LocalCluster, stored: dict
+    cluster: LocalCluster, transport: str
 ) -> None:
-    segment_files = [
-        path
-        for node_id in ("n02", "n08")
-        for path in (cluster.root / node_id).rglob("*")
-        if path.is_file() and "segment" in str(path.relative_to(cluster.root)).lower()
-    ]
-    assert segment_files, "no segment files found under the node data dirs"
-    undo = _flip_bytes(segment_files, random.Random(3))
-    try:
-        async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
-            got = await _read_all(kv, stored)
-            _assert_all_identical(got, stored, "with corrupt shard files on n02 and n08")
-            assert kv.read_counters.num_corrupt_shards > 0, (
-                "corruption went unnoticed: neither node nor client reported a corrupt shard"
-            )
-    finally:
-        _restore(undo)
+    # Nodes drop the corrupt records they find: each run reads blocks of its own, so the
+    # other transport's run and the module's `stored` blocks keep all their shards.
+    rng = random.Random(3)
+    keys = block_keys(list(range(40 * 4)), 4, f"corrupt-{transport}", "salt")
+    blocks = {key: rng.randbytes(rng.randint(1 * KiB, 1 * MiB)) for key in keys}
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
+        await asyncio.gather(*(kv.put(key, block) for key, block in blocks.items()))
+        segment_files = [
+            path
+            for node_id in ("n02", "n08")
+            for path in (cluster.root / node_id).rglob("*")
+            if path.is_file() and "segment" in str(path.relative_to(cluster.root)).lower()
+        ]
+        assert segment_files, "no segment files found under the node data dirs"
+        undo = _flip_bytes(segment_files, rng)
+        try:
+            got = await _read_all(kv, blocks)
+        finally:
+            _restore(undo)
+        _assert_all_identical(got, blocks, "with corrupt shard files on n02 and n08")
+        _assert_transport_used(kv, transport)
+        assert kv.read_counters.num_corrupt_shards > 0, (
+            "corruption went unnoticed: neither node nor client reported a corrupt shard"
+        )
 
 
-async def test_concurrent_writers_never_mix(cluster: LocalCluster) -> None:
+async def test_concurrent_writers_never_mix(cluster: LocalCluster, transport: str) -> None:
     rng = random.Random(99)
     keys = block_keys(list(range(30 * 8)), 8, "writers", "salt")
     sizes = [rng.choice([3 * KiB, 200 * KiB, 1 * MiB]) for _ in keys]
@@ -214,7 +246,7 @@ async def test_concurrent_writers_never_mix(cluster: LocalCluster) -> None:
     async with (
         KVClient.connect(cluster.cluster_toml, tenant="acme") as writer_a,
         KVClient.connect(cluster.cluster_toml, tenant="acme") as writer_b,
-        KVClient.connect(cluster.cluster_toml, tenant="acme") as reader,
+        KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as reader,
     ):
         reads_during = asyncio.gather(*(reader.get(k) for k in keys))
         await asyncio.gather(
