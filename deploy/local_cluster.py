@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -64,12 +65,34 @@ _HEALTH_OPTIONS = (
 )
 
 
-def free_ports(num_ports: int) -> list[int]:
-    """Ports the OS reports free on 127.0.0.1 right now (bound together, so distinct)."""
-    sockets = [socket.socket() for _ in range(num_ports)]
+def _ephemeral_port_floor() -> int:
+    """Lowest port the kernel hands out to outgoing connections (Linux default 32768)."""
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(num_ports: int) -> list[int]:
+    """Distinct ports free on 127.0.0.1 right now, chosen below the ephemeral range.
+
+    A port the OS picks for ``bind(0)`` comes from the ephemeral range, where any outgoing
+    connection (a client dialing the nodes) may take it before the node binds it; ports
+    below that range are only ever taken by an explicit bind.
+    """
+    high = _ephemeral_port_floor()
+    low = max(1024, high - 12_000)
+    rng = random.SystemRandom()
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < num_ports:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", rng.randrange(low, high)))
+            except OSError:  # taken (or already ours): try another
+                sock.close()
+                continue
+            sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from deploy.local_cluster import free_ports
 from erasure.shard import ShardHeader, block_checksum, pack_header
 from kvstore.config import (
     ClientConfig,
@@ -35,9 +35,8 @@ DAY_S = 86_400.0
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    (port,) = free_ports(1)
+    return port
 
 
 def make_shard(payload: bytes, index: int = 0) -> bytes:
