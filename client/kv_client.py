@@ -34,7 +34,7 @@ from client.shard_tally import PresenceTally, ShardCollector
 from client.ucx_gets import UcxGets
 from client.ucx_transport import UcxTransport
 from client.write_path import WriteCounters, write_block
-from erasure.codec import make_codec
+from erasure.codec import byte_view, make_codec
 from kvstore.config import ClusterConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.placement import Placement, check_key
@@ -161,7 +161,7 @@ class KVClient:
         )
 
     def _block_view(self, data: Buffer) -> memoryview:
-        view = _byte_view(data, "put data")
+        view = byte_view(data, "put data")
         max_bytes = self.config.codec.max_block_bytes
         if not 0 < len(view) <= max_bytes:
             raise InvalidArgument(
@@ -181,7 +181,7 @@ class KVClient:
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
         when ``out`` is read-only or its size differs from the stored block's.
         """
-        view = _byte_view(out, "get_into's out")
+        view = byte_view(out, "get_into's out")
         if view.readonly:
             raise InvalidArgument(
                 "get_into needs a writable buffer (bytearray, numpy array, ...), got read-only "
@@ -320,20 +320,6 @@ class KVClient:
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))
         if self.ucx is not None:
             await self.ucx.close()
-
-
-def _byte_view(buffer: object, what: str) -> memoryview:
-    """A flat byte view of ``buffer``; InvalidArgument unless it is a contiguous buffer."""
-    try:
-        view = memoryview(buffer)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument(
-            f"{what} must be bytes-like (bytes, bytearray, memoryview, numpy array), "
-            f"got {type(buffer).__name__}"
-        ) from None
-    if not view.c_contiguous:
-        raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(x))")
-    return view.cast("B")
 
 
 class _Connecting:

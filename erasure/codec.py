@@ -111,7 +111,9 @@ def _rows(region: memoryview, row_bytes: int) -> list[memoryview]:
     return [region[start : start + row_bytes] for start in range(0, region.nbytes, row_bytes)]
 
 
-def _byte_view(buffer: object, what: str) -> memoryview:
+def byte_view(buffer: object, what: str) -> memoryview:
+    """A flat byte view of ``buffer``; InvalidArgument (naming ``what``) unless it is a
+    contiguous buffer."""
     try:
         view = memoryview(buffer)  # type: ignore[arg-type]
     except TypeError:
@@ -155,7 +157,7 @@ class Codec:
 
     def encode(self, block: Buffer) -> list[bytes]:
         """k+m shards, each = erasure.shard header (48 B) + payload; shard i has index i."""
-        view = _byte_view(block, "block")
+        view = byte_view(block, "block")
         if view.nbytes > self.max_block_bytes:
             raise InvalidArgument(
                 f"block of {view.nbytes} bytes exceeds max_block_bytes={self.max_block_bytes}; "
@@ -276,7 +278,7 @@ class Codec:
 
     @staticmethod
     def _target(out: bytearray | memoryview, block_len: int) -> memoryview:
-        target = _byte_view(out, "out")
+        target = byte_view(out, "out")
         if target.readonly or target.nbytes != block_len:
             raise InvalidArgument(
                 f"out must be a writable buffer of exactly the block length {block_len} bytes, "
