@@ -11,8 +11,8 @@ The workload is ``kvstore sim generate``'s (chat and agent sessions, default par
   no prefix rule, no footprint, no capacity);
 - ``sim-ttl``: ``ttl.simulator`` with the TTL policy only (chat 7d, agent 3d);
 - ``sim-ttl-capacity-expiry``: TTL plus a capacity of ``--capacity-share`` of the distinct
-  blocks, evicting earliest expiry first (the store's policy);
-- ``sim-ttl-capacity-lru``: the same capacity with LRU eviction.
+  blocks, evicting earliest expiry first (`eviction_order = "expiry"`);
+- ``sim-ttl-capacity-lru``: the same capacity with LRU eviction (the store's default).
 
 Rates are block accesses per second of this thread's CPU time (``time.thread_time``), so they
 are per core even when other processes share the machine; ``wall_accesses_per_s`` is the
