@@ -5,7 +5,7 @@
     kvstore bench engine --json PATH [--model default|random:<size>|PATH] [--device cpu|cuda]
         [--prompt-lengths 1024,4096,8192] [--cached-fractions 0,0.5,0.9,1.0]
         [--cluster DIR/cluster.toml] [--repeats 3] [--block-tokens 64] [--chunk-tokens N]
-        [--fetch-policy always|cost] [--fetch-deadline-s 10]
+        [--fetch-policy always|cost] [--fetch-deadline-s 10] [--plot PNG]
 
 Without ``--cluster`` a 12-node local cluster is started in a temporary directory (fsync off:
 only reads are timed) and stopped at the end. For each prompt length L (seeded random token
@@ -217,6 +217,32 @@ def results_table(rows: list[Row], title: str) -> Table:
     return table
 
 
+def plot(rows: list[Row], title: str, path: Path) -> None:
+    """Speedup vs cached fraction, measured (solid) and ideal (dashed), per prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for num_tokens in sorted({r.prompt_tokens for r in rows}):
+        mine = [r for r in rows if r.prompt_tokens == num_tokens]
+        fractions = [r.cached_fraction for r in mine]
+        line = ax.plot(
+            fractions, [r.speedup for r in mine], marker="o", label=f"{num_tokens} tokens"
+        )
+        ax.plot(fractions, [r.ideal_speedup for r in mine], ls="--", color=line[0].get_color())
+    ax.set(
+        xlabel="cached fraction of the prompt", ylabel="TTFT speedup (cold / cached)", title=title
+    )
+    ax.set_yscale("log")
+    ax.legend(title="measured (solid), ideal (dashed)", fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def make_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
     """Seeded random token ids, clear of the low ids where control tokens usually live."""
     generator = torch.Generator().manual_seed(seed)
@@ -348,6 +374,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fetch-deadline-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speedups")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -355,12 +382,12 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(bench(args, console))
     rows = [Row(**r) for r in report["results"]]
     config = report["config"]
-    console.print(
-        results_table(
-            rows, f"engine TTFT: {config['model']} on {config['device']} ({config['dtype']})"
-        )
-    )
+    title = f"engine TTFT: {config['model']} on {config['device']} ({config['dtype']})"
+    console.print(results_table(rows, title))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     console.print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, title, args.plot)
+        console.print(f"wrote {args.plot}")
     return 0 if all(r.same_first_token for r in rows) else 1
