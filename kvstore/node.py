@@ -17,7 +17,7 @@ keys runs on the event loop. It is an lmdb read snapshot and a ``pread`` per sha
 microseconds from the page cache), while the hop to the pool and back (a thread wake-up and the
 loop's self-pipe) cost more CPU than the read itself and doubled a small get's latency. Larger
 batches still go to the pool, so one request never holds the loop for long. Get replies are
-encoded here (:func:`encode_get_shards_reply`) with one copy of each shard instead of
+encoded by :func:`kvstore.get_reply.encode_get_shards_reply` with one copy of each shard instead of
 protobuf's two.
 
 Message sizes: gRPC's send and receive limits are ``max_batch_bytes`` plus 1 MiB of slack for
@@ -46,7 +46,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +55,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, to_grpc_status
+from kvstore.get_reply import encode_get_shards_reply
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
@@ -271,33 +272,6 @@ def _parse_and_call(
     request_type: type[Message], handler: Callable[[Any], Message | bytes], raw: bytes
 ) -> Message | bytes:
     return handler(_parse(request_type, raw))
-
-
-def encode_get_shards_reply(results: Sequence[GetResult]) -> bytes:
-    """A serialized GetShardsReply, byte for byte what protobuf writes, shards copied once.
-
-    Layout (proto3; client/wire.py parses it)::
-
-        0x0A len(result) [0x08 status]? (0x12 len(shard) shard)*    per result, in order
-
-    A MISS (status 0, proto3's default) has no status field, as protobuf writes it.
-    """
-    parts: list[bytes] = []
-    for result in results:
-        fields = [b"\x08" + _varint(int(result.status))] if result.status else []
-        for shard in result.shards:
-            fields += (b"\x12" + _varint(len(shard)), shard)
-        parts += (b"\x0a" + _varint(sum(map(len, fields))), *fields)
-    return b"".join(parts)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:

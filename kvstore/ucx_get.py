@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from erasure.shard import HEADER_BYTES
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.get_reply import encode_get_shards_reply
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shard_reader import GetResult
 from kvstore.ucx_server import UcxServer
@@ -25,7 +26,6 @@ log = logging.getLogger(__name__)
 
 # How long a node keeps a posted payload for a client that does not take it.
 UCX_SEND_TIMEOUT_S = 30.0
-_RESULT_TAG, _STATUS_TAG, _SHARD_TAG, _UCX_HEADER_TAG = b"\x0a", b"\x08", b"\x12", b"\x1a"
 
 
 def serve_get_over_ucx(
@@ -41,38 +41,10 @@ def serve_get_over_ucx(
     except (InvalidArgument, Unavailable) as exc:
         log.debug("answering a get inline: UCX delivery failed: %s", exc)
         return None
-    return encode_ucx_get_reply(results)
+    return encode_get_shards_reply(results, ucx_header=True)
 
 
 def _newest_payload(result: GetResult) -> memoryview | None:
     if result.status != pb.HIT or not result.shards:
         return None
     return memoryview(result.shards[0])[HEADER_BYTES:]
-
-
-def encode_ucx_get_reply(results: Sequence[GetResult]) -> bytes:
-    """A serialized GetShardsReply whose HITs carry the newest version's header only.
-
-    Per result: ``0x0A len [0x08 status]? [0x1A 48 header]? (0x12 len shard)*`` where the
-    header is the newest shard's and the shards are the older versions (client/wire.py).
-    """
-    parts: list[bytes] = []
-    for result in results:
-        fields = [_STATUS_TAG + _varint(int(result.status))] if result.status else []
-        shards = list(result.shards)
-        if result.status == pb.HIT and shards:
-            newest = shards.pop(0)
-            fields.append(_UCX_HEADER_TAG + _varint(HEADER_BYTES) + newest[:HEADER_BYTES])
-        for shard in shards:
-            fields += (_SHARD_TAG + _varint(len(shard)), shard)
-        parts += (_RESULT_TAG + _varint(sum(map(len, fields))), *fields)
-    return b"".join(parts)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)

@@ -1,4 +1,4 @@
-"""kvstore.node.encode_get_shards_reply writes exactly what protobuf writes for a GetShardsReply."""
+"""encode_get_shards_reply (kvstore/get_reply.py) writes exactly what protobuf writes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from client.wire import parse_get_shards_reply
-from kvstore.node import encode_get_shards_reply
+from kvstore.get_reply import encode_get_shards_reply
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shard_reader import GetResult, Status
 
