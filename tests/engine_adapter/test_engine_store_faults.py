@@ -43,6 +43,14 @@ async def prefill(engine: Engine, prompt: list[int], **kwargs):
     return result
 
 
+def brief(result) -> str:
+    """What an assertion message needs from a PrefillResult (not its logits)."""
+    return (
+        f"cached {result.num_cached_tokens}, matched {result.num_matched_tokens}, "
+        f"fallback {result.fallback}, fetch {result.fetch_s:.3f} s"
+    )
+
+
 async def test_two_nodes_down_still_hit_three_down_compute(tmp_path, small_model):
     with LocalCluster.start(tmp_path, fsync=False) as cluster:
         engine = Engine(small_model, CONFIG)
@@ -55,8 +63,8 @@ async def test_two_nodes_down_still_hit_three_down_compute(tmp_path, small_model
         cluster.kill_node("n11")
         lost = await prefill(engine, PROMPT)
         await engine.close()
-    assert degraded.num_cached_tokens == 160, "10+2 coding must survive two lost nodes"
-    assert lost.num_cached_tokens == 0, "with three nodes lost the blocks are gone"
+    assert degraded.num_cached_tokens == 160, f"10+2 must survive 2 lost nodes: {brief(degraded)}"
+    assert lost.num_cached_tokens == 0, f"with 3 nodes lost the blocks are gone: {brief(lost)}"
     for result in (degraded, lost):
         assert torch.equal(result.logits, cold.logits), "a degraded store changed the answer"
 
