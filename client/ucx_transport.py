@@ -37,7 +37,12 @@ _REQUEST_ID_BITS = 64 - BATCH_INDEX_BITS
 
 
 class UcxReceiveBatch:
-    """The receives of one read from one node: message i lands in ``slots[i]``."""
+    """The receives of one read from one node: message i lands in ``slots[i]``.
+
+    A slot is writable host memory (the message lands there), a CUDA array, an ``int`` n
+    (a buffer of exactly the message's length, at most n bytes, is allocated on arrival:
+    for payloads whose size is not known in advance) or None (no message expected).
+    """
 
     def __init__(self, worker: UcxWorker, tag_base: int, slots: Sequence[Any | None]) -> None:
         if len(slots) > MAX_BATCH_MESSAGES:
@@ -46,11 +51,29 @@ class UcxReceiveBatch:
             )
         self.tag_base = tag_base
         self._worker = worker
-        self._futures: dict[int, asyncio.Future[int]] = {
-            i: worker.receive(batch_tag(tag_base, i), slot)
-            for i, slot in enumerate(slots)
-            if slot is not None
-        }
+        self._landed: dict[int, Any] = {}  # message index -> where it lands
+        self._futures: dict[int, asyncio.Future[int]] = {}
+        for i, slot in enumerate(slots):
+            if slot is None:
+                continue
+            tag = batch_tag(tag_base, i)
+            if isinstance(slot, int):
+                self._futures[i] = worker.receive(tag, self._allocator(i), max_bytes=slot)
+            else:
+                self._landed[i] = slot
+                self._futures[i] = worker.receive(tag, slot)
+
+    def _allocator(self, index: int) -> Any:
+        def allocate(num_bytes: int) -> memoryview:
+            view = self._landed[index] = memoryview(bytearray(num_bytes))
+            return view
+
+        return allocate
+
+    def received(self, index: int, num_bytes: int) -> Any:
+        """Where message ``index`` landed, cut to its ``num_bytes`` (host memory views)."""
+        landed = self._landed[index]
+        return landed[:num_bytes] if isinstance(landed, memoryview) else landed
 
     def __len__(self) -> int:
         return len(self._futures)

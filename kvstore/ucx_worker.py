@@ -96,11 +96,18 @@ def ucx_available() -> bool:
     return ucx_api is not None
 
 
+# Where a receive lands: host memory, a CUDA array (``__cuda_array_interface__``, e.g. a torch
+# CUDA tensor; UCX's CUDA transports copy into it), or a function called on arrival with the
+# message's length that returns host memory for it (a buffer of exactly the right size).
+Destination = Any
+
+
 @dataclass(eq=False)
 class _Receive:
     """A slot waiting for the message with one tag; ``request`` is set once it is matched."""
 
-    view: memoryview
+    destination: Destination
+    capacity: int  # the most bytes the destination takes
     future: asyncio.Future[int]
     request: Any = None
     num_bytes: int = 0
@@ -186,22 +193,24 @@ class UcxWorker:
         self._wake()
         return future
 
-    def receive(self, tag: int, out: memoryview) -> asyncio.Future[int]:
+    def receive(
+        self, tag: int, out: Destination, max_bytes: int | None = None
+    ) -> asyncio.Future[int]:
         """Deliver the message tagged ``tag`` into ``out``; the future gives its length.
 
-        ``out`` must be writable, contiguous and at least as long as the message (a longer
-        message fails the future with InvalidArgument and is discarded). Register before
+        ``out`` is writable contiguous host memory, a CUDA array, or a function that the
+        worker calls on arrival with the message's length and that returns host memory for
+        it (then ``max_bytes`` bounds the length). A message longer than ``out`` (or
+        ``max_bytes``) fails the future with InvalidArgument and is discarded. Register before
         asking the peer to send: a message whose tag is not registered is discarded.
         """
         self._check_open()
         _check_tag(tag)
-        view = memoryview(out).cast("B")
-        if view.readonly or not view.contiguous:
-            raise InvalidArgument("receive buffer must be writable and contiguous")
         if tag in self._expected or tag in self._matched:
             raise InvalidArgument(f"tag {tag:#x} already has a receive; tags are single-use")
+        destination, capacity = _destination(out, max_bytes)
         future = asyncio.get_running_loop().create_future()
-        self._expected[tag] = _Receive(view, future)
+        self._expected[tag] = _Receive(destination, capacity, future)
         self._abandoned.pop(tag, None)
         self._wake()
         return future
@@ -327,11 +336,11 @@ class UcxWorker:
 
     def _match(self, probe: Any, tag: int, num_bytes: int) -> None:
         receive = self._expected.pop(tag, None)
-        if receive is not None and num_bytes > len(receive.view):
+        if receive is not None and num_bytes > receive.capacity:
             receive.future.set_exception(
                 InvalidArgument(
                     f"message with tag {tag:#x} is {num_bytes} bytes but its receive buffer "
-                    f"holds {len(receive.view)}; size receive slots for the largest shard"
+                    f"holds {receive.capacity}; size receive slots for the largest shard"
                 )
             )
             receive.released.set()
@@ -341,8 +350,15 @@ class UcxWorker:
             tombstone = Array(self._tombstone)
             self._tombstones.append(self._worker.tag_recv_with_handle(tombstone, probe))
             return
+        try:
+            landing = _landing(receive, num_bytes)
+        except InvalidArgument as exc:
+            receive.future.set_exception(exc)
+            receive.released.set()
+            self._match(probe, tag, num_bytes)  # no longer expected: discarded
+            return
         receive.num_bytes = num_bytes
-        receive.request = self._worker.tag_recv_with_handle(Array(receive.view[:num_bytes]), probe)
+        receive.request = self._worker.tag_recv_with_handle(landing, probe)
         self._matched[tag] = receive
 
     def _reap(self) -> bool:
@@ -411,6 +427,39 @@ def batch_tag(tag_base: int, index: int) -> int:
             "split the request"
         )
     return tag_base + index
+
+
+def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, int]:
+    """Check a receive's destination; return it (host memory as a byte view) and its size."""
+    if callable(out):
+        if max_bytes is None or max_bytes < 0:
+            raise InvalidArgument("a receive that allocates on arrival needs max_bytes >= 0")
+        return out, max_bytes
+    if hasattr(out, "__cuda_array_interface__"):
+        return out, Array(out).nbytes
+    try:
+        view = memoryview(out).cast("B")
+    except TypeError:
+        raise InvalidArgument(
+            f"receive buffer must be host memory or a CUDA array, got {type(out).__name__}"
+        ) from None
+    if view.readonly or not view.contiguous:
+        raise InvalidArgument("receive buffer must be writable and contiguous")
+    return view, len(view)
+
+
+def _landing(receive: _Receive, num_bytes: int) -> Any:
+    """The ucxx Array a matched message of ``num_bytes`` is received into."""
+    destination = receive.destination
+    if isinstance(destination, memoryview):
+        return Array(destination[:num_bytes])
+    if hasattr(destination, "__cuda_array_interface__"):
+        return Array(destination)  # a longer buffer takes a shorter message
+    view = memoryview(destination(num_bytes)).cast("B")
+    if view.readonly or len(view) < num_bytes:
+        raise InvalidArgument(f"allocator gave no writable buffer of {num_bytes} bytes")
+    receive.destination = view
+    return Array(view[:num_bytes])
 
 
 def _set_once(future: asyncio.Future[None]) -> None:

@@ -79,6 +79,25 @@ async def test_too_long_message_fails_its_slot_only(pair: tuple[UcxServer, UcxTr
     assert small == bytes(10), "a too-long message must not write into the small slot"
 
 
+async def test_allocate_on_arrival_gives_exact_sized_buffers(
+    pair: tuple[UcxServer, UcxTransport],
+) -> None:
+    server, client = pair
+    payloads = _payloads([10, 300_000])
+    slot = bytearray(20)
+    batch = client.new_batch([64, memoryview(slot), 1 << 20, 16])
+    sent = await server.send(
+        client.address, batch.tag_base, [payloads[0], b"in-place", payloads[1], b"x" * 17], 10
+    )
+    assert sent
+    counts = await batch.wait(None, timeout_s=10)
+    assert counts == [10, 8, 300_000, None], "a message over its max_bytes must fail alone"
+    assert bytes(batch.received(0, 10)) == payloads[0]
+    assert bytes(batch.received(2, 300_000)) == payloads[1]
+    assert len(batch.received(2, 300_000).obj) == 300_000, "allocated to the message's size"
+    assert bytes(batch.received(1, 8)) == b"in-place" and slot[:8] == b"in-place"
+
+
 async def test_cancelled_receive_discards_the_late_message(
     pair: tuple[UcxServer, UcxTransport],
 ) -> None:
