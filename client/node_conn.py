@@ -25,7 +25,7 @@ import grpc
 from client.batcher import Batcher
 from client.get_stream import GetStream, StreamBroken
 from client.node_health import NodeHealth
-from client.ucx_gets import UcxGets
+from client.ucx_gets import PayloadLanding, UcxGets
 from client.wire import ShardResultView, parse_get_shards_reply
 from kvstore.config import NodeConfig
 from kvstore.errors import CodecError, DeadlineExceeded, from_grpc_status
@@ -88,16 +88,22 @@ class NodeConn:
         # An abandoned batch keeps its slot until its stream reply comes: the node answers a
         # stream in order, so sending more behind it would only queue there (a straggler's
         # queue stays here instead, where cancelled requests are dropped unsent).
-        self._get_batcher: Batcher[bytes, ShardResultView] = Batcher(
+        self._get_batcher: Batcher[tuple[bytes, PayloadLanding | None], ShardResultView] = Batcher(
             self._get_batch, MAX_GET_BATCH_KEYS, cancel_abandoned=False
         )
         self._class_to_put_batcher: dict[str, Batcher[tuple[bytes, bytes], None]] = {}
         # Set by KVClient when reads may take UCX (client/ucx_gets.py); None = gRPC only.
         self.ucx: UcxGets | None = None
 
-    def get_shard(self, key: bytes, timeout_s: float) -> asyncio.Future[ShardResultView]:
-        """Future of this node's ShardResultView for ``key`` (batched with concurrent gets)."""
-        return self._get_batcher.submit(key, timeout_s)
+    def get_shard(
+        self, key: bytes, timeout_s: float, landing: PayloadLanding | None = None
+    ) -> asyncio.Future[ShardResultView]:
+        """Future of this node's ShardResultView for ``key`` (batched with concurrent gets).
+
+        Over UCX the shard's payload lands in ``landing`` when one is given (get_into's
+        buffer, client/ucx_gets.py); over gRPC it is ignored.
+        """
+        return self._get_batcher.submit((key, landing), timeout_s)
 
     def put_shard(
         self, key: bytes, shard: bytes, traffic_class: str, timeout_s: float
@@ -113,9 +119,13 @@ class NodeConn:
             self._class_to_put_batcher[traffic_class] = batcher
         return batcher.submit((key, shard), timeout_s, num_bytes=len(shard))
 
-    async def _get_batch(self, keys: list[bytes], timeout_s: float) -> list[ShardResultView]:
+    async def _get_batch(
+        self, items: list[tuple[bytes, PayloadLanding | None]], timeout_s: float
+    ) -> list[ShardResultView]:
+        keys = [key for key, _ in items]
         if self.ucx is not None and self.ucx.reachable(self):
-            return await self.ucx.get_batch(self, keys, timeout_s)
+            landings = [landing for _, landing in items]
+            return await self.ucx.get_batch(self, keys, landings, timeout_s)
         return await self.send_get(pb.GetShardsRequest(tenant=self.tenant, keys=keys), timeout_s)
 
     async def send_get(

@@ -9,6 +9,10 @@
                    v
               decoded block (checksummed by the codec), or None (miss / too few shards)
 
+For ``get_into`` over UCX each data shard's payload lands straight at its place in the
+caller's buffer (client/ucx_gets.py, PayloadLanding); the read stops every such landing
+before it decodes and before it returns, so only the decoder writes there afterwards.
+
 This is the module's one dense hot path. Decoding runs on the event loop thread: it is a
 fraction of a millisecond with ISA-L and spares a thread hop per block.
 """
@@ -24,6 +28,7 @@ from typing import Any
 from client.node_conn import NodeConn
 from client.read_plan import ReadPlan, plan_read
 from client.shard_tally import ShardCollector, can_complete
+from client.ucx_gets import PayloadLanding
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -62,20 +67,27 @@ class BlockRead:
         self.collector = collector
         self.counters = counters
         self.pending: dict[asyncio.Future[Any], int] = {}  # future of a node's reply -> position
+        self.landings: dict[int, PayloadLanding] = {}  # position -> its payload's place in out
 
     async def run(self, timeout_s: float, out: memoryview | None) -> bytes | memoryview | None:
         """The block's bytes (written into ``out`` when given), or None."""
         plan = self._plan()
         reserve = list(plan.reserve)
+        self.landings = self._landings(out)
         self._ask(plan.ask, timeout_s)
         try:
             while self.pending:
                 done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
-                    block = self._absorb(future, self.pending.pop(future), out)
-                    if block is not None:
-                        self._record_lateness(plan.ask)
-                        return block
+                    for version in self._absorb(future, self.pending.pop(future)):
+                        outstanding = self._outstanding()
+                        # Payloads still on their way must not land in ``out`` once it holds
+                        # the decoded block.
+                        await self._close_landings()
+                        block = self._decode(version, out)
+                        if block is not None:
+                            self._record_lateness(plan.ask, outstanding)
+                            return block
                 best = self.collector.best_count
                 if reserve and not can_complete(best, len(self.pending), self.codec.k):
                     self.counters.num_reserve_asks += 1
@@ -86,7 +98,27 @@ class BlockRead:
             return None
         finally:
             self._cancel_outstanding()
+            await self._close_landings()  # nothing writes into ``out`` after we return
             self.counters.num_corrupt_shards += self.collector.num_corrupt
+
+    def _landings(self, out: memoryview | None) -> dict[int, PayloadLanding]:
+        """Group position -> where its data shard's payload belongs in ``out`` (UCX only).
+
+        Shard i of a block of len(out) bytes holds bytes [i*P, (i+1)*P); the zero-padded last
+        data shard does not fit and lands elsewhere (client/ucx_gets.py).
+        """
+        if out is None or not any(conn.ucx is not None for conn in self.conns):
+            return {}
+        payload_len = self.codec.payload_bytes(len(out))
+        return {
+            i: PayloadLanding(out[i * payload_len : (i + 1) * payload_len], i)
+            for i in range(self.codec.k)
+            if payload_len and (i + 1) * payload_len <= len(out)
+        }
+
+    async def _close_landings(self) -> None:
+        for landing in self.landings.values():
+            await landing.close()
 
     def _plan(self) -> ReadPlan:
         now_suspect = [conn.is_suspect() for conn in self.conns]
@@ -96,28 +128,24 @@ class BlockRead:
 
     def _ask(self, positions: Sequence[int], timeout_s: float) -> None:
         for position in positions:
-            self.pending[self.conns[position].get_shard(self.key, timeout_s)] = position
+            future = self.conns[position].get_shard(
+                self.key, timeout_s, self.landings.get(position)
+            )
+            self.pending[future] = position
 
-    def _absorb(
-        self, future: asyncio.Future[Any], position: int, out: memoryview | None
-    ) -> bytes | memoryview | None:
-        """Take one node's reply; return the decoded block once a version completes."""
+    def _absorb(self, future: asyncio.Future[Any], position: int) -> list[bytes]:
+        """Take one node's reply; the versions it completed (k shards), in order."""
         try:
             result = future.result()
         except PermissionDenied:
             raise
         except KVStoreError as exc:
             log.debug("read from node %s failed: %s", self.conns[position].node_id, exc)
-            return None
+            return []
         if result.status == pb.CORRUPT:
             self.counters.num_corrupt_shards += 1
-        for shard in result.shards:
-            version = self.collector.add(shard)
-            if version is not None:
-                block = self._decode(version, out)
-                if block is not None:
-                    return block
-        return None
+        completed = (self.collector.add(shard) for shard in result.shards)
+        return [version for version in completed if version is not None]
 
     def _decode(self, version: bytes, out: memoryview | None) -> bytes | memoryview | None:
         block_len = self.collector.version_to_header[version].block_len
@@ -135,8 +163,11 @@ class BlockRead:
             self.collector.drop(version)
             return None
 
-    def _record_lateness(self, asked: Sequence[int]) -> None:
-        outstanding = {p for future, p in self.pending.items() if not future.done()}
+    def _outstanding(self) -> set[int]:
+        """Positions asked whose reply has not come."""
+        return {p for future, p in self.pending.items() if not future.done()}
+
+    def _record_lateness(self, asked: Sequence[int], outstanding: set[int]) -> None:
         if outstanding:
             self.counters.num_hedged += 1
         for position in asked:

@@ -2,10 +2,19 @@
 
 One batch to one node (the keys the batcher coalesced, client/batcher.py)::
 
-    slot i = one shard-sized buffer per key      new_batch(payload part of each slot)
+    key i's slot: its landing (get_into: the shard's place in the caller's block)
+                  or a buffer allocated when the payload arrives, of exactly its size
     GetShards(keys, ucx={address, tag_base})  -> reply: status + 48-byte header per HIT
-    wait(HIT indexes) -> payload i landed in slot i after the header's place
-    slot i = header + payload: a whole shard      -> ShardResultView, as over gRPC
+    wait(HIT indexes) -> payload i landed in slot i
+    SplitShard(header i, payload i)           -> ShardResultView, as over gRPC
+
+A ``get_into`` passes, for each data shard lying wholly inside its block, a
+:class:`PayloadLanding`: the slice of the caller's buffer where that shard's payload belongs.
+UCX writes the payload there (over shared memory the client pulls it with one CMA read from
+the node's memory), so with every data shard present the block is complete when the last
+payload lands: no full-block copy but the transport's own, and the decoder only verifies
+(erasure/codec.py skips payloads already in place). Parity shards, the zero-padded last data
+shard and plain ``get`` land in buffers allocated at arrival, and the decoder copies them.
 
 The shard is then verified like any other (ShardCollector runs codec.verify: header, length,
 shard checksum; the codec checks the block checksum), so a UCX fault can lose a shard but never
@@ -24,9 +33,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from client.ucx_transport import UcxTransport
+from client.ucx_transport import UcxReceiveBatch, UcxTransport
 from client.wire import ShardResultView
-from erasure.shard import HEADER_BYTES
+from erasure.shard import SplitShard
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -46,6 +55,37 @@ class UcxCounters:
     num_ucx_shards: int = 0  # shards whose payload arrived over UCX
     num_inline_shards: int = 0  # HITs a node answered inline although UCX was asked
     num_fallbacks: int = 0  # payloads that did not arrive and were fetched over gRPC
+    num_landed_in_place: int = 0  # payloads UCX wrote straight into a get_into buffer
+
+
+_SHARD_INDEX_BYTE = 8  # erasure/shard.py: the header byte holding the shard's index
+
+
+class PayloadLanding:
+    """Where one data shard's payload belongs in a ``get_into`` buffer, for one read.
+
+    The read (client/read_path.py) makes one per data shard that lies wholly inside its
+    block and must :meth:`close` them all before it decodes or returns: closing cancels a
+    receive not yet delivered and waits for one in progress, so that afterwards nothing but
+    the decoder writes into the caller's buffer. A landing closed before its batch is sent
+    is not used (that payload then lands in a buffer of its own).
+    """
+
+    def __init__(self, view: memoryview, shard_index: int) -> None:
+        self.view = view
+        self.shard_index = shard_index
+        self.closed = False
+        self._receive: tuple[UcxReceiveBatch, int] | None = None
+
+    def attach(self, batch: UcxReceiveBatch, index: int) -> None:
+        self._receive = (batch, index)
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._receive is not None:
+            batch, index = self._receive
+            self._receive = None
+            await batch.cancel_one(index)
 
 
 class UcxGets:
@@ -78,12 +118,25 @@ class UcxGets:
             self.transport.forget_node(conn.node_id)
 
     async def get_batch(
-        self, conn: NodeConn, keys: list[bytes], timeout_s: float
+        self,
+        conn: NodeConn,
+        keys: list[bytes],
+        landings: list[PayloadLanding | None],
+        timeout_s: float,
     ) -> list[ShardResultView]:
-        """One result per key, as :meth:`NodeConn.send_get` gives, newest payloads over UCX."""
+        """One result per key, as :meth:`NodeConn.send_get` gives, newest payloads over UCX;
+        key i's payload lands in ``landings[i]`` when it is given and still open."""
         deadline_s = time.monotonic() + timeout_s
-        slots = [memoryview(bytearray(HEADER_BYTES + self.slot_payload_bytes)) for _ in keys]
-        async with self.transport.new_batch([slot[HEADER_BYTES:] for slot in slots]) as batch:
+        in_place = [
+            landing if landing is not None and not landing.closed else None for landing in landings
+        ]
+        slots = [
+            self.slot_payload_bytes if landing is None else landing.view for landing in in_place
+        ]
+        async with self.transport.new_batch(slots) as batch:
+            for index, landing in enumerate(in_place):
+                if landing is not None:
+                    landing.attach(batch, index)
             delivery = pb.UcxDelivery(
                 worker_address=self.transport.address, tag_base=batch.tag_base
             )
@@ -91,32 +144,42 @@ class UcxGets:
             results = await conn.send_get(request, timeout_s)
             hits = [i for i, result in enumerate(results) if result.ucx_header is not None]
             counts = await batch.wait(hits, max(deadline_s - time.monotonic(), 0.0))
-        self.counters.num_inline_shards += sum(
-            1 for r in results if r.status == pb.HIT and r.ucx_header is None
-        )
-        missing = self._join(results, slots, hits, counts)
+            self.counters.num_inline_shards += sum(
+                1 for r in results if r.status == pb.HIT and r.ucx_header is None
+            )
+            missing = self._join(batch, results, in_place, hits, counts)
         if missing:
             await self._refetch(conn, keys, results, missing, deadline_s)
         return results
 
     def _join(
         self,
+        batch: UcxReceiveBatch,
         results: list[ShardResultView],
-        slots: list[memoryview],
+        in_place: list[PayloadLanding | None],
         hits: list[int],
         counts: list[int | None],
     ) -> list[int]:
-        """Put each delivered payload behind its header, in place; the undelivered indexes."""
+        """Pair each delivered payload with its header; the indexes to fetch again."""
         missing = []
         for index, num_bytes in zip(hits, counts, strict=True):
-            result = results[index]
-            if num_bytes is None or result.ucx_header is None:
-                missing.append(index)
+            result, landing = results[index], in_place[index]
+            header = result.ucx_header
+            assert header is not None  # hits are the results with a UCX header
+            if num_bytes is None:
+                if landing is None or not landing.closed:  # closed: the read is over
+                    missing.append(index)
+                results[index] = ShardResultView(result.status, result.shards)
                 continue
-            slot = slots[index]
-            slot[:HEADER_BYTES] = result.ucx_header
+            payload = batch.received(index, num_bytes)
+            if landing is not None:
+                if header[_SHARD_INDEX_BYTE] != landing.shard_index:
+                    # Not the shard that belongs here: keep it, but not inside the block.
+                    payload = memoryview(bytes(payload))
+                else:
+                    self.counters.num_landed_in_place += 1
             results[index] = ShardResultView(
-                result.status, [slot[: HEADER_BYTES + num_bytes], *result.shards]
+                result.status, [SplitShard(header, payload), *result.shards]
             )
             self.counters.num_ucx_shards += 1
         return missing

@@ -95,6 +95,13 @@ class UcxReceiveBatch:
         await self._cancel(i for i, n in zip(wanted, counts, strict=True) if n is None)
         return counts
 
+    async def cancel_one(self, index: int) -> None:
+        """Cancel message ``index``'s receive unless it was delivered; afterwards nothing
+        writes into its slot."""
+        future = self._futures.get(index)
+        if future is not None and not future.done():
+            await self._worker.cancel(batch_tag(self.tag_base, index))
+
     async def cancel(self) -> None:
         """Cancel every receive not yet delivered; afterwards no slot can be written."""
         await self._cancel(i for i, f in self._futures.items() if not f.done())

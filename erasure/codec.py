@@ -43,9 +43,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from erasure.isal_backend import IsalBackend
+from erasure.isal_backend import IsalBackend, buffer_address
 from erasure.shard import (
     HEADER_BYTES,
+    Shard,
     ShardHeader,
     block_checksum,
     pack_shards,
@@ -188,7 +189,7 @@ class Codec:
         tail[rest.nbytes :] = bytes(tail.nbytes - rest.nbytes)  # fewer than k bytes of padding
         return head, tail, spare[tail.nbytes :]
 
-    def verify(self, shard: Buffer) -> ShardHeader:
+    def verify(self, shard: Shard) -> ShardHeader:
         """Check one shard's checksum and that this codec wrote it; return its header.
 
         Raises ShardHeaderError (malformed, or another codec's shard) or ChecksumMismatch.
@@ -211,7 +212,7 @@ class Codec:
 
     def decode(
         self,
-        shards: Sequence[Buffer],
+        shards: Sequence[Shard],
         out: bytearray | memoryview | None = None,
         *,
         verified: bool = False,
@@ -221,8 +222,10 @@ class Codec:
         Verifies every shard's checksum and the decoded block's checksum. Raises TooFewShards,
         MixedVersions, ShardHeaderError or ChecksumMismatch. With ``out`` (a writable buffer of
         exactly the block's length, else InvalidArgument) the block is written there and
-        ``memoryview(out)`` returned. With every data shard that holds block bytes present,
-        no matrix decode is done: the payloads are concatenated.
+        ``memoryview(out)`` returned; a payload that already lies at its place in ``out``
+        (a :class:`erasure.shard.SplitShard` whose payload views ``out``) is not copied. With
+        every data shard that holds block bytes present, no matrix decode is done: the
+        payloads are concatenated.
 
         ``verified=True`` says the caller already ran :meth:`verify` on every shard, and skips
         the second pass over the shards' checksums. Headers are still checked, and the block
@@ -236,7 +239,9 @@ class Codec:
         else:
             block = target
             for start, piece in pieces.items():
-                target[start : start + piece.nbytes] = piece
+                destination = target[start : start + piece.nbytes]
+                if not _same_memory(piece, destination):  # a UCX read may have landed it there
+                    destination[:] = piece
         if block_checksum(block) != header.block_checksum:
             raise ChecksumMismatch(
                 f"decoded block does not match its version {header.block_checksum.hex()} "
@@ -245,7 +250,7 @@ class Codec:
         return block
 
     def _consistent(
-        self, shards: Sequence[Buffer], verified: bool
+        self, shards: Sequence[Shard], verified: bool
     ) -> tuple[dict[int, memoryview], ShardHeader]:
         """Index -> payload of shards that fit this codec and share one version."""
         if len(shards) < self.k:
@@ -335,6 +340,11 @@ class Codec:
         self.num_matrix_decodes += 1  # instrumentation: may miss a count under threads
         self._backend.reconstruct(sources, missing, destinations)
         return in_scratch
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    """Whether two equally long views cover the same bytes (nothing to copy)."""
+    return not a.readonly and buffer_address(a) == buffer_address(b)
 
 
 def make_codec(config: CodecConfig) -> Codec:

@@ -148,7 +148,7 @@ _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
 _release_buffer.restype = None
 
 
-def _address(view: memoryview) -> int:
+def buffer_address(view: memoryview) -> int:
     """Where a memoryview's bytes start.
 
     The view itself keeps its exporter from being resized or freed while it lives, and the
@@ -171,7 +171,7 @@ def _row_addresses(regions: Sequence[memoryview], row_bytes: int) -> ctypes.Arra
     """Addresses of the consecutive ``row_bytes``-byte rows of every region, in order."""
     rows = []
     for region in regions:
-        start = _address(region)
+        start = buffer_address(region)
         rows += range(start, start + region.nbytes, row_bytes)
     return (ctypes.c_void_p * len(rows))(*rows)
 

@@ -19,7 +19,10 @@
 
 The shard checksum covers the header fields and the payload, so a flipped byte anywhere in a
 shard is caught before decoding; the block checksum catches a wrong reconstruction and tells
-apart two writers' versions of the same key. This module is pure: bytes in, bytes out.
+apart two writers' versions of the same key. A shard is one buffer (header then payload) or a
+:class:`SplitShard` whose header and payload live apart: a UCX read lands each payload
+straight at its place in the caller's block while its header comes over gRPC. Every function
+here takes both. This module is pure: bytes in, bytes out.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -85,14 +89,36 @@ def pack_header(header: ShardHeader, payload: bytes | memoryview) -> bytes:
     return fields + _CHECKSUM.pack(shard_checksum(fields, payload))
 
 
-def parse_header(shard: bytes | memoryview) -> ShardHeader:
-    """Parse (but do not checksum) a shard header; raise ShardHeaderError if malformed."""
-    if len(shard) < HEADER_BYTES:
+class SplitShard(NamedTuple):
+    """A shard whose 48-byte header and payload are separate buffers."""
+
+    header: bytes | memoryview
+    payload: memoryview
+
+
+Shard = bytes | bytearray | memoryview | SplitShard
+
+
+def split_shard(shard: Shard) -> tuple[memoryview, memoryview]:
+    """A shard's header and payload views; ShardHeaderError if the header is cut short."""
+    if isinstance(shard, SplitShard):
+        header, payload = memoryview(shard.header), memoryview(shard.payload)
+        if len(header) != HEADER_BYTES:
+            raise ShardHeaderError(f"shard header is {len(header)} bytes, not {HEADER_BYTES}")
+        return header, payload
+    view = memoryview(shard)
+    if len(view) < HEADER_BYTES:
         raise ShardHeaderError(
-            f"shard of {len(shard)} bytes is shorter than the {HEADER_BYTES}-byte header"
+            f"shard of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header"
         )
+    return view[:HEADER_BYTES], view[HEADER_BYTES:]
+
+
+def parse_header(shard: Shard) -> ShardHeader:
+    """Parse (but do not checksum) a shard header; raise ShardHeaderError if malformed."""
+    header, payload = split_shard(shard)
     magic, fmt, backend_id, k, m, index, block_len, version, payload_len = _FIELDS.unpack_from(
-        shard
+        header
     )
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise ShardHeaderError(f"not a kvstore shard (magic {magic!r}, format {fmt})")
@@ -100,33 +126,34 @@ def parse_header(shard: bytes | memoryview) -> ShardHeader:
         raise ShardHeaderError(
             f"bad shard header: backend {backend_id}, k={k}, m={m}, index {index}"
         )
-    if len(shard) != HEADER_BYTES + payload_len:
+    if len(payload) != payload_len:
         raise ShardHeaderError(
-            f"shard is {len(shard)} bytes, header says {HEADER_BYTES + payload_len}"
+            f"shard is {HEADER_BYTES + len(payload)} bytes, header says "
+            f"{HEADER_BYTES + payload_len}"
         )
     return ShardHeader(BACKEND_NAMES[backend_id], k, m, index, block_len, version, payload_len)
 
 
-def verify_shard(shard: bytes | memoryview) -> ShardHeader:
+def verify_shard(shard: Shard) -> ShardHeader:
     """Parse the header and check the shard checksum; raise on any mismatch."""
-    header = parse_header(shard)
-    view = memoryview(shard)
-    (stored,) = _CHECKSUM.unpack_from(view, _FIELDS.size)
-    if shard_checksum(view[: _FIELDS.size], view[HEADER_BYTES:]) != stored:
+    parsed = parse_header(shard)
+    header, payload = split_shard(shard)
+    (stored,) = _CHECKSUM.unpack_from(header, _FIELDS.size)
+    if shard_checksum(header[: _FIELDS.size], payload) != stored:
         raise ChecksumMismatch(
-            f"shard {header.index} of block version "
-            f"{header.block_checksum.hex()} fails its checksum"
+            f"shard {parsed.index} of block version "
+            f"{parsed.block_checksum.hex()} fails its checksum"
         )
-    return header
+    return parsed
 
 
-def shard_version(shard: bytes | memoryview) -> bytes:
+def shard_version(shard: Shard) -> bytes:
     """The 16-byte block version recorded in a shard header (no validation)."""
-    return bytes(memoryview(shard)[_VERSION_SLICE])
+    return bytes(split_shard(shard)[0][_VERSION_SLICE])
 
 
-def shard_payload(shard: bytes | memoryview) -> memoryview:
-    return memoryview(shard)[HEADER_BYTES:]
+def shard_payload(shard: Shard) -> memoryview:
+    return split_shard(shard)[1]
 
 
 def pack_shards(

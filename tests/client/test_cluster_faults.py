@@ -168,9 +168,15 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
     try:
         async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
             slowest_s = 0.0
-            for key, block in sample.items():
+            key_to_out: dict[bytes, bytearray] = {}
+            for position, (key, block) in enumerate(sample.items()):
                 start_s = time.monotonic()
-                assert await kv.get(key) == block, "wrong bytes with a straggler"
+                if position % 2:
+                    assert await kv.get(key) == block, "wrong bytes with a straggler"
+                else:
+                    key_to_out[key] = bytearray(len(block))
+                    assert await kv.get_into(key, key_to_out[key]), "a miss with a straggler"
+                    assert key_to_out[key] == block, "wrong bytes in get_into with a straggler"
                 slowest_s = max(slowest_s, time.monotonic() - start_s)
             start_s = time.monotonic()
             await kv.put(b"s" * 16, b"y" * 100_000)
@@ -182,8 +188,36 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
             "the read waited for the slow node instead of finishing at k shards"
         )
         assert put_s < delay_s / 2, f"put took {put_s:.2f} s: it waited past the write quorum"
+        # The straggler's payloads arrive after the reads returned: none may land in `out`.
+        await asyncio.sleep(delay_s + 0.5)
+        changed = [k for k, out in key_to_out.items() if out != sample[k]]
+        assert not changed, f"{len(changed)} get_into buffers were written after get_into returned"
     finally:
         cluster.restart_node(straggler)
+
+
+@pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+async def test_get_into_over_ucx_lands_payloads_in_place(cluster: LocalCluster) -> None:
+    rng = random.Random(11)
+    # 4 MB and 1 MB split into 10 whole payloads; 4 MiB - 7 leaves a padded last data shard.
+    sizes = [4_000_000, 1_000_000, 4 * MiB - 7]
+    keys = block_keys(list(range(len(sizes) * 4)), 4, "in-place", "salt")
+    blocks = {key: rng.randbytes(size) for key, size in zip(keys, sizes, strict=True)}
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport="ucx") as kv:
+        await asyncio.gather(*(kv.put(key, block) for key, block in blocks.items()))
+        assert kv.ucx is not None
+        for key, block in blocks.items():
+            before = kv.ucx.counters.num_landed_in_place
+            out = bytearray(len(block))
+            assert await kv.get_into(key, out) and out == block, "get_into over UCX failed"
+            landed = kv.ucx.counters.num_landed_in_place - before
+            whole = len(block) // kv.codec.payload_bytes(len(block))
+            # A read asks k+1 nodes and ends at k shards: the parity shard may beat one.
+            spare = kv.config.client.read_fanout - kv.codec.k
+            assert whole - spare <= landed <= whole, (
+                f"{landed} of the {whole} data payloads that fit landed in the caller's buffer"
+            )
+            assert await kv.get(key) == block, "get over UCX (buffers of their own) failed"
 
 
 def _flip_bytes(paths: list[Path], rng: random.Random) -> list[tuple[Path, int, int]]:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from erasure.codec import Codec, make_codec
-from erasure.shard import HEADER_BYTES, block_checksum, parse_header
+from erasure.shard import HEADER_BYTES, SplitShard, block_checksum, parse_header
 from kvstore.config import CodecConfig
 from kvstore.errors import (
     ChecksumMismatch,
@@ -258,3 +258,44 @@ def test_verified_decode_still_checks_the_block(backend: str) -> None:
     with pytest.raises(ChecksumMismatch, match="does not match its version"):
         c.decode(shards[:10], verified=True)
     assert c.decode(shards[:3] + shards[4:], verified=True) == block
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_bytes", [4000, 4093])  # whole payloads; a padded last one
+def test_split_shards_with_payloads_in_place_decode_into_out(backend: str, num_bytes: int) -> None:
+    """A UCX get_into: data payloads already sit at their place in ``out``, headers apart."""
+    c = codec(backend)
+    block = block_of(num_bytes, 5)
+    shards = c.encode(block)
+    payload_len = c.payload_bytes(num_bytes)
+    for lost in ([], [3], [0, 7]):  # with every data shard; recovering one or two into out
+        out = bytearray(num_bytes)
+        view = memoryview(out)
+        split = []
+        for index, shard in enumerate(shards):
+            start = index * payload_len
+            if index in lost:
+                continue
+            if index < c.k and start + payload_len <= num_bytes:
+                view[start : start + payload_len] = shard[HEADER_BYTES:]  # as UCX lands it
+                payload = view[start : start + payload_len]
+            else:
+                payload = memoryview(shard)[HEADER_BYTES:]
+            split.append(SplitShard(shard[:HEADER_BYTES], payload))
+        for shard in split:
+            c.verify(shard)
+        assert c.decode(split, out=out, verified=True) == block, f"lost {lost}: wrong bytes"
+        assert out == block, f"lost {lost}: out not filled"
+
+
+def test_split_shard_corruption_and_bad_headers_are_caught() -> None:
+    c = codec("isal")
+    shard = c.encode(block_of(1000, 6))[4]
+    payload = bytearray(shard[HEADER_BYTES:])
+    payload[17] ^= 1
+    with pytest.raises(ChecksumMismatch):
+        c.verify(SplitShard(shard[:HEADER_BYTES], memoryview(payload)))
+    with pytest.raises(ShardHeaderError, match="header is 47 bytes"):
+        c.verify(SplitShard(shard[:47], memoryview(shard)[HEADER_BYTES:]))
+    with pytest.raises(ShardHeaderError, match="header says"):
+        c.verify(SplitShard(shard[:HEADER_BYTES], memoryview(shard)[HEADER_BYTES:-1]))
