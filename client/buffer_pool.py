@@ -15,8 +15,9 @@ buffers avoids glibc's allocator costs for large blocks (DESIGN.md section 6).
     +----------------+----------------+-----+------------------+
     |<- slot_bytes ->|   (slot_stride = slot_bytes rounded up to alignment_bytes)
 
-The pool is torch-free: the engine passes ``allocate`` to supply the memory (e.g. a pinned
-torch tensor's buffer when CUDA is present).
+The pool is torch-free: the engine supplies the memory through ``allocate`` (a torch tensor,
+pinned when CUDA is present) and views each slot as a KV block tensor too, at ``slot.offset``
+(engine_adapter/host_buffers.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class BufferSlot:
         self.pool = pool
         self.index = index
         self.view = view  # slot_bytes long, writable
+
+    @property
+    def offset(self) -> int:
+        """Where ``view`` starts in the pool's memory, in bytes: lets the owner of that memory
+        see the slot another way (the engine views it as a torch tensor)."""
+        return self.index * self.pool.slot_stride
 
     def release(self) -> None:
         """Give the slot back; its bytes must no longer be in use (no transfer pending)."""

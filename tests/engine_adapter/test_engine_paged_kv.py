@@ -6,12 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from client.buffer_pool import PAGE_BYTES  # noqa: E402
 from engine_adapter.config import RANDOM_PRESETS  # noqa: E402
 from engine_adapter.host_buffers import HostBlockPool  # noqa: E402
 from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
 from engine_adapter.paged_kv import BlockPool, BlockTable, PagedKVCache  # noqa: E402
 from engine_adapter.swap_in import SwapIn  # noqa: E402
-from kvstore.errors import CapacityExhausted  # noqa: E402
+from kvstore.errors import CapacityExhausted, InvalidArgument  # noqa: E402
 
 pytestmark = pytest.mark.engine
 LAYOUT = KVBlockLayout.for_model(RANDOM_PRESETS["tiny"], 8, "float32")
@@ -77,7 +78,8 @@ def test_host_slots_share_memory_and_are_reused():
     first[0].view[:4] = b"\x00\x00\x80\x3f"  # 1.0f, written the way get_into writes
     assert first[0].block.flatten()[0].item() == 1.0, "view and tensor must share memory"
     assert first[0].block.shape == LAYOUT.shape and len(first[0].view) == LAYOUT.block_bytes
+    assert all(s.block.data_ptr() % PAGE_BYTES == 0 for s in first), "slots must be page aligned"
     first[1].release()
     assert [s.index for s in pool.acquire(1)] == [1]
-    with pytest.raises(AssertionError, match="twice"):
+    with pytest.raises(InvalidArgument, match="twice"):
         first[1].release()

@@ -77,3 +77,14 @@ async def test_acquire_waits_for_a_release_and_times_out() -> None:
         await pool.acquire(timeout_s=0.01)
     handed.release()
     assert pool.num_free == 1, "a timed-out acquire must not keep a slot"
+
+
+def test_slot_offset_locates_the_slot_in_the_supplied_memory() -> None:
+    slot_bytes = PAGE_BYTES + 1  # strides round up to two pages
+    backing = bytearray(3 * 2 * PAGE_BYTES)
+    pool = BufferPool(slot_bytes, 3, allocate=lambda n: backing)
+    slots = [pool.try_acquire() for _ in range(3)]
+    assert [s.offset for s in slots] == [0, 2 * PAGE_BYTES, 4 * PAGE_BYTES]
+    slots[2].view[:] = b"z" * slot_bytes
+    start = slots[2].offset
+    assert backing[start : start + slot_bytes] == b"z" * slot_bytes, "offset is not the view's"
