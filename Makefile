@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install lint bench-erasure bench-storage bench-engine clean
+.PHONY: demo test install lint bench-erasure bench-storage bench-engine bench-swapin clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ bench-erasure: install
 
 bench-storage: install
 	$(VENV)/bin/kvstore bench storage --baseline redis --json out/bench_storage.json
+
+bench-swapin: install
+	$(VENV)/bin/kvstore bench swapin --json out/bench_swapin.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -5,7 +5,8 @@
     kvstore bench engine --json PATH [--model default|random:<size>|PATH] [--device cpu|cuda]
         [--prompt-lengths 1024,4096,8192] [--cached-fractions 0,0.5,0.9,1.0]
         [--cluster DIR/cluster.toml] [--repeats 3] [--block-tokens 64] [--chunk-tokens N]
-        [--fetch-policy always|cost] [--fetch-deadline-s 10] [--plot PNG]
+        [--fetch-policy always|cost] [--fetch-deadline-s 10] [--store-transport grpc|auto|ucx]
+        [--plot PNG]
 
 Without ``--cluster`` a 12-node local cluster is started in a temporary directory (fsync off:
 only reads are timed) and stopped at the end. For each prompt length L (seeded random token
@@ -54,7 +55,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter.config import EngineConfig
+from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
 from engine_adapter.engine import Engine, PrefillResult, Sequence
 from engine_adapter.loader import load_model
 
@@ -275,6 +276,7 @@ def engine_config(args: argparse.Namespace, max_model_len: int, num_fractions: i
         max_model_len=max_model_len,
         fetch_policy=args.fetch_policy,
         fetch_deadline_s=args.fetch_deadline_s,
+        store_transport=args.store_transport,
         seed=args.seed,
     )
 
@@ -322,6 +324,7 @@ def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         "block_bytes": engine.layout.block_bytes,
         "kv_bytes_per_token": cfg.kv_bytes_per_token(engine.config.dtype),
         "fetch_policy": engine.config.fetch_policy,
+        "store_transport": engine.config.store_transport,
         "cluster": str(args.cluster) if args.cluster else f"local, {args.nodes} nodes, fsync off",
         "repeats": args.repeats,
         "connector_stats": asdict(engine.connector.stats) if engine.connector else {},
@@ -373,6 +376,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="always: measure the swap-in (default); cost: let the cost model choose",
     )
     parser.add_argument("--fetch-deadline-s", type=float, default=10.0)
+    parser.add_argument(
+        "--store-transport",
+        choices=STORE_TRANSPORTS,
+        default="grpc",
+        help="how fetched KV blocks travel from the store (README, 'UCX data path')",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speedups")
 

@@ -434,7 +434,9 @@ def _restart(cluster: LocalCluster, delay_ms: float) -> None:
 
 
 @contextmanager
-def _cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster | None]]:
+def bench_cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster | None]]:
+    """``args.cluster``, or a local cluster of ``args.nodes`` (``args.backend``,
+    ``args.no_fsync``) started around the run: (its cluster.toml, the cluster if started)."""
     if args.cluster is not None:
         yield args.cluster, None
         return
@@ -479,7 +481,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     with_redis = args.baseline == "redis" and _redis_binary() is not None
     notes = [] if with_redis or args.baseline == "none" else [_NO_REDIS]
     num_settings = len(workload.block_sizes) * len(workload.concurrencies)
-    with _cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
+    with bench_cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
         systems = [
             SystemUnderTest(await _kvstore_target(cluster_toml, transport, i), workload.rng)
             for i, transport in enumerate(args.transport)

@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KVClient.connect's transports (client/kv_client.py); kept here so config stays import-light.
+STORE_TRANSPORTS = ("grpc", "auto", "ucx")
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ class EngineConfig:
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
     fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
     fetch_concurrency: int = 16  # get_into calls in flight per fetch
+    # How fetched blocks travel (KVClient.connect's transport): "grpc", "auto" (UCX to the
+    # nodes that shared memory or RDMA reach) or "ucx" (README, "UCX data path").
+    store_transport: str = "grpc"
     write_back: bool = True  # store newly computed full blocks after prefill
     write_concurrency: int = 4  # puts in flight during write-back
     seed: int = 0  # random init and sampling default
@@ -125,6 +130,10 @@ class EngineConfig:
             raise ValueError(f"fetch_policy {self.fetch_policy!r}: choose 'cost' or 'always'")
         if not 0 < self.fetch_min_deadline_s <= self.fetch_deadline_s:
             raise ValueError("need 0 < fetch_min_deadline_s <= fetch_deadline_s")
+        if self.store_transport not in STORE_TRANSPORTS:
+            raise ValueError(
+                f"store_transport {self.store_transport!r}: choose one of {STORE_TRANSPORTS}"
+            )
         if self.fetch_concurrency <= 0 or self.write_concurrency <= 0:
             raise ValueError("fetch_concurrency and write_concurrency must be > 0")
 

@@ -3,7 +3,7 @@
 ::
 
     kvstore demo [--cluster DIR/cluster.toml] [--json PATH] [--model default]
-                 [--max-new-tokens 16]
+                 [--max-new-tokens 16] [--store-transport grpc|auto|ucx]
 
 Starts a local 12-node cluster (unless ``--cluster`` names a running one), two prefill
 workers and one decode worker, then replays a multi-turn workload through the router: a
@@ -37,6 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy.local_cluster import LocalCluster
+from engine_adapter.config import STORE_TRANSPORTS
 from engine_adapter.router import Completion, Router
 from engine_adapter.serve import WorkerPool, cancel_on_signals, sigterm_as_interrupt
 from kvstore.errors import KVStoreError
@@ -272,6 +273,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, random:<size>, .gguf, dir")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
+    parser.add_argument(
+        "--store-transport",
+        choices=STORE_TRANSPORTS,
+        default="grpc",
+        help="how workers fetch KV blocks from the store (README, 'UCX data path')",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -307,7 +314,14 @@ def _run_workload(
     """Start workers (and the cluster while they load), replay the workload, show rows."""
     with console.status("starting 2 prefill + 1 decode workers (loading the model)..."):
         pool = stack.enter_context(
-            WorkerPool.spawn_all(cluster_toml, work_dir / "serve", 2, 1, args.model)
+            WorkerPool.spawn_all(
+                cluster_toml,
+                work_dir / "serve",
+                2,
+                1,
+                args.model,
+                ["--store-transport", args.store_transport],
+            )
         )
         if args.cluster is None:
             stack.enter_context(LocalCluster.start(cluster_toml.parent, num_nodes=12))

@@ -4,7 +4,7 @@
 
     kvstore serve --cluster DIR/cluster.toml [--prefill-workers 2] [--decode-workers 1]
                   [--model default] [--port 8700] [--policy least-loaded|round-robin]
-                  [--run-dir DIR]
+                  [--run-dir DIR] [--store-transport grpc|auto|ucx]
 
 Layout (every box is a process; the store's nodes are started separately)::
 
@@ -43,6 +43,7 @@ from pathlib import Path
 import grpc
 
 from engine_adapter import serving_pb2_grpc as pb_grpc
+from engine_adapter.config import STORE_TRANSPORTS
 from engine_adapter.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
 from kvstore.errors import InvalidArgument, Unavailable
 
@@ -328,6 +329,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="cost",
         help="prefill: fetch cached blocks when faster than computing (cost) or always",
     )
+    parser.add_argument(
+        "--store-transport",
+        choices=STORE_TRANSPORTS,
+        default="grpc",
+        help="how workers fetch KV blocks from the store (README, 'UCX data path')",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -337,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
     worker_args = ["--max-model-len", str(args.max_model_len), "--fetch-policy", args.fetch_policy]
+    worker_args += ["--store-transport", args.store_transport]
     try:
         with (
             sigterm_as_interrupt(),

@@ -4,6 +4,7 @@
 
     python -m engine_adapter.workers prefill|decode --cluster DIR/cluster.toml --id p0
         [--model default] [--port 0] [--ready-file PATH] [--parent-pid PID]
+        [--store-transport grpc|auto|ucx]
 
 The handoff, through the store::
 
@@ -47,7 +48,7 @@ import torch
 
 from engine_adapter import serving_pb2 as pb
 from engine_adapter import serving_pb2_grpc as pb_grpc
-from engine_adapter.config import EngineConfig
+from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome
 from engine_adapter.engine import Engine, PrefillResult, Sampler
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
@@ -66,7 +67,12 @@ DECODE_MIN_FETCH_DEADLINE_S = 1.0
 
 
 def engine_config(
-    role: str, block_tokens: int, max_model_len: int, seed: int, fetch_policy: str = "cost"
+    role: str,
+    block_tokens: int,
+    max_model_len: int,
+    seed: int,
+    fetch_policy: str = "cost",
+    store_transport: str = "grpc",
 ) -> EngineConfig:
     """One sequence at a time; prefill fetches by ``fetch_policy`` and writes back, decode
     always fetches (its KV must come from the store) and never writes.
@@ -87,6 +93,7 @@ def engine_config(
             defaults.fetch_min_deadline_s if is_prefill else DECODE_MIN_FETCH_DEADLINE_S
         ),
         write_back=is_prefill,
+        store_transport=store_transport,
         seed=seed,
     )
 
@@ -466,6 +473,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="prefill: fetch cached blocks when faster than computing them (cost) or always",
     )
     parser.add_argument(
+        "--store-transport",
+        choices=STORE_TRANSPORTS,
+        default="grpc",
+        help="how fetched KV blocks travel from the store (README, 'UCX data path')",
+    )
+    parser.add_argument(
         "--inject-delay-ms", type=float, default=0.0, help="tests: slow requests and tokens"
     )
 
@@ -474,7 +487,12 @@ async def serve_worker(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT or the parent's death."""
     torch.set_num_threads(args.threads)
     config = engine_config(
-        args.role, args.block_tokens, args.max_model_len, args.seed, args.fetch_policy
+        args.role,
+        args.block_tokens,
+        args.max_model_len,
+        args.seed,
+        args.fetch_policy,
+        args.store_transport,
     )
     engine = await asyncio.to_thread(Engine.load, args.model, config)
     engine.open_store(args.cluster)

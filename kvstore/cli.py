@@ -23,6 +23,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
     ("bench", "sim"): ("bench.sim_bench", "simulator block accesses per second"),
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
+    ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),
     ("sim",): ("ttl.sim_cli", "replay a request trace through the TTL and capacity policies"),
     ("sim", "generate"): ("ttl.generate", "write a seeded multi-day synthetic workload"),
     ("serve",): ("engine_adapter.serve", "run the router, prefill and decode workers"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapter.config import RANDOM_PRESETS, EngineConfig
+from engine_adapter.config import RANDOM_PRESETS, STORE_TRANSPORTS, EngineConfig
 from engine_adapter.cost_model import FetchCostModel
 from engine_adapter.kv_layout import KVBlockLayout
 
@@ -77,3 +77,12 @@ def test_engine_config_refuses_chunks_that_split_blocks():
     with pytest.raises(ValueError, match="multiple of block_tokens"):
         EngineConfig(block_tokens=64, prefill_chunk_tokens=96)
     assert EngineConfig(block_tokens=16, prefill_chunk_tokens=64).blocks_per_chunk == 4
+
+
+def test_engine_config_store_transport_is_one_the_client_knows():
+    from client.kv_client import TRANSPORTS
+
+    assert set(STORE_TRANSPORTS) == set(TRANSPORTS), "EngineConfig and KVClient disagree"
+    assert EngineConfig().store_transport == "grpc"
+    with pytest.raises(ValueError, match="store_transport 'rdma'"):
+        EngineConfig(store_transport="rdma")

@@ -1,0 +1,421 @@
+"""``kvstore bench swapin``: GB/s of cached KV blocks into the engine's buffer pool, per transport.
+
+::
+
+    kvstore bench swapin [--json PATH] [--transport grpc,ucx] [--cluster DIR/cluster.toml]
+        [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
+        [--num-blocks 64] [--concurrency 16] [--rounds 5] [--device cpu|cuda[:N]]
+        [--nodes 12] [--no-fsync]
+
+It measures the engine's own fetch path, with no model forward around it. Per transport one
+``StoreConnector`` (``EngineConfig(store_transport=...)``, fetch policy "always", a long
+deadline) over one paged KV cache of the model's KV layout; a ``random:<size>`` preset only
+sets that layout (``random:135m`` is SmolLM2's, the default model's: 2,949,120-byte blocks in
+fp32 at 64 tokens). ``--num-blocks`` blocks of seeded random bytes are put once under the
+keys the engine derives for a prompt. Then every round runs each transport once, the order
+alternating between rounds so that drift from other load hits both alike (after one unmeasured
+warm-up each: connections, UCX endpoints). One measurement is ``connector.fetch_prefix``:
+``match_prefix``, then ``get_into`` of every block into a slot of the connector's
+``HostBlockPool`` (the client's ``BufferPool``; pinned on CUDA), ``--concurrency`` in flight,
+each block's host-to-device copy starting on the swap-in side stream as it lands (CUDA);
+then the swap-in into the paged KV cache runs to its end (CUDA: synchronize; CPU: every layer
+placed, as compute would place it).
+
+- ``gb_per_s``: fetched bytes / ``fetch_s`` (every block landed in the host pool; the lookup
+  not counted), median over rounds. 10**9 bytes per GB.
+- ``cache_gb_per_s``: fetched bytes / time until the blocks are in the paged KV cache (device
+  memory on CUDA), the lookup not counted; median over rounds.
+- ``p50_ms``/``p99_ms``: each block's ``get_into`` time, all rounds pooled; ``lookup_ms``:
+  median ``match_prefix`` time.
+- After every fetch a sample of blocks (first, last and random ones) is checked in its host
+  slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
+- ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto).
+
+"ucx" is skipped with a note when this client cannot use it (ucxx not importable, or no node
+offers a UCX address it reaches). Without ``--cluster`` a local cluster is started around the
+run as ``kvstore bench storage`` does (scrub off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from bench.storage_bench import bench_cluster, percentile_ms
+from client import KVClient
+from engine_adapter import weights
+from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
+from engine_adapter.connector import FetchOutcome, StoreConnector
+from engine_adapter.kv_layout import KVBlockLayout
+from engine_adapter.paged_kv import BlockTable, PagedKVCache
+from kvstore.errors import InvalidArgument, KVStoreError
+
+GB = 1e9
+NUM_SAMPLED = 8  # blocks verified after each fetch (first, last and random ones)
+PUT_CONCURRENCY = 8
+
+
+@dataclass
+class Record:
+    """One transport's figures over the measured rounds."""
+
+    transport: str
+    device: str
+    dtype: str
+    block_bytes: int
+    num_blocks: int
+    concurrency: int
+    rounds: int
+    gb_per_s: float  # into the host buffer pool
+    cache_gb_per_s: float  # through to the paged KV cache (device memory on CUDA)
+    p50_ms: float  # per-block get_into
+    p99_ms: float
+    lookup_ms: float
+    gb_per_s_rounds: list[float]
+    bytes_verified: bool
+    num_verified_blocks: int
+    incomplete_fetches: list[str]  # fetches that delivered fewer blocks than stored
+    ucx_counters: dict[str, int] | None
+
+
+@dataclass
+class Runner:
+    """One transport's connector and what its fetches measured."""
+
+    transport: str
+    connector: StoreConnector
+    kv: KVClient  # the connector's client for the bench's tenant
+    fetch_s: list[float] = field(default_factory=list)
+    cache_s: list[float] = field(default_factory=list)
+    lookup_s: list[float] = field(default_factory=list)
+    fetched_bytes: list[int] = field(default_factory=list)
+    block_fetch_s: list[float] = field(default_factory=list)
+    num_verified: int = 0
+    num_mismatched: int = 0
+    incomplete: list[str] = field(default_factory=list)
+    ucx_before: dict[str, int] | None = None
+
+
+class Bench:
+    """The stored blocks and one runner per transport over one paged KV cache."""
+
+    def __init__(self, args: argparse.Namespace, layout: KVBlockLayout) -> None:
+        self.args, self.layout = args, layout
+        self.device = torch.device(args.device)
+        self.cache = PagedKVCache(layout, args.num_blocks, self.device)
+        self.table = BlockTable(layout.block_tokens, list(range(args.num_blocks)))
+        self.namespace = layout.namespace(f"swapin-bench-{args.model}")
+        self.tenant = f"swapin-{time.time_ns():x}"  # fresh keys on a reused cluster
+        # One more token than the blocks hold: the engine always computes the last token.
+        self.token_ids = list(range(args.num_blocks * layout.block_tokens + 1))
+        self.digests: list[bytes] = []
+        self.runners: list[Runner] = []
+        self.notes: list[str] = []
+        self._check = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype))
+        self._rng = random.Random(args.seed)
+
+    def engine_config(self, transport: str) -> EngineConfig:
+        return EngineConfig(
+            block_tokens=self.layout.block_tokens,
+            prefill_chunk_tokens=self.layout.block_tokens,
+            device=self.args.device,
+            dtype=self.layout.dtype,
+            max_num_seqs=1,
+            fetch_policy="always",
+            fetch_deadline_s=self.args.deadline_s,
+            fetch_concurrency=self.args.concurrency,
+            write_back=False,
+            store_transport=transport,
+        )
+
+    async def open(self, cluster_toml: Path) -> None:
+        """A connector per usable transport, then the blocks written once."""
+        for transport in self.args.transport:
+            config = self.engine_config(transport)
+            connector = StoreConnector(
+                cluster_toml, self.cache, self.namespace, config, self.args.num_blocks
+            )
+            try:
+                kv = await connector.client(self.tenant)  # connects now: "ucx" may not work
+            except KVStoreError as exc:
+                self.notes.append(f"{transport} skipped: {exc}")
+                await connector.close()
+                continue
+            self.runners.append(Runner(transport, connector, kv))
+        if self.runners:
+            await self._write_blocks(self.runners[0].kv)
+
+    async def _write_blocks(self, kv: KVClient) -> None:
+        keys = self.keys()
+        gate = asyncio.Semaphore(PUT_CONCURRENCY)
+        rng = np.random.default_rng(self.args.seed)
+        blocks = [rng.bytes(self.layout.block_bytes) for _ in keys]
+        self.digests = [xxhash.xxh3_128_digest(block) for block in blocks]
+
+        async def put(key: bytes, block: bytes) -> None:
+            async with gate:
+                await kv.put(key, block, traffic_class="chat")
+
+        await asyncio.gather(*(put(k, b) for k, b in zip(keys, blocks, strict=True)))
+
+    def keys(self) -> list[bytes]:
+        return self.runners[0].connector.keys(self.token_ids, self.tenant)
+
+    async def fetch(self, runner: Runner, label: str, measured: bool) -> None:
+        """One fetch into the pool and swap-in to its end; verify a sample, release the slots."""
+        keys = self.keys()
+        started = time.perf_counter()
+        outcome = await runner.connector.fetch_prefix(keys, self.table, len(keys), self.tenant)
+        self._finish_swap_in(outcome)
+        cache_s = time.perf_counter() - started - outcome.lookup_s
+        try:
+            self._verify(runner, outcome)
+        finally:
+            runner.connector.release(outcome)
+        if outcome.num_fetched_blocks < len(keys):
+            runner.incomplete.append(
+                f"{label}: {outcome.num_fetched_blocks}/{len(keys)} blocks "
+                f"({outcome.fallback or f'lookup matched {outcome.num_matched_blocks}'})"
+            )
+        if measured:
+            runner.fetch_s.append(outcome.fetch_s)
+            runner.cache_s.append(cache_s)
+            runner.lookup_s.append(outcome.lookup_s)
+            runner.fetched_bytes.append(outcome.num_fetched_blocks * self.layout.block_bytes)
+            runner.block_fetch_s += outcome.block_fetch_s
+
+    def _finish_swap_in(self, outcome: FetchOutcome) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        else:  # the CPU path places each layer right before compute needs it
+            for layer in range(self.layout.num_layers):
+                outcome.swap_in.before_layer(layer)
+
+    def _verify(self, runner: Runner, outcome: FetchOutcome) -> None:
+        """Sampled blocks, in their host slots and in the KV cache, against what was written."""
+        num = outcome.num_fetched_blocks
+        if num == 0:
+            return
+        others = self._rng.sample(range(num), min(NUM_SAMPLED - 2, num))
+        for index in sorted({0, num - 1, *others}):
+            host_ok = xxhash.xxh3_128_digest(outcome.slots[index].view) == self.digests[index]
+            self.cache.save_block(self.table.block_ids[index], self._check)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            cached = self._check.view(torch.uint8).numpy()
+            cache_ok = xxhash.xxh3_128_digest(cached) == self.digests[index]
+            runner.num_verified += 1
+            runner.num_mismatched += not (host_ok and cache_ok)
+
+    async def close(self) -> None:
+        for runner in self.runners:
+            await runner.connector.close()
+
+
+def ucx_counters(kv: KVClient) -> dict[str, int] | None:
+    """The client's UCX counters (None without a UCX path), whatever counters it keeps."""
+    counters = getattr(getattr(kv, "ucx", None), "counters", None)
+    if counters is None:
+        return None
+    return {name: value for name, value in vars(counters).items() if isinstance(value, int)}
+
+
+def counters_delta(
+    before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, int] | None:
+    if after is None:
+        return None
+    return {name: value - (before or {}).get(name, 0) for name, value in after.items()}
+
+
+def make_record(bench: Bench, runner: Runner) -> Record:
+    args, layout = bench.args, bench.layout
+    rounds = [b / s / GB for b, s in zip(runner.fetched_bytes, runner.fetch_s, strict=True)]
+    to_cache = [b / s / GB for b, s in zip(runner.fetched_bytes, runner.cache_s, strict=True)]
+    after = ucx_counters(runner.kv)
+    return Record(
+        transport=runner.transport,
+        device=str(bench.device),
+        dtype=layout.dtype,
+        block_bytes=layout.block_bytes,
+        num_blocks=args.num_blocks,
+        concurrency=args.concurrency,
+        rounds=len(rounds),
+        gb_per_s=statistics.median(rounds),
+        cache_gb_per_s=statistics.median(to_cache),
+        p50_ms=percentile_ms(runner.block_fetch_s, 50),
+        p99_ms=percentile_ms(runner.block_fetch_s, 99),
+        lookup_ms=statistics.median(runner.lookup_s) * 1000,
+        gb_per_s_rounds=rounds,
+        bytes_verified=runner.num_verified > 0 and runner.num_mismatched == 0,
+        num_verified_blocks=runner.num_verified,
+        incomplete_fetches=runner.incomplete,
+        ucx_counters=counters_delta(runner.ucx_before, after),
+    )
+
+
+def layout_for(args: argparse.Namespace) -> KVBlockLayout:
+    if not args.model.startswith("random:"):
+        raise InvalidArgument(
+            f"--model {args.model!r}: give a random:<size> preset; only its KV layout matters "
+            "here (random:135m has the default model's)"
+        )
+    cfg = weights.random_config(args.model.removeprefix("random:"))
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return KVBlockLayout.for_model(cfg, args.block_tokens, dtype)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    layout = layout_for(args)
+    swapin = Bench(args, layout)
+    load_before = os.getloadavg()[0]
+    with bench_cluster(args) as (cluster_toml, _):
+        try:
+            await swapin.open(cluster_toml)
+            await measure(swapin)
+            records = [make_record(swapin, runner) for runner in swapin.runners]
+        finally:
+            await swapin.close()
+    return {
+        "config": {
+            "model": args.model,
+            "kv_shape": list(layout.shape),
+            "block_bytes": layout.block_bytes,
+            "device": args.device,
+            "dtype": layout.dtype,
+            "num_blocks": args.num_blocks,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "cluster": str(args.cluster) if args.cluster else f"local, {args.nodes} nodes",
+            "fsync": not args.no_fsync,
+            "cpus": os.cpu_count(),
+            "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
+        },
+        "results": [asdict(record) for record in records],
+        "notes": swapin.notes,
+    }
+
+
+async def measure(bench: Bench) -> None:
+    """A warm-up fetch per transport, then rounds with the order alternating (A B, B A, ...)."""
+    runners = bench.runners
+    for runner in runners:
+        await bench.fetch(runner, "warm-up", measured=False)
+        runner.ucx_before = ucx_counters(runner.kv)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("swap-in", total=bench.args.rounds * len(runners))
+        for round_index in range(bench.args.rounds):
+            order = runners if round_index % 2 == 0 else runners[::-1]
+            for runner in order:
+                await bench.fetch(runner, f"round {round_index}", measured=True)
+                progress.advance(task)
+
+
+def results_table(records: list[Record], title: str) -> Table:
+    table = Table(title=title)
+    for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
+        table.add_column(name, justify="right")
+    for name in ["p50 ms", "p99 ms", "lookup ms", "verified", "UCX shards/inline/fallback"]:
+        table.add_column(name, justify="right")
+    for r in records:
+        ucx = r.ucx_counters or {}
+        shards = "/".join(
+            str(ucx.get(name, "-"))
+            for name in ("num_ucx_shards", "num_inline_shards", "num_fallbacks")
+        )
+        table.add_row(
+            r.transport,
+            r.device,
+            f"{r.block_bytes:,}",
+            str(r.num_blocks),
+            str(r.concurrency),
+            f"{r.gb_per_s:.2f}",
+            f"{r.cache_gb_per_s:.2f}",
+            f"{r.p50_ms:.1f}",
+            f"{r.p99_ms:.1f}",
+            f"{r.lookup_ms:.1f}",
+            f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
+            shards if r.ucx_counters is not None else "-",
+        )
+    return table
+
+
+def _transport_list(text: str) -> list[str]:
+    transports = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [t for t in transports if t not in STORE_TRANSPORTS]
+    if not transports or unknown or len(set(transports)) != len(transports):
+        raise argparse.ArgumentTypeError(
+            f"--transport takes distinct values of {', '.join(STORE_TRANSPORTS)}, got {text!r}"
+        )
+    return transports
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore bench swapin``."""
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--transport",
+        type=_transport_list,
+        default=["grpc", "ucx"],
+        help="store transports to measure in one run, interleaved (default grpc,ucx)",
+    )
+    parser.add_argument("--cluster", type=Path, default=None, help="DIR/cluster.toml")
+    parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
+    parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
+    parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
+    parser.add_argument(
+        "--model", default="random:135m", help="random:<size>: the KV layout (default SmolLM2's)"
+    )
+    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument(
+        "--dtype", default=None, help="KV dtype (default: float32 on CPU, bfloat16 on CUDA)"
+    )
+    parser.add_argument("--num-blocks", type=_positive, default=64, help="blocks per fetch")
+    parser.add_argument("--concurrency", type=_positive, default=16, help="get_into in flight")
+    parser.add_argument("--rounds", type=_positive, default=5, help="measured fetches each")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--deadline-s", type=float, default=60.0, help="fetch deadline")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the table, write JSON; 1 if a block was wrong or missing."""
+    report = asyncio.run(bench(args))
+    records = [Record(**r) for r in report["results"]]
+    config = report["config"]
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    title = (
+        f"swap-in into the engine's buffer pool: {config['model']} {config['dtype']}, "
+        f"{config['cluster']}"
+    )
+    console.print(results_table(records, title))
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {args.json}")
+    ok = all(r.bytes_verified and not r.incomplete_fetches for r in records)
+    return 0 if records and ok else 1
