@@ -38,6 +38,9 @@ bench-erasure: install
 bench-storage: install
 	$(VENV)/bin/kvstore bench storage --baseline redis --json out/bench_storage.json
 
+bench-engine: install
+	$(VENV)/bin/kvstore bench engine --json out/bench_engine.json
+
 bench-swapin: install
 	$(VENV)/bin/kvstore bench swapin --json out/bench_swapin.json
 
