@@ -4,6 +4,7 @@
 
     python -m bench.ucx_bench [--json PATH] [--sizes 256KiB,1MiB,4MiB]
         [--concurrency 1,8,32] [--transports grpc,ucx,ucx-tcp] [--seconds S] [--rounds R]
+        [--destination host,cuda,cuda-pinned]
 
 A server process holds a 64 MiB buffer of random bytes and serves GETs of (offset, size):
 
@@ -20,13 +21,33 @@ A server process holds a 64 MiB buffer of random bytes and serves GETs of (offse
   ucxx's Python API has no RMA calls, so :class:`UcpRma` reaches libucp's C API through
   ctypes (shared memory and CMA only).
 
-So every UCX GET also pays one gRPC round trip, as a storage read will. Each setting runs
-``--rounds`` times, the transports interleaved, for ``--seconds`` each after a short warm-up;
-the table shows the median GB/s (10**9 bytes/s), latency percentiles over all rounds, and
-the CPU seconds each process spent per GB moved (which, unlike GB/s, holds up when other
-work shares the cores).
-Every setting checks the bytes of one GET per task against the server's. Both processes tune
-glibc malloc first (erasure/allocator.py), which helps gRPC's per-reply allocations.
+So every UCX GET also pays one gRPC round trip, as a storage read will.
+
+``--destination`` says where the client's bytes end up (each client task owns one slot):
+
+- ``host`` (the default): a slot of one host buffer pool, as above.
+- ``cuda``: a slice of one preallocated torch CUDA uint8 tensor; ``ucx`` receives into it
+  directly (UCX's cuda_copy transport moves the bytes; ``UcxWorker.receive`` takes any
+  ``__cuda_array_interface__`` array). Only ``ucx`` lands there: gRPC and ``ucx-rma`` cannot,
+  and ``ucx-tcp``'s UCX_TLS=tcp leaves out the CUDA transports.
+- ``cuda-pinned``: what the engine does: the bytes land in a slice of one pinned (page-locked)
+  host tensor, then a ``non_blocking`` H2D copy moves them into the same CUDA slice; a GET
+  ends when a CUDA event recorded after the copy has completed. Every transport can do this.
+
+The CUDA destinations import torch in the client process only; without torch or a CUDA
+device they are skipped with a note (in the console and the JSON's ``settings.skipped``).
+On one H200 (docs/ucx_h200.txt) ``cuda`` was the slowest (0.6-0.7 GB/s at 4 MiB against 2.0-2.5
+for ``cuda-pinned`` and 2.4-3.2 for ``host``): UCX cannot CMA-read into GPU memory, so the
+sender copies into shared-memory fragments that the receiver's cuda_copy moves to the GPU
+(docs/ucx_h200_transports.txt has the protocols UCX chose).
+
+Each (transport, destination) pair runs ``--rounds`` times, the pairs interleaved, for
+``--seconds`` each after a short warm-up; the table shows the median GB/s (10**9 bytes/s),
+latency percentiles over all rounds, and the CPU seconds each process spent per GB moved
+(which, unlike GB/s, holds up when other work shares the cores). Every setting first runs
+one GET per task concurrently and checks each slot's bytes (read back from the GPU for the
+CUDA destinations) against the server's. Both processes tune glibc malloc first
+(erasure/allocator.py), which helps gRPC's per-reply allocations.
 """
 
 from __future__ import annotations
@@ -61,6 +82,8 @@ from kvstore.ucx_worker import DEFAULT_SPIN_S, UcxWorker, ucx_available
 SOURCE_BYTES = 64 << 20
 UCX_TRANSPORTS = {"ucx": None, "ucx-tcp": "tcp"}  # bench name -> UCX_TLS (None: UCX's choice)
 RMA = "ucx-rma"
+HOST, CUDA, CUDA_PINNED = "host", "cuda", "cuda-pinned"  # where a client task's bytes end up
+DESTINATIONS = (HOST, CUDA, CUDA_PINNED)
 _GET = "/ucxbench.Bench/Get"
 _UCX_GET = "/ucxbench.Bench/UcxGet"
 _RMA_INFO = "/ucxbench.Bench/RmaInfo"
@@ -75,6 +98,7 @@ _SEND_TIMEOUT_S = 10.0
 @dataclass
 class Result:
     transport: str
+    destination: str  # host, cuda (received there directly) or cuda-pinned (pinned, then H2D)
     block_bytes: int
     concurrency: int
     gb_per_s: float  # median over rounds
@@ -273,14 +297,18 @@ def _as_async(fn: Callable[[bytes, Any], bytes]) -> Callable[[bytes, Any], Await
     return handle
 
 
-async def serve(spin_s: float) -> None:
-    """Serve until stdin closes; print one JSON line with the gRPC port first."""
+async def serve(port_fd: int, spin_s: float) -> None:
+    """Serve until stdin closes; first write one JSON line with the gRPC port to ``port_fd``.
+
+    Not to stdout: UCX logs there (UCX_PROTO_INFO=y, warnings), before the port line too.
+    """
     bench_server = BenchServer(spin_s)
     server = grpc.aio.server(options=_CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers([bench_server.handler()])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    print(json.dumps({"port": port}), flush=True)
+    with os.fdopen(port_fd, "w") as port_file:
+        port_file.write(json.dumps({"port": port}) + "\n")
     await asyncio.to_thread(sys.stdin.read)
     await server.stop(grace=None)
     for sender in bench_server.senders:
@@ -290,11 +318,45 @@ async def serve(spin_s: float) -> None:
 # --- client process ---------------------------------------------------------------------
 
 
+class CudaSlots:
+    """Per-task slices of one CUDA tensor, and of one pinned host tensor that stages H2D copies.
+
+    ``torch`` is the imported module: the store side never imports torch, this bench only when
+    a CUDA destination is asked for.
+    """
+
+    def __init__(self, torch: Any, slot_bytes: int, num_slots: int) -> None:
+        total = slot_bytes * num_slots
+        gpu = torch.empty(total, dtype=torch.uint8, device="cuda")
+        pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        bounds = [(i * slot_bytes, (i + 1) * slot_bytes) for i in range(num_slots)]
+        self.gpu = [gpu[start:stop] for start, stop in bounds]
+        self.pinned = [pinned[start:stop] for start, stop in bounds]
+        self.staging = [memoryview(t.numpy()) for t in self.pinned]  # host views of `pinned`
+        self._copied = [torch.cuda.Event() for _ in bounds]
+
+    async def upload(self, task: int, size: int) -> None:
+        """Copy the task's pinned slot into its CUDA slot; return once the copy is done."""
+        self.gpu[task][:size].copy_(self.pinned[task][:size], non_blocking=True)
+        copied = self._copied[task]
+        copied.record()
+        while not copied.query():  # let the other tasks run while the copy engine works
+            await asyncio.sleep(0)
+
+    def read_back(self, task: int, size: int) -> bytes:
+        return self.gpu[task][:size].cpu().numpy().tobytes()
+
+
 class BenchClient:
-    """One GET function per transport, each filling a per-task slot of one buffer pool."""
+    """One GET function per (transport, destination), each filling a per-task slot."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, max_bytes: int, concurrency: int, spin_s: float
+        self,
+        channel: grpc.aio.Channel,
+        max_bytes: int,
+        concurrency: int,
+        spin_s: float,
+        cuda: CudaSlots | None = None,
     ) -> None:
         self._get = channel.unary_unary(_GET)
         self._ucx_get = channel.unary_unary(_UCX_GET)
@@ -303,6 +365,8 @@ class BenchClient:
         self.rma: UcpRma | None = None
         self.pool = BufferPool(max_bytes, concurrency)
         self.slots = [self.pool.try_acquire() for _ in range(concurrency)]
+        self.cuda = cuda
+        self.offsets = [0] * concurrency  # where each task's last GET read from
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
         self.receivers = [
             UcxTransport(UcxWorker(tls, spin_s=spin_s), seed=7) for tls in tls_options
@@ -310,29 +374,55 @@ class BenchClient:
         self._counter = 0
         self.server_pid = 0  # set once the server runs; measure() reads its CPU time
 
-    def request_fn(self, transport: str, size: int) -> Callable[[int], Awaitable[bool]]:
+    def request_fn(
+        self, transport: str, destination: str, size: int
+    ) -> Callable[[int], Awaitable[bool]]:
         if transport == "grpc":
-            return lambda task: self.grpc_get(task, size)
+            return lambda task: self.grpc_get(task, size, destination)
         if transport == RMA:
-            return lambda task: self.rma_get(task, size)
+            return lambda task: self.rma_get(task, size, destination)
         index = list(UCX_TRANSPORTS).index(transport)
-        return lambda task: self.ucx_get(index, task, size)
+        return lambda task: self.ucx_get(index, task, size, destination)
 
-    def _next_offset(self, size: int) -> int:
+    def _next_offset(self, task: int, size: int) -> int:
         self._counter += 1
-        return block_offset(self._counter, size)
+        self.offsets[task] = block_offset(self._counter, size)
+        return self.offsets[task]
 
-    async def grpc_get(self, task: int, size: int) -> bool:
-        data = await self._get(_GET_REQUEST.pack(self._next_offset(size), size))
-        self.slots[task].view[:size] = data
+    def _landing(self, destination: str, task: int, size: int) -> Any:
+        """Where the transport puts a task's bytes: host memory, or the CUDA slot itself."""
+        if destination == HOST:
+            return self.slots[task].view[:size]
+        assert self.cuda is not None
+        if destination == CUDA:
+            return self.cuda.gpu[task][:size]
+        return self.cuda.staging[task][:size]
+
+    async def _landed(self, destination: str, task: int, size: int) -> None:
+        if destination == CUDA_PINNED:
+            assert self.cuda is not None
+            await self.cuda.upload(task, size)
+
+    def received(self, destination: str, task: int, size: int) -> bytes:
+        """The bytes of the task's last GET where they ended up (copied back from the GPU)."""
+        if destination == HOST:
+            return self.slots[task].view[:size].tobytes()
+        assert self.cuda is not None
+        return self.cuda.read_back(task, size)
+
+    async def grpc_get(self, task: int, size: int, destination: str) -> bool:
+        data = await self._get(_GET_REQUEST.pack(self._next_offset(task, size), size))
+        self._landing(destination, task, size)[:] = data
+        await self._landed(destination, task, size)
         return len(data) == size
 
-    async def ucx_get(self, index: int, task: int, size: int) -> bool:
+    async def ucx_get(self, index: int, task: int, size: int, destination: str) -> bool:
         receiver = self.receivers[index]
-        batch = receiver.new_batch([self.slots[task].view[:size]])
-        request = _UCX_REQUEST.pack(batch.tag_base, self._next_offset(size), size, index)
+        batch = receiver.new_batch([self._landing(destination, task, size)])
+        request = _UCX_REQUEST.pack(batch.tag_base, self._next_offset(task, size), size, index)
         await self._ucx_get(request + receiver.address)
         (num_bytes,) = await batch.wait(None, _SEND_TIMEOUT_S)
+        await self._landed(destination, task, size)
         return num_bytes == size
 
     async def connect_rma(self) -> None:
@@ -343,20 +433,26 @@ class BenchClient:
         self.rma = UcpRma()
         self.rma.connect(reply[_RMA_INFO_REPLY.size + rkey_bytes :], rkey)
 
-    async def rma_get(self, task: int, size: int) -> bool:
-        reply = await self._rma_get(_GET_REQUEST.pack(self._next_offset(size), size))
+    async def rma_get(self, task: int, size: int, destination: str) -> bool:
+        reply = await self._rma_get(_GET_REQUEST.pack(self._next_offset(task, size), size))
         (remote_address,) = struct.unpack("<Q", reply)
-        await self.rma.get(self.slots[task].view[:size], remote_address)
+        await self.rma.get(self._landing(destination, task, size), remote_address)
+        await self._landed(destination, task, size)
         return True
 
-    async def check(self, transport: str, size: int, source: np.ndarray) -> None:
-        """One GET per task, each compared with the server's bytes."""
-        get = self.request_fn(transport, size)
-        for task in range(len(self.slots)):
-            offset = block_offset(self._counter + 1, size)
+    async def check(
+        self, transport: str, destination: str, size: int, concurrency: int, source: np.ndarray
+    ) -> None:
+        """One GET per task, all at once, each slot compared with the server's bytes."""
+        get = self.request_fn(transport, destination, size)
+        done = await asyncio.gather(*(get(task) for task in range(concurrency)))
+        for task, ok in enumerate(done):
+            offset = self.offsets[task]
             expected = source[offset : offset + size].tobytes()
-            if not await get(task) or self.slots[task].view[:size] != expected:
-                raise AssertionError(f"{transport} returned wrong bytes for a {size}-byte GET")
+            if not ok or self.received(destination, task, size) != expected:
+                raise AssertionError(
+                    f"{transport} into {destination} returned wrong bytes for a {size}-byte GET"
+                )
 
     async def close(self) -> None:
         for receiver in self.receivers:
@@ -366,38 +462,51 @@ class BenchClient:
 
 
 async def measure(
-    client: BenchClient, transport: str, size: int, concurrency: int, seconds: float
+    client: BenchClient,
+    pair: tuple[str, str],
+    size: int,
+    concurrency: int,
+    seconds: float,
 ) -> Round:
-    get = client.request_fn(transport, size)
+    transport, destination = pair
+    get = client.request_fn(transport, destination, size)
     await run_load(get, concurrency, seconds / 4)  # warm-up
     client_cpu_s, server_cpu_s = time.process_time(), process_cpu_s(client.server_pid)
     latencies_s, num_failed, elapsed_s = await run_load(get, concurrency, seconds)
     client_cpu_s = time.process_time() - client_cpu_s
     server_cpu_s = process_cpu_s(client.server_pid) - server_cpu_s
     if num_failed:
-        raise AssertionError(f"{num_failed} {transport} GETs of {size} bytes came back short")
+        raise AssertionError(
+            f"{num_failed} {transport} GETs of {size} bytes into {destination} came back short"
+        )
     num_bytes = len(latencies_s) * size
     return Round(num_bytes / elapsed_s / 1e9, latencies_s, num_bytes, client_cpu_s, server_cpu_s)
 
 
 async def bench_setting(
-    client: BenchClient, args: argparse.Namespace, size: int, concurrency: int
+    client: BenchClient,
+    args: argparse.Namespace,
+    pairs: list[tuple[str, str]],
+    size: int,
+    concurrency: int,
+    source: np.ndarray,
 ) -> list[Result]:
-    rounds: dict[str, list[Round]] = {t: [] for t in args.transports}
+    for transport, destination in pairs:
+        await client.check(transport, destination, size, concurrency, source)
+    rounds: dict[tuple[str, str], list[Round]] = {pair: [] for pair in pairs}
     for _ in range(args.rounds):
-        for transport in args.transports:
-            rounds[transport].append(
-                await measure(client, transport, size, concurrency, args.seconds)
-            )
-    return [_result(t, size, concurrency, runs) for t, runs in rounds.items()]
+        for pair in pairs:
+            rounds[pair].append(await measure(client, pair, size, concurrency, args.seconds))
+    return [_result(pair, size, concurrency, runs) for pair, runs in rounds.items()]
 
 
-def _result(transport: str, size: int, concurrency: int, runs: list[Round]) -> Result:
+def _result(pair: tuple[str, str], size: int, concurrency: int, runs: list[Round]) -> Result:
     latencies_s = [lat for run in runs for lat in run.latencies_s]
     gb_per_s = [round(run.gb_per_s, 3) for run in runs]
     num_gb = sum(run.num_bytes for run in runs) / 1e9
     return Result(
-        transport=transport,
+        transport=pair[0],
+        destination=pair[1],
         block_bytes=size,
         concurrency=concurrency,
         gb_per_s=round(statistics.median(gb_per_s), 3),
@@ -411,10 +520,13 @@ def _result(transport: str, size: int, concurrency: int, runs: list[Round]) -> R
 
 
 def start_server(spin_us: float) -> tuple[subprocess.Popen[str], int]:
-    cmd = [sys.executable, "-m", "bench.ucx_bench", "--serve", "--spin-us", str(spin_us)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+    port_read, port_write = os.pipe()
+    cmd = [sys.executable, "-m", "bench.ucx_bench", "--serve", str(port_write)]
+    cmd += ["--spin-us", str(spin_us)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(port_write,), text=True)
+    os.close(port_write)  # the server holds the only write end: EOF if it dies
+    with os.fdopen(port_read) as port_file:
+        line = port_file.readline()
     if not line:
         proc.kill()
         raise RuntimeError(f"bench server exited before listening (code {proc.wait()})")
@@ -432,29 +544,60 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
+def cuda_torch() -> tuple[Any, str | None]:
+    """torch, when it is installed and sees a CUDA device; else None and why not."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if not torch.cuda.is_available():
+        return None, f"torch {torch.__version__} sees no CUDA device"
+    return torch, None
+
+
+def plan_pairs(
+    transports: list[str], destinations: list[str], cuda_missing: str | None
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """The (transport, destination) pairs to measure, and a note for each one left out."""
+    skipped = []
+    if cuda_missing is not None and set(destinations) - {HOST}:
+        gone = [d for d in destinations if d != HOST]
+        skipped.append(f"{cuda_missing}: skipping destination {', '.join(gone)}")
+        destinations = [d for d in destinations if d == HOST]
+    pairs = []
+    for transport in transports:
+        for destination in destinations:
+            if destination == CUDA and transport != "ucx":
+                skipped.append(f"{transport} cannot receive into CUDA memory directly: skipped")
+            else:
+                pairs.append((transport, destination))
+    return pairs, skipped
+
+
+async def bench(args: argparse.Namespace, pairs: list[tuple[str, str]], torch: Any) -> list[Result]:
+    """Every size and concurrency, each measuring ``pairs`` interleaved; ``torch`` is None
+    unless a pair has a CUDA destination."""
     proc, port = start_server(args.spin_us)
     results: list[Result] = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as ch:
-            spin_s = args.spin_us / 1e6
-            client = BenchClient(ch, max(args.sizes), max(args.concurrency), spin_s)
+            slot_bytes, num_slots = max(args.sizes), max(args.concurrency)
+            cuda = None if torch is None else CudaSlots(torch, slot_bytes, num_slots)
+            client = BenchClient(ch, slot_bytes, num_slots, args.spin_us / 1e6, cuda)
             client.server_pid = proc.pid
-            if RMA in args.transports:
+            if any(transport == RMA for transport, _ in pairs):
                 await client.connect_rma()
             source = source_buffer()
             for size in args.sizes:
-                for transport in args.transports:
-                    await client.check(transport, size, source)
                 for concurrency in args.concurrency:
-                    results += await bench_setting(client, args, size, concurrency)
+                    results += await bench_setting(client, args, pairs, size, concurrency, source)
             await client.close()
     finally:
         stop_server(proc)
-    return {"settings": _settings(args), "results": [asdict(r) for r in results]}
+    return results
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, skipped: list[str], torch: Any) -> dict[str, Any]:
     return {
         "seconds": args.seconds,
         "rounds": args.rounds,
@@ -463,7 +606,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "load_avg_at_end": os.getloadavg(),
         "ucxx": _ucxx_version(),
+        "gpu": "none" if torch is None else _gpu(torch),
+        "skipped": skipped,
     }
+
+
+def _gpu(torch: Any) -> str:
+    return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
 
 
 def _ucxx_version() -> str:
@@ -476,13 +625,14 @@ def _ucxx_version() -> str:
 
 def results_table(results: list[Result]) -> Table:
     table = Table(title="GET throughput, one client process, one server process")
-    columns = ["transport", "block", "conc", "GB/s (median)", "GB/s rounds", "p50 ms", "p99 ms"]
-    for column in [*columns, "client CPU s/GB", "server CPU s/GB"]:
+    columns = ["transport", "destination", "block", "conc", "GB/s (median)", "GB/s rounds"]
+    for column in [*columns, "p50 ms", "p99 ms", "client CPU s/GB", "server CPU s/GB"]:
         table.add_column(column, justify="right")
     for r in results:
         rounds = " ".join(f"{g:.2f}" for g in r.gb_per_s_rounds)
         table.add_row(
             r.transport,
+            r.destination,
             size_label(r.block_bytes),
             str(r.concurrency),
             f"{r.gb_per_s:.2f}",
@@ -503,6 +653,16 @@ def _transport_list(text: str) -> list[str]:
     return names
 
 
+def _destination_list(text: str) -> list[str]:
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    unknown = set(names) - set(DESTINATIONS)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown destinations {sorted(unknown)}; choose from {', '.join(DESTINATIONS)}"
+        )
+    return names
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
     parser.add_argument(
@@ -512,6 +672,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--concurrency", type=lambda t: [int(c) for c in t.split(",")], default="1,8,32"
     )
     parser.add_argument("--transports", type=_transport_list, default="grpc,ucx,ucx-tcp")
+    parser.add_argument(
+        "--destination",
+        type=_destination_list,
+        default=HOST,
+        help="where the bytes end up: host, cuda (UCX into GPU memory) and/or cuda-pinned "
+        "(pinned host memory, then an H2D copy)",
+    )
     parser.add_argument("--seconds", type=float, default=1.0, help="measured seconds per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per setting")
     parser.add_argument(
@@ -520,21 +687,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SPIN_S * 1e6,
         help="how long an idle UCX worker polls before it sleeps on its epoll fd",
     )
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", type=int, metavar="PORT_FD", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     tune_glibc_malloc()
-    if args.serve:
-        asyncio.run(serve(args.spin_us / 1e6))
+    if args.serve is not None:
+        asyncio.run(serve(args.serve, args.spin_us / 1e6))
         return 0
+    console = Console(width=160)
+    skipped = []
     if not ucx_available():
         args.transports = [t for t in args.transports if t == "grpc"]
-        Console().print("note: ucxx is not installed; measuring gRPC only")
+        skipped.append("ucxx is not installed; measuring gRPC only")
+    torch, cuda_missing = cuda_torch() if set(args.destination) - {HOST} else (None, None)
+    pairs, not_planned = plan_pairs(args.transports, args.destination, cuda_missing)
+    skipped += not_planned
+    if not any(destination != HOST for _, destination in pairs):
+        torch = None  # every CUDA pair was left out: allocate nothing on the GPU
+    if not pairs:
+        skipped.append("no transport and destination left to measure")
+    for note in skipped:
+        console.print(f"note: {note}")
     start_s = time.perf_counter()
-    report = asyncio.run(bench(args))
+    results = asyncio.run(bench(args, pairs, torch)) if pairs else []
+    report = {
+        "settings": _settings(args, skipped, torch),
+        "results": [asdict(r) for r in results],
+    }
     report["settings"]["wall_s"] = round(time.perf_counter() - start_s, 1)
-    Console(width=160).print(results_table([Result(**r) for r in report["results"]]))
+    console.print(results_table(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
