@@ -331,13 +331,13 @@ def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
     for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
-    for name in ["p50 ms", "p99 ms", "lookup ms", "verified", "UCX shards/inline/fallback"]:
+    for name in ["p50 ms", "p99 ms", "lookup ms", "verified", "UCX replies/shards/inline/fallback"]:
         table.add_column(name, justify="right")
     for r in records:
         ucx = r.ucx_counters or {}
         shards = "/".join(
             str(ucx.get(name, "-"))
-            for name in ("num_ucx_shards", "num_inline_shards", "num_fallbacks")
+            for name in ("num_ucx_replies", "num_ucx_shards", "num_inline_shards", "num_fallbacks")
         )
         table.add_row(
             r.transport,

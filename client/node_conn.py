@@ -67,6 +67,7 @@ class NodeConn:
         self.node_id = node.id
         self.address = node.address
         self.tenant = tenant
+        self.token = token
         self.channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
         self.stub = ShardStoreStub(self.channel)
         # GetShards replies carry the shards: parse them without protobuf's copies.

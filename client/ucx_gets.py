@@ -1,11 +1,13 @@
-"""Batched shard gets whose payloads come over UCX: the client half of the node's ucx_get.py.
+"""Batched shard gets asked and answered over UCX: the client half of kvstore/ucx_get.py.
 
 One batch to one node (the keys the batcher coalesced, client/batcher.py)::
 
     key i's slot: its landing (get_into: the shard's place in the caller's block)
                   or a buffer allocated when the payload arrives, of exactly its size
-    GetShards(keys, ucx={address, tag_base})  -> reply: status + 48-byte header per HIT
-    wait(HIT indexes) -> payload i landed in slot i
+    slot len(keys): the reply frame, allocated on arrival
+    request(keys, worker address, tag_base) --UCX-->  node
+    wait(reply) -> status + 48-byte header per HIT sent as a message (small payloads inline)
+    wait(those HITs) -> payload i landed in slot i
     SplitShard(header i, payload i)           -> ShardResultView, as over gRPC
 
 A ``get_into`` passes, for each data shard lying wholly inside its block, a
@@ -19,24 +21,28 @@ shard and plain ``get`` land in buffers allocated at arrival, and the decoder co
 The shard is then verified like any other (ShardCollector runs codec.verify: header, length,
 shard checksum; the codec checks the block checksum), so a UCX fault can lose a shard but never
 return wrong bytes. A payload that does not arrive (node restarted, UCX failed, slot too small)
-is fetched again over gRPC in the same deadline; a node whose answer came without UCX simply
-answered inline. Whether a node is worth asking over UCX is learned from its Health reply (its
-UCX worker address) in the background: until then, and for a node without one, reads use gRPC.
-A failed UCX delivery asks Health again, which also notices a restarted node's new address.
+is fetched again over gRPC in the same deadline, and so is a whole batch whose reply does not
+come (the node then counts as failed: reads rank it last and ask it over gRPC, which notices a
+dead node at once, until it answers again). Whether a node is worth asking over UCX is learned
+from its Health reply (its UCX worker address) in the background: until then, and for a node
+without one, reads use gRPC. A failed UCX read asks Health again, which also notices a
+restarted node's new address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from client.ucx_transport import UcxReceiveBatch, UcxTransport
-from client.wire import ShardResultView
+from client.wire import ShardResultView, parse_get_shards_reply
 from erasure.shard import SplitShard
-from kvstore.errors import KVStoreError
+from kvstore import ucx_get
+from kvstore.errors import CodecError, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -46,15 +52,17 @@ log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_RETRY_S = 5.0  # at most one background Health ask per node this often
+MAX_REPLY_BYTES = 256 << 20  # a reply frame is allocated at its size; this only bounds it
 
 
 @dataclass
 class UcxCounters:
     """What the UCX read path did (monotonic counts, for tests and benchmarks)."""
 
-    num_ucx_shards: int = 0  # shards whose payload arrived over UCX
-    num_inline_shards: int = 0  # HITs a node answered inline although UCX was asked
-    num_fallbacks: int = 0  # payloads that did not arrive and were fetched over gRPC
+    num_ucx_replies: int = 0  # batches asked and answered over UCX
+    num_ucx_shards: int = 0  # shards whose payload arrived as a UCX message of its own
+    num_inline_shards: int = 0  # HITs whose payload came inside the reply (small payloads)
+    num_fallbacks: int = 0  # keys that got no UCX answer and were fetched over gRPC
     num_landed_in_place: int = 0  # payloads UCX wrote straight into a get_into buffer
 
 
@@ -99,11 +107,15 @@ class UcxGets:
         self._background: set[asyncio.Task[None]] = set()
 
     def reachable(self, conn: NodeConn) -> bool:
-        """Whether to ask ``conn``'s node over UCX; learns its address in the background."""
+        """Whether to ask ``conn``'s node over UCX; learns its address in the background.
+
+        A node that failed recently is asked over gRPC, whose connection errors tell at once
+        that it is down (a UCX request to a dead peer is only noticed at the deadline).
+        """
         if self.transport.node_address(conn.node_id) is None:
             self._ask_health_later(conn)
             return False
-        return self.transport.reachable(conn.node_id)
+        return not conn.is_suspect() and self.transport.reachable(conn.node_id)
 
     async def observe(self, conn: NodeConn) -> None:
         """Ask the node's Health for its UCX address and record it (errors: unknown)."""
@@ -124,16 +136,17 @@ class UcxGets:
         landings: list[PayloadLanding | None],
         timeout_s: float,
     ) -> list[ShardResultView]:
-        """One result per key, as :meth:`NodeConn.send_get` gives, newest payloads over UCX;
-        key i's payload lands in ``landings[i]`` when it is given and still open."""
+        """One result per key, as :meth:`NodeConn.send_get` gives, asked and answered over
+        UCX; key i's payload lands in ``landings[i]`` when it is given and still open."""
         deadline_s = time.monotonic() + timeout_s
         in_place = [
             landing if landing is not None and not landing.closed else None for landing in landings
         ]
-        slots = [
+        reply_index = len(keys)  # the reply frame is the message after the payloads
+        slots: list[Any] = [
             self.slot_payload_bytes if landing is None else landing.view for landing in in_place
         ]
-        async with self.transport.new_batch(slots) as batch:
+        async with self.transport.new_batch([*slots, MAX_REPLY_BYTES]) as batch:
             for index, landing in enumerate(in_place):
                 if landing is not None:
                     landing.attach(batch, index)
@@ -141,16 +154,44 @@ class UcxGets:
                 worker_address=self.transport.address, tag_base=batch.tag_base
             )
             request = pb.GetShardsRequest(tenant=conn.tenant, keys=keys, ucx=delivery)
-            results = await conn.send_get(request, timeout_s)
-            hits = [i for i, result in enumerate(results) if result.ucx_header is not None]
-            counts = await batch.wait(hits, max(deadline_s - time.monotonic(), 0.0))
-            self.counters.num_inline_shards += sum(
-                1 for r in results if r.status == pb.HIT and r.ucx_header is None
+            sent = self.transport.send_request(
+                conn.node_id, ucx_get.encode_request(request, conn.token)
             )
-            missing = self._join(batch, results, in_place, hits, counts)
+            sent.add_done_callback(functools.partial(self._cancel_if_failed, batch, reply_index))
+            (reply_bytes,) = await batch.wait([reply_index], _left(deadline_s))
+            if reply_bytes is None:
+                results = None
+            else:
+                conn.health.record_success()
+                results = _parse_reply(conn, batch.received(reply_index, reply_bytes), len(keys))
+                self.counters.num_ucx_replies += 1
+                hits = [i for i, result in enumerate(results) if result.ucx_header is not None]
+                self.counters.num_inline_shards += sum(
+                    1 for r in results if r.status == pb.HIT and r.ucx_header is None
+                )
+                counts = await batch.wait(hits, _left(deadline_s))
+                missing = self._join(batch, results, in_place, hits, counts)
+        if results is None:
+            return await self._fall_back(conn, keys, deadline_s)
         if missing:
             await self._refetch(conn, keys, results, missing, deadline_s)
         return results
+
+    async def _fall_back(
+        self, conn: NodeConn, keys: list[bytes], deadline_s: float
+    ) -> list[ShardResultView]:
+        """No reply over UCX (node gone or restarted, UCX failing): the batch over gRPC.
+
+        The node counts as failed, so reads rank it last and ask it over gRPC (which fails
+        fast for a dead node) until it answers again; Health is asked for its address.
+        """
+        conn.health.record_failure(time.monotonic())
+        self.counters.num_fallbacks += len(keys)
+        log.info("node %s: no UCX reply, reading %d keys over gRPC", conn.node_id, len(keys))
+        self._node_to_next_ask_s.pop(conn.node_id, None)
+        self._ask_health_later(conn)
+        request = pb.GetShardsRequest(tenant=conn.tenant, keys=keys)
+        return await conn.send_get(request, _left(deadline_s))
 
     def _join(
         self,
@@ -198,9 +239,19 @@ class UcxGets:
         self._node_to_next_ask_s.pop(conn.node_id, None)
         self._ask_health_later(conn)
         request = pb.GetShardsRequest(tenant=conn.tenant, keys=[keys[i] for i in missing])
-        retried = await conn.send_get(request, max(deadline_s - time.monotonic(), 0.001))
+        retried = await conn.send_get(request, _left(deadline_s))
         for index, result in zip(missing, retried, strict=True):
             results[index] = result
+
+    def _cancel_if_failed(
+        self, batch: UcxReceiveBatch, index: int, sent: asyncio.Future[None]
+    ) -> None:
+        """A request that could not be sent gets no reply: stop waiting for it at once."""
+        if not sent.cancelled() and sent.exception() is not None:
+            log.info("UCX request not sent: %s", sent.exception())
+            task = asyncio.ensure_future(batch.cancel_one(index))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _ask_health_later(self, conn: NodeConn) -> None:
         now_s = time.monotonic()
@@ -217,3 +268,20 @@ class UcxGets:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.transport.close()
+
+
+def _left(deadline_s: float) -> float:
+    return max(deadline_s - time.monotonic(), 0.001)
+
+
+def _parse_reply(conn: NodeConn, frame: memoryview, num_keys: int) -> list[ShardResultView]:
+    """The results of a reply frame; the node's refusal raised as its KVStoreError."""
+    try:
+        results = parse_get_shards_reply(ucx_get.decode_reply(frame))
+    except ValueError as exc:
+        raise CodecError(f"node {conn.node_id} sent a malformed UCX reply: {exc}") from None
+    if len(results) != num_keys:
+        raise CodecError(
+            f"node {conn.node_id} answered {len(results)} results for {num_keys} keys over UCX"
+        )
+    return results

@@ -1,23 +1,23 @@
-"""Client side of the UCX data path: shard bytes land straight in the client's own buffers.
+"""Client side of the UCX data path: requests to nodes, and shard bytes straight into the
+client's own buffers.
 
-The client registers, for one read from one node, the slot where each message must land
+For one read from one node the client registers the slot where each message must land
 (message i = the payload of the request's key i, e.g. into its place in the destination
-block), then asks the node over gRPC to deliver with the batch's tag base; the shard headers
-come back in the gRPC reply (kvstore/ucx_server.py shows the exchange). UCX moves the bytes:
-over shared memory the client pulls them with one CMA get from the node's memory into the
-slot, so the only copy is the transport's own. The caller still verifies every checksum.
+block; message len(keys) = the node's reply frame), then sends the request over UCX with the
+batch's tag base (kvstore/ucx_get.py has the exchange). UCX moves the bytes: over shared
+memory the client pulls them with one CMA read from the node's memory into the slot, so the
+only copy is the transport's own. The caller still verifies every checksum.
 
 Tags are made here and are unique per client worker: a random 44-bit request counter in the
 high bits and the message index in the low 20 bits (kvstore.ucx_worker.batch_tag).
 
 Nodes are tracked by the worker address each advertises over gRPC: a node that restarts
 comes back with a new address, :meth:`UcxTransport.observe_node` reports the change, and the
-caller drops what it knew about the old process. Whether UCX reaches a node is checked once
-per node process (:meth:`UcxTransport.reachable`). Data endpoints are made and cached on the
-sending side (the node), keyed by this client's worker address, so a client keeps none.
-Failures never surface as wrong bytes: a message that does not arrive in time is reported
-missing (``None``), its receive is cancelled before the slot is handed back, and the caller
-falls back to gRPC or to other nodes.
+caller drops what it knew about the old process, its endpoint included. Whether UCX reaches a
+node is checked once per node process (:meth:`UcxTransport.reachable`), by making the one
+endpoint this client keeps to it. Failures never surface as wrong bytes: a message that does
+not arrive in time is reported missing (``None``), its receive is cancelled before the slot is
+handed back, and the caller falls back to gRPC or to other nodes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.ucx_worker import BATCH_INDEX_BITS, MAX_BATCH_MESSAGES, UcxWorker, batch_tag
+from kvstore.ucx_worker import (
+    BATCH_INDEX_BITS,
+    MAX_BATCH_MESSAGES,
+    REQUEST_TAG,
+    UcxWorker,
+    batch_tag,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +137,7 @@ class UcxTransport:
         self._next_request_id = random.Random(seed).getrandbits(_REQUEST_ID_BITS)
         self._node_to_address: dict[str, bytes] = {}
         self._node_to_reachable: dict[str, bool] = {}
+        self._node_to_endpoint: dict[str, Any] = {}
 
     @property
     def address(self) -> bytes:
@@ -154,8 +161,8 @@ class UcxTransport:
         previous = self._node_to_address.get(node_id)
         if previous == node_address:
             return False
+        self.forget_node(node_id)
         self._node_to_address[node_id] = node_address
-        self._node_to_reachable.pop(node_id, None)
         if previous is not None:
             logger.info("node %s has a new UCX worker address: it restarted", node_id)
         return previous is not None
@@ -171,8 +178,15 @@ class UcxTransport:
         if address is None:
             return False
         if node_id not in self._node_to_reachable:
-            self._node_to_reachable[node_id] = self._probe(node_id, address)
+            self._node_to_reachable[node_id] = self._connect(node_id, address)
         return self._node_to_reachable[node_id]
+
+    def send_request(self, node_id: str, frame: bytes) -> asyncio.Future[None]:
+        """Send a request frame (kvstore/ucx_get.py) to a node :meth:`reachable` approved."""
+        endpoint = self._node_to_endpoint.get(node_id)
+        if endpoint is None:
+            raise Unavailable(f"node {node_id} is not reachable over UCX")
+        return self.worker.send(endpoint, REQUEST_TAG, frame)
 
     def node_address(self, node_id: str) -> bytes | None:
         """The UCX address last seen for ``node_id``, or None if it has none."""
@@ -182,17 +196,22 @@ class UcxTransport:
         """Stop using UCX for ``node_id`` until it advertises an address again."""
         self._node_to_address.pop(node_id, None)
         self._node_to_reachable.pop(node_id, None)
+        endpoint = self._node_to_endpoint.pop(node_id, None)
+        if endpoint is not None:
+            endpoint.close()  # never wait for a peer that may be gone
 
-    def _probe(self, node_id: str, address: bytes) -> bool:
-        """Make (and close at once) an endpoint: UCX checks for a common transport."""
+    def _connect(self, node_id: str, address: bytes) -> bool:
+        """Make the node's endpoint; UCX fails it when no transport of ours reaches it."""
         try:
-            self.worker.connect(address).close()
+            self._node_to_endpoint[node_id] = self.worker.connect(address)
         except (InvalidArgument, Unavailable) as exc:
             logger.info("node %s is not reachable over UCX, reads use gRPC: %s", node_id, exc)
             return False
         return True
 
     async def close(self) -> None:
+        for node_id in list(self._node_to_endpoint):
+            self.forget_node(node_id)
         await self.worker.close()
 
 

@@ -21,14 +21,16 @@ from kvstore.shard_reader import GetResult
 _RESULT_TAG, _STATUS_TAG, _SHARD_TAG, _UCX_HEADER_TAG = b"\x0a", b"\x08", b"\x12", b"\x1a"
 
 
-def encode_get_shards_reply(results: Sequence[GetResult], *, ucx_header: bool = False) -> bytes:
-    """A serialized GetShardsReply; with ``ucx_header`` HITs send their newest shard's header
-    in place of the shard (its payload goes over UCX)."""
+def encode_get_shards_reply(
+    results: Sequence[GetResult], over_ucx: Sequence[bool] | None = None
+) -> bytes:
+    """A serialized GetShardsReply; a HIT whose ``over_ucx`` entry is true sends its newest
+    shard's header in place of the shard (its payload goes over UCX)."""
     parts: list[bytes] = []
-    for result in results:
+    for index, result in enumerate(results):
         fields = [_STATUS_TAG + _varint(int(result.status))] if result.status else []
         shards = list(result.shards)
-        if ucx_header and result.status == pb.HIT and shards:
+        if over_ucx is not None and over_ucx[index] and result.status == pb.HIT and shards:
             newest = shards.pop(0)
             fields.append(_UCX_HEADER_TAG + _varint(HEADER_BYTES) + newest[:HEADER_BYTES])
         for shard in shards:

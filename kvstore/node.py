@@ -53,6 +53,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvstore import ucx_get
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, to_grpc_status
 from kvstore.get_reply import encode_get_shards_reply
@@ -60,9 +61,8 @@ from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
 from kvstore.shard_store import GetResult, ShardStore, StoreStats
-from kvstore.ucx_get import serve_get_over_ucx
 from kvstore.ucx_server import UcxServer
-from kvstore.ucx_worker import ucx_available
+from kvstore.ucx_worker import REQUEST_TAG, ucx_available
 from ttl.clock import make_clock
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ MESSAGE_SLACK_BYTES = 1 << 20
 # Gets of at most this many keys run on the event loop (see the module docstring): with
 # 410 KiB shards that is under 2 MB of page-cache reads, a few hundred microseconds at most.
 INLINE_GET_MAX_KEYS = 4
+# A UCX read request this small (a few keys) is answered in the worker's callback.
+UCX_INLINE_REQUEST_BYTES = 512
 NUM_WORKER_THREADS = 8
 STOP_GRACE_S = 5.0
 SERVICE_NAME = "kvstore.v1.ShardStore"
@@ -104,6 +106,9 @@ class NodeServicer:
         self._metrics = metrics
         self._executor = executor
         self._delay_s = node.inject_delay_ms / 1000.0
+        self._ucx_tasks: set[asyncio.Task[None]] = set()
+        if ucx is not None:
+            ucx.worker.listen(REQUEST_TAG, self._on_ucx_request, ucx_get.MAX_REQUEST_BYTES)
         self._unary = {
             "PutShards": (pb.PutShardsRequest, self._put, True),
             "GetShards": (pb.GetShardsRequest, self._get, True),
@@ -182,23 +187,25 @@ class NodeServicer:
                 self._executor, _parse_and_call, request_type, handler, raw
             )
         request = _parse(request_type, raw)  # a get request holds keys only: cheap to parse
-        if self._ucx is not None and request.HasField("ucx"):
-            return await self._get_over_ucx(self._ucx, request)
         if len(request.keys) <= INLINE_GET_MAX_KEYS:
             return handler(request)
         return await loop.run_in_executor(self._executor, handler, request)
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        token = self._node.auth_token
-        if not token:
+        if not self._node.auth_token:
             return
         metadata = dict(context.invocation_metadata() or ())
-        offered = metadata.get("authorization", "")
-        if not hmac.compare_digest(str(offered).encode(), f"Bearer {token}".encode()):
+        offered = str(metadata.get("authorization", ""))
+        if not offered.startswith("Bearer ") or not self._token_matches(offered[7:]):
             raise PermissionDenied(
                 "missing or wrong token: send metadata ('authorization', 'Bearer <token>') "
                 "with the token of this cluster"
             )
+
+    def _token_matches(self, offered: str) -> bool:
+        """Whether ``offered`` is the cluster's token (always true when it has none)."""
+        token = self._node.auth_token
+        return not token or hmac.compare_digest(offered.encode(), token.encode())
 
     def _put(self, request: pb.PutShardsRequest) -> pb.PutShardsReply:
         items = [(s.key, s.shard) for s in request.shards]
@@ -210,18 +217,55 @@ class NodeServicer:
         """The serialized GetShardsReply (encoded here: one copy of each shard)."""
         return encode_get_shards_reply(self._lookup(request))
 
-    async def _get_over_ucx(self, ucx: UcxServer, request: pb.GetShardsRequest) -> bytes:
-        """Payloads over UCX, headers in the reply (kvstore/ucx_get.py); inline if UCX fails.
+    def _on_ucx_request(self, frame: memoryview) -> None:
+        """A read request that came over UCX (kvstore/ucx_get.py): answered over UCX.
 
-        The lookup runs like a plain get's; UCX posts run on the loop (the worker's thread).
+        Called by the UCX worker's progress loop; a small get is answered right here,
+        anything that waits (the straggler delay, a large batch) in a task of its own.
         """
-        if len(request.keys) <= INLINE_GET_MAX_KEYS:
-            results = self._lookup(request)
+        if self._delay_s or len(frame) > UCX_INLINE_REQUEST_BYTES:
+            task = asyncio.ensure_future(self._serve_ucx_request(bytes(frame)))
+            self._ucx_tasks.add(task)
+            task.add_done_callback(self._ucx_tasks.discard)
         else:
-            loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(self._executor, self._lookup, request)
-        reply = serve_get_over_ucx(ucx, request.ucx, results)
-        return reply if reply is not None else encode_get_shards_reply(results)
+            self._answer_ucx_request(frame, None)
+
+    async def _serve_ucx_request(self, frame: bytes) -> None:
+        if self._delay_s:
+            await asyncio.sleep(self._delay_s)
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self._executor, self._ucx_lookup, frame)
+        self._answer_ucx_request(frame, results)
+
+    def _ucx_lookup(self, frame: bytes) -> list[GetResult] | None:
+        try:
+            return self._lookup(ucx_get.decode_request(frame)[1])
+        except KVStoreError:
+            return None  # _answer_ucx_request decodes again and refuses with the error
+
+    def _answer_ucx_request(
+        self, frame: bytes | memoryview, results: list[GetResult] | None
+    ) -> None:
+        """Check, look up (unless ``results`` are given) and answer one UCX read request."""
+        assert self._ucx is not None
+        start_s = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            token, request = ucx_get.decode_request(frame)
+        except InvalidArgument as exc:
+            log.warning("dropping a malformed UCX request: %s", exc)
+            self._metrics.observe("GetShardsUcx", exc.status_code, time.perf_counter() - start_s)
+            return
+        try:
+            if not self._token_matches(token):
+                raise PermissionDenied("missing or wrong token in a UCX read request")
+            if results is None:
+                results = self._lookup(request)
+            ucx_get.answer(self._ucx, request.ucx, results)
+        except KVStoreError as exc:
+            code = exc.status_code
+            ucx_get.refuse(self._ucx, request.ucx, len(request.keys), exc)
+        self._metrics.observe("GetShardsUcx", code, time.perf_counter() - start_s)
 
     def _lookup(self, request: pb.GetShardsRequest) -> list[GetResult]:
         self._metrics.get_keys.inc(len(request.keys))

@@ -1,27 +1,27 @@
 """Node side of the UCX data path: send shard bytes from the memory that holds them.
 
-gRPC stays the control plane; only shard payloads of reads travel over UCX. One read::
+A node's UCX worker listens for read requests (kvstore/ucx_get.py has the frames and the
+exchange) and answers each with messages to the asking client's worker::
 
     client                                     node
     ------                                     ----
     batch = transport.new_batch(slots)         (slot i: where key i's payload must land)
-    GetShards(keys, ucx={worker_address,
-              tag_base})  ----- gRPC ----->    look up the shards; for each HIT pin its
-                                               segment and post its payload:
+    request(keys, worker_address, tag_base)
+                          ----- UCX ------>    look up the shards, then
                                                UcxServer.post(worker_address, tag_base,
-                                               payloads) sends payload i with tag_base + i
-                          <---- gRPC ------    reply at once: status and the 48-byte shard
-                                               header per key (version, lengths, checksum)
-                          <---- UCX -------    the client pulls each payload straight from
-    batch.wait(hit indexes) -> byte counts     the node's memory into slot i (CMA get);
-    verify shard checksums, decode             the post's future is done, the node unpins
+                                               [payloads..., reply]) sends payload i with
+                          <---- UCX -------    tag_base + i, straight from the bytes it read,
+    batch.wait(...) -> byte counts             and the reply (headers) after them; over shared
+    verify shard checksums, decode             memory the client pulls each payload with a CMA
+                                               read; once the client took every message the
+                                               post's future is done and the bytes are freed
 
 A MISS or a segment freed by expiry is reported in the reply and nothing is sent for it; the
 node keeps what it sends from alive until the post's future is done. Endpoints to clients
 are made from the client's worker address in the request and cached; an endpoint whose send
 fails or times out (client gone, or it gave up on us) is dropped, and the next request from
-that address makes a new one. If :meth:`UcxServer.post` raises (malformed or unreachable address),
-the node answers with the shards inline, as without UCX.
+that address makes a new one. If :meth:`UcxServer.post` raises (malformed or unreachable
+address) the node cannot answer; the client times out and reads over gRPC.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 from client import KVClient
 from deploy.local_cluster import LocalCluster
 from kvstore.errors import PermissionDenied
+from kvstore.ucx_worker import ucx_available
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(16))
@@ -40,3 +41,17 @@ async def test_right_token_works_wrong_or_missing_token_is_refused(cluster: Loca
                 await kv.delete([KEY])
     async with KVClient.connect(toml, tenant="acme", token="s3cret") as kv:
         assert await kv.get(KEY) == b"secret block", "a refused client changed stored data"
+
+
+@pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+async def test_reads_over_ucx_check_the_token_too(cluster: LocalCluster) -> None:
+    toml: Path = cluster.cluster_toml
+    async with KVClient.connect(toml, tenant="acme", token="s3cret") as kv:
+        await kv.put(KEY, b"secret block over ucx")
+    async with KVClient.connect(toml, tenant="acme", token="s3cret", transport="ucx") as kv:
+        assert await kv.get(KEY) == b"secret block over ucx"
+        assert kv.ucx is not None and kv.ucx.counters.num_ucx_replies > 0, "read not over UCX"
+    for token in (None, "wrong"):
+        async with KVClient.connect(toml, tenant="acme", token=token, transport="ucx") as kv:
+            with pytest.raises(PermissionDenied):
+                await kv.get(KEY)
