@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -71,8 +72,6 @@ MESSAGE_SLACK_BYTES = 1 << 20
 # Gets of at most this many keys run on the event loop (see the module docstring): with
 # 410 KiB shards that is under 2 MB of page-cache reads, a few hundred microseconds at most.
 INLINE_GET_MAX_KEYS = 4
-# A UCX read request this small (a few keys) is answered in the worker's callback.
-UCX_INLINE_REQUEST_BYTES = 512
 NUM_WORKER_THREADS = 8
 STOP_GRACE_S = 5.0
 SERVICE_NAME = "kvstore.v1.ShardStore"
@@ -220,42 +219,47 @@ class NodeServicer:
     def _on_ucx_request(self, frame: memoryview) -> None:
         """A read request that came over UCX (kvstore/ucx_get.py): answered over UCX.
 
-        Called by the UCX worker's progress loop; a small get is answered right here,
-        anything that waits (the straggler delay, a large batch) in a task of its own.
+        Called by the UCX worker's progress loop. As over gRPC, a get of a few keys is
+        looked up right here; the straggler delay and larger batches (lookup in the pool)
+        run in a task of their own.
         """
-        if self._delay_s or len(frame) > UCX_INLINE_REQUEST_BYTES:
-            task = asyncio.ensure_future(self._serve_ucx_request(bytes(frame)))
+        start_s = time.perf_counter()
+        try:
+            token, request = ucx_get.decode_request(frame)
+        except InvalidArgument as exc:  # no reply address to refuse it to
+            log.warning("dropping a malformed UCX read request: %s", exc)
+            self._metrics.observe("GetShardsUcx", exc.status_code, time.perf_counter() - start_s)
+            return
+        if self._delay_s or len(request.keys) > INLINE_GET_MAX_KEYS:
+            task = asyncio.ensure_future(self._serve_ucx_request(token, request, start_s))
             self._ucx_tasks.add(task)
             task.add_done_callback(self._ucx_tasks.discard)
         else:
-            self._answer_ucx_request(frame, None)
+            self._answer_ucx_request(token, request, None, start_s)
 
-    async def _serve_ucx_request(self, frame: bytes) -> None:
+    async def _serve_ucx_request(
+        self, token: str, request: pb.GetShardsRequest, start_s: float
+    ) -> None:
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
-        loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, self._ucx_lookup, frame)
-        self._answer_ucx_request(frame, results)
-
-    def _ucx_lookup(self, frame: bytes) -> list[GetResult] | None:
-        try:
-            return self._lookup(ucx_get.decode_request(frame)[1])
-        except KVStoreError:
-            return None  # _answer_ucx_request decodes again and refuses with the error
+        results = None
+        # A lookup that fails here is repeated below, where its error is sent back.
+        with contextlib.suppress(KVStoreError):
+            if self._token_matches(token):
+                loop = asyncio.get_running_loop()
+                results = await loop.run_in_executor(self._executor, self._lookup, request)
+        self._answer_ucx_request(token, request, results, start_s)
 
     def _answer_ucx_request(
-        self, frame: bytes | memoryview, results: list[GetResult] | None
+        self,
+        token: str,
+        request: pb.GetShardsRequest,
+        results: list[GetResult] | None,
+        start_s: float,
     ) -> None:
-        """Check, look up (unless ``results`` are given) and answer one UCX read request."""
+        """Check the token, look up (unless ``results`` are given) and answer over UCX."""
         assert self._ucx is not None
-        start_s = time.perf_counter()
         code = grpc.StatusCode.OK
-        try:
-            token, request = ucx_get.decode_request(frame)
-        except InvalidArgument as exc:
-            log.warning("dropping a malformed UCX request: %s", exc)
-            self._metrics.observe("GetShardsUcx", exc.status_code, time.perf_counter() - start_s)
-            return
         try:
             if not self._token_matches(token):
                 raise PermissionDenied("missing or wrong token in a UCX read request")
