@@ -117,8 +117,11 @@ class BlockRead:
         }
 
     async def _close_landings(self) -> None:
-        for landing in self.landings.values():
-            await landing.close()
+        """Close every landing, to the end even if this read is cancelled meanwhile (a
+        timeout): a receive left open could write into ``out`` after the read returned."""
+        if self.landings:
+            closes = asyncio.gather(*(landing.close() for landing in self.landings.values()))
+            await _finish_despite_cancel(closes)
 
     def _plan(self) -> ReadPlan:
         now_suspect = [conn.is_suspect() for conn in self.conns]
@@ -177,3 +180,16 @@ class BlockRead:
         for future in self.pending:
             future.cancel()
         self.pending.clear()
+
+
+async def _finish_despite_cancel(future: asyncio.Future[Any]) -> None:
+    """Wait for ``future`` to finish; a cancel of this task meanwhile is raised after that."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    future.result()
+    if cancelled is not None:
+        raise cancelled

@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from client.ucx_transport import UcxReceiveBatch, UcxTransport
 from client.wire import ShardResultView, parse_get_shards_reply
-from erasure.shard import SplitShard
+from erasure.shard import HEADER_BYTES, SplitShard
 from kvstore import ucx_get
-from kvstore.errors import CodecError, KVStoreError
+from kvstore.errors import CodecError, KVStoreError, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_RETRY_S = 5.0  # at most one background Health ask per node this often
 MAX_REPLY_BYTES = 256 << 20  # a reply frame is allocated at its size; this only bounds it
+UCX_WAIT_SHARE = 0.5  # of the time left that a UCX wait may use (the rest is for gRPC)
+UCX_RETRY_S = 10.0  # a node that left a UCX request unanswered is read over gRPC this long
 
 
 @dataclass
@@ -92,8 +94,8 @@ class PayloadLanding:
         self.closed = True
         if self._receive is not None:
             batch, index = self._receive
-            self._receive = None
             await batch.cancel_one(index)
+            self._receive = None  # only now: a close cut short by a cancel must be redone
 
 
 class UcxGets:
@@ -104,16 +106,20 @@ class UcxGets:
         self.slot_payload_bytes = slot_payload_bytes  # the largest shard payload a block has
         self.counters = UcxCounters()
         self._node_to_next_ask_s: dict[str, float] = {}
+        self._node_to_ucx_retry_s: dict[str, float] = {}  # no UCX reply came: gRPC until then
         self._background: set[asyncio.Task[None]] = set()
 
     def reachable(self, conn: NodeConn) -> bool:
         """Whether to ask ``conn``'s node over UCX; learns its address in the background.
 
-        A node that failed recently is asked over gRPC, whose connection errors tell at once
-        that it is down (a UCX request to a dead peer is only noticed at the deadline).
+        A node that failed recently (gRPC) or left a UCX request unanswered is asked over
+        gRPC, whose connection errors tell at once that a node is down (a UCX request to a
+        dead peer is only noticed when its wait ends).
         """
         if self.transport.node_address(conn.node_id) is None:
             self._ask_health_later(conn)
+            return False
+        if time.monotonic() < self._node_to_ucx_retry_s.get(conn.node_id, 0.0):
             return False
         return not conn.is_suspect() and self.transport.reachable(conn.node_id)
 
@@ -154,11 +160,17 @@ class UcxGets:
                 worker_address=self.transport.address, tag_base=batch.tag_base
             )
             request = pb.GetShardsRequest(tenant=conn.tenant, keys=keys, ucx=delivery)
-            sent = self.transport.send_request(
-                conn.node_id, ucx_get.encode_request(request, conn.token)
-            )
-            sent.add_done_callback(functools.partial(self._cancel_if_failed, batch, reply_index))
-            (reply_bytes,) = await batch.wait([reply_index], _left(deadline_s))
+            frame = ucx_get.encode_request(request, conn.token)
+            try:
+                sent = self.transport.send_request(conn.node_id, frame)
+            except Unavailable as exc:
+                log.info("node %s: UCX request not sent: %s", conn.node_id, exc)
+                reply_bytes = None
+            else:
+                sent.add_done_callback(
+                    functools.partial(self._cancel_if_failed, batch, reply_index)
+                )
+                (reply_bytes,) = await batch.wait([reply_index], _ucx_share(deadline_s))
             if reply_bytes is None:
                 results = None
             else:
@@ -169,7 +181,7 @@ class UcxGets:
                 self.counters.num_inline_shards += sum(
                     1 for r in results if r.status == pb.HIT and r.ucx_header is None
                 )
-                counts = await batch.wait(hits, _left(deadline_s))
+                counts = await batch.wait(hits, _ucx_share(deadline_s))
                 missing = self._join(batch, results, in_place, hits, counts)
         if results is None:
             return await self._fall_back(conn, keys, deadline_s)
@@ -182,10 +194,10 @@ class UcxGets:
     ) -> list[ShardResultView]:
         """No reply over UCX (node gone or restarted, UCX failing): the batch over gRPC.
 
-        The node counts as failed, so reads rank it last and ask it over gRPC (which fails
-        fast for a dead node) until it answers again; Health is asked for its address.
+        The node is read over gRPC for UCX_RETRY_S (which also fails fast for a dead node,
+        and ranks it last), and Health is asked for its address (a restart changes it).
         """
-        conn.health.record_failure(time.monotonic())
+        self._node_to_ucx_retry_s[conn.node_id] = time.monotonic() + UCX_RETRY_S
         self.counters.num_fallbacks += len(keys)
         log.info("node %s: no UCX reply, reading %d keys over gRPC", conn.node_id, len(keys))
         self._node_to_next_ask_s.pop(conn.node_id, None)
@@ -274,6 +286,11 @@ def _left(deadline_s: float) -> float:
     return max(deadline_s - time.monotonic(), 0.001)
 
 
+def _ucx_share(deadline_s: float) -> float:
+    """How long a UCX wait may take: half the time left, so a gRPC retry has the rest."""
+    return _left(deadline_s) * UCX_WAIT_SHARE
+
+
 def _parse_reply(conn: NodeConn, frame: memoryview, num_keys: int) -> list[ShardResultView]:
     """The results of a reply frame; the node's refusal raised as its KVStoreError."""
     try:
@@ -284,4 +301,6 @@ def _parse_reply(conn: NodeConn, frame: memoryview, num_keys: int) -> list[Shard
         raise CodecError(
             f"node {conn.node_id} answered {len(results)} results for {num_keys} keys over UCX"
         )
+    if any(r.ucx_header is not None and len(r.ucx_header) != HEADER_BYTES for r in results):
+        raise CodecError(f"node {conn.node_id} sent a shard header that is not {HEADER_BYTES} B")
     return results

@@ -104,8 +104,7 @@ class UcxReceiveBatch:
     async def cancel_one(self, index: int) -> None:
         """Cancel message ``index``'s receive unless it was delivered; afterwards nothing
         writes into its slot."""
-        future = self._futures.get(index)
-        if future is not None and not future.done():
+        if index in self._futures:  # the worker waits for a transfer still in progress
             await self._worker.cancel(batch_tag(self.tag_base, index))
 
     async def cancel(self) -> None:

@@ -266,9 +266,13 @@ class NodeServicer:
             if results is None:
                 results = self._lookup(request)
             ucx_get.answer(self._ucx, request.ucx, results)
-        except KVStoreError as exc:
-            code = exc.status_code
-            ucx_get.refuse(self._ucx, request.ucx, len(request.keys), exc)
+        except Exception as exc:  # the client hears of every failure at once, as over gRPC
+            error = exc if isinstance(exc, KVStoreError) else None
+            if error is None:
+                log.exception("UCX read request failed")
+                error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
+            code = error.status_code
+            ucx_get.refuse(self._ucx, request.ucx, len(request.keys), error)
         self._metrics.observe("GetShardsUcx", code, time.perf_counter() - start_s)
 
     def _lookup(self, request: pb.GetShardsRequest) -> list[GetResult]:

@@ -95,6 +95,7 @@ _TOMBSTONE_BYTES = 1  # a receive this small truncates any real message: nothing
 # The tag of read requests sent to a node (kvstore/ucx_get.py). Client batch tags live on
 # client workers, so they never meet it.
 REQUEST_TAG = MAX_TAG
+_RESTART_PROGRESS_S = 1.0  # after progress failed, while listeners wait for messages
 DEFAULT_SPIN_S = 0.0  # polling before sleeping on the epoll fd (see Progress above)
 
 
@@ -311,6 +312,8 @@ class UcxWorker:
             raise Unavailable("this UCX worker is closed; create a new one")
 
     def _wake(self) -> None:
+        if self._closed:
+            return
         if self._wakeup is not None:
             _set_once(self._wakeup)
         if self._task is None or self._task.done():
@@ -333,6 +336,8 @@ class UcxWorker:
         except Exception as exc:
             logger.exception("UCX progress failed; failing every pending transfer")
             self._fail_all(Unavailable(f"UCX progress failed: {type(exc).__name__}: {exc}"))
+            if self._listeners and not self._closed:  # a node must keep hearing requests
+                asyncio.get_running_loop().call_later(_RESTART_PROGRESS_S, self._wake)
 
     async def _progress_until_idle(self) -> None:
         """The hot path: progress, match arrivals, resolve completions, yield; sleep if idle."""
@@ -344,10 +349,10 @@ class UcxWorker:
             now_s = time.monotonic()
             if active:
                 last_active_s = now_s
+            self._expire_abandoned(now_s)  # stops at the first tag still in its grace period
             if active or now_s - last_active_s < self._spin_s:
                 await asyncio.sleep(0)
             else:
-                self._expire_abandoned(now_s)
                 await self._wait_for_event()
 
     async def _wait_for_event(self) -> None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
+from client.ucx_gets import PayloadLanding
 from client.ucx_transport import UcxTransport
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.ucx_server import UcxServer
@@ -223,3 +224,42 @@ def test_tag_bases_are_unique_per_client() -> None:
     tag_bases = asyncio.run(bases())
     assert len(set(tag_bases)) == len(tag_bases), "tag bases repeat: replies could cross"
     assert all(b % MAX_BATCH_MESSAGES == 0 for b in tag_bases)
+
+
+class _TransferInProgress:
+    """Stands in for a ucxx receive request that UCX is still writing into its buffer."""
+
+    completed = False
+
+    def check_error(self) -> None:
+        pass
+
+
+async def test_a_landing_closes_only_once_no_transfer_can_write_into_it() -> None:
+    """A get_into buffer must not be handed back while UCX may still write into it: not
+    when another waiter cancelled the receive first, nor when a close is itself cut short."""
+    client = UcxTransport(seed=3)
+    try:
+        for first_closer in ("batch", "timed-out close"):
+            out = bytearray(100)
+            landing = PayloadLanding(memoryview(out)[:50], 0)
+            batch = client.new_batch([landing.view, 10])
+            landing.attach(batch, 0)
+            tag = batch_tag(batch.tag_base, 0)
+            receive = client.worker._expected.pop(tag)  # as _match does when it arrives
+            receive.request, receive.num_bytes = _TransferInProgress(), 50
+            client.worker._matched[tag] = receive
+            if first_closer == "batch":
+                other = asyncio.ensure_future(batch.cancel())
+            else:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(landing.close(), 0.05)
+                other = asyncio.ensure_future(asyncio.sleep(0))
+            with pytest.raises(TimeoutError):  # the transfer is still writing into `out`
+                await asyncio.wait_for(asyncio.shield(landing.close()), 0.1)
+            receive.request.completed = True  # the transfer ends; the worker reaps it
+            await asyncio.wait_for(landing.close(), 5)
+            await other
+            assert tag not in client.worker._matched, f"{first_closer}: receive still live"
+    finally:
+        await client.close()
