@@ -237,6 +237,12 @@ class NodeServicer:
         else:
             self._answer_ucx_request(token, request, None, start_s)
 
+    async def cancel_ucx_requests(self) -> None:
+        """Stop the UCX reads still being answered (their clients fall back to gRPC)."""
+        for task in self._ucx_tasks:
+            task.cancel()
+        await asyncio.gather(*self._ucx_tasks, return_exceptions=True)
+
     async def _serve_ucx_request(
         self, token: str, request: pb.GetShardsRequest, start_s: float
     ) -> None:
@@ -383,7 +389,8 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
         server = grpc.aio.server(options=_server_options(node))
         ucx = _start_ucx(node)
-        NodeServicer(store, node, cluster.epoch, metrics, executor, ucx).register(server)
+        servicer = NodeServicer(store, node, cluster.epoch, metrics, executor, ucx)
+        servicer.register(server)
         server.add_insecure_port(node.address)
         await server.start()
         if node.metrics_port:
@@ -398,7 +405,8 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         scrub.cancel()
         await server.stop(STOP_GRACE_S)
         if ucx is not None:
-            await ucx.close()
+            await ucx.close()  # no more UCX requests come in
+            await servicer.cancel_ucx_requests()  # before the store closes under them
     finally:
         metrics.close()
         await loop.run_in_executor(executor, store.close)
