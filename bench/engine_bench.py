@@ -55,7 +55,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
+from engine_adapter.config import EngineConfig, add_store_transport_argument
 from engine_adapter.engine import Engine, PrefillResult, Sequence
 from engine_adapter.loader import load_model
 
@@ -376,12 +376,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="always: measure the swap-in (default); cost: let the cost model choose",
     )
     parser.add_argument("--fetch-deadline-s", type=float, default=10.0)
-    parser.add_argument(
-        "--store-transport",
-        choices=STORE_TRANSPORTS,
-        default="grpc",
-        help="how fetched KV blocks travel from the store (README, 'UCX data path')",
-    )
+    add_store_transport_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speedups")
 

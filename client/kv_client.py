@@ -35,7 +35,7 @@ from client.ucx_gets import UcxGets
 from client.ucx_transport import UcxTransport
 from client.write_path import WriteCounters, write_block
 from erasure.codec import byte_view, make_codec
-from kvstore.config import ClusterConfig, load_cluster
+from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
@@ -45,7 +45,7 @@ from ttl.clock import Clock, make_clock
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
-TRANSPORTS = ("auto", "grpc", "ucx")
+TRANSPORTS = READ_TRANSPORTS
 
 
 class KVClient:

@@ -8,13 +8,25 @@ shape) for benchmarks.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from kvstore.config import READ_TRANSPORTS
+
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
-# KVClient.connect's transports (client/kv_client.py); kept here so config stays import-light.
-STORE_TRANSPORTS = ("grpc", "auto", "ucx")
+STORE_TRANSPORTS = READ_TRANSPORTS  # KVClient.connect's transports
+
+
+def add_store_transport_argument(parser: argparse.ArgumentParser) -> None:
+    """``--store-transport``: how the engine's fetched KV blocks travel from the store."""
+    parser.add_argument(
+        "--store-transport",
+        choices=STORE_TRANSPORTS,
+        default="grpc",
+        help="how fetched KV blocks travel from the store (README, 'UCX data path')",
+    )
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter.config import STORE_TRANSPORTS
+from engine_adapter.config import add_store_transport_argument
 from engine_adapter.router import Completion, Router
 from engine_adapter.serve import WorkerPool, cancel_on_signals, sigterm_as_interrupt
 from kvstore.errors import KVStoreError
@@ -273,12 +273,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, random:<size>, .gguf, dir")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
-    parser.add_argument(
-        "--store-transport",
-        choices=STORE_TRANSPORTS,
-        default="grpc",
-        help="how workers fetch KV blocks from the store (README, 'UCX data path')",
-    )
+    add_store_transport_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

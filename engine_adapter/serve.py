@@ -43,7 +43,7 @@ from pathlib import Path
 import grpc
 
 from engine_adapter import serving_pb2_grpc as pb_grpc
-from engine_adapter.config import STORE_TRANSPORTS
+from engine_adapter.config import add_store_transport_argument
 from engine_adapter.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
 from kvstore.errors import InvalidArgument, Unavailable
 
@@ -329,12 +329,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="cost",
         help="prefill: fetch cached blocks when faster than computing (cost) or always",
     )
-    parser.add_argument(
-        "--store-transport",
-        choices=STORE_TRANSPORTS,
-        default="grpc",
-        help="how workers fetch KV blocks from the store (README, 'UCX data path')",
-    )
+    add_store_transport_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,7 +48,7 @@ import torch
 
 from engine_adapter import serving_pb2 as pb
 from engine_adapter import serving_pb2_grpc as pb_grpc
-from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
+from engine_adapter.config import EngineConfig, add_store_transport_argument
 from engine_adapter.connector import FetchOutcome
 from engine_adapter.engine import Engine, PrefillResult, Sampler
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
@@ -472,12 +472,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="cost",
         help="prefill: fetch cached blocks when faster than computing them (cost) or always",
     )
-    parser.add_argument(
-        "--store-transport",
-        choices=STORE_TRANSPORTS,
-        default="grpc",
-        help="how fetched KV blocks travel from the store (README, 'UCX data path')",
-    )
+    add_store_transport_argument(parser)
     parser.add_argument(
         "--inject-delay-ms", type=float, default=0.0, help="tests: slow requests and tokens"
     )

@@ -81,6 +81,10 @@ class CodecConfig:
         return self.k + self.m
 
 
+# How a client's reads travel (KVClient.connect's transport; README, "UCX data path").
+READ_TRANSPORTS = ("grpc", "auto", "ucx")
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     read_fanout: int = 11
