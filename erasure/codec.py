@@ -343,8 +343,13 @@ class Codec:
 
 
 def _same_memory(a: memoryview, b: memoryview) -> bool:
-    """Whether two equally long views cover the same bytes (nothing to copy)."""
-    return not a.readonly and buffer_address(a) == buffer_address(b)
+    """Whether two equally long views cover the same bytes (nothing to copy).
+
+    Views of different exporters are taken as apart without reading addresses: at worst a
+    piece is copied onto itself, which is correct, and the usual case (a piece from a gRPC
+    reply) costs no ctypes calls.
+    """
+    return a.obj is b.obj and not a.readonly and buffer_address(a) == buffer_address(b)
 
 
 def make_codec(config: CodecConfig) -> Codec:

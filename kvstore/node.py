@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import hmac
 import logging
@@ -248,27 +247,31 @@ class NodeServicer:
     ) -> None:
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
-        results = None
-        # A lookup that fails here is repeated below, where its error is sent back.
-        with contextlib.suppress(KVStoreError):
-            if self._token_matches(token):
-                loop = asyncio.get_running_loop()
+        results: list[GetResult] | Exception | None = None
+        if self._token_matches(token):
+            loop = asyncio.get_running_loop()
+            try:
                 results = await loop.run_in_executor(self._executor, self._lookup, request)
+            except Exception as exc:  # answered below, like a failure of an inline lookup
+                results = exc
         self._answer_ucx_request(token, request, results, start_s)
 
     def _answer_ucx_request(
         self,
         token: str,
         request: pb.GetShardsRequest,
-        results: list[GetResult] | None,
+        results: list[GetResult] | Exception | None,
         start_s: float,
     ) -> None:
-        """Check the token, look up (unless ``results`` are given) and answer over UCX."""
+        """Check the token, look up (unless ``results`` holds the lookup's outcome) and
+        answer over UCX."""
         assert self._ucx is not None
         code = grpc.StatusCode.OK
         try:
             if not self._token_matches(token):
                 raise PermissionDenied("missing or wrong token in a UCX read request")
+            if isinstance(results, Exception):
+                raise results
             if results is None:
                 results = self._lookup(request)
             ucx_get.answer(self._ucx, request.ucx, results)

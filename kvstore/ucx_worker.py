@@ -167,7 +167,8 @@ class UcxWorker:
         self._abandoned: dict[int, float] = {}  # tag -> monotonic deadline
         self._sends: dict[asyncio.Future[None], _Send] = {}
         self._listeners: dict[int, _Listener] = {}
-        self._incoming: list[tuple[_Receive, _Listener]] = []  # listened messages in transfer
+        # Listened messages in transfer: (ucxx request, the buffer it fills, its listener).
+        self._incoming: list[tuple[Any, memoryview, _Listener]] = []
         self._tombstones: list[Any] = []
         self._tombstone = bytearray(_TOMBSTONE_BYTES)
         self._any_tag = (ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0))  # a probe matching all
@@ -385,10 +386,8 @@ class UcxWorker:
         listener = self._listeners.get(tag)
         if listener is not None and num_bytes <= listener.max_bytes:
             buffer = memoryview(bytearray(num_bytes))
-            incoming = _Receive(buffer, num_bytes, asyncio.get_running_loop().create_future())
-            incoming.num_bytes = num_bytes
-            incoming.request = self._worker.tag_recv_with_handle(Array(buffer), probe)
-            self._incoming.append((incoming, listener))
+            request = self._worker.tag_recv_with_handle(Array(buffer), probe)
+            self._incoming.append((request, buffer, listener))
             return
         receive = self._expected.pop(tag, None)
         if receive is not None and num_bytes > receive.capacity:
@@ -437,19 +436,19 @@ class UcxWorker:
     def _deliver_incoming(self) -> None:
         """Hand each completely received listened message to its listener."""
         still = []
-        for incoming, listener in self._incoming:
-            if not incoming.request.completed:
-                still.append((incoming, listener))
+        for request, buffer, listener in self._incoming:
+            if not request.completed:
+                still.append((request, buffer, listener))
                 continue
             try:
-                incoming.request.check_error()
+                request.check_error()
             except Exception as exc:  # one ucxx error type per UCX status
                 logger.warning("UCX message for a listener not received: %s", exc)
                 continue
             try:
-                listener.handler(incoming.destination)
+                listener.handler(buffer)
             except Exception:
-                logger.exception("UCX listener failed on a %d-byte message", incoming.num_bytes)
+                logger.exception("UCX listener failed on a %d-byte message", len(buffer))
         self._incoming = still
 
     def _forget_abandoned_send(self, future: asyncio.Future[None]) -> None:
