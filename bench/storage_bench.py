@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -536,12 +536,19 @@ def _local_cluster_note(args: argparse.Namespace) -> str:
     return f"{args.nodes} nodes, scrub off, fsync {'off' if args.no_fsync else 'on'}"
 
 
-def _transport_list(text: str) -> list[str]:
-    transports = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [t for t in transports if t not in ("grpc", "ucx")]
-    if not transports or unknown or len(set(transports)) != len(transports):
-        raise argparse.ArgumentTypeError(f"--transport takes grpc and/or ucx, got {text!r}")
-    return transports
+def transport_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated distinct read transports out of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        transports = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [t for t in transports if t not in allowed]
+        if not transports or unknown or len(set(transports)) != len(transports):
+            raise argparse.ArgumentTypeError(
+                f"--transport takes distinct values of {', '.join(allowed)}, got {text!r}"
+            )
+        return transports
+
+    return parse
 
 
 def _int_list(text: str) -> list[int]:
@@ -565,7 +572,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument(
         "--transport",
-        type=_transport_list,
+        type=transport_list(("grpc", "ucx")),
         default=["grpc"],
         help="kvstore read transports to bench in one run, e.g. grpc,ucx (the straggler "
         "phase runs on the first)",

@@ -57,7 +57,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.storage_bench import bench_cluster, percentile_ms
+from bench.storage_bench import bench_cluster, percentile_ms, transport_list
 from client import KVClient
 from engine_adapter import weights
 from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
@@ -356,16 +356,6 @@ def results_table(records: list[Record], title: str) -> Table:
     return table
 
 
-def _transport_list(text: str) -> list[str]:
-    transports = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [t for t in transports if t not in STORE_TRANSPORTS]
-    if not transports or unknown or len(set(transports)) != len(transports):
-        raise argparse.ArgumentTypeError(
-            f"--transport takes distinct values of {', '.join(STORE_TRANSPORTS)}, got {text!r}"
-        )
-    return transports
-
-
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
@@ -377,7 +367,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--transport",
-        type=_transport_list,
+        type=transport_list(STORE_TRANSPORTS),
         default=["grpc", "ucx"],
         help="store transports to measure in one run, interleaved (default grpc,ucx)",
     )
