@@ -51,13 +51,14 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from deploy.local_cluster import LocalCluster
 from engine_adapter.config import EngineConfig, add_store_transport_argument
 from engine_adapter.engine import Engine, PrefillResult, Sequence
 from engine_adapter.loader import load_model
+from kvstore.progress import ProgressReporter
+from kvstore.tables import make_console, print_fitted
 
 GB = 1e9
 DEFAULT_LENGTHS = "1024,4096,8192"
@@ -104,9 +105,9 @@ class Bench:
     measurement alike; each figure is the median of its repeats.
     """
 
-    def __init__(self, engine: Engine, repeats: int, progress: Progress, task: Any) -> None:
+    def __init__(self, engine: Engine, repeats: int, progress: ProgressReporter) -> None:
         self.engine, self.repeats = engine, repeats
-        self.progress, self.task = progress, task
+        self.progress = progress
         self.run_id = f"{time.time_ns():x}"
 
     async def prompt_rows(self, prompt: list[int], fractions: list[float]) -> list[Row]:
@@ -119,7 +120,7 @@ class Bench:
                 setup.cached.append(
                     await self._prefill(prompt, tenant=setup.tenant, write_back=False)
                 )
-            self.progress.advance(self.task)
+            self.progress.advance()
         for setup in setups:
             if setup.prefix is not None:
                 self.engine.release(setup.prefix)
@@ -293,11 +294,10 @@ async def bench(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     load_before = os.getloadavg()
     with (
         cluster_toml(args.cluster, args.nodes) as toml,
-        Progress(console=console, transient=True) as progress,
+        ProgressReporter("engine bench", len(lengths) * args.repeats) as progress,
     ):
         engine.open_store(toml)
-        task = progress.add_task("engine bench", total=len(lengths) * args.repeats)
-        runner = Bench(engine, args.repeats, progress, task)
+        runner = Bench(engine, args.repeats, progress)
         for num_tokens in lengths:
             prompt = make_prompt(num_tokens, engine.model.config.vocab_size, args.seed)
             rows += await runner.prompt_rows(prompt, fractions)
@@ -362,7 +362,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
-    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument(
+        "--block-tokens", type=int, default=64, help="tokens per KV block (the store's block)"
+    )
     parser.add_argument(
         "--chunk-tokens",
         type=int,
@@ -375,19 +377,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["always", "cost"],
         help="always: measure the swap-in (default); cost: let the cost model choose",
     )
-    parser.add_argument("--fetch-deadline-s", type=float, default=10.0)
+    parser.add_argument(
+        "--fetch-deadline-s",
+        type=float,
+        default=10.0,
+        help="longest a prefill waits for cached blocks before computing them",
+    )
     add_store_transport_argument(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speedups")
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console()
     report = asyncio.run(bench(args, console))
     rows = [Row(**r) for r in report["results"]]
     config = report["config"]
     title = f"engine TTFT: {config['model']} on {config['device']} ({config['dtype']})"
-    console.print(results_table(rows, title))
+    print_fitted(results_table(rows, title), console)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     console.print(f"wrote {args.json}")

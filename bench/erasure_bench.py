@@ -34,9 +34,7 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -47,18 +45,19 @@ import numpy as np
 import zfec.easyfec
 from pyeclib.ec_iface import ECDriver
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from erasure.allocator import tune_glibc_malloc
 from erasure.codec import Codec, make_codec
+from erasure.config import CodecConfig
 from erasure.isal_backend import IsalBackend, isal_version
-from kvstore.config import CodecConfig
+from kvstore.cli import list_arg, size_arg
+from kvstore.progress import ProgressReporter
+from kvstore.tables import make_console, print_fitted
+from ttl.units import size_label
 
 MB = 1e6
 BATCH_CPU_S = 1e-3
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
-_UNIT_BYTES = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 RAW_OF = {"zfec": "zfec-raw", "isal": "isal-raw"}
 COLUMNS = ["none", "zfec", "zfec-raw", "isal", "isal-raw", "isal-kernel"]
 COLUMN_TITLES = ["memcpy", "zfec", "zfec-raw", "isal", "isal-raw", "isal-kernel"]
@@ -88,19 +87,6 @@ class Record:
     raw_mb_per_s: float | None = None
 
 
-def parse_size(text: str) -> int:
-    """``"64KiB"`` -> 65536; units B, KiB, MiB, GiB (powers of 1024)."""
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 64KiB, 1MiB, 4MiB")
-    number, unit = match.groups()
-    return int(number) * _UNIT_BYTES[(unit or "b").lower()]
-
-
-def _sizes(text: str) -> list[int]:
-    return [parse_size(part) for part in text.split(",") if part.strip()]
-
-
 def _codecs(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = set(names) - set(RAW_OF)
@@ -113,10 +99,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON")
     parser.add_argument(
         "--block-sizes",
-        type=_sizes,
-        default=_sizes("64KiB,1MiB,4MiB,16MiB"),
+        type=list_arg(size_arg),
+        default=list_arg(size_arg)("64KiB,1MiB,4MiB,16MiB"),
         metavar="LIST",
-        help="comma-separated sizes (B, KiB, MiB, GiB); default 64KiB,1MiB,4MiB,16MiB",
+        help="comma-separated block sizes (B, KiB, MiB, GiB)",
     )
     parser.add_argument(
         "--seconds", type=float, default=0.5, help="CPU seconds per measurement (all passes)"
@@ -251,7 +237,7 @@ def time_pass(call: Callable[[], object], batch: int, cpu_seconds: float) -> Pas
 
 
 def measure(
-    cases: list[Case], block_bytes: int, args: argparse.Namespace, progress: Progress, task: Any
+    cases: list[Case], block_bytes: int, args: argparse.Namespace, progress: ProgressReporter
 ) -> list[Record]:
     """Interleaved passes over ``cases``; one record per case, holding its median pass."""
     for case in cases:
@@ -261,7 +247,7 @@ def measure(
     for _ in range(args.rounds):
         for case, batch, results in zip(cases, batches, passes, strict=True):
             results.append(time_pass(case.call, batch, args.seconds / args.rounds))
-            progress.advance(task)
+            progress.advance()
     return [
         _record(case, block_bytes, results) for case, results in zip(cases, passes, strict=True)
     ]
@@ -332,13 +318,6 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _size_label(num_bytes: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size and num_bytes % size == 0:
-            return f"{num_bytes // size} {unit}"
-    return f"{num_bytes} B"
-
-
 def render_table(records: list[Record]) -> Table:
     """One row per (block size, op, lost data shards); one column per codec, in MB/s."""
     table = Table(title="erasure codec throughput, MB/s per core (10**6 B of block per s)")
@@ -352,7 +331,7 @@ def render_table(records: list[Record]) -> Table:
         ours = by_codec.get("isal")
         vs_raw = f"{ours.mb_per_s / ours.raw_mb_per_s:.2f}" if ours and ours.raw_mb_per_s else ""
         vs_memcpy = f"{ours.vs_memcpy:.2f}" if ours else ""
-        table.add_row(_size_label(block_bytes), op, str(lost), *cells, vs_raw, vs_memcpy)
+        table.add_row(size_label(block_bytes), op, str(lost), *cells, vs_raw, vs_memcpy)
     return table
 
 
@@ -362,18 +341,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     malloc_tuned = args.malloc == "tuned" and tune_glibc_malloc()
     rng = np.random.default_rng(args.seed)
-    console = Console(width=None if sys.stdout.isatty() else 150)  # a file gets the full table
+    console = make_console()
     records: list[Record] = []
     load_before = os.getloadavg()
-    with Progress(console=console, transient=True) as progress:
-        for block_bytes in args.block_sizes:
-            cases = cases_for(rng.bytes(block_bytes), args)
-            task = progress.add_task(
-                f"{_size_label(block_bytes)} blocks", total=len(cases) * args.rounds
-            )
-            records += measure(cases, block_bytes, args, progress, task)
+    for block_bytes in args.block_sizes:
+        cases = cases_for(rng.bytes(block_bytes), args)
+        total = len(cases) * args.rounds
+        with ProgressReporter(f"erasure {size_label(block_bytes)} blocks", total) as progress:
+            records += measure(cases, block_bytes, args, progress)
     add_ratios(records)
-    console.print(render_table(records))
+    print_fitted(render_table(records), console, keep=("isal", "isal/raw"))
     info = machine_info(args, malloc_tuned)
     info["load_average_1m"] = {"before": load_before[0], "after": os.getloadavg()[0]}
     console.print(

@@ -16,14 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from erasure.shard import ShardHeader, block_checksum, pack_header
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.index import MemoryBackend
+from kvstore.progress import ProgressReporter
 from kvstore.shard_store import ShardStore
+from kvstore.tables import print_fitted
 from ttl.clock import ManualClock
 from ttl.policy import DAY_S
 
@@ -38,7 +38,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--live-multipliers", default="0,10,100", help="live blocks per expired block, comma list"
     )
     parser.add_argument("--block-bytes", type=int, default=64, help="payload bytes per block")
-    parser.add_argument("--backend", choices=("lmdb", "memory"), default="lmdb")
+    parser.add_argument(
+        "--backend",
+        choices=("lmdb", "memory"),
+        default="lmdb",
+        help="index backend: lmdb (as on a node) or the in-memory twin",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per point; the median wins")
 
 
@@ -93,14 +98,13 @@ def _table(results: list[dict[str, float]]) -> Table:
 def run(args: argparse.Namespace) -> int:
     multipliers = [int(m) for m in args.live_multipliers.split(",")]
     results = []
-    with Progress(transient=True) as progress:
-        task = progress.add_task("expiry bench", total=len(multipliers) * args.repeats)
+    with ProgressReporter("expiry bench", len(multipliers) * args.repeats) as progress:
         for multiplier in multipliers:
             live_blocks = multiplier * args.expired_blocks
             runs = []
             for _ in range(args.repeats):
                 runs.append(measure(live_blocks, args))
-                progress.advance(task)
+                progress.advance()
             expiry_s = sorted(runs)[len(runs) // 2]
             results.append(
                 {
@@ -110,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
                     "us_per_expired_block": expiry_s / args.expired_blocks * 1e6,
                 }
             )
-    Console().print(_table(results))
+    print_fitted(_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0

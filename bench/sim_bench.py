@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from kvstore.tables import print_fitted
 from ttl.generate import WorkloadParams, generate_trace
 from ttl.policy import EvictionOrder, TrafficClasses
 from ttl.simulator import ALL, SimConfig, simulate
@@ -164,7 +164,7 @@ def print_table(records: list[Record], trace: Trace) -> None:
             f"{100 * r.block_hit_ratio:.2f}%",
             f"{r.evicted_blocks:,}",
         )
-    Console(width=140).print(table)
+    print_fitted(table)
 
 
 def document(args: argparse.Namespace, trace: Trace, records: list[Record]) -> dict[str, Any]:

@@ -30,52 +30,36 @@ import json
 import logging
 import os
 import random
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import xxhash
-from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from bench.common import (
+    NO_REDIS,
+    bench_cluster,
+    percentile_ms,
+    redis_binary,
+    redis_server,
+    run_load,
+    transport_list,
+)
 from client import KVClient
-from deploy.local_cluster import LocalCluster, free_ports
+from deploy.local_cluster import LocalCluster
 from erasure.allocator import tune_glibc_malloc
+from kvstore.cli import list_arg, size_arg
 from kvstore.errors import KVStoreError
+from kvstore.progress import ProgressReporter
+from kvstore.tables import make_console, print_fitted
+from ttl.units import size_label
 
 log = logging.getLogger(__name__)
 
 STRAGGLER_NODE = "n00"
-_NO_REDIS = "redis baseline skipped: no redis-server (apt-get install -y redis-server)"
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|K|M|G)?\s*$", re.IGNORECASE)
-_UNIT_BYTES = {"b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
-_UNIT_BYTES |= {"g": 1 << 30, "gib": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"256KiB"`` -> 262144; units B, KiB/K, MiB/M, GiB/G (powers of 1024)."""
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 256KiB, 1MiB, 4MiB")
-    number, unit = match.groups()
-    return int(number) * _UNIT_BYTES[(unit or "b").lower()]
-
-
-def size_label(num_bytes: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= scale and num_bytes % scale == 0:
-            return f"{num_bytes // scale}{unit}"
-    return f"{num_bytes}B"
 
 
 @dataclass
@@ -158,38 +142,6 @@ class RedisTarget:
         await self.redis.aclose()
 
 
-def percentile_ms(latencies_s: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(latencies_s), q) * 1000) if latencies_s else 0.0
-
-
-async def run_load(
-    request: Callable[[int], Awaitable[bool]], concurrency: int, seconds: float
-) -> tuple[list[float], int, float]:
-    """``concurrency`` tasks call ``request(task_index)`` back to back for ``seconds``.
-
-    Returns per-request latencies, the number of requests that returned False, and the
-    elapsed wall time.
-    """
-    latencies_s: list[float] = []
-    num_false = 0
-    stop_s = time.perf_counter() + seconds
-
-    async def worker(index: int) -> None:
-        nonlocal num_false
-        while True:
-            start_s = time.perf_counter()
-            ok = await request(index)
-            end_s = time.perf_counter()
-            latencies_s.append(end_s - start_s)
-            num_false += not ok
-            if end_s >= stop_s:
-                return
-
-    start_s = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return latencies_s, num_false, time.perf_counter() - start_s
-
-
 class SystemUnderTest:
     """A target with the keys written to it so far, per block size."""
 
@@ -230,10 +182,9 @@ class SystemUnderTest:
 class Bench:
     """Measures settings; systems of one setting run in interleaved rounds (A B, B A, ...)."""
 
-    def __init__(self, workload: Workload, progress: Progress, task: Any) -> None:
+    def __init__(self, workload: Workload, progress: ProgressReporter) -> None:
         self.workload = workload
         self.progress = progress
-        self.task = task
         self.results: list[Result] = []
 
     def settings(self) -> list[tuple[int, int]]:
@@ -254,9 +205,9 @@ class Bench:
         label = f"{op} {size_label(block_bytes)} x{concurrency}"
         if straggler_ms:
             label += f" (+{straggler_ms:g} ms straggler)"
-        self.progress.update(self.task, description=label)
+        self.progress.update(description=label)
         await self._measure(op, block_bytes, concurrency, systems, straggler_ms, repeat)
-        self.progress.advance(self.task)
+        self.progress.advance()
 
     async def _measure(
         self,
@@ -306,49 +257,6 @@ class Bench:
                     transport=name_to_transport[name],
                 )
             )
-
-
-def _redis_binary() -> str | None:
-    return shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/usr/bin")
-
-
-@contextmanager
-def redis_server() -> Iterator[int]:
-    """A throwaway redis-server on a free 127.0.0.1 port, persistence off; yields the port."""
-    (port,) = free_ports(1)
-    command = [
-        _redis_binary() or "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-    ]
-    command += ["no", "--protected-mode", "no", "--logfile", ""]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_redis(port, proc)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _wait_for_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
-    import redis
-
-    deadline_s = time.monotonic() + 10
-    while time.monotonic() < deadline_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}")
-        try:
-            redis.Redis(host="127.0.0.1", port=port).ping()
-            return
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError(f"redis-server on port {port} did not answer PING within 10 s")
 
 
 def results_table(results: list[Result]) -> Table:
@@ -433,23 +341,6 @@ def _restart(cluster: LocalCluster, delay_ms: float) -> None:
     cluster.restart_node(STRAGGLER_NODE, extra)
 
 
-@contextmanager
-def bench_cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster | None]]:
-    """``args.cluster``, or a local cluster of ``args.nodes`` (``args.backend``,
-    ``args.no_fsync``) started around the run: (its cluster.toml, the cluster if started)."""
-    if args.cluster is not None:
-        yield args.cluster, None
-        return
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
-        # The background scrub (64 MiB/s per node by default) would compete with the measured
-        # requests for this machine's cores; it is off here and measured on its own elsewhere.
-        overrides: dict[str, Any] = {"scrub_bytes_per_s": 0}
-        if args.no_fsync:
-            overrides["fsync"] = False
-        with LocalCluster.start(tmp, num_nodes=args.nodes, backend=args.backend, **overrides) as c:
-            yield c.cluster_toml, c
-
-
 async def run_phases(
     bench: Bench, systems: list[SystemUnderTest], cluster: LocalCluster | None
 ) -> list[str]:
@@ -478,8 +369,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload(
         args.block_sizes, args.concurrency, args.seconds, args.straggler_ms, args.rounds
     )
-    with_redis = args.baseline == "redis" and _redis_binary() is not None
-    notes = [] if with_redis or args.baseline == "none" else [_NO_REDIS]
+    with_redis = args.baseline == "redis" and redis_binary() is not None
+    notes = [] if with_redis or args.baseline == "none" else [NO_REDIS]
     num_settings = len(workload.block_sizes) * len(workload.concurrencies)
     with bench_cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
         systems = [
@@ -491,9 +382,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             port = stack.enter_context(redis_server())
             systems.append(SystemUnderTest(RedisTarget(port), workload.rng))
         try:
-            with Progress(transient=True) as progress:
-                task = progress.add_task("storage", total=num_settings * 4)
-                runner = Bench(workload, progress, task)
+            with ProgressReporter("storage", num_settings * 4) as progress:
+                runner = Bench(workload, progress)
                 notes += await run_phases(runner, systems, cluster)
             notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
             notes += [_ucx_note(s.target) for s in systems if isinstance(s.target, KVStoreTarget)]
@@ -536,39 +426,31 @@ def _local_cluster_note(args: argparse.Namespace) -> str:
     return f"{args.nodes} nodes, scrub off, fsync {'off' if args.no_fsync else 'on'}"
 
 
-def transport_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse type: comma-separated distinct read transports out of ``allowed``."""
-
-    def parse(text: str) -> list[str]:
-        transports = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [t for t in transports if t not in allowed]
-        if not transports or unknown or len(set(transports)) != len(transports):
-            raise argparse.ArgumentTypeError(
-                f"--transport takes distinct values of {', '.join(allowed)}, got {text!r}"
-            )
-        return transports
-
-    return parse
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-def _size_list(text: str) -> list[int]:
-    return [parse_size(part) for part in text.split(",") if part.strip()]
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore bench storage``."""
     parser.add_argument("--cluster", type=Path, default=None, help="cluster.toml of a cluster")
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
-    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("256KiB,1MiB,4MiB"))
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
+    parser.add_argument(
+        "--block-sizes",
+        type=list_arg(size_arg),
+        default=list_arg(size_arg)("256KiB,1MiB,4MiB"),
+        help="block sizes to bench, comma-separated",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=list_arg(int),
+        default=[1, 8, 32],
+        help="requests in flight (asyncio tasks), comma-separated",
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per setting")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting")
     parser.add_argument("--straggler-ms", type=float, default=50.0, help="delay of the slow node")
-    parser.add_argument("--baseline", choices=["none", "redis"], default="none")
+    parser.add_argument(
+        "--baseline",
+        choices=["none", "redis"],
+        default="none",
+        help="also bench a redis-server on the same blocks (apt-get install redis-server)",
+    )
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument(
         "--transport",
@@ -577,7 +459,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="kvstore read transports to bench in one run, e.g. grpc,ucx (the straggler "
         "phase runs on the first)",
     )
-    parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
+    parser.add_argument(
+        "--backend", choices=["isal", "zfec"], default="isal", help="erasure code backend"
+    )
     parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
     parser.add_argument(
         "--malloc",
@@ -593,10 +477,10 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(bench(args))
     report["settings"]["client_malloc"] = "tuned" if malloc_tuned else "default"
     results = [Result(**r) for r in report["results"]]
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    console.print(results_table(results))
+    console = make_console()
+    print_fitted(results_table(results), console, keep=("MB/s",))
     if report["ratios"]:
-        console.print(ratios_table(report["ratios"]))
+        print_fitted(ratios_table(report["ratios"]), console)
     for note in report["notes"]:
         console.print(f"note: {note}")
     args.json.parent.mkdir(parents=True, exist_ok=True)

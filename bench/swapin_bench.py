@@ -44,7 +44,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,11 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from bench.storage_bench import bench_cluster, percentile_ms, transport_list
+from bench.common import bench_cluster, percentile_ms, transport_list
 from client import KVClient
 from engine_adapter import weights
 from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
@@ -65,6 +62,8 @@ from engine_adapter.connector import FetchOutcome, StoreConnector
 from engine_adapter.kv_layout import KVBlockLayout
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.progress import ProgressReporter
+from kvstore.tables import make_console, print_fitted
 
 GB = 1e9
 NUM_SAMPLED = 8  # blocks verified after each fetch (first, last and random ones)
@@ -318,13 +317,12 @@ async def measure(bench: Bench) -> None:
     for runner in runners:
         await bench.fetch(runner, "warm-up", measured=False)
         runner.ucx_before = ucx_counters(runner.kv)
-    with Progress(transient=True) as progress:
-        task = progress.add_task("swap-in", total=bench.args.rounds * len(runners))
+    with ProgressReporter("swap-in", bench.args.rounds * len(runners)) as progress:
         for round_index in range(bench.args.rounds):
             order = runners if round_index % 2 == 0 else runners[::-1]
             for runner in order:
                 await bench.fetch(runner, f"round {round_index}", measured=True)
-                progress.advance(task)
+                progress.advance()
 
 
 def results_table(records: list[Record], title: str) -> Table:
@@ -373,12 +371,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cluster", type=Path, default=None, help="DIR/cluster.toml")
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
-    parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
+    parser.add_argument(
+        "--backend", choices=["isal", "zfec"], default="isal", help="erasure code backend"
+    )
     parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
     parser.add_argument(
         "--model", default="random:135m", help="random:<size>: the KV layout (default SmolLM2's)"
     )
-    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument(
+        "--block-tokens", type=int, default=64, help="tokens per KV block (the store's block)"
+    )
     parser.add_argument(
         "--dtype", default=None, help="KV dtype (default: float32 on CPU, bfloat16 on CUDA)"
     )
@@ -387,7 +389,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=_positive, default=5, help="measured fetches each")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="fetch deadline")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the blocks' contents")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -395,12 +397,12 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(bench(args))
     records = [Record(**r) for r in report["results"]]
     config = report["config"]
-    console = Console(width=None if sys.stdout.isatty() else 170)
+    console = make_console()
     title = (
         f"swap-in into the engine's buffer pool: {config['model']} {config['dtype']}, "
         f"{config['cluster']}"
     )
-    console.print(results_table(records, title))
+    print_fitted(results_table(records, title), console)
     for note in report["notes"]:
         console.print(f"note: {note}")
     if args.json:

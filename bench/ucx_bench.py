@@ -69,15 +69,17 @@ from typing import Any
 
 import grpc
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
-from bench.storage_bench import parse_size, percentile_ms, run_load, size_label
+from bench.common import percentile_ms, run_load
 from client.buffer_pool import BufferPool
 from client.ucx_transport import UcxTransport
 from erasure.allocator import tune_glibc_malloc
+from kvstore.cli import list_arg, size_arg
+from kvstore.tables import make_console, print_fitted
 from kvstore.ucx_server import UcxServer
 from kvstore.ucx_worker import DEFAULT_SPIN_S, UcxWorker, ucx_available
+from ttl.units import size_label
 
 SOURCE_BYTES = 64 << 20
 UCX_TRANSPORTS = {"ucx": None, "ucx-tcp": "tcp"}  # bench name -> UCX_TLS (None: UCX's choice)
@@ -665,9 +667,7 @@ def _destination_list(text: str) -> list[str]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="where to write the results")
-    parser.add_argument(
-        "--sizes", type=lambda t: [parse_size(s) for s in t.split(",")], default="256KiB,1MiB,4MiB"
-    )
+    parser.add_argument("--sizes", type=list_arg(size_arg), default="256KiB,1MiB,4MiB")
     parser.add_argument(
         "--concurrency", type=lambda t: [int(c) for c in t.split(",")], default="1,8,32"
     )
@@ -695,7 +695,7 @@ def run(args: argparse.Namespace) -> int:
     if args.serve is not None:
         asyncio.run(serve(args.serve, args.spin_us / 1e6))
         return 0
-    console = Console(width=160)
+    console = make_console()
     skipped = []
     if not ucx_available():
         args.transports = [t for t in args.transports if t == "grpc"]
@@ -716,7 +716,7 @@ def run(args: argparse.Namespace) -> int:
         "results": [asdict(r) for r in results],
     }
     report["settings"]["wall_s"] = round(time.perf_counter() - start_s, 1)
-    console.print(results_table(results))
+    print_fitted(results_table(results), console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

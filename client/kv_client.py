@@ -36,7 +36,13 @@ from client.ucx_transport import UcxTransport
 from client.write_path import WriteCounters, write_block
 from erasure.codec import byte_view, make_codec
 from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.errors import (
+    InvalidArgument,
+    InvalidCodecInput,
+    KVStoreError,
+    PermissionDenied,
+    Unavailable,
+)
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.ucx_worker import INSTALL_HINT, ucx_available
@@ -161,7 +167,7 @@ class KVClient:
         )
 
     def _block_view(self, data: Buffer) -> memoryview:
-        view = byte_view(data, "put data")
+        view = _byte_view(data, "put data")
         max_bytes = self.config.codec.max_block_bytes
         if not 0 < len(view) <= max_bytes:
             raise InvalidArgument(
@@ -181,7 +187,7 @@ class KVClient:
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
         when ``out`` is read-only or its size differs from the stored block's.
         """
-        view = byte_view(out, "get_into's out")
+        view = _byte_view(out, "get_into's out")
         if view.readonly:
             raise InvalidArgument(
                 "get_into needs a writable buffer (bytearray, numpy array, ...), got read-only "
@@ -320,6 +326,15 @@ class KVClient:
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))
         if self.ucx is not None:
             await self.ucx.close()
+
+
+def _byte_view(buffer: object, what: str) -> memoryview:
+    """The codec's flat view of a caller's buffer; misuse raised as the client's own
+    InvalidArgument (the codec, a lower layer, has its own error for it)."""
+    try:
+        return byte_view(buffer, what)
+    except InvalidCodecInput as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 class _Connecting:

@@ -28,7 +28,8 @@ from client.node_health import NodeHealth
 from client.ucx_gets import PayloadLanding, UcxGets
 from client.wire import ShardResultView, parse_get_shards_reply
 from kvstore.config import NodeConfig
-from kvstore.errors import CodecError, DeadlineExceeded, from_grpc_status
+from kvstore.errors import BadReply, DeadlineExceeded
+from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 
@@ -147,7 +148,7 @@ class NodeConn:
             results = await self.call("GetShards", request, timeout_s)
         if results is None or len(results) != len(request.keys):
             # gRPC hands the client None when the deserializer raised (it logs the error).
-            raise CodecError(f"node {self.node_id} sent a malformed GetShards reply")
+            raise BadReply(f"node {self.node_id} sent a malformed GetShards reply")
         return results
 
     async def _stream_get(

@@ -42,7 +42,7 @@ from client.ucx_transport import UcxReceiveBatch, UcxTransport
 from client.wire import ShardResultView, parse_get_shards_reply
 from erasure.shard import HEADER_BYTES, SplitShard
 from kvstore import ucx_get
-from kvstore.errors import CodecError, KVStoreError, Unavailable
+from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -296,11 +296,11 @@ def _parse_reply(conn: NodeConn, frame: memoryview, num_keys: int) -> list[Shard
     try:
         results = parse_get_shards_reply(ucx_get.decode_reply(frame))
     except ValueError as exc:
-        raise CodecError(f"node {conn.node_id} sent a malformed UCX reply: {exc}") from None
+        raise BadReply(f"node {conn.node_id} sent a malformed UCX reply: {exc}") from None
     if len(results) != num_keys:
-        raise CodecError(
+        raise BadReply(
             f"node {conn.node_id} answered {len(results)} results for {num_keys} keys over UCX"
         )
     if any(r.ucx_header is not None and len(r.ucx_header) != HEADER_BYTES for r in results):
-        raise CodecError(f"node {conn.node_id} sent a shard header that is not {HEADER_BYTES} B")
+        raise BadReply(f"node {conn.node_id} sent a shard header that is not {HEADER_BYTES} B")
     return results

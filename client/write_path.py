@@ -21,7 +21,7 @@ from typing import Any
 
 from client.node_conn import NodeConn, consume_result
 from kvstore.errors import (
-    RETRYABLE_CODES,
+    RETRYABLE,
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
@@ -60,7 +60,7 @@ async def put_with_retries(
             return
         except KVStoreError as exc:
             backoff_s = FIRST_BACKOFF_S * 4**attempt
-            retryable = exc.status_code in RETRYABLE_CODES and attempt + 1 < PUT_ATTEMPTS
+            retryable = isinstance(exc, RETRYABLE) and attempt + 1 < PUT_ATTEMPTS
             if not retryable or time.monotonic() + backoff_s >= deadline_s:
                 raise
         counters.num_put_retries += 1

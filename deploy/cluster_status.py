@@ -1,16 +1,30 @@
-"""``kvstore cluster status --dir DIR``: one Stats RPC per node, shown as two rich tables."""
+"""``kvstore cluster status --dir DIR [--json]``: one Stats RPC per node, as tables or JSON.
+
+The JSON (``--json``)::
+
+    {"cluster_toml": ..., "epoch": 1,
+     "nodes": [{"id", "address", "failure_domain", "pid", "up", "shards", "bytes",
+                "used_bytes", "capacity_bytes", "corrupt_shards", "segments", "hits",
+                "misses", "classes": [{"traffic_class", "shards", "bytes", "hits",
+                "misses", "expired", "evicted", "youngest_evicted_age_s"}]}]}
+
+A node that does not answer has ``"up": false`` and no figures.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import grpc
-from rich.console import Console
 from rich.table import Table
 
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
+from kvstore.tables import make_console, print_fitted
+from ttl.units import format_bytes
 
 STATS_TIMEOUT_S = 2.0
 
@@ -42,14 +56,6 @@ def _result(future: grpc.Future) -> pb.StatsReply | None:
         return None
 
 
-def human_bytes(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num_bytes) < 1024 or unit == "TiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Table:
     table = Table(title=f"kvstore cluster, epoch {config.epoch}")
     for column in ("node", "address", "pid", "up", "shards", "bytes", "capacity", "corrupt"):
@@ -60,14 +66,14 @@ def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Tabl
         if reply is None:
             table.add_row(node.id, node.address, pid, "[red]down[/red]", *["-"] * 4)
             continue
-        capacity = human_bytes(reply.capacity_bytes) if reply.capacity_bytes else "-"
+        capacity = format_bytes(reply.capacity_bytes) if reply.capacity_bytes else "-"
         table.add_row(
             node.id,
             node.address,
             pid,
             "[green]up[/green]",
             str(reply.shards),
-            human_bytes(reply.bytes),
+            format_bytes(reply.bytes),
             capacity,
             str(reply.corrupt_shards),
         )
@@ -76,28 +82,85 @@ def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Tabl
 
 def class_table(stats: dict) -> Table:
     table = Table(title="per traffic class")
-    columns = ("node", "class", "blocks", "bytes", "hits", "misses", "expired", "evicted")
+    columns = ("node", "class", "shards", "bytes", "hits", "misses", "expired", "evicted")
     for column in (*columns, "youngest evicted age"):
         table.add_column(column, justify="left" if column in ("node", "class") else "right")
     for node_id, reply in stats.items():
         for c in reply.classes if reply is not None else ():
-            age = "-" if c.youngest_evicted_age_s < 0 else f"{c.youngest_evicted_age_s:.0f} s"
+            age = f"{c.youngest_evicted_age_s:.0f} s" if _youngest(c) is not None else "-"
             table.add_row(
                 node_id,
                 c.traffic_class,
                 str(c.blocks),
-                human_bytes(c.bytes),
+                format_bytes(c.bytes),
                 *(str(n) for n in (c.hits, c.misses, c.expired, c.evicted)),
                 age,
             )
     return table
 
 
-def print_status(root: Path, pids: dict[str, int]) -> int:
-    """Print the tables; exit status 0 when every node answers, 1 otherwise."""
-    config = load_cluster(root / "cluster.toml")
+def status_document(
+    config: ClusterConfig, cluster_toml: Path, pids: dict[str, int], stats: dict
+) -> dict[str, Any]:
+    """The ``--json`` form of the status (see the module docstring)."""
+    return {
+        "cluster_toml": str(cluster_toml),
+        "epoch": config.epoch,
+        "nodes": [_node_record(node, pids.get(node.id), stats[node.id]) for node in config.nodes],
+    }
+
+
+def _node_record(node: NodeConfig, pid: int | None, reply: pb.StatsReply | None) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": node.id,
+        "address": node.address,
+        "failure_domain": node.failure_domain,
+        "pid": pid,
+        "up": reply is not None,
+    }
+    if reply is None:
+        return record
+    record.update(
+        shards=reply.shards,
+        bytes=reply.bytes,
+        used_bytes=reply.used_bytes,
+        capacity_bytes=reply.capacity_bytes,
+        corrupt_shards=reply.corrupt_shards,
+        segments=reply.segments,
+        hits=reply.hits,
+        misses=reply.misses,
+        classes=[_class_record(c) for c in reply.classes],
+    )
+    return record
+
+
+def _class_record(c: pb.ClassStats) -> dict[str, Any]:
+    return {
+        "traffic_class": c.traffic_class,
+        "shards": c.blocks,
+        "bytes": c.bytes,
+        "hits": c.hits,
+        "misses": c.misses,
+        "expired": c.expired,
+        "evicted": c.evicted,
+        "youngest_evicted_age_s": _youngest(c),
+    }
+
+
+def _youngest(c: pb.ClassStats) -> float | None:
+    """Age of the youngest evicted entry; None while nothing was evicted."""
+    return c.youngest_evicted_age_s if c.HasField("youngest_evicted_age_s") else None
+
+
+def print_status(root: Path, pids: dict[str, int], *, as_json: bool = False) -> int:
+    """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise."""
+    cluster_toml = root / "cluster.toml"
+    config = load_cluster(cluster_toml)
     stats = fetch_stats(config)
-    console = Console()
-    console.print(node_table(config, pids, stats))
-    console.print(class_table(stats))
+    if as_json:
+        print(json.dumps(status_document(config, cluster_toml, pids, stats), indent=1))
+    else:
+        console = make_console()
+        print_fitted(node_table(config, pids, stats), console, keep=("up",))
+        print_fitted(class_table(stats), console, keep=("class",))
     return 0 if all(reply is not None for reply in stats.values()) else 1

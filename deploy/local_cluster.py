@@ -3,8 +3,8 @@
 ::
 
     kvstore cluster up --nodes 12 --dir DIR [--time-scale X] [--backend isal|zfec]
-                       [--max-bytes B] [--no-fsync] [--base-port P]
-    kvstore cluster status --dir DIR
+                       [--max-bytes 1GiB] [--no-fsync] [--base-port P]
+    kvstore cluster status --dir DIR [--json]
     kvstore cluster down --dir DIR
 
 Layout of DIR::
@@ -34,13 +34,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from deploy.cluster_status import print_status
+from kvstore.cli import size_arg
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
@@ -49,7 +50,7 @@ from kvstore.config import (
     TTLConfig,
     save_cluster,
 )
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import ERRORS, InvalidArgument, Unavailable
 from kvstore.placement import make_groups
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
@@ -345,31 +346,77 @@ class LocalCluster:
         self.stop()
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster up|status|down``."""
-    parser.add_argument("action", choices=["up", "status", "down"])
-    parser.add_argument("--dir", required=True, type=Path, help="cluster directory")
-    parser.add_argument("--nodes", type=int, default=12, help="number of nodes (>= k+m)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="virtual s per real s")
-    parser.add_argument("--backend", choices=["isal", "zfec"], default="isal")
-    parser.add_argument("--max-bytes", type=int, default=0, help="per-node shard bytes limit")
+def _add_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", required=True, type=Path, help="the cluster's directory")
+
+
+def configure_up(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster up``."""
+    _add_dir(parser)
+    parser.add_argument("--nodes", type=int, default=12, help="number of nodes (at least k+m)")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="virtual seconds per real second"
+    )
+    parser.add_argument(
+        "--backend", choices=["isal", "zfec"], default="isal", help="erasure code backend"
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=size_arg,
+        default=0,
+        help="per-node limit for shard data, e.g. 1GiB; 0 = the disk's free space",
+    )
     parser.add_argument("--no-fsync", action="store_true", help="skip fsync (tests only)")
-    parser.add_argument("--base-port", type=int, default=None, help="first port (else free ports)")
+    parser.add_argument(
+        "--base-port", type=int, default=None, help="first port to use (default: free ports)"
+    )
 
 
-def run(args: argparse.Namespace) -> int:
+def run_up(args: argparse.Namespace) -> int:
+    return _report_errors(_up, args)
+
+
+def configure_status(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster status``."""
+    _add_dir(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run_status(args: argparse.Namespace) -> int:
+    return _report_errors(lambda a: print_status(a.dir, read_pids(a.dir), as_json=a.json), args)
+
+
+def configure_down(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster down``."""
+    _add_dir(parser)
+
+
+def run_down(args: argparse.Namespace) -> int:
+    return _report_errors(_down, args)
+
+
+def _report_errors(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one cluster action; errors are printed, not raised."""
     try:
-        if args.action == "up":
-            return _up(args)
-        if args.action == "down":
-            stop_pids(read_pids(args.dir))
-            write_pids(args.dir, {})
-            return 0
-        return print_status(args.dir, read_pids(args.dir))
-    except (InvalidArgument, Unavailable, ValueError) as exc:
+        return action(args)
+    except (*ERRORS, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    node_to_pid = read_pids(args.dir)
+    running = {n: pid for n, pid in node_to_pid.items() if is_node_process(pid, n)}
+    stop_pids(node_to_pid)
+    write_pids(args.dir, {})
+    if running:
+        print(
+            f"stopped {len(running)} nodes: "
+            + ", ".join(f"{n} (pid {p})" for n, p in sorted(running.items()))
+        )
+    else:
+        print(f"no node of {args.dir} was running")
+    return 0
 
 
 def _up(args: argparse.Namespace) -> int:

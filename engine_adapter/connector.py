@@ -39,11 +39,11 @@ from engine_adapter.host_buffers import HostBlockPool, HostSlot
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.swap_in import SwapIn
 from kvstore.config import ClusterConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import ERRORS
 
 log = logging.getLogger(__name__)
 
-StoreFailure = (KVStoreError, OSError)  # what a store call may raise that we absorb
+StoreFailure = (*ERRORS, OSError)  # what a store call may raise that we absorb
 
 
 @dataclass

@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -41,6 +40,8 @@ from engine_adapter.config import add_store_transport_argument
 from engine_adapter.router import Completion, Router
 from engine_adapter.serve import WorkerPool, cancel_on_signals, sigterm_as_interrupt
 from kvstore.errors import KVStoreError
+from kvstore.progress import ProgressReporter
+from kvstore.tables import make_console
 
 log = logging.getLogger(__name__)
 
@@ -271,14 +272,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", type=Path, help="use this running cluster (cluster.toml)")
     parser.add_argument("--json", type=Path, help="write the rows and the summary here")
     parser.add_argument("--model", default="default", help="default, random:<size>, .gguf, dir")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=16, help="tokens generated per request"
+    )
     parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
     add_store_transport_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; everything started here is stopped before returning."""
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     start_s = time.perf_counter()
     work_dir = args.dir or Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
     cluster_toml = args.cluster or work_dir / "cluster" / "cluster.toml"
@@ -295,7 +298,9 @@ def run(args: argparse.Namespace) -> int:
     print_summary(console, summary)
     if args.json:
         payload = {"rows": [asdict(r) for r in rows], "summary": summary}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=1))
+        console.print(f"wrote {args.json}")
     return 0
 
 
@@ -307,7 +312,10 @@ def _run_workload(
     cluster_toml: Path,
 ) -> list[Row]:
     """Start workers (and the cluster while they load), replay the workload, show rows."""
-    with console.status("starting 2 prefill + 1 decode workers (loading the model)..."):
+    starting = "starting 2 prefill + 1 decode workers (loading the model)..."
+    if not console.is_terminal:  # a status spinner shows nothing in a log or a pipe
+        console.print(starting)
+    with console.status(starting):
         pool = stack.enter_context(
             WorkerPool.spawn_all(
                 cluster_toml,
@@ -334,9 +342,16 @@ async def _replay_live(console: Console, pool: WorkerPool, max_new_tokens: int) 
     rows: list[Row] = []
     async with Router(pool.addresses("prefill"), pool.addresses("decode")) as router:
         await warm_up(router)
-        with Live(transcript_table(rows), console=console, auto_refresh=False) as live:
+        # Off a terminal the live table shows only at the end: progress lines say how far.
+        with (
+            Live(transcript_table(rows), console=console, auto_refresh=False) as live,
+            ProgressReporter(
+                "demo requests", len(WORKLOAD), enabled=not console.is_terminal
+            ) as progress,
+        ):
             async for row in replay(router, WORKLOAD, max_new_tokens):
                 rows.append(row)
                 live.update(transcript_table(rows), refresh=True)
+                progress.advance()
     console.print()
     return rows

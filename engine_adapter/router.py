@@ -36,14 +36,8 @@ import grpc
 
 from engine_adapter import serving_pb2 as pb
 from engine_adapter import serving_pb2_grpc as pb_grpc
-from kvstore.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    KVStoreError,
-    Unavailable,
-    from_grpc_status,
-    to_grpc_status,
-)
+from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, Unavailable
+from kvstore.grpc_errors import from_grpc_status, to_grpc_status
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +528,7 @@ class RouterService(pb_grpc.RouterServicer):
         try:
             async for event in self.router.stream_request(request):
                 yield event
-        except KVStoreError as exc:
+        except ERRORS as exc:
             await context.abort(*to_grpc_status(exc))
 
     async def Health(

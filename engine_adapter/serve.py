@@ -316,11 +316,16 @@ async def serve_router(pool: WorkerPool, port: int, policy: str) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore serve``."""
     parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
-    parser.add_argument("--prefill-workers", type=int, default=2)
-    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--prefill-workers", type=int, default=2, help="prefill worker processes")
+    parser.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     parser.add_argument("--model", default="default", help="default, random:<size>, .gguf, dir")
     parser.add_argument("--port", type=int, default=8700, help="router gRPC port (0: any)")
-    parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="least-loaded",
+        help="how the router picks a prefill worker (never by prefix)",
+    )
     parser.add_argument("--run-dir", type=Path, help="worker logs and ready files (default: tmp)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
     parser.add_argument(

@@ -54,7 +54,8 @@ from engine_adapter.engine import Engine, PrefillResult, Sampler
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.router import CHANNEL_OPTIONS
 from kvstore.config import load_cluster
-from kvstore.errors import InvalidArgument, KVStoreError, to_grpc_status
+from kvstore.errors import ERRORS, InvalidArgument
+from kvstore.grpc_errors import to_grpc_status
 from ttl.policy import TrafficClasses
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class WorkerBase:
             async with self.lock:
                 await asyncio.sleep(self.inject_delay_s)
                 yield
-        except KVStoreError as exc:
+        except ERRORS as exc:
             log.warning("%s %s: request %s failed: %s", self.role, self.worker_id, request_id, exc)
             await context.abort(*to_grpc_status(exc))
         finally:

@@ -3,19 +3,12 @@
 By default glibc serves large allocations with fresh ``mmap`` calls and hands freed heap
 memory back to the kernel as soon as more than twice its (dynamic) mmap threshold is free at
 the top of the heap. A codec that returns k+m new shards per block, or a new block per decode,
-hits both on every call, so every call touches fresh pages; in this VM a 4 KiB page fault
-costs about 3 us, which is more than ISA-L needs to encode the page.
+hits both on every call, so every call touches fresh pages, and a page fault costs more than
+ISA-L needs to encode the page.
 
-Measured here (10+2, one core, a fresh process per column, MB/s per CPU-second, while other
-work loaded the machine)::
-
-    1 MiB / 4 MiB blocks               glibc defaults      tune_glibc_malloc()
-    Codec.encode                       1,455 / 1,215       8,810 / 9,637
-      page faults per call             211 / 1,198         0 / 0
-    pyeclib ECDriver.encode            817 / 668           11,620 / 8,715
-      page faults per call             532 / 2,427         0 / 0
-    Codec.decode, 2 data shards lost   7,212 / 9,460       7,526 / 9,185
-    pyeclib ECDriver.decode, same      999 / 813           10,638 / 9,658
+With the defaults an encode page-faults on every shard buffer it returns and runs several
+times slower; with the thresholds raised it faults no more (docs/design-measurements.md has the
+figures, page faults included).
 
 The codec reuses per-thread scratch buffers and a decode allocates one block (nothing with
 ``out=``), which glibc's dynamic threshold handles; but the k+m shards an encode returns must be

@@ -20,16 +20,12 @@ Backends (the parity bytes differ, so a cluster uses one; the header records whi
 - ``zfec``: portable table-driven C, no SIMD; for platforms without the pyeclib wheel and
   for (k, m) outside ISA-L's Vandermonde-safe region (:func:`erasure.isal_backend.check_vand_k_m`).
 
-Why ISA-L is the default, measured with ``kvstore bench erasure`` on this machine (AMD EPYC,
-one core, 10+2, MB/s per CPU-second, 4 MiB blocks): encode 7,175 (isal) vs 859 (zfec); decode
-with 2 data shards lost 8,928 vs 910; with every data shard both only verify and concatenate
-(11,900). ISA-L's kernel alone encodes at 51,000 MB/s, faster than memcpy (39,300): our encode
-spends its time in the xxh3 passes (block and shards) and the one copy into the shards it
-returns. zfec's kernel is the bottleneck at about 900 MB/s, encode or decode, so it would
-cap a client at an eighth of ISA-L's speed. Against pyeclib's own ``ECDriver.encode`` (the
-raw library: no checksums, but its own headers and copies) our encode runs at 1.01x for
-4 MiB and 1.13x for 16 MiB blocks, 0.74x for 1 MiB and 0.34x for 64 KiB, where a call's
-fixed cost (about 20 us of Python: twelve headers and checksums) dominates.
+Why ISA-L is the default: zfec's table-driven kernel, not our checksums or copies, is the
+bottleneck of a zfec encode or decode, and it would cap a client at about an eighth of
+ISA-L's speed; ISA-L's kernel is faster than memcpy, so with it our encode's time goes to the
+xxh3 passes (block and shards) and the one copy into the shards it returns. At small blocks a
+call's fixed Python cost (twelve headers and checksums) dominates. The figures are in
+docs/design-measurements.md and the README's "Erasure codec" section.
 
 Memory: encode returns k+m new ``bytes`` (protobuf takes nothing else); under glibc's default
 settings each one touches fresh pages, see :mod:`erasure.allocator` for the measurement and
@@ -43,6 +39,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from erasure.config import CodecConfig
+from erasure.errors import (
+    ChecksumMismatch,
+    InvalidCodecInput,
+    MixedVersions,
+    ShardHeaderError,
+    TooFewShards,
+)
 from erasure.isal_backend import IsalBackend, buffer_address
 from erasure.shard import (
     HEADER_BYTES,
@@ -55,14 +59,6 @@ from erasure.shard import (
     verify_shard,
 )
 from erasure.zfec_backend import ZfecBackend
-from kvstore.config import CodecConfig
-from kvstore.errors import (
-    ChecksumMismatch,
-    InvalidArgument,
-    MixedVersions,
-    ShardHeaderError,
-    TooFewShards,
-)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -113,17 +109,17 @@ def _rows(region: memoryview, row_bytes: int) -> list[memoryview]:
 
 
 def byte_view(buffer: object, what: str) -> memoryview:
-    """A flat byte view of ``buffer``; InvalidArgument (naming ``what``) unless it is a
+    """A flat byte view of ``buffer``; InvalidCodecInput (naming ``what``) unless it is a
     contiguous buffer."""
     try:
         view = memoryview(buffer)  # type: ignore[arg-type]
     except TypeError:
-        raise InvalidArgument(
+        raise InvalidCodecInput(
             f"{what} must be bytes-like (bytes, bytearray, memoryview, numpy array), "
             f"got {type(buffer).__name__}"
         ) from None
     if not view.c_contiguous:
-        raise InvalidArgument(f"{what} must be C-contiguous; copy it first (e.g. bytes(x))")
+        raise InvalidCodecInput(f"{what} must be C-contiguous; copy it first (e.g. bytes(x))")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
@@ -160,7 +156,7 @@ class Codec:
         """k+m shards, each = erasure.shard header (48 B) + payload; shard i has index i."""
         view = byte_view(block, "block")
         if view.nbytes > self.max_block_bytes:
-            raise InvalidArgument(
+            raise InvalidCodecInput(
                 f"block of {view.nbytes} bytes exceeds max_block_bytes={self.max_block_bytes}; "
                 "split it or raise [codec] max_block_bytes in cluster.toml"
             )
@@ -221,7 +217,7 @@ class Codec:
 
         Verifies every shard's checksum and the decoded block's checksum. Raises TooFewShards,
         MixedVersions, ShardHeaderError or ChecksumMismatch. With ``out`` (a writable buffer of
-        exactly the block's length, else InvalidArgument) the block is written there and
+        exactly the block's length, else InvalidCodecInput) the block is written there and
         ``memoryview(out)`` returned; a payload that already lies at its place in ``out``
         (a :class:`erasure.shard.SplitShard` whose payload views ``out``) is not copied. With
         every data shard that holds block bytes present, no matrix decode is done: the
@@ -285,7 +281,7 @@ class Codec:
     def _target(out: bytearray | memoryview, block_len: int) -> memoryview:
         target = byte_view(out, "out")
         if target.readonly or target.nbytes != block_len:
-            raise InvalidArgument(
+            raise InvalidCodecInput(
                 f"out must be a writable buffer of exactly the block length {block_len} bytes, "
                 f"got {'a read-only' if target.readonly else 'a writable'} one of "
                 f"{target.nbytes} bytes"

@@ -23,7 +23,7 @@ import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvstore.errors import CodecError
+from erasure.errors import CodecError
 
 _TABLE_BYTES_PER_COEFFICIENT = 32  # ec_init_tables expands each GF(2^8) coefficient to 32 B
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvstore.errors import ChecksumMismatch, ShardHeaderError
+from erasure.errors import ChecksumMismatch, ShardHeaderError
 
 MAGIC = b"KVSH"
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """zfec Reed-Solomon: the portable backend (pure C extension, no SIMD, any k+m <= 256).
 
 zfec returns new ``bytes`` for every parity or recovered payload, so this backend copies them
-into the codec's buffers; at zfec's speed (about 1.2-1.5 GB/s per core) the copy is noise.
+into the codec's buffers; at zfec's speed (docs/design-measurements.md) the copy is noise.
 """
 
 from __future__ import annotations

@@ -1,8 +1,15 @@
-"""The ``kvstore`` command: one entry point, subcommands implemented next to their code.
+"""The ``kvstore`` command: one entry point, one table of subcommands, each with its own help.
 
-Each subcommand lives in the module that owns the concept and exposes two functions:
-``configure(parser)`` adds its arguments and ``run(args) -> int`` runs it. Modules are
-imported only when their command runs, so ``kvstore node`` never imports torch.
+A command lives in the module that owns the concept, named in :data:`COMMANDS` as
+``"module"`` (the module's ``configure(parser)`` and ``run(args) -> int``) or
+``"module:name"`` (its ``configure_name`` and ``run_name``). Modules are imported only when
+their command runs, so ``kvstore node`` never imports torch; the table is the composition
+root of the whole program, which is why it may name modules of every layer. Every flag shows
+a help line and its default (tests/kvstore/test_cli.py checks each command)::
+
+    kvstore --help                 every command
+    kvstore cluster --help         the cluster subcommands
+    kvstore cluster up --help      one command's flags
 """
 
 from __future__ import annotations
@@ -11,60 +18,187 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from erasure.allocator import tune_glibc_malloc
+from ttl.units import parse_duration_s, parse_size_bytes
 
-# argv prefix -> (module, one-line help). The longest matching prefix wins.
+# Command path -> ("module" or "module:name", one-line help).
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("node",): ("kvstore.node", "run one storage node in the foreground"),
-    ("cluster",): ("deploy.local_cluster", "start, inspect or stop a local cluster"),
+    ("cluster", "up"): ("deploy.local_cluster:up", "start a local cluster in the background"),
+    ("cluster", "status"): ("deploy.local_cluster:status", "each node's and class's figures"),
+    ("cluster", "down"): ("deploy.local_cluster:down", "stop a local cluster's nodes"),
     ("bench", "erasure"): ("bench.erasure_bench", "erasure codec throughput vs memcpy"),
     ("bench", "storage"): ("bench.storage_bench", "cluster PUT/GET throughput and latency"),
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
     ("bench", "sim"): ("bench.sim_bench", "simulator block accesses per second"),
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
     ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),
-    ("sim",): ("ttl.sim_cli", "replay a request trace through the TTL and capacity policies"),
-    ("sim", "generate"): ("ttl.generate", "write a seeded multi-day synthetic workload"),
+    ("sim",): ("kvstore.sim_cli", "replay a request trace through the TTL and capacity policies"),
+    ("sim", "generate"): ("kvstore.sim_cli:generate", "write a seeded multi-day workload"),
+    ("sim", "replay"): ("bench.replay", "replay a trace against a live cluster, vs simulated"),
     ("serve",): ("engine_adapter.serve", "run the router, prefill and decode workers"),
     ("demo",): ("engine_adapter.demo", "the main job on an embedded local cluster"),
 }
+# Packages some commands need beyond a storage node's install -> the extra that brings them.
+MODULE_TO_EXTRA = {
+    "pyarrow": "sim",
+    "matplotlib": "sim",
+    "torch": "engine",
+    "gguf": "engine",
+    "tokenizers": "engine",
+    "redis": "dev",
+    "ucxx": "ucx",
+}
+# Command groups that are not commands themselves.
+GROUPS: dict[tuple[str, ...], str] = {
+    ("cluster",): "start, inspect or stop a local cluster",
+    ("bench",): "benchmarks: each prints a table and writes JSON",
+}
 
 
-def _usage() -> str:
-    lines = ["usage: kvstore COMMAND [options]   (kvstore COMMAND --help for details)", ""]
-    lines += [f"  {' '.join(cmd):<16} {help_}" for cmd, (_, help_) in COMMANDS.items()]
-    return "\n".join(lines)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help lines that end with the flag's default, unless the line names it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        default = action.default
+        if "default" in help_ or not shows_default(action):
+            return help_
+        return f"{help_} (default: {format_default(default)})"
 
 
-def _match(argv: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
-    for size in (2, 1):
-        prefix = tuple(argv[:size])
-        if prefix in COMMANDS:
-            return prefix, argv[size:]
-    return None
+def shows_default(action: argparse.Action) -> bool:
+    """Whether a flag has a default worth showing (not a switch, not "absent")."""
+    absent = (
+        action.default is None or action.default is False or action.default == argparse.SUPPRESS
+    )
+    return bool(action.option_strings) and not absent
 
 
-def main(argv: list[str] | None = None) -> int:
+def format_default(default: Any) -> str:
+    """A default as a user would type it: lists comma-separated, 100%% signs escaped."""
+    text = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+    return text.replace("%", "%%")
+
+
+def _arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """An argparse type whose error message is the parser's own (it says the accepted forms)."""
+
+    def parse_arg(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_arg.__name__ = name
+    return parse_arg
+
+
+# Argparse types for sizes and durations as people write them (ttl/units.py): "1GiB", "7d".
+size_arg = _arg_type(parse_size_bytes, "size")
+duration_arg = _arg_type(parse_duration_s, "duration")
+
+
+def list_arg(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """An argparse type for comma-separated values, each parsed by ``item``."""
+
+    def parse(text: str) -> list[Any]:
+        return [item(part.strip()) for part in text.split(",") if part.strip()]
+
+    return _arg_type(parse, f"list of {getattr(item, '__name__', 'value')}")
+
+
+def subcommands(prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Commands directly below ``prefix`` (one more word)."""
+    names = {cmd[: len(prefix) + 1] for cmd in [*COMMANDS, *GROUPS] if cmd[: len(prefix)] == prefix}
+    return sorted(n for n in names if len(n) == len(prefix) + 1)
+
+
+def _listing(prefix: tuple[str, ...]) -> str:
+    rows = []
+    for cmd in subcommands(prefix):
+        help_ = COMMANDS[cmd][1] if cmd in COMMANDS else GROUPS[cmd]
+        rows.append(f"  {' '.join(cmd):<18} {help_}")
+        if prefix == ():
+            rows += [f"    {' '.join(sub):<16} {COMMANDS[sub][1]}" for sub in subcommands(cmd)]
+    return "\n".join(rows)
+
+
+def _usage(prefix: tuple[str, ...]) -> str:
+    name = " ".join(("kvstore", *prefix))
+    return f"usage: {name} COMMAND [options]   ({name} COMMAND --help for its options)\n\n" + (
+        _listing(prefix)
+    )
+
+
+def match_command(argv: Sequence[str]) -> tuple[tuple[str, ...], int]:
+    """The longest command or group path at the start of ``argv``, and its length."""
+    path: tuple[str, ...] = ()
+    for word in argv:
+        longer = (*path, word)
+        if longer not in COMMANDS and longer not in GROUPS:
+            break
+        path = longer
+    return path, len(path)
+
+
+def command_functions(command: tuple[str, ...]) -> tuple[Callable[..., None], Callable[..., Any]]:
+    """(configure, run) of ``command``, importing its module."""
+    target = COMMANDS[command][0]
+    module_name, _, name = target.partition(":")
+    module = importlib.import_module(module_name)
+    suffix = f"_{name}" if name else ""
+    return getattr(module, "configure" + suffix), getattr(module, "run" + suffix)
+
+
+def build_parser(command: tuple[str, ...]) -> tuple[argparse.ArgumentParser, Callable[..., Any]]:
+    """The parser of one command, with ``--log-level``, and its run function."""
+    configure, run = command_functions(command)
+    below = subcommands(command)
+    parser = argparse.ArgumentParser(
+        prog=" ".join(("kvstore", *command)),
+        description=COMMANDS[command][1],
+        epilog=f"subcommands:\n{_listing(command)}" if below else None,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    configure(parser)
+    return parser, run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    matched = _match(argv)
-    if matched is None:
-        print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else None)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    command, rest = matched
+    command, length = match_command(argv)
+    rest = argv[length:]
+    if command not in COMMANDS:  # the top level or a group: list what is below it
+        asked = not rest or rest[0] in ("-h", "--help")
+        if not asked:
+            print(f"kvstore: unknown command {' '.join(argv[: length + 1])!r}", file=sys.stderr)
+        print(_usage(command), file=None if asked else sys.stderr)
+        return 0 if asked else 2
     # Every command moves multi-megabyte buffers; without this each encode page-faults
     # (erasure/allocator.py has the measurements).
     tune_glibc_malloc()
-    module_name, help_ = COMMANDS[command]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog="kvstore " + " ".join(command), description=help_)
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    module.configure(parser)
+    try:
+        parser, run = build_parser(command)
+    except ModuleNotFoundError as exc:
+        extra = MODULE_TO_EXTRA.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"kvstore {' '.join(command)} needs {exc.name}, from the {extra!r} extra: "
+            f"pip install 'kvstore[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     args = parser.parse_args(rest)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    return int(module.run(args) or 0)
+    return int(run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -46,39 +46,17 @@ from typing import Any
 
 import tomli_w
 
+from erasure.config import CodecConfig
 from ttl.policy import (
     DEFAULT_CLASS_TO_TTL_S,
     DEFAULT_EVICTION_ORDER,
     EvictionOrder,
     TrafficClasses,
-    parse_duration_s,
 )
+from ttl.units import parse_duration_s
 
 KEY_BYTES = 16  # block keys are xxh3-128 digests
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class CodecConfig:
-    k: int = 10
-    m: int = 2
-    backend: str = "isal"
-    max_block_bytes: int = 16 * MiB
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.m < 0 or self.k + self.m > 255:
-            raise ValueError(
-                f"invalid erasure code k={self.k}, m={self.m}: need k >= 1, "
-                "m >= 0 and k + m <= 255 (the default is k=10, m=2)"
-            )
-        if self.backend not in ("isal", "zfec"):
-            raise ValueError(f"codec backend {self.backend!r}: choose 'isal' or 'zfec'")
-        if self.max_block_bytes <= 0:
-            raise ValueError(f"max_block_bytes must be > 0, got {self.max_block_bytes}")
-
-    @property
-    def num_shards(self) -> int:
-        return self.k + self.m
 
 
 # How a client's reads travel (KVClient.connect's transport; README, "UCX data path").

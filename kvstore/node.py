@@ -10,7 +10,7 @@ The servicer is a thin shell: it checks the token (every RPC but Health, which t
 node's id, epoch and clock, so health checkers need no secret), injects the straggler delay,
 runs the store call in the node's one thread pool (reads overlap, writes serialize inside the
 store) and maps kvstore errors to gRPC status codes through
-:func:`kvstore.errors.to_grpc_status` only.
+:func:`kvstore.grpc_errors.to_grpc_status` only.
 
 One exception to "blocking work runs in the pool": a get of at most ``INLINE_GET_MAX_KEYS``
 keys runs on the event loop. It is an lmdb read snapshot and a ``pread`` per shard (tens of
@@ -26,14 +26,11 @@ INVALID_ARGUMENT from the store; a larger message is refused by gRPC itself with
 RESOURCE_EXHAUSTED before it reaches the node. A get whose reply would pass ``max_batch_bytes``
 gets INVALID_ARGUMENT (ask for fewer keys per request).
 
-Unary vs streaming, measured with one shard per request on loopback (grpc.aio, 16-core host,
-glibc mmap threshold raised as in DESIGN.md): unary 0.30 GB/s vs bidi stream 0.48 GB/s at
-410 KiB, 0.50 vs 0.55 GB/s at 4 MiB. So both exist: unary ``GetShards`` is the simple contract
-(cancellable per call) and ``GetShardsStream`` serves the same requests, one at a time and in
-order, over one long-lived stream: the client's read path uses it (client/get_stream.py) and
-falls back to unary when a stream breaks. In a 12-node cluster on 2 loaded cores the stream cut
-the nodes' CPU per 1 MiB GET at concurrency 1 by about a quarter again after the inline reads
-(14 -> 10 -> 7.4 ms over the 11 nodes asked).
+Unary vs streaming: a message on an open stream costs both ends less CPU than a unary call
+(docs/design-measurements.md has the figures). So both exist: unary ``GetShards`` is the
+simple contract (cancellable per call) and ``GetShardsStream`` serves the same requests, one at
+a time and in order, over one long-lived stream: the client's read path uses it
+(client/get_stream.py) and falls back to unary when a stream breaks.
 """
 
 from __future__ import annotations
@@ -55,8 +52,9 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore import ucx_get
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, to_grpc_status
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.get_reply import encode_get_shards_reply
+from kvstore.grpc_errors import status_code, to_grpc_status
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
@@ -227,7 +225,7 @@ class NodeServicer:
             token, request = ucx_get.decode_request(frame)
         except InvalidArgument as exc:  # no reply address to refuse it to
             log.warning("dropping a malformed UCX read request: %s", exc)
-            self._metrics.observe("GetShardsUcx", exc.status_code, time.perf_counter() - start_s)
+            self._metrics.observe("GetShardsUcx", status_code(exc), time.perf_counter() - start_s)
             return
         if self._delay_s or len(request.keys) > INLINE_GET_MAX_KEYS:
             task = asyncio.ensure_future(self._serve_ucx_request(token, request, start_s))
@@ -280,7 +278,7 @@ class NodeServicer:
             if error is None:
                 log.exception("UCX read request failed")
                 error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
-            code = error.status_code
+            code = status_code(error)
             ucx_get.refuse(self._ucx, request.ucx, len(request.keys), error)
         self._metrics.observe("GetShardsUcx", code, time.perf_counter() - start_s)
 

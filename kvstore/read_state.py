@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import UnknownTrafficClass
 from kvstore.index import Entry, Index, IndexWriter, class_counter
 from kvstore.store_stats import CORRUPT_SHARDS, NODE_MISSES
 from ttl.policy import TrafficClasses
@@ -30,7 +30,7 @@ def touched(entry: Entry, now: float, classes: TrafficClasses) -> Entry:
     """``entry`` accessed at ``now``: its TTL restarts (kept if its class was removed)."""
     try:
         expires_at_s = classes.expires_at_s(entry.traffic_class, now)
-    except InvalidArgument:
+    except UnknownTrafficClass:
         return entry
     return replace(entry, last_access_s=now, expires_at_s=expires_at_s)
 

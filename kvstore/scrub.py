@@ -77,14 +77,18 @@ class Scrubber:
         self._closed = False
         self.progress = ScrubProgress()
 
-    def step(self, max_bytes: int, now: float) -> ScrubStep:
-        """Verify the next records of the pass, ``max_bytes`` of budget (at least one record)."""
+    def step(self, max_bytes: int, now: float, unix_now_s: float) -> ScrubStep:
+        """Verify the next records of the pass, ``max_bytes`` of budget (at least one record).
+
+        ``now`` is the store's clock (expiry); ``unix_now_s`` the real time a pass that ends
+        here is recorded at (metrics are in real time).
+        """
         with self._lock:
             if self._closed:
                 return ScrubStep(0, pass_done=True)
             batch = self._next_batch(max_bytes)
             if not batch:
-                self._end_pass(now)
+                self._end_pass(now, unix_now_s)
                 return ScrubStep(0, pass_done=True)
             read_bytes = sum(self._verify(entry, now) for _, entry in batch)
             self._cursor = batch[-1][0] + b"\x00"
@@ -118,10 +122,13 @@ class Scrubber:
             return 0
         return entry.record_bytes
 
-    def _end_pass(self, now: float) -> None:
+    def _end_pass(self, now: float, unix_now_s: float) -> None:
         self._cursor = b""
         self.progress = replace(
-            self.progress, num_passes=self.progress.num_passes + 1, last_full_pass_s=now
+            self.progress,
+            num_passes=self.progress.num_passes + 1,
+            last_full_pass_s=now,
+            last_full_pass_unix_s=unix_now_s,
         )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -161,7 +162,7 @@ class ShardStore:
         Corrupt records are reported as a read reports them; nothing is refreshed or counted
         as a hit or miss. Runs concurrently with reads and writes.
         """
-        return self._scrubber.step(max_bytes, self.clock.now())
+        return self._scrubber.step(max_bytes, self.clock.now(), time.time())
 
     def capacity_bytes(self) -> int:
         """The byte limit: configured, or the disk's free space plus what segments use."""

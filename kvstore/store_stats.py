@@ -29,7 +29,7 @@ class ClassStats:
     misses: int
     expired: int
     evicted: int
-    youngest_evicted_age_s: float  # smallest now - last_access_s among evicted; -1 = none
+    youngest_evicted_age_s: float | None  # smallest now - last_access_s among evicted
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class StoreStats:
     classes: tuple[ClassStats, ...]
     scrubbed_bytes: int = 0  # record bytes the background scrub verified since start-up
     num_scrub_passes: int = 0  # full scrub passes finished since start-up
-    last_full_pass_s: float = -1.0  # store-clock time the last full pass ended; -1 = none
+    last_full_pass_s: float | None = None  # store-clock time the last full pass ended
+    last_full_pass_unix_s: float | None = None  # the same instant in real (Unix) time
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class ScrubProgress:
 
     scrubbed_bytes: int = 0
     num_passes: int = 0
-    last_full_pass_s: float = -1.0
+    last_full_pass_s: float | None = None
+    last_full_pass_unix_s: float | None = None
 
 
 def store_stats(
@@ -82,6 +84,7 @@ def store_stats(
         scrubbed_bytes=scrub.scrubbed_bytes,
         num_scrub_passes=scrub.num_passes,
         last_full_pass_s=scrub.last_full_pass_s,
+        last_full_pass_unix_s=scrub.last_full_pass_unix_s,
     )
 
 
@@ -102,5 +105,5 @@ def _class_stats(name: str, counters: Counter[str]) -> ClassStats:
         misses=get("misses"),
         expired=get("expired"),
         evicted=get("evicted"),
-        youngest_evicted_age_s=counters.get(youngest, -1.0),
+        youngest_evicted_age_s=counters.get(youngest),
     )

@@ -35,12 +35,12 @@ import logging
 import struct
 from collections.abc import Sequence
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from erasure.shard import HEADER_BYTES
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, from_grpc_status
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.get_reply import encode_get_shards_reply
+from kvstore.grpc_errors import code_from_value, from_grpc_status, status_code
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shard_reader import GetResult
 from kvstore.ucx_server import UcxServer
@@ -56,7 +56,6 @@ MIN_MESSAGE_PAYLOAD_BYTES = 128 << 10
 _REQUEST_MAGIC = b"KVRQ"
 _REQUEST_HEAD = struct.Struct("<4sH")  # magic, token length
 _REPLY_OK, _REPLY_ERROR = 0, 1
-_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def encode_request(request: pb.GetShardsRequest, token: str | None) -> bytes:
@@ -92,7 +91,7 @@ def decode_request(frame: bytes | memoryview) -> tuple[str, pb.GetShardsRequest]
 
 def encode_error(error: KVStoreError) -> bytes:
     """The reply frame refusing a request."""
-    return bytes((_REPLY_ERROR, error.status_code.value[0])) + str(error).encode()
+    return bytes((_REPLY_ERROR, status_code(error).value[0])) + str(error).encode()
 
 
 def decode_reply(frame: bytes | memoryview) -> memoryview:
@@ -102,8 +101,7 @@ def decode_reply(frame: bytes | memoryview) -> memoryview:
     if len(view) and view[0] == _REPLY_OK:
         return view[1:]
     if len(view) >= 2 and view[0] == _REPLY_ERROR:
-        code = _CODE_BY_VALUE.get(view[1], grpc.StatusCode.UNKNOWN)
-        raise from_grpc_status(code, bytes(view[2:]).decode(errors="replace"))
+        raise from_grpc_status(code_from_value(view[1]), bytes(view[2:]).decode(errors="replace"))
     raise Unavailable("malformed UCX reply frame")
 
 

@@ -5,13 +5,8 @@ never read a clock. The storage node and the simulator call the same objects.
 """
 
 from ttl.clock import Clock, ManualClock, RealClock, ScaledClock
-from ttl.policy import (
-    DEFAULT_CLASS_TO_TTL_S,
-    EvictionOrder,
-    TrafficClasses,
-    is_expired,
-    parse_duration_s,
-)
+from ttl.policy import DEFAULT_CLASS_TO_TTL_S, EvictionOrder, TrafficClasses, is_expired
+from ttl.units import parse_duration_s, parse_size_bytes
 
 __all__ = [
     "DEFAULT_CLASS_TO_TTL_S",
@@ -23,4 +18,5 @@ __all__ = [
     "TrafficClasses",
     "is_expired",
     "parse_duration_s",
+    "parse_size_bytes",
 ]

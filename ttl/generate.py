@@ -30,8 +30,6 @@ and seed give a byte-identical file.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import itertools
 import math
 import operator
@@ -41,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from ttl.traces import Trace, trace_from_records
+from ttl.units import DAY_S
 
-DAY_S = 86_400.0
 CHAT, AGENT = "chat", "agent"
 
 
@@ -268,7 +266,9 @@ def generate_trace(params: WorkloadParams) -> Trace:
 def write_workload(params: WorkloadParams, path: str | Path) -> int:
     """Write the workload as Mooncake JSONL with a ``class`` field; return the request count."""
     requests = generate_requests(params)
-    with Path(path).open("w") as f:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
         for request in requests:
             t_ms, traffic_class, num_in, num_out = request[:4]
             ids = ",".join(map(str, request_hash_ids(request)))
@@ -277,24 +277,3 @@ def write_workload(params: WorkloadParams, path: str | Path) -> int:
                 f'"class": "{traffic_class}", "hash_ids": [{ids}]}}\n'
             )
     return len(requests)
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="JSONL file to write (Mooncake format)")
-    for f in dataclasses.fields(WorkloadParams):
-        flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(
-            flag,
-            type=type(f.default),
-            default=f.default,
-            help=f"{f.metadata['help']} (default {f.default})",
-        )
-
-
-def run(args: argparse.Namespace) -> int:
-    params = WorkloadParams(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadParams)}
-    )
-    num_requests = write_workload(params, args.out)
-    print(f"wrote {num_requests} requests over {params.days:g} days to {args.out}")
-    return 0

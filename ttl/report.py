@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rich.console import Console
 from rich.table import Table
 
 from ttl.simulator import ALL
-from ttl.sweep import format_duration
+from ttl.units import format_duration
 
 Record = dict[str, Any]
 TTL_PLOT, CAPACITY_PLOT = "hit_ratio_vs_ttl.png", "hit_ratio_vs_capacity.png"
@@ -39,11 +37,13 @@ def write_parquet(records: Sequence[Record], path: str | Path) -> None:
     pq.write_table(pa.Table.from_pylist(list(records)), path)
 
 
-def print_table(records: Sequence[Record], console: Console | None = None) -> None:
+def records_table(records: Sequence[Record]) -> Table:
+    """The results as a table, the columns most worth keeping first (a narrow terminal shows
+    the leftmost ones)."""
     table = Table(title="hit rate and footprint per traffic class")
-    for column in ("class", "TTL", "capacity", "policy", "requests", "block hit", "token hit"):
+    for column in ("class", "TTL", "capacity", "policy", "block hit", "token hit"):
         table.add_column(column, justify="left" if column in ("class", "policy") else "right")
-    for column in ("tokens saved", "peak blocks", "mean blocks", "bytes x days"):
+    for column in ("tokens saved", "bytes x days", "peak blocks", "mean blocks", "requests"):
         table.add_column(column, justify="right")
     single_class = len({r["traffic_class"] for r in records}) == 2  # one class and ALL
     for r in records:
@@ -54,15 +54,15 @@ def print_table(records: Sequence[Record], console: Console | None = None) -> No
             r["ttl_label"] if r["traffic_class"] == ALL else _ttl_text(r),
             r["capacity_label"],
             r["policy"],
-            f"{r['requests']:,}",
             _percent(r["block_hit_ratio"]),
             _percent(r["token_hit_ratio"]),
             f"{r['tokens_saved']:,}",
+            _si_bytes(r["byte_days"]) + "-days",
             f"{r['peak_blocks']:,}",
             f"{r['mean_blocks']:,.0f}",
-            _si_bytes(r["byte_days"]) + "-days",
+            f"{r['requests']:,}",
         )
-    (console or Console(width=None if sys.stdout.isatty() else 160)).print(table)
+    return table
 
 
 def write_plots(records: Sequence[Record], plot_dir: str | Path) -> list[Path]:

@@ -15,33 +15,16 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ttl.policy import DEFAULT_CLASS_TO_TTL_S, EvictionOrder, TrafficClasses, parse_duration_s
+from ttl.policy import DEFAULT_CLASS_TO_TTL_S, EvictionOrder, TrafficClasses
 from ttl.simulator import ALL, ProgressFn, SimConfig, SimResult, simulate
 from ttl.traces import Trace
+from ttl.units import DAY_S, format_duration, parse_duration_s, parse_size_bytes
 
 log = logging.getLogger(__name__)
-
-DAY_S = 86_400.0
-_BYTE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "pb": 10**15,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-}
-_BYTES_RE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([a-z]+)$")
-_DURATION_UNITS = (("w", 7 * DAY_S), ("d", DAY_S), ("h", 3600.0), ("m", 60.0))
 
 
 @dataclass(frozen=True)
@@ -59,16 +42,6 @@ class GridPoint:
     @property
     def ttl_label(self) -> str:
         return " ".join(f"{n}={format_duration(s)}" for n, s in self.ttl_by_class.items())
-
-
-def format_duration(seconds: float) -> str:
-    """The shortest exact form of a duration: 604800 -> "1w", 259200 -> "3d", inf -> "inf"."""
-    if math.isinf(seconds):
-        return "inf"
-    for unit, unit_s in _DURATION_UNITS:
-        if seconds >= unit_s and seconds % unit_s == 0:
-            return f"{int(seconds // unit_s)}{unit}"
-    return f"{seconds:g}s"
 
 
 def parse_ttl_grid(specs: Sequence[str], class_names: Sequence[str]) -> list[dict[str, float]]:
@@ -122,15 +95,18 @@ def parse_capacity(text: str, num_trace_blocks: int, block_bytes: int | None) ->
 
 
 def _bytes_to_blocks(text: str, value: str, block_bytes: int | None) -> int:
-    match = _BYTES_RE.match(value)
-    if not match or match.group(2) not in _BYTE_UNITS:
+    try:
+        if not value[-1:].isalpha():
+            raise ValueError("a byte count needs a unit")
+        num_bytes = parse_size_bytes(value)
+    except ValueError:
         raise ValueError(
             f"bad capacity {text!r}: use a share ('10%'), a block count ('50000'), bytes "
             "('2TiB', '500GB') or 'inf'"
-        )
+        ) from None
     if block_bytes is None:
         raise ValueError(f"capacity {text!r} is in bytes: pass --bytes-per-token too")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)] // block_bytes)
+    return num_bytes // block_bytes
 
 
 def grid_points(

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from kvstore.errors import TraceFormatError
+from ttl.errors import TraceFormatError
 
 log = logging.getLogger(__name__)
 

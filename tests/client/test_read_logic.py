@@ -12,8 +12,8 @@ from client.read_plan import plan_read
 from client.shard_tally import PresenceTally, ShardCollector
 from client.write_path import write_targets
 from erasure.codec import make_codec
+from erasure.config import CodecConfig
 from erasure.shard import HEADER_BYTES, ShardHeader, pack_header
-from kvstore.config import CodecConfig
 
 CODEC = make_codec(CodecConfig(k=10, m=2, backend="isal"))
 

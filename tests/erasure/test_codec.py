@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from erasure.codec import Codec, make_codec
-from erasure.shard import HEADER_BYTES, SplitShard, block_checksum, parse_header
-from kvstore.config import CodecConfig
-from kvstore.errors import (
+from erasure.config import CodecConfig
+from erasure.errors import (
     ChecksumMismatch,
     CodecError,
-    InvalidArgument,
+    InvalidCodecInput,
     MixedVersions,
     ShardHeaderError,
     TooFewShards,
 )
+from erasure.shard import HEADER_BYTES, SplitShard, block_checksum, parse_header
 
 BACKENDS = ["isal", "zfec"]
 SEEDED = settings(derandomize=True, deadline=None, database=None)
@@ -173,7 +173,7 @@ def test_out_buffer_contract(backend: str) -> None:
     assert isinstance(result, memoryview) and bytes(result) == block
     assert out.tobytes() == block, "decode did not write into the caller's numpy buffer"
     for wrong in (bytearray(12_344), bytearray(12_346), bytes(12_345)):
-        with pytest.raises(InvalidArgument, match="exactly the block length"):
+        with pytest.raises(InvalidCodecInput, match="exactly the block length"):
             c.decode(shards, out=wrong)
 
 
@@ -184,11 +184,11 @@ def test_encode_accepts_bytes_like_and_enforces_the_maximum(backend: str) -> Non
     as_array = np.frombuffer(block, np.uint8).reshape(10, 100)
     for given_block in (bytearray(block), memoryview(block), as_array):
         assert c.encode(given_block) == c.encode(block)
-    with pytest.raises(InvalidArgument, match="max_block_bytes"):
+    with pytest.raises(InvalidCodecInput, match="max_block_bytes"):
         c.encode(bytes(1001))
-    with pytest.raises(InvalidArgument, match="bytes-like"):
+    with pytest.raises(InvalidCodecInput, match="bytes-like"):
         c.encode("text")  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgument, match="C-contiguous"):
+    with pytest.raises(InvalidCodecInput, match="C-contiguous"):
         c.encode(as_array[:, ::2])
 
 

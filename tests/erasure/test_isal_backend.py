@@ -10,9 +10,9 @@ import pytest
 from pyeclib.ec_iface import ECDriver
 
 from erasure.codec import make_codec
+from erasure.config import CodecConfig
 from erasure.isal_backend import check_vand_k_m, isal_version, load_isal
 from erasure.shard import HEADER_BYTES
-from kvstore.config import CodecConfig
 
 PYECLIB_HEADER_BYTES = 80  # liberasurecode's fragment header
 

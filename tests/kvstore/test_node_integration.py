@@ -77,6 +77,10 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
             text = reply.read().decode()
         assert "kvstore_shards 301.0" in text, "shard gauge missing from /metrics"
         assert 'kvstore_class_hits_total{traffic_class="chat"}' in text
+        assert "kvstore_class_youngest_evicted_age_seconds{" not in text, "nothing was evicted"
+        assert "process_resident_memory_bytes" in text and "kvstore_build_info{" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz") as reply:
+            assert reply.read() == b"ok\n", "/healthz answers health, not metrics"
     node.stop()
 
     node = start_node(config)
@@ -173,7 +177,12 @@ async def test_scrub_finds_bitrot_without_a_read(tmp_path: Path, start_node) -> 
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as reply:
             text = reply.read().decode()
         assert "kvstore_scrubbed_bytes_total" in text and "kvstore_scrub_passes_total" in text
-        assert "kvstore_scrub_last_full_pass_seconds -1.0" not in text, "no pass recorded"
+        [stamp] = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("kvstore_scrub_last_full_pass_timestamp_seconds ")
+        ]
+        assert abs(stamp - time.time()) < 120, "a timestamp metric must be real Unix time"
         assert await client.put([(bad_key, make_shard(key_to_payload[bad_key]))]) == 1
         await _assert_all_hit(client, key_to_payload)
 

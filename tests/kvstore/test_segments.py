@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import ChecksumMismatch
+from erasure.errors import ChecksumMismatch
 from kvstore.segments import (
     RECORD_HEADER_BYTES,
     SegmentFiles,

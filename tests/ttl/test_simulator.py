@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.errors import UnknownTrafficClass
+from ttl.errors import UnknownTrafficClass
 from ttl.policy import EvictionOrder, TrafficClasses
 from ttl.simulator import ALL, SimConfig, simulate
 from ttl.traces import trace_from_records

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.errors import TraceFormatError
+from ttl.errors import TraceFormatError
 from ttl.policy import TrafficClasses
 from ttl.simulator import ALL, SimConfig, simulate
 from ttl.traces import LoadOptions, chain_block_ids, load_trace, parse_type_map

@@ -21,8 +21,8 @@ import pytest
 from client.buffer_pool import BufferPool
 from client.ucx_transport import UcxTransport
 from erasure.codec import Codec
+from erasure.config import CodecConfig
 from erasure.shard import HEADER_BYTES, block_checksum, shard_checksum, shard_version
-from kvstore.config import CodecConfig
 from kvstore.ucx_worker import ucx_available
 
 if not ucx_available():

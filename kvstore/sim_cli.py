@@ -1,34 +1,33 @@
-"""``kvstore sim``: replay a request trace through the store's TTL and capacity policies.
+"""``kvstore sim`` and ``kvstore sim generate``: the shells over the ttl simulator.
 
 Examples::
 
     kvstore sim --trace trace.jsonl --format mooncake --block-tokens 512 \\
         --ttl chat=1h,1d,7d --ttl agent=inf --capacity 10%,25%,inf --json out/sim.json \\
         --plot-dir out/plots
-    kvstore sim --trace trace.jsonl --cluster DIR/cluster.toml --block-bytes 4096   # replay
+    kvstore sim generate --out out/ttl/workload14.jsonl --days 14 --seed 0
 
 Semantics are in ``ttl.simulator``; grids and capacity forms in ``ttl.sweep``; formats in
-``ttl.traces``. With ``--json`` the Parquet table goes next to it unless ``--parquet`` says
-otherwise.
+``ttl.traces``; the workload generator in ``ttl.generate``. With ``--json`` the Parquet table
+goes next to it unless ``--parquet`` says otherwise. ``kvstore sim replay`` (bench/replay.py)
+replays a trace against a live cluster and takes the same trace options.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import logging
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-from kvstore.errors import KVStoreError
+from kvstore.progress import ProgressReporter
+from kvstore.tables import print_fitted
+from ttl.errors import TTLError
+from ttl.generate import WorkloadParams, write_workload
 from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder
-from ttl.report import print_table, write_json, write_parquet, write_plots
-from ttl.simulator import ProgressFn
+from ttl.report import records_table, write_json, write_parquet, write_plots
 from ttl.sweep import grid_points, parse_capacities, parse_ttl_grid, result_records, run_grid
 from ttl.traces import FORMATS, LoadOptions, Trace, load_trace, parse_type_map
 
@@ -38,7 +37,8 @@ DEFAULT_BYTES_PER_TOKEN = 890.0  # DeepSeek V4.1-Flash global KV, about 890 byte
 PROGRESS_MIN_ACCESSES = 2_000_000  # smaller runs finish before a bar is worth drawing
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which trace to read and how (``sim`` and ``sim replay``)."""
     trace = parser.add_argument_group("trace")
     trace.add_argument("--trace", required=True, help="trace file, or a folder of session files")
     trace.add_argument("--format", choices=FORMATS, default="mooncake", help="(default mooncake)")
@@ -71,6 +71,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="stretch the gaps between requests by this factor (default 1)",
     )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore sim``."""
+    add_trace_arguments(parser)
     grid = parser.add_argument_group("policies (lists make a grid)")
     grid.add_argument(
         "--ttl",
@@ -111,28 +116,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", type=Path, help="write results as JSON here")
     out.add_argument("--parquet", type=Path, help="Parquet table (default: next to --json)")
     out.add_argument("--plot-dir", type=Path, help="write hit-ratio plots (PNG) here")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    replay = parser.add_argument_group("replay against a live cluster")
-    replay.add_argument("--cluster", type=Path, help="DIR/cluster.toml: replay through the client")
-    replay.add_argument("--block-bytes", type=int, default=4096, help="payload bytes per block")
-    replay.add_argument("--tenant", default="sim", help="tenant for the replay (default sim)")
-    replay.add_argument("--token", default=None, help="auth token for the cluster, if any")
+    out.add_argument("--no-progress", action="store_true", help="no progress reports")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        trace = _load(args)
-        if args.cluster is not None:
-            from ttl.replay import run_replay_cli
-
-            return run_replay_cli(args, trace)
-        return _simulate(args, trace)
-    except (KVStoreError, ValueError, FileNotFoundError) as exc:
+        return _simulate(args, load_trace_from_args(args))
+    except (TTLError, ValueError, FileNotFoundError) as exc:
         print(f"kvstore sim: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _load(args: argparse.Namespace) -> Trace:
+def load_trace_from_args(args: argparse.Namespace) -> Trace:
+    """The trace :func:`add_trace_arguments` describes, summarised on stdout."""
     options = LoadOptions(
         block_tokens=args.block_tokens,
         default_class=args.default_class,
@@ -163,14 +159,15 @@ def _simulate(args: argparse.Namespace, trace: Trace) -> int:
         parse_policies(args.policy),
     )
     total = trace.num_accesses * len(points)
-    with progress_bar(total, not args.no_progress and total >= PROGRESS_MIN_ACCESSES) as bar:
-        results = run_grid(trace, points, args.warmup, bar)
+    enabled = not args.no_progress and total >= PROGRESS_MIN_ACCESSES
+    with ProgressReporter("simulating block accesses", total, enabled=enabled) as progress:
+        results = run_grid(trace, points, args.warmup, lambda done: progress.update(completed=done))
     records = [
         record
         for point, result in zip(points, results, strict=True)
         for record in result_records(point, result, trace.block_tokens, args.bytes_per_token)
     ]
-    print_table(records)
+    print_fitted(records_table(records), keep=("block hit", "token hit"))
     _write_outputs(args, trace, records)
     return 0
 
@@ -212,18 +209,20 @@ def trace_summary(args: argparse.Namespace, trace: Trace) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def progress_bar(total: int, enabled: bool) -> Iterator[ProgressFn | None]:
-    """A rich progress bar on stderr fed with block accesses done (None when disabled)."""
-    if not enabled:
-        yield None
-        return
-    columns = (
-        TextColumn("simulating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
+def configure_generate(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore sim generate``: one flag per WorkloadParams field."""
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSONL file to write (Mooncake format)"
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("simulating", total=total)
-        yield lambda done: bar.update(task, completed=done)
+    for f in dataclasses.fields(WorkloadParams):
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"])
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = WorkloadParams(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadParams)}
+    )
+    num_requests = write_workload(params, args.out)
+    print(f"wrote {num_requests} requests over {params.days:g} days to {args.out}")
+    return 0

@@ -56,7 +56,7 @@ def test_replay_measures_the_simulated_hit_ratio(tmp_path: Path, capsys) -> None
     with LocalCluster.start(tmp_path / "cluster", 12, TIME_SCALE, fsync=False) as cluster:
         rc = main(
             [
-                "sim", "--trace", str(trace_path), "--block-tokens", "4",
+                "sim", "replay", "--trace", str(trace_path), "--block-tokens", "4",
                 "--cluster", str(cluster.cluster_toml), "--block-bytes", "2048",
                 "--json", str(out),
             ]

@@ -1,6 +1,7 @@
 """Replay a trace against a live cluster through the real client, next to the simulation.
 
-``kvstore sim --trace PATH --cluster DIR/cluster.toml --block-bytes N``. Requests go out one
+``kvstore sim replay --trace PATH --cluster DIR/cluster.toml --block-bytes N`` (every trace
+option of ``kvstore sim`` works here too). Requests go out one
 at a time in trace order, each at its virtual time: trace offsets are laid onto the cluster's
 clock (``ttl.clock.make_clock(time_scale, origin_unix_s)`` from ``cluster.toml``), starting a
 moment after the replay begins. For each request, like an engine's prefill worker:
@@ -26,18 +27,21 @@ import asyncio
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
-from rich.console import Console
 from rich.table import Table
 
 from client import KVClient
 from kvstore.config import load_cluster
-from kvstore.errors import ChecksumMismatch
+from kvstore.errors import ERRORS, ChecksumMismatch
+from kvstore.sim_cli import add_trace_arguments, load_trace_from_args
+from kvstore.tables import print_fitted
 from ttl.clock import make_clock
+from ttl.report import write_json
 from ttl.simulator import ALL, SimConfig, SimResult, simulate
 from ttl.traces import Trace
 
@@ -153,10 +157,29 @@ def comparison_records(simulated: SimResult, measured: ReplayResult) -> list[dic
     return records
 
 
-def run_replay_cli(args: argparse.Namespace, trace: Trace) -> int:
-    """``kvstore sim --cluster``: simulate, replay, print both, optionally write JSON."""
-    from ttl.report import write_json
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore sim replay``."""
+    add_trace_arguments(parser)
+    replay = parser.add_argument_group("the cluster")
+    replay.add_argument(
+        "--cluster", type=Path, required=True, help="DIR/cluster.toml to replay into"
+    )
+    replay.add_argument("--block-bytes", type=int, default=4096, help="payload bytes per block")
+    replay.add_argument("--tenant", default="sim", help="tenant the replay writes as")
+    replay.add_argument("--token", default=None, help="auth token for the cluster, if any")
+    replay.add_argument("--json", type=Path, help="write the comparison as JSON here")
 
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, replay, print both side by side, optionally write JSON."""
+    try:
+        return _replay_and_compare(args, load_trace_from_args(args))
+    except (*ERRORS, FileNotFoundError) as exc:
+        print(f"kvstore sim replay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _replay_and_compare(args: argparse.Namespace, trace: Trace) -> int:
     simulated = simulate_for_cluster(trace, args.cluster)
     measured = asyncio.run(replay(trace, args.cluster, args.block_bytes, args.tenant, args.token))
     records = comparison_records(simulated, measured)
@@ -190,7 +213,7 @@ def _print_comparison(records: list[dict[str, Any]], measured: ReplayResult) -> 
             _percent(r["simulated_token_hit_ratio"]),
             _percent(r["measured_token_hit_ratio"]),
         )
-    Console(width=140).print(table)
+    print_fitted(table)
     print(
         f"worst lag behind the trace: {measured.max_lag_s:,.0f} virtual s; "
         f"hits gone before their get: {measured.num_vanished}"
