@@ -31,6 +31,8 @@
     [[groups]]
     nodes = ["n00", "n01", ...]    # k+m node ids; shard i lives on nodes[i]
 
+Sizes and durations may be written with units: ``max_bytes = "30GiB"``,
+``expiry_window_s = "1h"`` (any field named ``*_bytes``, ``*_bytes_per_s`` or ``*_s``).
 Every dataclass validates itself in ``__post_init__`` and raises ``ValueError`` with advice.
 """
 
@@ -53,7 +55,7 @@ from ttl.policy import (
     EvictionOrder,
     TrafficClasses,
 )
-from ttl.units import parse_duration_s
+from ttl.units import parse_duration_s, parse_size_bytes
 
 KEY_BYTES = 16  # block keys are xxh3-128 digests
 MiB = 1 << 20
@@ -190,16 +192,32 @@ _NODE_DEFAULTS = {f.name for f in dataclasses.fields(NodeConfig)} - {
 }
 
 
+def with_units(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with sizes and durations written as strings parsed (ttl/units.py): a field
+    named ``*_bytes`` or ``*_bytes_per_s`` takes "64MiB", one named ``*_s`` takes "1h"."""
+    parsed = dict(raw)
+    for name, value in raw.items():
+        if not isinstance(value, str):
+            continue
+        if name.endswith(("_bytes", "_bytes_per_s")):
+            parsed[name] = parse_size_bytes(value)
+        elif name.endswith("_s"):
+            parsed[name] = parse_duration_s(value)
+    return parsed
+
+
 def _ttl_from_toml(raw: Mapping[str, Any]) -> TTLConfig:
     raw_classes = raw.get("classes", DEFAULT_CLASS_TO_TTL_S)
     classes = TrafficClasses({name: parse_duration_s(v) for name, v in raw_classes.items()})
-    rest = {k: float(v) for k, v in raw.items() if k not in ("classes", "eviction_order")}
+    rest = {
+        k: float(v) for k, v in with_units(raw).items() if k not in ("classes", "eviction_order")
+    }
     eviction_order = str(raw.get("eviction_order", DEFAULT_EVICTION_ORDER.value))
     return TTLConfig(classes=classes, eviction_order=eviction_order, **rest)
 
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
-    defaults = dict(raw.get("node_defaults", {}))
+    defaults = with_units(raw.get("node_defaults", {}))
     unknown = set(defaults) - _NODE_DEFAULTS
     if unknown:
         raise ValueError(
@@ -207,10 +225,10 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
         )
     return ClusterConfig(
         epoch=int(raw.get("epoch", 1)),
-        nodes=tuple(NodeConfig(**{**defaults, **n}) for n in raw.get("nodes", [])),
+        nodes=tuple(NodeConfig(**{**defaults, **with_units(n)}) for n in raw.get("nodes", [])),
         groups=tuple(tuple(g["nodes"]) for g in raw.get("groups", [])),
-        codec=CodecConfig(**raw.get("codec", {})),
-        client=ClientConfig(**raw.get("client", {})),
+        codec=CodecConfig(**with_units(raw.get("codec", {}))),
+        client=ClientConfig(**with_units(raw.get("client", {}))),
         ttl=_ttl_from_toml(raw.get("ttl", {})),
     )
 

@@ -69,3 +69,20 @@ def test_round_trips_through_save_and_load(tmp_path: Path, eviction_order: str) 
     save_cluster(cluster, again)
     assert 'eviction_order = "' + eviction_order + '"' in again.read_text()
     assert load_cluster(again) == cluster, "save_cluster/load_cluster changed the config"
+
+
+def test_sizes_and_durations_take_units(tmp_path: Path) -> None:
+    toml = _MINIMAL_TOML.format(ttl_line='expiry_window_s = "90m"').replace(
+        'data_dir = "/tmp/unused"',
+        'data_dir = "/tmp/unused"\nmax_bytes = "1GiB"\nscrub_bytes_per_s = "64MiB"\n'
+        'scrub_pass_interval_s = "2h"',
+    )
+    path = tmp_path / "cluster.toml"
+    path.write_text(toml)
+    cluster = load_cluster(path)
+    node = cluster.nodes[0]
+    assert (node.max_bytes, node.scrub_bytes_per_s) == (1 << 30, 64 << 20), "sizes with units"
+    assert (node.scrub_pass_interval_s, cluster.ttl.expiry_window_s) == (7200.0, 5400.0)
+    path.write_text(toml.replace('"1GiB"', '"lots"'))
+    with pytest.raises(ValueError, match="bad size 'lots'"):
+        load_cluster(path)
