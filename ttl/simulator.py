@@ -31,7 +31,16 @@ Block ``i`` of a request with ``L`` input tokens weighs ``min(B, L - i*B)`` toke
 ``token_hit_ratio = tokens_saved / tokens``. ``peak_blocks`` is the most resident blocks after
 any counted request; ``block_seconds`` integrates resident blocks over the window
 (``mean_blocks = block_seconds / window_s``; expired blocks stop counting at their expiry
-instant, evicted ones when evicted).
+instant, evicted ones when evicted). ``written_blocks`` are the blocks after the prefix hit
+(the engine computes them and writes them back, resident or not); ``peak_hit_blocks_per_s``
+and ``peak_written_blocks_per_s`` are the busiest ``rate_window_s`` of the counted window
+(buckets from its start), the read and write load a planner sizes bandwidth for.
+
+Partitions. A pass over part of the block space (``Trace.block_positions`` set: one placement
+group's blocks, every request kept) yields ``SimCounts`` that combine exactly: residency never
+depends on hits (every block of a request is touched or inserted either way), so each
+partition evolves on its own; a request's prefix hit is the earliest first-miss position over
+the partitions, and every other count adds up. ``ttl.partition`` builds the partitions.
 
 The core is pure: no clock, no I/O. Speed comes from one dense hot loop in ``_Cache.run``:
 dense int block ids in flat lists, and per class a queue of *request* indices in time order
@@ -47,7 +56,7 @@ import bisect
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -55,6 +64,8 @@ from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder, TrafficClasses, is
 from ttl.traces import Trace
 
 ALL = "all"
+NO_MISS = np.iinfo(np.int64).max  # first-miss position of a request none of whose blocks missed
+DEFAULT_RATE_WINDOW_S = 60.0
 _SCAN_CHUNK = 64  # block positions searched per C call in _find_live
 ProgressFn = Callable[[int], None]  # called with the number of block accesses simulated
 
@@ -65,12 +76,15 @@ class SimConfig:
     capacity_blocks: int | None = None  # None: unlimited
     eviction: EvictionOrder = DEFAULT_EVICTION_ORDER  # the store's default
     warmup_fraction: float = 0.0
+    rate_window_s: float = DEFAULT_RATE_WINDOW_S  # bucket of the peak read and write rates
 
     def __post_init__(self) -> None:
         if self.capacity_blocks is not None and self.capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0 or None, got {self.capacity_blocks}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"warmup fraction must be in [0, 1), got {self.warmup_fraction}")
+        if not self.rate_window_s > 0:
+            raise ValueError(f"rate window must be > 0 seconds, got {self.rate_window_s}")
 
 
 @dataclass
@@ -86,6 +100,9 @@ class ClassStats:
     evicted_blocks: int = 0
     peak_blocks: int = 0
     block_seconds: float = 0.0
+    written_blocks: int = 0
+    peak_hit_blocks_per_s: float = 0.0
+    peak_written_blocks_per_s: float = 0.0
 
     @property
     def block_hit_ratio(self) -> float:
@@ -97,7 +114,7 @@ class ClassStats:
         return self.tokens_saved / self.tokens if self.tokens else math.nan
 
     def add(self, other: ClassStats) -> None:
-        """Sum ``other`` into this one (peaks too: callers fix ``all``'s peak)."""
+        """Sum ``other`` into this one (peaks too: callers fix ``all``'s peaks)."""
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -115,11 +132,90 @@ class SimResult:
         return stats.block_seconds / self.window_s if self.window_s > 0 else stats.peak_blocks
 
 
+@dataclass(frozen=True)
+class SimCounts:
+    """What one pass over a trace, or over one partition of its blocks, counted.
+
+    Per request (``[num_requests]``, int64): ``first_miss``, the position in the request of its
+    first missing block (``NO_MISS`` if none missed); ``new_counts``, blocks inserted;
+    ``class_live_after`` and ``live_after``, resident blocks of the request's class and of all
+    classes right after it. Per class: ``window_live`` (resident right after the first counted
+    request), ``end_live`` (resident at the end) and ``deaths`` (expired and evicted blocks,
+    and the footprint terms of deaths and of the window's start). ``combine`` merges the
+    counts of disjoint partitions exactly (module docstring).
+    """
+
+    first_miss: np.ndarray
+    new_counts: np.ndarray
+    class_live_after: np.ndarray
+    live_after: np.ndarray
+    window_live: np.ndarray
+    end_live: np.ndarray
+    deaths: tuple[ClassStats, ...]
+    num_blocks: int  # distinct blocks seen
+
+    def combine(self, other: SimCounts) -> SimCounts:
+        """The counts of this partition and ``other`` (disjoint blocks, the same requests)."""
+        deaths = tuple(replace(mine) for mine in self.deaths)
+        for mine, theirs in zip(deaths, other.deaths, strict=True):
+            mine.add(theirs)
+        return SimCounts(
+            np.minimum(self.first_miss, other.first_miss),
+            self.new_counts + other.new_counts,
+            self.class_live_after + other.class_live_after,
+            self.live_after + other.live_after,
+            self.window_live + other.window_live,
+            self.end_live + other.end_live,
+            deaths,
+            self.num_blocks + other.num_blocks,
+        )
+
+
 def simulate(trace: Trace, config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
     """Replay ``trace`` through ``config``'s TTLs and capacity (module docstring: semantics)."""
+    return sim_result(trace, config, simulate_counts(trace, config, progress))
+
+
+def simulate_counts(
+    trace: Trace, config: SimConfig, progress: ProgressFn | None = None
+) -> SimCounts:
+    """One pass over ``trace`` (or one partition of it), before the per-class sums."""
     cache = _Cache(trace, config)
     cache.run(progress)
-    return cache.result()
+    return cache.counts()
+
+
+def sim_result(trace: Trace, config: SimConfig, counts: SimCounts) -> SimResult:
+    """Sum ``counts`` by class over the counted window. ``trace`` gives the requests (any
+    partition of it will do: they all keep every request) and ``config`` the window."""
+    times = _relative_times(trace)
+    window_start_s = config.warmup_fraction * (float(times[-1]) if len(times) else 0.0)
+    end_s = float(times[-1]) if len(times) else 0.0
+    first_counted = int(np.searchsorted(times, window_start_s, side="left"))
+    per_request = _PerRequest(trace, counts, times, first_counted, window_start_s, config)
+    by_class: dict[str, ClassStats] = {}
+    total = ClassStats()
+    for k, name in enumerate(trace.class_names):
+        stats = replace(counts.deaths[k])
+        mine = per_request.classes == k
+        per_request.fill(stats, mine)
+        stats.block_seconds += int(counts.end_live[k]) * end_s
+        stats.block_seconds = max(0.0, stats.block_seconds)  # cancellation leaves -1e-9s
+        stats.peak_blocks = max(int(counts.window_live[k]), per_request.max_class_live(mine))
+        by_class[name] = stats
+        total.add(stats)
+    total.peak_blocks = per_request.max_live()
+    total.peak_hit_blocks_per_s, total.peak_written_blocks_per_s = per_request.peak_rates(
+        np.ones(len(per_request.classes), bool)
+    )
+    by_class[ALL] = total
+    window_s = max(end_s - window_start_s, 0.0)
+    return SimResult(config, by_class, window_s, counts.num_blocks)
+
+
+def _relative_times(trace: Trace) -> np.ndarray:
+    """Request times from the first request (the simulator's clock: exact sums)."""
+    return trace.time_s - trace.time_s[0] if trace.num_requests else trace.time_s
 
 
 class _Cache:
@@ -135,8 +231,7 @@ class _Cache:
 
     def __init__(self, trace: Trace, config: SimConfig) -> None:
         self.trace, self.config = trace, config
-        start_s = trace.time_s[0] if trace.num_requests else 0.0
-        self.times: list[float] = (trace.time_s - start_s).tolist()  # relative: exact sums
+        self.times: list[float] = _relative_times(trace).tolist()
         self.ttl_s = [config.classes.ttl_s(name) for name in trace.class_names]
         self.num_classes = num_classes = len(trace.class_names)
         self.block_class = [-1] * trace.num_blocks
@@ -347,27 +442,28 @@ class _Cache:
 
     # --- result ----------------------------------------------------------------------------
 
-    def result(self) -> SimResult:
-        """Sum the per-request counts of the counted window by class (numpy, once)."""
-        end_s = self.times[-1] if self.times else 0.0
-        counted = slice(self.first_counted, self.trace.num_requests)
-        classes = self.trace.class_ids[counted]
-        per_class = _PerRequest(self, counted)
-        by_class: dict[str, ClassStats] = {}
-        total = ClassStats()
-        for k, name in enumerate(self.trace.class_names):
-            stats = self.stats[k]
-            mine = classes == k
-            per_class.fill(stats, mine)
-            stats.block_seconds += self.live_by_class[k] * end_s
-            stats.block_seconds = max(0.0, stats.block_seconds)  # cancellation leaves -1e-9s
-            stats.peak_blocks = max(self.window_live[k], per_class.max_class_live(mine))
-            by_class[name] = stats
-            total.add(stats)
-        total.peak_blocks = per_class.max_live()
-        by_class[ALL] = total
-        window_s = max(end_s - self.window_start_s, 0.0)
-        return SimResult(self.config, by_class, window_s, self.trace.num_blocks)
+    def counts(self) -> SimCounts:
+        """The pass's counts; first-miss positions from hit counts (numpy, once)."""
+        num_hit = np.asarray(self.hit_counts, np.int64)
+        offsets = self.trace.block_offsets
+        lengths = np.diff(offsets)
+        positions = self.trace.block_positions
+        if positions is None:  # the whole request: the first miss is at the hit count
+            first_miss = np.where(num_hit < lengths, num_hit, NO_MISS)
+        else:  # a partition: the position (in the whole request) of its first missing block
+            missed = num_hit < lengths
+            at = np.minimum(offsets[:-1] + num_hit, max(len(positions) - 1, 0))
+            first_miss = np.where(missed, positions[at] if len(positions) else 0, NO_MISS)
+        return SimCounts(
+            first_miss=first_miss.astype(np.int64),
+            new_counts=np.asarray(self.new_counts, np.int64),
+            class_live_after=np.asarray(self.class_live_after, np.int64),
+            live_after=np.asarray(self.live_after, np.int64),
+            window_live=np.asarray(self.window_live, np.int64),
+            end_live=np.asarray(self.live_by_class, np.int64),
+            deaths=tuple(self.stats),
+            num_blocks=self.trace.num_blocks,
+        )
 
 
 def _find_live(blocks: list[int], start: int, entry: int, block_entry: list[int]) -> int:
@@ -390,29 +486,51 @@ def _find_live(blocks: list[int], start: int, entry: int, block_entry: list[int]
 class _PerRequest:
     """The per-request counts of the counted window as numpy arrays."""
 
-    def __init__(self, cache: _Cache, counted: slice) -> None:
-        trace = cache.trace
-        self.num_blocks = np.diff(trace.block_offsets)[counted]
-        self.num_hit = np.asarray(cache.hit_counts[counted], np.int64)
-        self.num_new = np.asarray(cache.new_counts[counted], np.int64)
+    def __init__(
+        self,
+        trace: Trace,
+        counts: SimCounts,
+        times: np.ndarray,
+        first_counted: int,
+        window_start_s: float,
+        config: SimConfig,
+    ) -> None:
+        counted = slice(first_counted, trace.num_requests)
+        self.classes = trace.class_ids[counted]
+        self.num_blocks = trace.request_blocks[counted]
+        self.num_hit = np.minimum(counts.first_miss[counted], self.num_blocks)
+        self.num_new = counts.new_counts[counted]
         self.input_tokens = trace.input_tokens[counted]
-        self.times = np.asarray(cache.times[counted], np.float64)
-        self.class_live = np.asarray(cache.class_live_after[counted], np.int64)
-        self.live = np.asarray(cache.live_after[counted], np.int64)
+        self.hashed_tokens = trace.hashed_tokens[counted]
+        self.times = times[counted]
+        self.class_live = counts.class_live_after[counted]
+        self.live = counts.live_after[counted]
         self.block_tokens = trace.block_tokens
+        self.rate_window_s = config.rate_window_s
+        self.buckets = ((self.times - window_start_s) // config.rate_window_s).astype(np.int64)
 
     def fill(self, stats: ClassStats, mine: np.ndarray) -> None:
         """Add the hit and insert counts of the requests selected by ``mine``."""
-        tokens = np.minimum(self.num_blocks[mine] * self.block_tokens, self.input_tokens[mine])
         saved = np.minimum(self.num_hit[mine] * self.block_tokens, self.input_tokens[mine])
         stats.requests = int(np.count_nonzero(mine))
         stats.blocks = int(self.num_blocks[mine].sum())
         stats.hit_blocks = int(self.num_hit[mine].sum())
-        stats.tokens = int(tokens.sum())
+        stats.written_blocks = stats.blocks - stats.hit_blocks
+        stats.tokens = int(self.hashed_tokens[mine].sum())
         stats.tokens_saved = int(saved.sum())
         stats.input_tokens = int(self.input_tokens[mine].sum())
         stats.inserted_blocks = int(self.num_new[mine].sum())
         stats.block_seconds -= float(np.dot(self.num_new[mine], self.times[mine]))
+        stats.peak_hit_blocks_per_s, stats.peak_written_blocks_per_s = self.peak_rates(mine)
+
+    def peak_rates(self, mine: np.ndarray) -> tuple[float, float]:
+        """Hit and written blocks per second in the busiest rate window."""
+        if not np.any(mine):
+            return 0.0, 0.0
+        buckets = self.buckets[mine]
+        hits = np.bincount(buckets, weights=self.num_hit[mine])
+        written = np.bincount(buckets, weights=self.num_blocks[mine] - self.num_hit[mine])
+        return float(hits.max()) / self.rate_window_s, float(written.max()) / self.rate_window_s
 
     def max_class_live(self, mine: np.ndarray) -> int:
         return int(self.class_live[mine].max(initial=0))

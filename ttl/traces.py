@@ -27,6 +27,13 @@ ids are already chained and are only renumbered. Bailian and session ids are per
 loader chains them: the same id after a different prefix is a different block, and a request's
 prefix hit stops at its first missing block exactly as in the store.
 
+Partial blocks. A request of ``L`` input tokens has ``L // B`` full blocks; its hash ids may
+also name the trailing partial block (Mooncake's do). ``PARTIAL_DROP`` (the default) keeps
+full blocks only, which is what the store and the engine cache (``block_keys`` covers full
+blocks; the tail is recomputed); ``PARTIAL_COUNT`` keeps the partial block as a cacheable
+block of ``L - i*B`` tokens, the way published trace figures count. Either way the token hit
+ratio's denominator (``Trace.hashed_tokens``) covers every token the hash ids name.
+
 Files larger than memory are read in chunks of whole lines and parsed by pyarrow; only dense
 integer arrays are kept. Requests are put in time order (stable for equal timestamps). A
 malformed line raises ``TraceFormatError`` naming the file and line; with ``skip_bad`` it is
@@ -56,6 +63,8 @@ log = logging.getLogger(__name__)
 
 MOONCAKE, BAILIAN, SESSIONS = "mooncake", "bailian", "sessions"
 FORMATS = (MOONCAKE, BAILIAN, SESSIONS)
+PARTIAL_DROP, PARTIAL_COUNT = "drop", "count"
+PARTIAL_BLOCKS = (PARTIAL_DROP, PARTIAL_COUNT)
 DEFAULT_BLOCK_TOKENS = {MOONCAKE: 512, BAILIAN: 16}
 MiB = 1 << 20
 
@@ -71,12 +80,17 @@ class Trace:
     class_ids: np.ndarray  # int32 [num_requests], index into class_names
     input_tokens: np.ndarray  # int64 [num_requests]
     output_tokens: np.ndarray  # int64 [num_requests]
+    hashed_tokens: np.ndarray  # int64 [num_requests]: min(hash ids x block_tokens, input)
     block_offsets: np.ndarray  # int64 [num_requests + 1]
     block_ids: np.ndarray  # int32 [num_accesses], dense: 0 .. num_blocks-1
     class_names: tuple[str, ...]
     block_tokens: int
     num_blocks: int  # distinct blocks
     num_skipped: int = 0  # malformed records skipped (only with skip_bad)
+    # A partition (ttl.partition) holds some of each request's blocks: their positions in the
+    # whole request (int32 [num_accesses]) and the whole request's block counts (int64).
+    block_positions: np.ndarray | None = None
+    whole_request_blocks: np.ndarray | None = None
 
     @property
     def num_requests(self) -> int:
@@ -90,6 +104,13 @@ class Trace:
     def span_s(self) -> float:
         """Seconds from the first to the last request (0 for fewer than two)."""
         return float(self.time_s[-1] - self.time_s[0]) if self.num_requests else 0.0
+
+    @property
+    def request_blocks(self) -> np.ndarray:
+        """Cacheable blocks of each request (of the whole request, in a partition)."""
+        if self.whole_request_blocks is not None:
+            return self.whole_request_blocks
+        return np.diff(self.block_offsets)
 
     def blocks(self, request: int) -> np.ndarray:
         return self.block_ids[self.block_offsets[request] : self.block_offsets[request + 1]]
@@ -111,6 +132,13 @@ class LoadOptions:
     type_to_class: Mapping[str, str] = field(default_factory=dict)  # bailian ``type`` -> class
     skip_bad: bool = False  # skip and count malformed records instead of raising
     chunk_bytes: int = 16 * MiB  # bytes of whole lines parsed at a time
+    partial_blocks: str = PARTIAL_DROP  # a request's trailing partial block: drop or count
+
+    def __post_init__(self) -> None:
+        if self.partial_blocks not in PARTIAL_BLOCKS:
+            raise ValueError(
+                f"partial blocks {self.partial_blocks!r}: choose {' or '.join(PARTIAL_BLOCKS)}"
+            )
 
 
 def load_trace(path: str | Path, fmt: str, options: LoadOptions | None = None) -> Trace:
@@ -131,13 +159,16 @@ def load_trace(path: str | Path, fmt: str, options: LoadOptions | None = None) -
 
 
 def trace_from_records(
-    records: list[tuple[float, str, int, int, list[int]]], block_tokens: int, chain: bool
+    records: list[tuple[float, str, int, int, list[int]]],
+    block_tokens: int,
+    chain: bool,
+    partial_blocks: str = PARTIAL_DROP,
 ) -> Trace:
     """A trace from ``(time_s, class, input_tokens, output_tokens, block_ids)`` records;
     ``chain`` treats the ids as per-block (like Bailian's) rather than prefix-chained."""
     columns = _Columns()
     columns.add_records(list(records), 1.0)
-    return columns.finish(block_tokens, chain=chain)
+    return columns.finish(block_tokens, chain=chain, partial_blocks=partial_blocks)
 
 
 def parse_type_map(specs: list[str]) -> dict[str, str]:
@@ -194,7 +225,7 @@ def _load_jsonl(path: Path, fmt: _JsonlFormat, options: LoadOptions) -> Trace:
             records = _parse_chunk_python(chunk, first_line, path, fmt, options, columns)
             columns.add_records(records, fmt.seconds_per_time_unit)
     block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[fmt.name]
-    return columns.finish(block_tokens, chain=not fmt.chained)
+    return columns.finish(block_tokens, not fmt.chained, options.partial_blocks)
 
 
 def _read_line_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
@@ -288,7 +319,7 @@ def _load_sessions(path: Path, options: LoadOptions) -> Trace:
         next_id = _localize_ids(records, next_id)
         columns.add_records(records, 1.0)
     block_tokens = _session_block_tokens(path, block_sizes, options.block_tokens)
-    return columns.finish(block_tokens, chain=True)
+    return columns.finish(block_tokens, True, options.partial_blocks)
 
 
 def _parse_session_file(
@@ -469,14 +500,20 @@ class _Columns:
         parts = self.parts[name]
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
-    def finish(self, block_tokens: int, chain: bool) -> Trace:
+    def finish(self, block_tokens: int, chain: bool, partial_blocks: str = PARTIAL_DROP) -> Trace:
         if block_tokens < 1:
             raise ValueError(f"block tokens must be >= 1, got {block_tokens}")
         time_s = self._concat("time_s", np.float64)
-        offsets = np.concatenate([[0], np.cumsum(self._concat("length", np.int64))])
+        lengths = self._concat("length", np.int64)
+        input_tokens = self._concat("input", np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
         raw_ids = self._concat("ids", np.int64)
         order = np.argsort(time_s, kind="stable")
         offsets, raw_ids = _reorder_segments(order, offsets, raw_ids)
+        input_tokens = input_tokens[order]
+        hashed_tokens = np.minimum(np.diff(offsets) * block_tokens, input_tokens)
+        if partial_blocks == PARTIAL_DROP:
+            offsets, raw_ids = cut_partial_blocks(offsets, raw_ids, input_tokens // block_tokens)
         block_ids, num_blocks = _dense_ids(raw_ids)
         if chain:
             block_ids, num_blocks = chain_block_ids(offsets, block_ids)
@@ -484,8 +521,9 @@ class _Columns:
         return Trace(
             time_s=time_s[order],
             class_ids=class_ids,
-            input_tokens=self._concat("input", np.int64)[order],
+            input_tokens=input_tokens,
             output_tokens=self._concat("output", np.int64)[order],
+            hashed_tokens=hashed_tokens,
             block_offsets=offsets,
             block_ids=block_ids,
             class_names=class_names,
@@ -510,6 +548,19 @@ def _reorder_segments(
     new_offsets = np.concatenate([[0], np.cumsum(lengths)])
     shift = np.repeat(offsets[:-1][order] - new_offsets[:-1], lengths)
     return new_offsets, values[np.arange(new_offsets[-1]) + shift]
+
+
+def cut_partial_blocks(
+    offsets: np.ndarray, values: np.ndarray, max_lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keep at most ``max_lengths[r]`` leading values of each CSR segment ``r``."""
+    lengths = np.diff(offsets)
+    kept = np.minimum(lengths, max_lengths)
+    if np.array_equal(kept, lengths):
+        return offsets, values
+    position = np.arange(len(values)) - np.repeat(offsets[:-1], lengths)
+    keep = position < np.repeat(kept, lengths)
+    return np.concatenate([[0], np.cumsum(kept)]), values[keep]
 
 
 def _dense_ids(raw_ids: np.ndarray) -> tuple[np.ndarray, int]:

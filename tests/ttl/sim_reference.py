@@ -94,7 +94,7 @@ def reference_simulate(
             s["requests"] += 1
             s["blocks"] += len(blocks)
             s["hit_blocks"] += num_hit
-            s["tokens"] += min(len(blocks) * bt, length)
+            s["tokens"] += int(trace.hashed_tokens[r])
             s["tokens_saved"] += min(num_hit * bt, length)
             s["input_tokens"] += length
             s["inserted_blocks"] += num_new

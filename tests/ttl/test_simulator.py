@@ -18,10 +18,11 @@ from .sim_reference import reference_simulate
 INF = math.inf
 
 
-def _trace(requests, block_tokens=4, chain=False):
-    """requests: (time_s, class, input_tokens, block ids)."""
+def _trace(requests, block_tokens=4, chain=False, partial_blocks="count"):
+    """requests: (time_s, class, input_tokens, block ids); partial blocks count by default
+    (the hand-computed cases weigh partial blocks)."""
     records = [(t, cls, num_in, 0, list(ids)) for t, cls, num_in, ids in requests]
-    return trace_from_records(records, block_tokens, chain=chain)
+    return trace_from_records(records, block_tokens, chain=chain, partial_blocks=partial_blocks)
 
 
 def _run(requests, ttl=None, capacity=None, eviction=EvictionOrder.EXPIRY, warmup=0.0, **kw):
@@ -198,3 +199,14 @@ def test_matches_the_naive_reference(
                 f"{name}.{key}: the fast simulator disagrees with the reference "
                 "(queue/lazy-deletion bookkeeping bug)"
             )
+
+
+def test_written_blocks_and_peak_rates_per_window():
+    trace = _trace([(0.0, "chat", 8, [1, 2]), (10.0, "chat", 8, [1, 2]), (70.0, "chat", 8, [1, 3])])
+    config = SimConfig(TrafficClasses({"chat": INF}), rate_window_s=60.0)
+    s = simulate(trace, config).by_class[ALL]
+    assert s.written_blocks == 2 + 0 + 1, "blocks after the prefix hit are written back"
+    assert s.peak_hit_blocks_per_s == pytest.approx(2 / 60), "busiest minute: 2 hit blocks"
+    assert s.peak_written_blocks_per_s == pytest.approx(2 / 60), "first minute writes 2"
+    with pytest.raises(ValueError, match="rate window"):
+        SimConfig(rate_window_s=0.0)

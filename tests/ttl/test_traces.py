@@ -109,8 +109,32 @@ def test_bailian_ids_are_chained_mooncake_ids_are_not(tmp_path: Path) -> None:
     bailian = _jsonl(tmp_path / "b.jsonl", [_bailian(t, ids) for t, ids in enumerate(requests)])
     mooncake = _jsonl(tmp_path / "m.jsonl", [_mooncake(t, ids) for t, ids in enumerate(requests)])
     assert _hits(load_trace(bailian, "bailian")) == 1 + 2, "per-block ids need chaining"
-    assert _hits(load_trace(mooncake, "mooncake")) == 1 + 1 + 3, "chained ids are taken as-is"
+    full_blocks = LoadOptions(block_tokens=4)  # _mooncake's input covers 4 tokens per id
+    assert _hits(load_trace(mooncake, "mooncake", full_blocks)) == 1 + 1 + 3, (
+        "chained ids are taken as-is"
+    )
     assert load_trace(bailian, "bailian").num_blocks == 5, "1, 1-2, 2, 1-3, 1-3-2"
+
+
+def test_partial_tail_blocks_drop_by_default_and_count_on_request(tmp_path: Path) -> None:
+    # 10 tokens in blocks of 4: two full blocks and a partial one of 2 tokens, as Mooncake's
+    # hash ids name it. The store caches full blocks only.
+    records = [{"timestamp": t, "input_length": 10, "hash_ids": [1, 2, 3]} for t in (0, 1)]
+    path = _jsonl(tmp_path / "p.jsonl", records)
+    dropped = load_trace(path, "mooncake", LoadOptions(block_tokens=4))
+    counted = load_trace(path, "mooncake", LoadOptions(block_tokens=4, partial_blocks="count"))
+    assert dropped.blocks(0).tolist() == [0, 1] and dropped.num_blocks == 2, (
+        "drop must cut the partial tail block (the store never caches it)"
+    )
+    assert counted.blocks(0).tolist() == [0, 1, 2] and counted.num_blocks == 3
+    assert dropped.hashed_tokens.tolist() == counted.hashed_tokens.tolist() == [10, 10]
+    classes = TrafficClasses({"chat": math.inf})
+    drop_stats = simulate(dropped, SimConfig(classes)).by_class[ALL]
+    count_stats = simulate(counted, SimConfig(classes)).by_class[ALL]
+    assert (drop_stats.tokens_saved, drop_stats.tokens) == (8, 20), "the tail is recomputed"
+    assert (count_stats.tokens_saved, count_stats.tokens) == (10, 20)
+    with pytest.raises(ValueError, match="drop or count"):
+        LoadOptions(partial_blocks="keep")
 
 
 def test_chain_block_ids_numbers_each_prefix_once() -> None:
