@@ -33,6 +33,7 @@ import struct
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 from kvstore.config import KEY_BYTES, ClusterConfig
@@ -139,3 +140,60 @@ def _build_group(
         group.append(best)
         domain_counts[domain_of[best]] += 1
     return tuple(group)
+
+
+# XXH3's default secret, bytes [0, 32) as little-endian u64: with the length term below, what
+# ``groups_of_keys`` needs to compute xxh3_64 of 20-byte inputs (group id || key) in numpy
+# (uint64 arithmetic wraps, as XXH3's does).
+_XXH3_SECRET = np.frombuffer(
+    bytes.fromhex("b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"), "<u8"
+)
+_XXH3_LEN20 = np.uint64(20 * 0x9E3779B185EBCA87 % 2**64)  # input length x XXH_PRIME64_1
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def groups_of_keys(keys: np.ndarray, num_groups: int) -> np.ndarray:
+    """``group_of_key`` for many keys at once: ``keys`` is uint8 [n, 16] (or its little-endian
+    uint64 [n, 2] view); returns int64 [n]. The same rendezvous scores, xxh3_64 of
+    ``group_id || key``, computed with numpy over the batch (one pass per group)."""
+    words = _key_words(keys)
+    k0, k1 = words[:, 0], words[:, 1]
+    # xxh3_64 of 20 bytes: avalanche(20 * P1 + mix16B(bytes 0..16) + mix16B(bytes 4..20)),
+    # where bytes 4..20 are the key alone, so the second mix is the same for every group.
+    key_part = _XXH3_LEN20 + _mul128_fold64(k0 ^ _XXH3_SECRET[2], k1 ^ _XXH3_SECRET[3])
+    high_word = ((k0 >> np.uint64(32)) | (k1 << np.uint64(32))) ^ _XXH3_SECRET[1]
+    low_key = (k0 & _M32) << np.uint64(32)
+    best_group = np.zeros(len(words), np.int64)
+    best_score = np.zeros(len(words), np.uint64)
+    for g in range(num_groups):
+        mixed = _mul128_fold64((low_key | np.uint64(g)) ^ _XXH3_SECRET[0], high_word)
+        score = _xxh3_avalanche(key_part + mixed)
+        wins = score > best_score if g else np.ones(len(words), bool)
+        best_group[wins], best_score[wins] = g, score[wins]
+    return best_group
+
+
+def _key_words(keys: np.ndarray) -> np.ndarray:
+    if keys.dtype == np.uint8 and keys.ndim == 2 and keys.shape[1] == KEY_BYTES:
+        return np.ascontiguousarray(keys).view("<u8").astype(np.uint64)
+    if keys.dtype == np.uint64 and keys.ndim == 2 and keys.shape[1] == 2:
+        return keys
+    raise InvalidArgument(
+        f"keys must be uint8 [n, {KEY_BYTES}] or uint64 [n, 2], got {keys.dtype} {keys.shape}"
+    )
+
+
+def _mul128_fold64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Low and high halves of the 128-bit product ``a * b``, xored (XXH3's portable form)."""
+    a_lo, a_hi, b_lo, b_hi = a & _M32, a >> np.uint64(32), b & _M32, b >> np.uint64(32)
+    lo_lo, hi_lo, lo_hi, hi_hi = a_lo * b_lo, a_hi * b_lo, a_lo * b_hi, a_hi * b_hi
+    cross = (lo_lo >> np.uint64(32)) + (hi_lo & _M32) + lo_hi
+    upper = (hi_lo >> np.uint64(32)) + (cross >> np.uint64(32)) + hi_hi
+    lower = (cross << np.uint64(32)) | (lo_lo & _M32)
+    return upper ^ lower
+
+
+def _xxh3_avalanche(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint64(37))
+    h = h * np.uint64(0x165667919E3779F9)
+    return h ^ (h >> np.uint64(32))
