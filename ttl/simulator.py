@@ -64,7 +64,9 @@ from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder, TrafficClasses, is
 from ttl.traces import Trace
 
 ALL = "all"
-NO_MISS = np.iinfo(np.int64).max  # first-miss position of a request none of whose blocks missed
+NO_MISS = np.int64(
+    np.iinfo(np.int64).max
+)  # first-miss position of a request none of whose blocks missed
 DEFAULT_RATE_WINDOW_S = 60.0
 _SCAN_CHUNK = 64  # block positions searched per C call in _find_live
 ProgressFn = Callable[[int], None]  # called with the number of block accesses simulated
@@ -453,7 +455,8 @@ class _Cache:
         else:  # a partition: the position (in the whole request) of its first missing block
             missed = num_hit < lengths
             at = np.minimum(offsets[:-1] + num_hit, max(len(positions) - 1, 0))
-            first_miss = np.where(missed, positions[at] if len(positions) else 0, NO_MISS)
+            at_position = positions[at].astype(np.int64) if len(positions) else 0
+            first_miss = np.where(missed, at_position, NO_MISS)
         return SimCounts(
             first_miss=first_miss.astype(np.int64),
             new_counts=np.asarray(self.new_counts, np.int64),

@@ -144,17 +144,9 @@ class LoadOptions:
 def load_trace(path: str | Path, fmt: str, options: LoadOptions | None = None) -> Trace:
     """Load a trace file (or a folder of session files) in one of ``FORMATS``."""
     options = options or LoadOptions()
-    path = Path(path)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown trace format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    if not path.exists():
-        raise FileNotFoundError(f"no trace at {path}")
+    path = _check_source(Path(path), fmt)
     if fmt == SESSIONS:
         return _load_sessions(path, options)
-    if path.is_dir():
-        raise TraceFormatError(
-            f"{path} is a folder; only --format sessions reads a folder (of *.json files)"
-        )
     return _load_jsonl(path, _JSONL_FORMATS[fmt], options)
 
 
@@ -180,6 +172,120 @@ def parse_type_map(specs: list[str]) -> dict[str, str]:
             raise ValueError(f"bad --type-class {spec!r}: expected TYPE=CLASS, e.g. text=chat")
         mapping[name] = traffic_class
     return mapping
+
+
+# --- units: a trace in pieces that tasks parse on their own (ttl.partition) ---------------------
+
+
+@dataclass(frozen=True)
+class TraceUnit:
+    """A piece of a trace one task parses: bytes ``[start, end)`` of a JSONL file (whole
+    lines), or session files with their index in the trace's sorted file list."""
+
+    path: Path
+    start: int = 0
+    end: int | None = None
+    session_files: tuple[tuple[int, Path], ...] = ()
+
+
+@dataclass(frozen=True)
+class RawRequests:
+    """One unit's requests in file order, before sorting and renumbering.
+
+    Request ``r`` has ``lengths[r]`` raw block ids in ``ids`` (int64, flattened, the partial tail
+    already cut when dropping), ``hashed_tokens[r]`` and a class ``class_labels[class_codes[r]]``.
+    ``chain_roots`` (int64 per request) is set where ids name single blocks and must be chained
+    (Bailian: 0; sessions: the file's index, as ids are local to a file); None where ids are
+    already chained (Mooncake).
+    """
+
+    time_s: np.ndarray
+    class_labels: tuple[str, ...]
+    class_codes: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    hashed_tokens: np.ndarray
+    lengths: np.ndarray
+    ids: np.ndarray
+    chain_roots: np.ndarray | None
+    block_tokens: int
+    num_skipped: int
+
+
+def trace_units(path: str | Path, fmt: str, unit_bytes: int = 64 * MiB) -> list[TraceUnit]:
+    """Split a trace into units of about ``unit_bytes``, cut at line (or file) boundaries."""
+    path = _check_source(Path(path), fmt)
+    if fmt == SESSIONS:
+        files = _session_files(path)
+        units, current, size = [], [], 0
+        for index, file in enumerate(files):
+            current.append((index, file))
+            size += file.stat().st_size
+            if size >= unit_bytes:
+                units.append(TraceUnit(path, session_files=tuple(current)))
+                current, size = [], 0
+        if current:
+            units.append(TraceUnit(path, session_files=tuple(current)))
+        return units
+    size = path.stat().st_size
+    cuts = [0]
+    with path.open("rb") as f:
+        for guess in range(unit_bytes, size, unit_bytes):
+            if guess <= cuts[-1]:
+                continue
+            f.seek(guess)
+            tail = f.readline()  # the rest of the line the guess fell in
+            cut = guess + len(tail)
+            if cut < size:
+                cuts.append(cut)
+    return [TraceUnit(path, a, b) for a, b in zip(cuts, [*cuts[1:], size], strict=True)]
+
+
+def parse_unit(unit: TraceUnit, fmt: str, options: LoadOptions) -> RawRequests:
+    """Parse one unit of a trace (see ``trace_units``) into raw columns."""
+    if fmt == SESSIONS:
+        columns, block_sizes, roots = _Columns(), set(), []
+        for index, file in unit.session_files:
+            parsed = _parse_session_file(file, options, columns)
+            if parsed is None:
+                continue
+            block_size, records = parsed
+            block_sizes.add(block_size)
+            columns.add_records(records, 1.0)
+            roots += [index] * len(records)
+        block_tokens = _session_block_tokens(unit.path, block_sizes, options.block_tokens)
+        return columns.raw(block_tokens, options.partial_blocks, np.array(roots, np.int64))
+    jsonl = _JSONL_FORMATS[fmt]
+    columns = _Columns()
+    first_line = _line_number(unit.path, unit.start) if unit.start else 1
+    chunks = _read_line_chunks(unit.path, options.chunk_bytes, unit.start, unit.end, first_line)
+    _parse_jsonl_chunks(chunks, unit.path, jsonl, options, columns)
+    block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[jsonl.name]
+    roots = None if jsonl.chained else np.zeros(columns.num_requests(), np.int64)
+    return columns.raw(block_tokens, options.partial_blocks, roots)
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line that starts at byte ``offset``."""
+    count = 1
+    with path.open("rb") as f:
+        left = offset
+        while left > 0 and (block := f.read(min(16 * MiB, left))):
+            count += block.count(b"\n")
+            left -= len(block)
+    return count
+
+
+def _check_source(path: Path, fmt: str) -> Path:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if not path.exists():
+        raise FileNotFoundError(f"no trace at {path}")
+    if fmt != SESSIONS and path.is_dir():
+        raise TraceFormatError(
+            f"{path} is a folder; only --format sessions reads a folder (of *.json files)"
+        )
+    return path
 
 
 # --- JSONL formats (mooncake, bailian) ---------------------------------------------------------
@@ -217,22 +323,38 @@ _JSONL_FORMATS = {
 
 def _load_jsonl(path: Path, fmt: _JsonlFormat, options: LoadOptions) -> Trace:
     columns = _Columns()
-    for first_line, chunk in _read_line_chunks(path, options.chunk_bytes):
+    _parse_jsonl_chunks(_read_line_chunks(path, options.chunk_bytes), path, fmt, options, columns)
+    block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[fmt.name]
+    return columns.finish(block_tokens, not fmt.chained, options.partial_blocks)
+
+
+def _parse_jsonl_chunks(
+    chunks: Iterator[tuple[int, bytes]],
+    path: Path,
+    fmt: _JsonlFormat,
+    options: LoadOptions,
+    columns: _Columns,
+) -> None:
+    for first_line, chunk in chunks:
         table = _parse_chunk_arrow(chunk, fmt)
         if table is not None:
             columns.add_table(table, fmt, options)
         else:  # pyarrow refused the chunk: find the bad lines one by one
             records = _parse_chunk_python(chunk, first_line, path, fmt, options, columns)
             columns.add_records(records, fmt.seconds_per_time_unit)
-    block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[fmt.name]
-    return columns.finish(block_tokens, not fmt.chained, options.partial_blocks)
 
 
-def _read_line_chunks(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """Chunks of whole lines (about ``chunk_bytes``) with the 1-based number of their first line."""
-    line_no, rest = 1, b""
+def _read_line_chunks(
+    path: Path, chunk_bytes: int, start: int = 0, end: int | None = None, first_line: int = 1
+) -> Iterator[tuple[int, bytes]]:
+    """Chunks of whole lines (about ``chunk_bytes``) of bytes ``[start, end)`` of ``path``, with
+    the 1-based number of their first line (``first_line`` is that of ``start``)."""
+    line_no, rest = first_line, b""
     with path.open("rb") as f:
-        while block := f.read(chunk_bytes):
+        f.seek(start)
+        left = math.inf if end is None else end - start
+        while left > 0 and (block := f.read(int(min(chunk_bytes, left)))):
+            left -= len(block)
             data = rest + block
             cut = data.rfind(b"\n") + 1
             rest = data[cut:]
@@ -305,10 +427,15 @@ def _record_from_json_line(line: bytes, fmt: _JsonlFormat, options: LoadOptions)
 # --- sessions ----------------------------------------------------------------------------------
 
 
-def _load_sessions(path: Path, options: LoadOptions) -> Trace:
+def _session_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.json")) if path.is_dir() else [path]
     if not files:
         raise TraceFormatError(f"{path}: no *.json session files in this folder")
+    return files
+
+
+def _load_sessions(path: Path, options: LoadOptions) -> Trace:
+    files = _session_files(path)
     columns, block_sizes, next_id = _Columns(), set(), 0
     for file in files:
         parsed = _parse_session_file(file, options, columns)
@@ -495,6 +622,36 @@ class _Columns:
     def _add(self, **arrays: np.ndarray) -> None:
         for name, array in arrays.items():
             self.parts[name].append(array)
+
+    def num_requests(self) -> int:
+        return sum(len(part) for part in self.parts["time_s"])
+
+    def raw(
+        self, block_tokens: int, partial_blocks: str, chain_roots: np.ndarray | None
+    ) -> RawRequests:
+        """The columns as parsed (file order), the partial tail cut when dropping."""
+        if block_tokens < 1:
+            raise ValueError(f"block tokens must be >= 1, got {block_tokens}")
+        lengths, ids = self._concat("length", np.int64), self._concat("ids", np.int64)
+        input_tokens = self._concat("input", np.int64)
+        hashed_tokens = np.minimum(lengths * block_tokens, input_tokens)
+        if partial_blocks == PARTIAL_DROP:
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            offsets, ids = cut_partial_blocks(offsets, ids, input_tokens // block_tokens)
+            lengths = np.diff(offsets)
+        return RawRequests(
+            time_s=self._concat("time_s", np.float64),
+            class_labels=tuple(self.label_to_code),
+            class_codes=self._concat("label", np.int32),
+            input_tokens=input_tokens,
+            output_tokens=self._concat("output", np.int64),
+            hashed_tokens=hashed_tokens,
+            lengths=lengths,
+            ids=ids,
+            chain_roots=chain_roots,
+            block_tokens=block_tokens,
+            num_skipped=self.num_skipped,
+        )
 
     def _concat(self, name: str, dtype: Any) -> np.ndarray:
         parts = self.parts[name]

@@ -5,8 +5,10 @@ It follows the module docstring of ``ttl.simulator`` literally; speed is not a g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ttl.partition import partition_capacity
 from ttl.policy import EvictionOrder, is_expired
 from ttl.traces import Trace
 
@@ -26,8 +28,15 @@ def reference_simulate(
     capacity_blocks: int | None,
     eviction: EvictionOrder,
     warmup_fraction: float = 0.0,
+    group_of: Callable[[int], int] | None = None,
+    num_groups: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Per class and "all": the counters of ``ClassStats`` as a dict."""
+    """Per class and "all": the counters of ``ClassStats`` as a dict.
+
+    With ``group_of`` the blocks live in ``num_groups`` placement groups, each with its share of
+    the capacity (``ttl.partition.partition_capacity``) and evicting on its own; the prefix
+    rule still spans the whole request."""
+    group_of = group_of or (lambda b: 0)
     names = trace.class_names
     ttls = [ttl_by_class[n] for n in names]
     times = trace.time_s.tolist()
@@ -40,6 +49,7 @@ def reference_simulate(
         "tokens_saved",
         "input_tokens",
         "inserted_blocks",
+        "written_blocks",
         "expired_blocks",
         "evicted_blocks",
         "peak_blocks",
@@ -79,21 +89,25 @@ def reference_simulate(
                 num_new += 1
             elif blk.last_request != r:
                 blk.last_s, blk.last_request, blk.position = now, r, position
-        while capacity_blocks is not None and len(state) > capacity_blocks:
+        for g in range(num_groups):
+            limit = partition_capacity(capacity_blocks, num_groups, g)
+            while limit is not None and sum(group_of(b) == g for b in state) > limit:
 
-            def key(b: int) -> tuple:
-                blk = state[b]
-                expires = blk.last_s + ttls[blk.class_index]
-                priority = eviction.priority(blk.last_s, expires)
-                return (priority, blk.class_index, blk.last_request, blk.position)
+                def key(b: int) -> tuple:
+                    blk = state[b]
+                    expires = blk.last_s + ttls[blk.class_index]
+                    priority = eviction.priority(blk.last_s, expires)
+                    return (priority, blk.class_index, blk.last_request, blk.position)
 
-            die(min(state, key=key), now, counted, "evicted")
+                victim = min((b for b in state if group_of(b) == g), key=key)
+                die(victim, now, counted, "evicted")
         if counted:
             s = stats[names[c]]
             bt, length = trace.block_tokens, int(trace.input_tokens[r])
             s["requests"] += 1
             s["blocks"] += len(blocks)
             s["hit_blocks"] += num_hit
+            s["written_blocks"] += len(blocks) - num_hit
             s["tokens"] += int(trace.hashed_tokens[r])
             s["tokens_saved"] += min(num_hit * bt, length)
             s["input_tokens"] += length
