@@ -1,9 +1,13 @@
 """Simulation results out: JSON, Parquet, a readable table and plots (matplotlib, Agg).
 
-Plots: ``hit_ratio_vs_ttl.png`` (one panel per traffic class, the class's TTL on x) when some
-class has several TTLs, and ``hit_ratio_vs_capacity.png`` (one panel per class and ``all``)
-when there are several capacities. Solid lines are the token-weighted hit ratio, dashed the
-block hit ratio; curves that coincide exactly are drawn once with their labels merged.
+Plots: ``hit_ratio_vs_ttl.png`` (one panel per traffic class, the class's TTL in days on a
+log axis; no expiry sits at 365 days, labelled inf) when some class has several TTLs, and
+``hit_ratio_vs_capacity.png`` (one panel per class and ``all``, TB of KV on a numeric axis;
+no limit sits at the footprint it reached) when there are several capacities. Solid lines
+are the token-weighted hit ratio, dashed the block hit ratio; curves that coincide exactly
+are drawn once with their labels merged. The y axis shows 0-100% unless the caller passes a
+range (``--y-range``): a fixed axis never makes 0.2 points look large. Point labels are
+placed where they overlap no other label, or left out (``place_labels``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,8 @@ from ttl.units import format_duration
 
 Record = dict[str, Any]
 TTL_PLOT, CAPACITY_PLOT = "hit_ratio_vs_ttl.png", "hit_ratio_vs_capacity.png"
-_MAX_ANNOTATED_CURVES = 4
+FULL_RANGE = (0.0, 100.0)  # hit ratio axes show all of 0-100% unless asked to zoom
+DAY_S = 86_400.0
 
 
 def write_json(document: dict[str, Any], path: str | Path) -> None:
@@ -51,7 +57,7 @@ def records_table(records: Sequence[Record]) -> Table:
             continue  # the same numbers as the class row
         table.add_row(
             r["traffic_class"],
-            r["ttl_label"] if r["traffic_class"] == ALL else _ttl_text(r),
+            r["ttl_label"] if r["traffic_class"] == ALL else ttl_text(r),
             r["capacity_label"],
             r["policy"],
             _percent(r["block_hit_ratio"]),
@@ -65,91 +71,180 @@ def records_table(records: Sequence[Record]) -> Table:
     return table
 
 
-def write_plots(records: Sequence[Record], plot_dir: str | Path) -> list[Path]:
+def write_plots(
+    records: Sequence[Record], plot_dir: str | Path, y_range: tuple[float, float] = FULL_RANGE
+) -> list[Path]:
     """Draw the plots the records call for into ``plot_dir``; return the files written."""
     plot_dir = Path(plot_dir)
     plot_dir.mkdir(parents=True, exist_ok=True)
     written = []
     classes = [c for c in dict.fromkeys(r["traffic_class"] for r in records) if c != ALL]
     if any(len({_ttl_key(r) for r in records if r["traffic_class"] == c}) > 1 for c in classes):
-        _plot_panels(records, classes, _ttl_key, _ttl_text, _ttl_series, plot_dir / TTL_PLOT, "TTL")
+        axis = XAxis("TTL (log scale)", _ttl_days, ttl_text, log=True, ticks=_ttl_tick)
+        plot_panels(records, classes, axis, _ttl_series, plot_dir / TTL_PLOT, y_range)
         written.append(plot_dir / TTL_PLOT)
     if len({r["capacity_label"] for r in records}) > 1:
-        _plot_panels(
-            records,
-            [*classes, ALL],
-            _capacity_key,
-            lambda r: r["capacity_label"],
-            _capacity_series,
-            plot_dir / CAPACITY_PLOT,
-            "capacity",
+        axis = XAxis("capacity (TB of KV; no limit: at its peak footprint)", _capacity_tb,
+                     _capacity_text, log=None)  # fmt: skip
+        plot_panels(
+            records, [*classes, ALL], axis, _capacity_series, plot_dir / CAPACITY_PLOT, y_range
         )
         written.append(plot_dir / CAPACITY_PLOT)
     return written
 
 
-def _plot_panels(
+@dataclass(frozen=True)
+class XAxis:
+    """A numeric x axis: where a record sits on it, its point label, and the scale (``log``
+    None: log when the values span more than 20x)."""
+
+    title: str
+    value: Callable[[Record], float]
+    text: Callable[[Record], str]
+    log: bool | None
+    ticks: Callable[[float], str] | None = None  # ticks at the data's values, so labelled
+
+
+def plot_panels(
     records: Sequence[Record],
     panels: Sequence[str],
-    x_key: Callable[[Record], float],
-    x_text: Callable[[Record], str],
+    axis: XAxis,
     series_key: Callable[[Record], dict[str, str]],
     path: Path,
-    x_title: str,
+    y_range: tuple[float, float],
 ) -> None:
+    """One panel per traffic class in ``panels``, saved as a PNG at ``path``."""
+    fig = panel_figure(records, panels, axis, series_key, y_range)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+
+
+def panel_figure(
+    records: Sequence[Record],
+    panels: Sequence[str],
+    axis: XAxis,
+    series_key: Callable[[Record], dict[str, str]],
+    y_range: tuple[float, float],
+) -> Any:
+    """The figure ``plot_panels`` saves: hit ratio vs ``axis`` per class, labels placed."""
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    labels: dict[Any, list[PointLabel]] = {}
+    for ax, panel in zip(axes[0], panels, strict=True):
+        rows = [r for r in records if r["traffic_class"] == panel]
+        labels[ax] = _draw_panel(ax, rows, axis, series_key, y_range)
+        ax.set_title(f"{panel}: hit ratio")
+        ax.set_xlabel(axis.title)
+    axes[0][0].set_ylabel("hit ratio (%)  solid: token-weighted, dashed: blocks")
+    fig.tight_layout()
+    place_labels(fig, labels)
+    return fig
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
-        rows = [r for r in records if r["traffic_class"] == panel]
-        _draw_panel(ax, rows, x_key, x_text, series_key)
-        ax.set_title(f"{panel}: hit ratio vs {x_title}")
-        ax.set_xlabel(f"{x_title} of {panel}" if x_title == "TTL" else x_title)
-    axes[0][0].set_ylabel("hit ratio (%)  solid: token-weighted, dashed: blocks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return plt
 
 
 def _draw_panel(
     ax: Any,
     rows: Sequence[Record],
-    x_key: Callable[[Record], float],
-    x_text: Callable[[Record], str],
+    axis: XAxis,
     series_key: Callable[[Record], dict[str, str]],
-) -> None:
-    xs = sorted({x_key(r) for r in rows})
-    position = {x: i for i, x in enumerate(xs)}
+    y_range: tuple[float, float],
+) -> list[PointLabel]:
+    """Draw one panel's curves; return the point labels it asks for."""
+    labels: list[PointLabel] = []
     curves: dict[tuple, dict[float, Record]] = {}
     for r in rows:
-        curves.setdefault(tuple(series_key(r).items()), {})[x_key(r)] = r
+        curves.setdefault(tuple(series_key(r).items()), {})[axis.value(r)] = r
     merged: dict[tuple, list[dict[str, str]]] = {}  # identical curves are drawn once
+    first_of: dict[tuple, list[Record]] = {}
     for parts, points in curves.items():
+        ordered = [points[x] for x in sorted(points)]
         signature = tuple(
-            (x, points[x]["token_hit_ratio"], points[x]["block_hit_ratio"]) for x in sorted(points)
+            (axis.value(r), r["token_hit_ratio"], r["block_hit_ratio"]) for r in ordered
         )
         merged.setdefault(signature, []).append(dict(parts))
+        first_of.setdefault(signature, ordered)
     varying = _varying_parts([parts for group in merged.values() for parts in group])
     for signature, group in merged.items():
-        x = [position[p[0]] for p in signature]
+        x = [p[0] for p in signature]
         token = [_to_percent(p[1]) for p in signature]
         (line,) = ax.plot(x, token, marker="o", label=_group_label(group, varying))
         ax.plot(x, [_to_percent(p[2]) for p in signature], "--", color=line.get_color())
-        if len(merged) <= _MAX_ANNOTATED_CURVES:
-            for xi, yi in zip(x, token, strict=True):
-                ax.annotate(f"{yi:.2f}", (xi, yi), textcoords="offset points", xytext=(0, 6))
+        for r, xi, yi in zip(first_of[signature], x, token, strict=True):
+            labels.append(PointLabel(xi, yi, f"{axis.text(r)}: {yi:.2f}%", line.get_color()))
     if len(merged) > 1:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="lower right")
     elif varying:
         note = f"the same for {_group_label(next(iter(merged.values())), varying)}"
         ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize="small")
-    labels_by_x = {x_key(r): x_text(r) for r in rows}
-    ax.set_xticks(range(len(xs)), [labels_by_x[x] for x in xs])
-    ax.margins(y=0.12)
+    set_numeric_x(ax, [axis.value(r) for r in rows], axis.log, axis.ticks)
+    ax.set_ylim(*y_range)
     ax.grid(alpha=0.3)
+    return labels
+
+
+def set_numeric_x(
+    ax: Any,
+    values: Sequence[float],
+    log: bool | None,
+    ticks: Callable[[float], str] | None = None,
+) -> None:
+    """A numeric x axis over ``values``: log when asked (or, for None, when they span >20x);
+    with ``ticks``, ticks sit at the values themselves, labelled by it."""
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    if log is None:
+        log = bool(finite) and max(finite) > 20 * min(finite)
+    if log and finite:
+        ax.set_xscale("log")
+        ax.set_xlim(min(finite) / 1.6, max(finite) * 1.6)
+    else:
+        ax.set_xlim(left=0, right=max(finite, default=1.0) * 1.12)
+    if ticks is not None and finite:
+        at = sorted(set(finite))
+        ax.set_xticks(at, [ticks(v) for v in at])
+        ax.minorticks_off()
+
+
+@dataclass(frozen=True)
+class PointLabel:
+    x: float
+    y: float
+    text: str
+    color: Any
+
+
+def place_labels(fig: Any, labels: dict[Any, list[PointLabel]]) -> int:
+    """Place each axes' point labels without overlapping another label or leaving the axes:
+    each tries a few offsets around its point, nearest first, and is left out when none fits
+    (the value is still in the JSON and the table). Returns the number placed."""
+    renderer = fig.canvas.get_renderer()
+    placed = 0
+    for ax, wanted in labels.items():
+        taken: list[Any] = []
+        frame = ax.get_window_extent(renderer)
+        for point in wanted:
+            for dx, dy in _LABEL_OFFSETS:
+                label = ax.annotate(point.text, (point.x, point.y), textcoords="offset points",
+                                    xytext=(dx, dy), fontsize="x-small", color=point.color,
+                                    ha="center")  # fmt: skip
+                box = label.get_window_extent(renderer)
+                inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
+                if inside and not any(box.overlaps(other) for other in taken):
+                    taken.append(box)
+                    placed += 1
+                    break
+                label.remove()
+    return placed
+
+
+_LABEL_OFFSETS = ((0, 6), (0, -13), (22, -3), (-22, -3), (0, 16), (0, -23), (30, 8), (-30, 8))
 
 
 def _varying_parts(all_parts: list[dict[str, str]]) -> list[str]:
@@ -169,7 +264,20 @@ def _ttl_key(record: Record) -> float:
     return math.inf if record["ttl_s"] is None else record["ttl_s"]
 
 
-def _ttl_text(record: Record) -> str:
+def _ttl_days(record: Record) -> float:
+    """The TTL in days; no expiry sits at twice the longest TTL of the grid (see the label)."""
+    days = _ttl_key(record) / DAY_S
+    return days if math.isfinite(days) else _NO_EXPIRY_DAYS
+
+
+_NO_EXPIRY_DAYS = 365.0  # where "inf" sits on a TTL axis (its label says inf)
+
+
+def _ttl_tick(days: float) -> str:
+    return "inf" if days == _NO_EXPIRY_DAYS else format_duration(days * DAY_S)
+
+
+def ttl_text(record: Record) -> str:
     return format_duration(_ttl_key(record))
 
 
@@ -191,9 +299,15 @@ def _capacity_series(record: Record) -> dict[str, str]:
     return {"policy": record["policy"], **ttls}
 
 
-def _capacity_key(record: Record) -> float:
-    blocks = record["capacity_blocks"]
-    return math.inf if blocks is None else float(blocks)
+def _capacity_tb(record: Record) -> float:
+    """TB of KV the capacity allows; no limit: the peak footprint it reached."""
+    if record["capacity_blocks"] is None:
+        return record["peak_bytes"] / 1e12
+    return record["capacity_bytes"] / 1e12
+
+
+def _capacity_text(record: Record) -> str:
+    return "no limit" if record["capacity_blocks"] is None else record["capacity_label"]
 
 
 def _to_percent(ratio: float | None) -> float:

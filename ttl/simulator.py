@@ -34,7 +34,8 @@ any counted request; ``block_seconds`` integrates resident blocks over the windo
 instant, evicted ones when evicted). ``written_blocks`` are the blocks after the prefix hit
 (the engine computes them and writes them back, resident or not); ``peak_hit_blocks_per_s``
 and ``peak_written_blocks_per_s`` are the busiest ``rate_window_s`` of the counted window
-(buckets from its start), the read and write load a planner sizes bandwidth for.
+(whole buckets from its start; the whole window when it is shorter than one bucket), the read
+and write load a planner sizes bandwidth for.
 
 Partitions. A pass over part of the block space (``Trace.block_positions`` set: one placement
 group's blocks, every request kept) yields ``SimCounts`` that combine exactly: residency never
@@ -67,7 +68,7 @@ ALL = "all"
 NO_MISS = np.int64(
     np.iinfo(np.int64).max
 )  # first-miss position of a request none of whose blocks missed
-DEFAULT_RATE_WINDOW_S = 60.0
+DEFAULT_RATE_WINDOW_S = 3600.0  # the busy hour: one user's bursts average out, the day's cycle not
 _SCAN_CHUNK = 64  # block positions searched per C call in _find_live
 ProgressFn = Callable[[int], None]  # called with the number of block accesses simulated
 
@@ -509,8 +510,14 @@ class _PerRequest:
         self.class_live = counts.class_live_after[counted]
         self.live = counts.live_after[counted]
         self.block_tokens = trace.block_tokens
-        self.rate_window_s = config.rate_window_s
-        self.buckets = ((self.times - window_start_s) // config.rate_window_s).astype(np.int64)
+        window_s = (times[-1] if len(times) else 0.0) - window_start_s
+        self.num_full_buckets = int(window_s // config.rate_window_s)
+        if self.num_full_buckets:  # rates over whole buckets; a partial last one is left out
+            self.rate_window_s = config.rate_window_s
+            self.buckets = ((self.times - window_start_s) // config.rate_window_s).astype(np.int64)
+        else:  # the window is shorter than a bucket: its own mean rate
+            self.num_full_buckets, self.rate_window_s = 1, max(window_s, 1e-9)
+            self.buckets = np.zeros(len(self.times), np.int64)
 
     def fill(self, stats: ClassStats, mine: np.ndarray) -> None:
         """Add the hit and insert counts of the requests selected by ``mine``."""
@@ -530,9 +537,11 @@ class _PerRequest:
         """Hit and written blocks per second in the busiest rate window."""
         if not np.any(mine):
             return 0.0, 0.0
-        buckets = self.buckets[mine]
-        hits = np.bincount(buckets, weights=self.num_hit[mine])
-        written = np.bincount(buckets, weights=self.num_blocks[mine] - self.num_hit[mine])
+        buckets, full = self.buckets[mine], self.num_full_buckets
+        hits = np.bincount(buckets, weights=self.num_hit[mine], minlength=full)[:full]
+        written = np.bincount(
+            buckets, weights=self.num_blocks[mine] - self.num_hit[mine], minlength=full
+        )[:full]
         return float(hits.max()) / self.rate_window_s, float(written.max()) / self.rate_window_s
 
     def max_class_live(self, mine: np.ndarray) -> int:

@@ -202,11 +202,18 @@ def test_matches_the_naive_reference(
 
 
 def test_written_blocks_and_peak_rates_per_window():
-    trace = _trace([(0.0, "chat", 8, [1, 2]), (10.0, "chat", 8, [1, 2]), (70.0, "chat", 8, [1, 3])])
+    requests = [(0.0, "chat", 8, [1, 2]), (10.0, "chat", 8, [1, 2]), (70.0, "chat", 8, [1, 3]),
+                (125.0, "chat", 8, [1, 2])]  # fmt: skip
     config = SimConfig(TrafficClasses({"chat": INF}), rate_window_s=60.0)
-    s = simulate(trace, config).by_class[ALL]
-    assert s.written_blocks == 2 + 0 + 1, "blocks after the prefix hit are written back"
-    assert s.peak_hit_blocks_per_s == pytest.approx(2 / 60), "busiest minute: 2 hit blocks"
+    s = simulate(_trace(requests), config).by_class[ALL]
+    assert s.written_blocks == 2 + 0 + 1 + 0, "blocks after the prefix hit are written back"
+    assert s.peak_hit_blocks_per_s == pytest.approx(2 / 60), (
+        "busiest whole minute: 2 hit blocks (the partial third minute is left out)"
+    )
     assert s.peak_written_blocks_per_s == pytest.approx(2 / 60), "first minute writes 2"
+    short = simulate(_trace(requests[:2]), SimConfig(TrafficClasses({"chat": INF})))
+    assert short.by_class[ALL].peak_hit_blocks_per_s == pytest.approx(2 / 10), (
+        "a window shorter than one bucket: its own mean rate, not diluted by the bucket"
+    )
     with pytest.raises(ValueError, match="rate window"):
         SimConfig(rate_window_s=0.0)
