@@ -31,6 +31,7 @@ and seed give a byte-identical file.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import operator
 from dataclasses import dataclass, field
@@ -222,20 +223,24 @@ class _Generator:
                 context.add(call + self.tokens(p.agent_tool_tokens))
         return context.finish(self.ids)
 
-    def requests(self) -> list[Request]:
-        """Every request of every session, sorted by time (stable: session order on ties)."""
+    def sessions(self) -> list[list[Request]]:
+        """Every session's requests, sessions in order of their start."""
         p = self.p
         chat_prompts = self.prompts(p.chat_prompts, p.chat_prompt_tokens)
         agent_prompts = self.prompts(p.agent_prompts, p.agent_prompt_tokens)
-        sessions = [(t, True) for t in self.starts(p.chat_sessions_per_day)]
-        sessions += [(t, False) for t in self.starts(p.agent_sessions_per_day)]
-        sessions.sort()
-        requests: list[Request] = []
-        for start_s, is_chat in sessions:
-            if is_chat:
-                requests += self.chat_session(start_s, self.pick(chat_prompts))
-            else:
-                requests += self.agent_session(start_s, self.pick(agent_prompts))
+        starts = [(t, True) for t in self.starts(p.chat_sessions_per_day)]
+        starts += [(t, False) for t in self.starts(p.agent_sessions_per_day)]
+        starts.sort()
+        return [
+            self.chat_session(start_s, self.pick(chat_prompts))
+            if is_chat
+            else self.agent_session(start_s, self.pick(agent_prompts))
+            for start_s, is_chat in starts
+        ]
+
+    def requests(self) -> list[Request]:
+        """Every request of every session, sorted by time (stable: session order on ties)."""
+        requests = [request for session in self.sessions() for request in session]
         requests.sort(key=operator.itemgetter(0))
         return requests
 
@@ -277,3 +282,35 @@ def write_workload(params: WorkloadParams, path: str | Path) -> int:
                 f'"class": "{traffic_class}", "hash_ids": [{ids}]}}\n'
             )
     return len(requests)
+
+
+def write_session_files(params: WorkloadParams, folder: str | Path) -> int:
+    """Write the workload as session files, one JSON document per conversation
+    (``ttl.traces`` format ``sessions``); return the request count. Session ids are local to
+    a file, so system prompts are no longer shared across sessions: a loader benchmark."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    num_requests = 0
+    for index, session in enumerate(_Generator(params).sessions()):
+        if not session:
+            continue
+        start_ms = session[0][0]
+        doc = {
+            "block_size": params.block_tokens,
+            "t": start_ms / 1000.0,
+            "class": session[0][1],
+            "requests": [_session_request(request, start_ms) for request in session],
+        }
+        (folder / f"session-{index:07d}.json").write_text(json.dumps(doc))
+        num_requests += len(session)
+    return num_requests
+
+
+def _session_request(request: Request, start_ms: int) -> dict:
+    t_ms, _, num_in, num_out = request[:4]
+    return {
+        "t": (t_ms - start_ms) / 1000.0,
+        "in": num_in,
+        "out": num_out,
+        "hash_ids": list(request_hash_ids(request)),
+    }

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ttl.policy import DEFAULT_CLASS_TO_TTL_S, EvictionOrder, TrafficClasses
-from ttl.simulator import ALL, ProgressFn, SimConfig, SimResult, simulate
+from ttl.simulator import (
+    ALL,
+    DEFAULT_RATE_WINDOW_S,
+    ProgressFn,
+    SimConfig,
+    SimResult,
+    simulate,
+)
 from ttl.traces import Trace
 from ttl.units import DAY_S, format_duration, parse_duration_s, parse_size_bytes
 
@@ -129,16 +136,24 @@ def run_grid(
     """Simulate every grid point; ``progress`` sees block accesses over the whole grid."""
     results = []
     for i, point in enumerate(points):
-        config = SimConfig(
-            TrafficClasses(dict(point.ttl_by_class)),
-            point.capacity.blocks,
-            point.eviction,
-            warmup_fraction,
-        )
+        config = point_config(point, warmup_fraction)
         done = i * trace.num_accesses
         point_progress = None if progress is None else (lambda n, d=done: progress(d + n))
         results.append(simulate(trace, config, point_progress))
     return results
+
+
+def point_config(
+    point: GridPoint, warmup_fraction: float = 0.0, rate_window_s: float = DEFAULT_RATE_WINDOW_S
+) -> SimConfig:
+    """The simulator's configuration for one grid point."""
+    return SimConfig(
+        TrafficClasses(dict(point.ttl_by_class)),
+        point.capacity.blocks,
+        point.eviction,
+        warmup_fraction,
+        rate_window_s,
+    )
 
 
 def result_records(

@@ -69,7 +69,7 @@ DEFAULT_BLOCK_TOKENS = {MOONCAKE: 512, BAILIAN: 16}
 MiB = 1 << 20
 
 # time_s, class label, input tokens, output tokens, raw block ids
-_Record = tuple[float, str, int, int, list[int]]
+_Record = tuple[float, str, int, int, "np.ndarray | list[int]"]
 
 
 @dataclass(frozen=True)
@@ -452,8 +452,12 @@ def _load_sessions(path: Path, options: LoadOptions) -> Trace:
 def _parse_session_file(
     file: Path, options: LoadOptions, columns: _Columns
 ) -> tuple[int, list[_Record]] | None:
+    raw = file.read_bytes()
+    # Without a JSON boolean in the file, numpy can check id lists wholesale (a boolean is
+    # the one non-integer it would take for an integer); with one, each id is checked.
+    check_each_id = b"true" in raw or b"false" in raw
     try:
-        doc = json.loads(file.read_bytes())
+        doc = json.loads(raw)
     except json.JSONDecodeError as exc:
         columns.reject(f"{file}:{exc.lineno}: {exc.msg}", options.skip_bad)
         return None
@@ -465,14 +469,17 @@ def _parse_session_file(
             raise ValueError(f"'block_size' must be >= 1, got {block_size}")
         records: list[_Record] = []
         label = _label(doc, options.default_class)
-        _walk_session(doc, _finite(doc, "t", default=0.0), label, "", records)
+        start_s = _finite(doc, "t", default=0.0)
+        _walk_session(doc, start_s, label, "", records, check_each_id)
     except ValueError as exc:
         columns.reject(f"{file}: {exc}", options.skip_bad)
         return None
     return block_size, records
 
 
-def _walk_session(node: dict, start_s: float, label: str, where: str, out: list[_Record]) -> None:
+def _walk_session(
+    node: dict, start_s: float, label: str, where: str, out: list[_Record], check_each_id: bool
+) -> None:
     """Append the requests under ``node`` (recursing into sub-agents) with absolute times."""
     requests = node.get("requests")
     if not isinstance(requests, list):
@@ -481,9 +488,9 @@ def _walk_session(node: dict, start_s: float, label: str, where: str, out: list[
         here = f"{where}requests[{i}]"
         time_s, req_label = _session_entry_start(req, start_s, label, here)
         if "requests" in req:
-            _walk_session(req, time_s, req_label, here + ".", out)
+            _walk_session(req, time_s, req_label, here + ".", out, check_each_id)
         else:
-            out.append(_session_request(req, time_s, req_label, here))
+            out.append(_session_request(req, time_s, req_label, here, check_each_id))
 
 
 def _session_entry_start(req: Any, start_s: float, label: str, here: str) -> tuple[float, str]:
@@ -495,23 +502,26 @@ def _session_entry_start(req: Any, start_s: float, label: str, here: str) -> tup
         raise ValueError(f"{here}: {exc}") from None
 
 
-def _session_request(req: dict, time_s: float, label: str, here: str) -> _Record:
+def _session_request(
+    req: dict, time_s: float, label: str, here: str, check_each_id: bool
+) -> _Record:
     try:
-        return (time_s, label, _count(req, "in"), _count(req, "out", 0), _id_list(req, "hash_ids"))
+        num_in, num_out = _count(req, "in"), _count(req, "out", 0)
+        return (time_s, label, num_in, num_out, _id_list(req, "hash_ids", check_each_id))
     except ValueError as exc:
         raise ValueError(f"{here}: {exc}") from None
 
 
 def _localize_ids(records: list[_Record], first_id: int) -> int:
     """Rewrite a file's local ids in place to ids unique across files; return the next free id."""
-    if not any(ids for *_, ids in records):
+    if not any(len(ids) for *_, ids in records):
         return first_id
     local = np.concatenate([np.asarray(ids, dtype=np.int64) for *_, ids in records])
     distinct, inverse = np.unique(local, return_inverse=True)
     start = 0
     for i, (time_s, label, num_in, num_out, ids) in enumerate(records):
         stop = start + len(ids)
-        records[i] = (time_s, label, num_in, num_out, (inverse[start:stop] + first_id).tolist())
+        records[i] = (time_s, label, num_in, num_out, inverse[start:stop] + first_id)
         start = stop
     return first_id + len(distinct)
 
@@ -548,12 +558,22 @@ def _count(obj: dict, name: str, default: int | None = None) -> int:
     return value
 
 
-def _id_list(obj: dict, name: str) -> list[int]:
+def _id_list(obj: dict, name: str, check_each: bool = True) -> np.ndarray:
+    """The list ``obj[name]`` of 64-bit integers as int64; ``check_each=False`` lets numpy
+    check them wholesale, which takes a boolean for an integer (the caller rules them out)."""
     ids = obj.get(name)
-    ok = isinstance(ids, list) and all(type(i) is int and -(2**63) <= i < 2**63 for i in ids)
-    if not ok:
-        raise ValueError(f"{name!r}: expected a list of 64-bit integers, got {str(ids)[:60]}")
-    return ids
+    if isinstance(ids, list):
+        if check_each:
+            if all(type(i) is int and -(2**63) <= i < 2**63 for i in ids):
+                return np.array(ids, np.int64)
+        else:
+            try:
+                array = np.array(ids) if ids else np.empty(0, np.int64)
+            except (ValueError, OverflowError):  # ragged or out of range
+                array = None
+            if array is not None and array.dtype == np.int64 and array.ndim == 1:
+                return array
+    raise ValueError(f"{name!r}: expected a list of 64-bit integers, got {str(ids)[:60]}")
 
 
 def _label(obj: dict, default: str) -> str:
@@ -616,7 +636,7 @@ class _Columns:
             input=np.array(inputs, np.int64),
             output=np.array(outputs, np.int64),
             length=np.array([len(ids) for ids in id_lists], np.int64),
-            ids=np.fromiter((i for ids in id_lists for i in ids), np.int64),
+            ids=np.concatenate([np.asarray(ids, np.int64) for ids in id_lists]),
         )
 
     def _add(self, **arrays: np.ndarray) -> None:

@@ -207,3 +207,13 @@ def test_misuse_is_explained(tmp_path: Path) -> None:
         load_trace(tmp_path / "missing.jsonl", "mooncake")
     with pytest.raises(ValueError, match="TYPE=CLASS"):
         parse_type_map(["text"])
+
+
+@pytest.mark.parametrize(
+    "ids", [[1, 2.5], [1, "2"], [[1], [2]], [1, [2]], [2**64], [None], [True, 2], [1, False]]
+)
+def test_session_hash_ids_must_be_64_bit_integers(tmp_path: Path, ids: list) -> None:
+    path = _session(tmp_path, "s.json", {"block_size": 4, "requests": [
+        {"t": 0, "in": 8, "hash_ids": ids}]})  # fmt: skip
+    with pytest.raises(TraceFormatError, match="64-bit integers"):
+        load_trace(path, "sessions")
