@@ -34,11 +34,13 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "storage"): ("bench.storage_bench", "cluster PUT/GET throughput and latency"),
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
     ("bench", "sim"): ("bench.sim_bench", "simulator block accesses per second"),
+    ("bench", "index"): ("bench.index_bench", "lmdb index bytes per shard entry"),
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
     ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),
     ("sim",): ("kvstore.sim_cli", "replay a request trace through the TTL and capacity policies"),
     ("sim", "generate"): ("kvstore.sim_cli:generate", "write a seeded multi-day workload"),
     ("sim", "replay"): ("bench.replay", "replay a trace against a live cluster, vs simulated"),
+    ("plan",): ("kvstore.plan_cli", "SSD TB, nodes, bandwidth and cost of TTL x capacity settings"),
     ("serve",): ("engine_adapter.serve", "run the router, prefill and decode workers"),
     ("demo",): ("engine_adapter.demo", "the main job on an embedded local cluster"),
 }
@@ -84,7 +86,7 @@ def format_default(default: Any) -> str:
     return text.replace("%", "%%")
 
 
-def _arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+def arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     """An argparse type whose error message is the parser's own (it says the accepted forms)."""
 
     def parse_arg(text: str) -> Any:
@@ -98,8 +100,8 @@ def _arg_type(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
 
 
 # Argparse types for sizes and durations as people write them (ttl/units.py): "1GiB", "7d".
-size_arg = _arg_type(parse_size_bytes, "size")
-duration_arg = _arg_type(parse_duration_s, "duration")
+size_arg = arg_type(parse_size_bytes, "size")
+duration_arg = arg_type(parse_duration_s, "duration")
 
 
 def list_arg(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -108,7 +110,7 @@ def list_arg(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     def parse(text: str) -> list[Any]:
         return [item(part.strip()) for part in text.split(",") if part.strip()]
 
-    return _arg_type(parse, f"list of {getattr(item, '__name__', 'value')}")
+    return arg_type(parse, f"list of {getattr(item, '__name__', 'value')}")
 
 
 def subcommands(prefix: tuple[str, ...]) -> list[tuple[str, ...]]:

@@ -20,11 +20,12 @@ footprint, bandwidth and tokens saved scale by ``X``, hit ratios do not)::
     raw             stored / high_watermark  without a capacity limit (never reach eviction)
                     stored / low_watermark   with one (eviction brings a node down to low)
 
-Bandwidth at the storage nodes: a hit block reads ``k + 1`` shards (the read asks k+1 nodes
-and uses the first k), a written block (every block after the prefix hit: the engine writes
-back what it computed) writes ``k + m``; mean over the counted window, peak over the busiest
-``rate_window_s``. Nodes: enough drives for ``raw``, enough node bandwidth for the peaks, and
-at least one placement group (``k + m``). Cost: ``raw TB x usd_per_tb_month``. Marginal cost
+Bandwidth at the storage nodes: a hit block reads ``read_fanout`` shards (the read asks k+1
+nodes by default and uses the first k), a written block (every block after the prefix hit:
+the engine writes back what it computed) writes ``k + m``; mean over the counted window, peak
+over the busiest ``rate_window_s`` (the busy hour by default). Nodes: enough drives for
+``raw``, enough node bandwidth for the peaks, and at least one placement group (``k + m``).
+Cost: ``raw TB x usd_per_tb_month``. Marginal cost
 per point of hit ratio: along each class's cost frontier (settings sorted by cost, keeping only
 those that hit better than every cheaper one), the extra cost over the next cheaper setting
 divided by the token-hit-ratio points it buys; dominated settings get none.
@@ -108,6 +109,7 @@ class TierConfig:
 
     data_shards: int = 10
     parity_shards: int = 2
+    read_fanout: int = 11  # shards a read asks for (cluster.toml [client] read_fanout)
     expiry_window_s: float = 3600.0
     high_watermark: float = 0.95
     low_watermark: float = 0.85
@@ -121,6 +123,11 @@ class TierConfig:
     def __post_init__(self) -> None:
         if self.data_shards < 1 or self.parity_shards < 0:
             raise ValueError(f"need k >= 1 and m >= 0, got {self.data_shards}+{self.parity_shards}")
+        if not self.data_shards <= self.read_fanout <= self.width:
+            raise ValueError(
+                f"read fanout {self.read_fanout} must be in [k={self.data_shards}, "
+                f"k+m={self.width}]"
+            )
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1 (cluster.toml [node])")
         positive = {
@@ -169,7 +176,7 @@ class BlockBytes:
         return tier.width * self.disk_bytes_per_shard
 
     def read_bytes(self, tier: TierConfig) -> int:
-        return (tier.data_shards + min(1, tier.parity_shards)) * self.disk_bytes_per_shard
+        return tier.read_fanout * self.disk_bytes_per_shard
 
 
 _NEEDED_KEYS = (
@@ -270,6 +277,23 @@ def plan_records(
     planned = [plan_record(r, bytes_per_token, tier, scale) for r in records]
     add_marginal_costs(planned)
     return planned
+
+
+def parse_count(text: str) -> float:
+    """``"155T"`` -> 1.55e14: a count with an optional k, M, G, T or P (powers of 1000)."""
+    value = text.strip()
+    factor = _COUNT_SUFFIXES.get(value[-1:].upper(), 1.0) if value else 1.0
+    digits = value[:-1] if factor != 1.0 else value
+    try:
+        number = float(digits) * factor
+    except ValueError:
+        number = math.nan
+    if not number > 0 or math.isinf(number):
+        raise ValueError(f"bad count {text!r}: a positive number with k, M, G, T or P, e.g. 155T")
+    return number
+
+
+_COUNT_SUFFIXES = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
 def scale_for_tokens_per_day(records: Sequence[Record], tokens_per_day: float) -> float:

@@ -9,11 +9,9 @@ curve joins the TTLs of one capacity. Point labels name the setting and never ov
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from ttl.report import FULL_RANGE, XAxis, plot_panels, ttl_text
@@ -23,7 +21,7 @@ Record = dict
 PLAN_PLOT = "hit_ratio_vs_raw_tb.png"
 
 
-def print_plan_table(planned: Sequence[Record], console: Console | None = None) -> None:
+def plan_table(planned: Sequence[Record]) -> Table:
     """One row per class (and ``all``) and setting: sizes, nodes, bandwidth, cost, savings."""
     scale = planned[0]["scale"] if planned else 1.0
     table = Table(
@@ -49,13 +47,13 @@ def print_plan_table(planned: Sequence[Record], console: Console | None = None) 
             *(_tb(r[key]) for key in ("logical_tb", "erasure_tb", "headers_tb", "index_tb")),
             *(_tb(r[key]) for key in ("expiry_slack_tb", "watermark_tb", "raw_tb")),
             f"{r['nodes']:,} ({r['nodes_bound_by']})",
-            f"{r['read_gb_per_s']:,.1f} ({r['mean_read_gb_per_s']:,.1f})",
-            f"{r['write_gb_per_s']:,.1f} ({r['mean_write_gb_per_s']:,.1f})",
+            f"{_tb(r['read_gb_per_s'])} ({_tb(r['mean_read_gb_per_s'])})",
+            f"{_tb(r['write_gb_per_s'])} ({_tb(r['mean_write_gb_per_s'])})",
             "-" if r["usd_per_month"] is None else f"{r['usd_per_month']:,.0f}",
             _count(r["prefill_tokens_saved_per_day"]),
             _marginal(r),
         )
-    (console or Console(width=None if sys.stdout.isatty() else 220)).print(table)
+    return table
 
 
 def write_plan_plots(
@@ -84,6 +82,7 @@ def write_plan_plots(
 
 
 def _tb(value: float) -> str:
+    """TB (or GB/s): whole numbers from 100 up, else three significant digits."""
     if value >= 100:
         return f"{value:,.0f}"
     return f"{value:.3g}"

@@ -132,11 +132,12 @@ def run_grid(
     points: Sequence[GridPoint],
     warmup_fraction: float = 0.0,
     progress: ProgressFn | None = None,
+    rate_window_s: float = DEFAULT_RATE_WINDOW_S,
 ) -> list[SimResult]:
     """Simulate every grid point; ``progress`` sees block accesses over the whole grid."""
     results = []
     for i, point in enumerate(points):
-        config = point_config(point, warmup_fraction)
+        config = point_config(point, warmup_fraction, rate_window_s)
         done = i * trace.num_accesses
         point_progress = None if progress is None else (lambda n, d=done: progress(d + n))
         results.append(simulate(trace, config, point_progress))

@@ -110,3 +110,15 @@ def test_bad_tier_and_old_records_are_clear_errors() -> None:
     del old["written_blocks"]
     with pytest.raises(ValueError, match="run kvstore sim again"):
         plan_record(old, 10.0, TIER, 1.0)
+
+
+def test_counts_read_fanout_and_its_bounds() -> None:
+    from ttl.plan import parse_count
+
+    assert parse_count("155T") == 155e12 and parse_count("2.5k") == 2500 and parse_count("7") == 7
+    with pytest.raises(ValueError, match="155T"):
+        parse_count("lots")
+    wide = plan_record(_record(), 10.0, TierConfig(read_fanout=12), 1.0)
+    assert wide["read_gb_per_s"] * 1e9 == pytest.approx(2.0 * 12 * 216), "reads all 12 shards"
+    with pytest.raises(ValueError, match="read fanout"):
+        TierConfig(read_fanout=9)
