@@ -1,31 +1,47 @@
-"""``kvstore bench sim``: simulator block accesses per second on one core.
+"""``kvstore bench sim``: simulator block accesses per second, in the loop and end to end.
 
 ::
 
     kvstore bench sim [--json PATH] [--days 2] [--seed 0] [--rounds 3] [--capacity-share 0.25]
+    kvstore bench sim --partitions 4 --workers 1,2 --days 14 --rate-scale 3 --json PATH
 
 The workload is ``kvstore sim generate``'s (chat and agent sessions, default parameters) over
-``--days`` days, built in memory. Cases:
+``--days`` days (session rates times ``--rate-scale``), built in memory and also written to a
+temporary folder as Mooncake JSONL and as session files (one JSON per conversation). Cases:
 
 - ``dict-ttl``: the yardstick, a bare dict loop doing TTL alone (get, compare, set per access;
   no prefix rule, no footprint, no capacity);
 - ``sim-ttl``: ``ttl.simulator`` with the TTL policy only (chat 7d, agent 3d);
 - ``sim-ttl-capacity-expiry``: TTL plus a capacity of ``--capacity-share`` of the distinct
   blocks, evicting earliest expiry first (`eviction_order = "expiry"`);
-- ``sim-ttl-capacity-lru``: the same capacity with LRU eviction (the store's default).
+- ``sim-ttl-capacity-lru``: the same capacity with LRU eviction (the store's default);
+- ``load-jsonl`` and ``load-sessions``: the trace loaders alone, from the files;
+- ``e2e-jsonl-lru`` and ``e2e-sessions-lru``: load the file, then simulate TTL + capacity with
+  LRU: accesses per second from the file to the result, what a user waits for.
 
-Rates are block accesses per second of this thread's CPU time (``time.thread_time``), so they
-are per core even when other processes share the machine; ``wall_accesses_per_s`` is the
-wall-clock figure. Cases run interleaved for ``--rounds`` passes and a record keeps the
-median pass. The target (DESIGN.md) is 3 million accesses per second with TTL and capacity.
+Rates are block accesses per second of this process's CPU time (``time.process_time``: the
+loaders parse on pyarrow's threads too), so they hold when other processes share the
+machine; ``wall_accesses_per_s`` is the wall-clock figure. Cases run interleaved for
+``--rounds`` passes and a record keeps the median pass. The target (DESIGN.md) is 3 million
+accesses per second with TTL and capacity.
+
+With ``--partitions P`` the bench measures scale-out instead: one end-to-end run in this
+process (``load-jsonl`` + simulate), then ``kvstore sim --partitions P`` on a local Ray with
+each of ``--workers`` CPUs, all on the JSONL file with one grid point, by wall clock (Ray's
+start is timed apart). ``speedup`` is the single process's wall time over the partitioned
+run's; the partitioned results are the cluster's (P groups), so their hit ratios differ
+slightly from one cache's and are reported too.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,11 +50,20 @@ from typing import Any
 
 from rich.table import Table
 
+from kvstore.cli import list_arg
+from kvstore.sim_partitions import (
+    INLINE,
+    LOCAL,
+    RayExecutor,
+    make_executor,
+    placement_partitions,
+)
 from kvstore.tables import print_fitted
-from ttl.generate import WorkloadParams, generate_trace
+from ttl.generate import WorkloadParams, generate_trace, write_session_files, write_workload
+from ttl.partition import simulate_partitioned, split_trace
 from ttl.policy import EvictionOrder, TrafficClasses
-from ttl.simulator import ALL, SimConfig, simulate
-from ttl.traces import Trace
+from ttl.simulator import ALL, SimConfig, sim_result, simulate
+from ttl.traces import LoadOptions, Trace, load_trace, trace_units
 
 TARGET_ACCESSES_PER_S = 3e6
 BASELINE = "dict-ttl"
@@ -51,7 +76,8 @@ class Record:
     accesses_per_s_passes: list[float]
     wall_accesses_per_s: float
     num_accesses: int
-    block_hit_ratio: float  # what the case computed (the baseline has no prefix rule)
+    block_hit_ratio: float | None  # what the case computed (the baseline has no prefix rule;
+    # a loader computes none)
     evicted_blocks: int
     vs_dict_baseline: float = 0.0
     meets_target: bool = False
@@ -66,13 +92,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--capacity-share", type=float, default=0.25,
         help="capacity as a share of the distinct blocks (default 0.25)",
     )  # fmt: skip
+    parser.add_argument(
+        "--rate-scale", type=float, default=1.0,
+        help="multiply the generator's sessions per day (more accesses per day)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--partitions", type=int, default=0,
+        help="measure scale-out instead: kvstore sim --partitions P against one process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workers", type=list_arg(int), default=[1, 2],
+        help="with --partitions: local Ray CPUs to try, comma-separated (0: no Ray, the "
+        "partitions one after another in this process)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    trace = generate_trace(WorkloadParams(days=args.days, seed=args.seed))
-    cases = make_cases(trace, round(args.capacity_share * trace.num_blocks))
-    records = measure(cases, trace.num_accesses, args.rounds)
-    print_table(records, trace)
+    params = workload_params(args)
+    trace = generate_trace(params)
+    capacity_blocks = round(args.capacity_share * trace.num_blocks)
+    records: list[Any]
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-sim-") as folder:
+        if args.partitions:
+            jsonl = Path(folder) / "workload.jsonl"
+            write_workload(params, jsonl)
+            records = measure_scale_out(jsonl, capacity_blocks, args.partitions, args.workers)
+            table = scale_out_table(records, trace, args.partitions)
+        else:
+            cases = make_cases(trace, capacity_blocks, write_files(params, Path(folder)))
+            records = measure(cases, trace.num_accesses, args.rounds)
+            table = speed_table(records, trace)
+    print_fitted(table)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document(args, trace, records), indent=2) + "\n")
@@ -80,15 +130,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-Case = tuple[str, Callable[[], tuple[float, int]]]  # name, run -> (block hit ratio, evicted)
+def workload_params(args: argparse.Namespace) -> WorkloadParams:
+    defaults = WorkloadParams(days=args.days, seed=args.seed)
+    return dataclasses.replace(
+        defaults,
+        chat_sessions_per_day=defaults.chat_sessions_per_day * args.rate_scale,
+        agent_sessions_per_day=defaults.agent_sessions_per_day * args.rate_scale,
+    )
 
 
-def make_cases(trace: Trace, capacity_blocks: int) -> list[Case]:
+def write_files(params: WorkloadParams, folder: Path) -> tuple[Path, Path]:
+    """The workload as a Mooncake JSONL file and as a folder of session files."""
+    jsonl, sessions = folder / "workload.jsonl", folder / "sessions"
+    write_workload(params, jsonl)
+    write_session_files(params, sessions)
+    return jsonl, sessions
+
+
+Case = tuple[str, Callable[[], tuple[float | None, int]]]  # run -> (block hit ratio, evicted)
+_JSONL_OPTIONS = LoadOptions(block_tokens=WorkloadParams().block_tokens)
+
+
+def make_cases(trace: Trace, capacity_blocks: int, files: tuple[Path, Path]) -> list[Case]:
     classes = TrafficClasses()
+    jsonl, sessions = files
+    lru = SimConfig(classes, capacity_blocks, EvictionOrder.LRU)
 
     def sim(capacity: int | None, eviction: EvictionOrder) -> Callable[[], tuple[float, int]]:
         def run_once() -> tuple[float, int]:
             stats = simulate(trace, SimConfig(classes, capacity, eviction)).by_class[ALL]
+            return stats.block_hit_ratio, stats.evicted_blocks
+
+        return run_once
+
+    def load(path: Path, fmt: str, options: LoadOptions | None) -> Callable[[], tuple[None, int]]:
+        def run_once() -> tuple[None, int]:
+            load_trace(path, fmt, options)
+            return None, 0
+
+        return run_once
+
+    def end_to_end(path: Path, fmt: str, options: LoadOptions | None) -> Callable[[], Any]:
+        def run_once() -> tuple[float, int]:
+            stats = simulate(load_trace(path, fmt, options), lru).by_class[ALL]
             return stats.block_hit_ratio, stats.evicted_blocks
 
         return run_once
@@ -98,6 +182,10 @@ def make_cases(trace: Trace, capacity_blocks: int) -> list[Case]:
         ("sim-ttl", sim(None, EvictionOrder.EXPIRY)),
         ("sim-ttl-capacity-expiry", sim(capacity_blocks, EvictionOrder.EXPIRY)),
         ("sim-ttl-capacity-lru", sim(capacity_blocks, EvictionOrder.LRU)),
+        ("load-jsonl", load(jsonl, "mooncake", _JSONL_OPTIONS)),
+        ("load-sessions", load(sessions, "sessions", None)),
+        ("e2e-jsonl-lru", end_to_end(jsonl, "mooncake", _JSONL_OPTIONS)),
+        ("e2e-sessions-lru", end_to_end(sessions, "sessions", None)),
     ]
 
 
@@ -120,12 +208,12 @@ def dict_ttl_loop(trace: Trace, classes: TrafficClasses) -> float:
 
 def measure(cases: list[Case], num_accesses: int, rounds: int) -> list[Record]:
     passes: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in cases}
-    outcome: dict[str, tuple[float, int]] = {}
+    outcome: dict[str, tuple[float | None, int]] = {}
     for _ in range(rounds):
         for name, run_once in cases:
-            cpu_start, wall_start = time.thread_time(), time.perf_counter()
+            cpu_start, wall_start = time.process_time(), time.perf_counter()
             outcome[name] = run_once()
-            cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - wall_start
+            cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
             passes[name].append((num_accesses / cpu_s, num_accesses / wall_s))
     records = [_record(name, passes[name], outcome[name], num_accesses) for name, _ in cases]
     baseline = records[0].accesses_per_s
@@ -136,7 +224,10 @@ def measure(cases: list[Case], num_accesses: int, rounds: int) -> list[Record]:
 
 
 def _record(
-    name: str, passes: list[tuple[float, float]], outcome: tuple[float, int], num_accesses: int
+    name: str,
+    passes: list[tuple[float, float]],
+    outcome: tuple[float | None, int],
+    num_accesses: int,
 ) -> Record:
     cpu_rates = [cpu for cpu, _ in passes]
     median_cpu = statistics.median(cpu_rates)
@@ -145,7 +236,7 @@ def _record(
     return Record(name, median_cpu, cpu_rates, wall, num_accesses, hit_ratio, evicted)
 
 
-def print_table(records: list[Record], trace: Trace) -> None:
+def speed_table(records: list[Record], trace: Trace) -> Table:
     table = Table(
         title=f"simulator speed: {trace.num_accesses:,} block accesses, "
         f"{trace.num_blocks:,} distinct blocks, {trace.num_requests:,} requests"
@@ -161,18 +252,106 @@ def print_table(records: list[Record], trace: Trace) -> None:
             f"{r.wall_accesses_per_s / 1e6:.2f}",
             f"{r.vs_dict_baseline:.2f}x",
             "met" if r.meets_target else "missed",
-            f"{100 * r.block_hit_ratio:.2f}%",
+            "-" if r.block_hit_ratio is None else f"{100 * r.block_hit_ratio:.2f}%",
             f"{r.evicted_blocks:,}",
         )
-    print_fitted(table)
+    return table
 
 
-def document(args: argparse.Namespace, trace: Trace, records: list[Record]) -> dict[str, Any]:
+@dataclass
+class ScaleRecord:
+    case: str
+    partitions: int  # 0: one process, one cache
+    workers: int
+    wall_s: float  # from the file to the result (Ray's start excluded, see ray_start_s)
+    ray_start_s: float
+    wall_accesses_per_s: float
+    speedup: float  # the one-process wall time over this one's
+    block_hit_ratio: float
+    token_hit_ratio: float
+    evicted_blocks: int
+
+
+def measure_scale_out(
+    jsonl: Path, capacity_blocks: int, num_partitions: int, workers: list[int]
+) -> list[ScaleRecord]:
+    """One process end to end, then ``num_partitions`` partitions on a local Ray per entry of
+    ``workers`` (one grid point: chat 7d, agent 3d, LRU at the capacity)."""
+    config = SimConfig(TrafficClasses(), capacity_blocks, EvictionOrder.LRU)
+    start = time.perf_counter()
+    trace = load_trace(jsonl, "mooncake", _JSONL_OPTIONS)
+    result = simulate(trace, config)
+    one_wall_s, num_accesses = time.perf_counter() - start, trace.num_accesses
+    del trace
+    records = [_scale_record("one-process", 0, 1, one_wall_s, 0.0, num_accesses, one_wall_s,
+                             result)]  # fmt: skip
+    for num_workers in workers:
+        start = time.perf_counter()
+        executor = make_executor(LOCAL if num_workers else INLINE, num_workers)
+        ray_start_s = time.perf_counter() - start
+        try:
+            start = time.perf_counter()
+            units = trace_units(jsonl, "mooncake")
+            split = split_trace(
+                units, "mooncake", _JSONL_OPTIONS, num_partitions, placement_partitions, executor
+            )
+            (counts,) = simulate_partitioned(split, [config], executor)
+            result = sim_result(split.requests, config, counts)
+            wall_s = time.perf_counter() - start
+        finally:
+            if isinstance(executor, RayExecutor):
+                executor.close()
+        name = f"partitions-{num_partitions}-workers-{num_workers or 'inline'}"
+        records.append(_scale_record(name, num_partitions, num_workers, wall_s, ray_start_s,
+                                     num_accesses, one_wall_s, result))  # fmt: skip
+    return records
+
+
+def _scale_record(
+    name: str,
+    partitions: int,
+    workers: int,
+    wall_s: float,
+    ray_start_s: float,
+    num_accesses: int,
+    one_wall_s: float,
+    result: Any,
+) -> ScaleRecord:
+    stats = result.by_class[ALL]
+    return ScaleRecord(
+        name, partitions, workers, wall_s, ray_start_s, num_accesses / wall_s,
+        one_wall_s / wall_s, stats.block_hit_ratio, stats.token_hit_ratio, stats.evicted_blocks,
+    )  # fmt: skip
+
+
+def scale_out_table(records: list[ScaleRecord], trace: Trace, num_partitions: int) -> Table:
+    table = Table(
+        title=f"simulator scale-out: {trace.num_accesses:,} block accesses from a JSONL file, "
+        f"{num_partitions} partitions on a local Ray vs one process"
+    )
+    columns = ("case", "wall s", "Ray start s", "M accesses/s (wall)", "speedup", "block hit")
+    for column in (*columns, "token hit"):
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for r in records:
+        table.add_row(
+            r.case, f"{r.wall_s:.1f}", f"{r.ray_start_s:.1f}",
+            f"{r.wall_accesses_per_s / 1e6:.2f}", f"{r.speedup:.2f}x",
+            f"{100 * r.block_hit_ratio:.2f}%", f"{100 * r.token_hit_ratio:.2f}%",
+        )  # fmt: skip
+    return table
+
+
+def document(
+    args: argparse.Namespace, trace: Trace, records: list[Record] | list[ScaleRecord]
+) -> dict[str, Any]:
     return {
         "bench": "sim",
         "machine": {"python": platform.python_version(), "processor": platform.processor()},
+        "machine_cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
         "workload": {
             "generator_days": args.days,
+            "rate_scale": args.rate_scale,
             "seed": args.seed,
             "requests": trace.num_requests,
             "block_accesses": trace.num_accesses,
@@ -180,6 +359,7 @@ def document(args: argparse.Namespace, trace: Trace, records: list[Record]) -> d
             "capacity_share": args.capacity_share,
         },
         "rounds": args.rounds,
+        "partitions": args.partitions,
         "target_accesses_per_s": TARGET_ACCESSES_PER_S,
         "results": [asdict(r) for r in records],
     }

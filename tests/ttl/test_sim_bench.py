@@ -15,9 +15,22 @@ def test_bench_writes_every_case(tmp_path: Path, capsys) -> None:
     assert rc == 0
     document = json.loads(out.read_text())
     cases = [r["case"] for r in document["results"]]
-    assert cases == ["dict-ttl", "sim-ttl", "sim-ttl-capacity-expiry", "sim-ttl-capacity-lru"]
+    assert cases == [
+        *("dict-ttl", "sim-ttl", "sim-ttl-capacity-expiry", "sim-ttl-capacity-lru"),
+        *("load-jsonl", "load-sessions", "e2e-jsonl-lru", "e2e-sessions-lru"),
+    ], "loop-only and end-to-end (file to result) cases, for both loaders"
     by_case = {r["case"]: r for r in document["results"]}
     assert by_case["sim-ttl-capacity-lru"]["evicted_blocks"] > 0, "the capacity must bind"
     assert all(r["accesses_per_s"] > 0 for r in document["results"])
     assert document["target_accesses_per_s"] == 3e6
     assert "simulator speed" in capsys.readouterr().out
+
+
+def test_scale_out_mode_compares_partitions_with_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "deep" / "scale.json"
+    rc = main(["bench", "sim", "--days", "0.05", "--partitions", "3", "--workers", "0",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["one-process", "partitions-3-workers-inline"]
+    assert all(r["wall_s"] > 0 and r["speedup"] > 0 for r in results)
