@@ -27,7 +27,8 @@ accesses per second with TTL and capacity.
 
 With ``--partitions P`` the bench measures scale-out instead: one end-to-end run in this
 process (``load-jsonl`` + simulate), then ``kvstore sim --partitions P`` on a local Ray with
-each of ``--workers`` CPUs, all on the JSONL file with one grid point, by wall clock (Ray's
+each of ``--workers`` CPUs (0: the same tasks in this process, without Ray, whose CPU seconds
+are the pipeline's own work), all on the JSONL file with one grid point, by wall clock (Ray's
 start is timed apart). ``speedup`` is the single process's wall time over the partitioned
 run's; the partitioned results are the cluster's (P groups), so their hit ratios differ
 slightly from one cache's and are reported too.
@@ -101,7 +102,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="measure scale-out instead: kvstore sim --partitions P against one process",
     )  # fmt: skip
     parser.add_argument(
-        "--workers", type=list_arg(int), default=[1, 2],
+        "--workers", type=list_arg(int), default=[0, 1, 2],
         help="with --partitions: local Ray CPUs to try, comma-separated (0: no Ray, the "
         "partitions one after another in this process)",
     )  # fmt: skip
@@ -264,6 +265,7 @@ class ScaleRecord:
     partitions: int  # 0: one process, one cache
     workers: int
     wall_s: float  # from the file to the result (Ray's start excluded, see ray_start_s)
+    cpu_s: float | None  # this process's CPU seconds (runs without Ray: the work itself)
     ray_start_s: float
     wall_accesses_per_s: float
     speedup: float  # the one-process wall time over this one's
@@ -278,19 +280,20 @@ def measure_scale_out(
     """One process end to end, then ``num_partitions`` partitions on a local Ray per entry of
     ``workers`` (one grid point: chat 7d, agent 3d, LRU at the capacity)."""
     config = SimConfig(TrafficClasses(), capacity_blocks, EvictionOrder.LRU)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     trace = load_trace(jsonl, "mooncake", _JSONL_OPTIONS)
     result = simulate(trace, config)
     one_wall_s, num_accesses = time.perf_counter() - start, trace.num_accesses
+    cpu_s = time.process_time() - cpu_start
     del trace
-    records = [_scale_record("one-process", 0, 1, one_wall_s, 0.0, num_accesses, one_wall_s,
-                             result)]  # fmt: skip
+    records = [_scale_record("one-process", 0, 1, (one_wall_s, cpu_s), 0.0, num_accesses,
+                             one_wall_s, result)]  # fmt: skip
     for num_workers in workers:
         start = time.perf_counter()
         executor = make_executor(LOCAL if num_workers else INLINE, num_workers)
         ray_start_s = time.perf_counter() - start
         try:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             units = trace_units(jsonl, "mooncake")
             split = split_trace(
                 units, "mooncake", _JSONL_OPTIONS, num_partitions, placement_partitions, executor
@@ -298,11 +301,13 @@ def measure_scale_out(
             (counts,) = simulate_partitioned(split, [config], executor)
             result = sim_result(split.requests, config, counts)
             wall_s = time.perf_counter() - start
+            cpu_s = time.process_time() - cpu_start
         finally:
             if isinstance(executor, RayExecutor):
                 executor.close()
         name = f"partitions-{num_partitions}-workers-{num_workers or 'inline'}"
-        records.append(_scale_record(name, num_partitions, num_workers, wall_s, ray_start_s,
+        times = (wall_s, None if num_workers else cpu_s)
+        records.append(_scale_record(name, num_partitions, num_workers, times, ray_start_s,
                                      num_accesses, one_wall_s, result))  # fmt: skip
     return records
 
@@ -311,15 +316,16 @@ def _scale_record(
     name: str,
     partitions: int,
     workers: int,
-    wall_s: float,
+    times: tuple[float, float | None],
     ray_start_s: float,
     num_accesses: int,
     one_wall_s: float,
     result: Any,
 ) -> ScaleRecord:
     stats = result.by_class[ALL]
+    wall_s, cpu_s = times
     return ScaleRecord(
-        name, partitions, workers, wall_s, ray_start_s, num_accesses / wall_s,
+        name, partitions, workers, wall_s, cpu_s, ray_start_s, num_accesses / wall_s,
         one_wall_s / wall_s, stats.block_hit_ratio, stats.token_hit_ratio, stats.evicted_blocks,
     )  # fmt: skip
 
@@ -329,12 +335,14 @@ def scale_out_table(records: list[ScaleRecord], trace: Trace, num_partitions: in
         title=f"simulator scale-out: {trace.num_accesses:,} block accesses from a JSONL file, "
         f"{num_partitions} partitions on a local Ray vs one process"
     )
-    columns = ("case", "wall s", "Ray start s", "M accesses/s (wall)", "speedup", "block hit")
+    columns = ("case", "wall s", "CPU s", "Ray start s", "M accesses/s (wall)", "speedup",
+               "block hit")  # fmt: skip
     for column in (*columns, "token hit"):
         table.add_column(column, justify="left" if column == "case" else "right")
     for r in records:
         table.add_row(
-            r.case, f"{r.wall_s:.1f}", f"{r.ray_start_s:.1f}",
+            r.case, f"{r.wall_s:.1f}", "-" if r.cpu_s is None else f"{r.cpu_s:.1f}",
+            f"{r.ray_start_s:.1f}",
             f"{r.wall_accesses_per_s / 1e6:.2f}", f"{r.speedup:.2f}x",
             f"{100 * r.block_hit_ratio:.2f}%", f"{100 * r.token_hit_ratio:.2f}%",
         )  # fmt: skip

@@ -82,9 +82,13 @@ def split_unit(
     # Requests share prefixes, so most accesses repeat a block: place each block once.
     distinct, inverse = np.unique(identities, return_inverse=True)
     where = partition_of(distinct, num_partitions)[inverse] if len(distinct) else requests
+    # One stable radix sort by partition (accesses keep their order inside each), then slices:
+    # O(accesses) whatever the number of partitions.
+    order = np.argsort(where.astype(np.uint16), kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(where, minlength=num_partitions))])
     pieces = []
     for p in range(num_partitions):
-        mine = where == p
+        mine = order[bounds[p] : bounds[p + 1]]
         lengths = np.bincount(requests[mine], minlength=len(raw.lengths)).astype(np.int32)
         pieces.append(BlockPiece(lengths, positions[mine], identities[mine]))
     return (_request_piece(raw), *pieces)
@@ -261,6 +265,9 @@ class PartitionedTrace:
     num_blocks: int
 
 
+MAX_PARTITIONS = 2**16  # partition ids sort as uint16
+
+
 def split_trace(
     units: Sequence[TraceUnit],
     fmt: str,
@@ -271,8 +278,8 @@ def split_trace(
     time_scale: float = 1.0,
 ) -> PartitionedTrace:
     """Split and assemble (module docstring) on ``executor``."""
-    if num_partitions < 1:
-        raise ValueError(f"partitions must be >= 1, got {num_partitions}")
+    if not 1 <= num_partitions <= MAX_PARTITIONS:
+        raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}], got {num_partitions}")
     width = num_partitions + 1
     splits = [
         executor.submit(
