@@ -6,9 +6,10 @@
 
 Puts ``--entries`` shard entries with random keys (the order puts arrive in) through
 ``kvstore.index.IndexWriter`` into a fresh ``LmdbBackend``, in transactions of 1,000 as the
-node's group commit does, and divides the pages lmdb uses by the entries. Each entry has a
-chat-class TTL, so it carries all four keys (entries, expiry, access, by-segment). The figure
-is ``ttl.plan.DEFAULT_INDEX_BYTES_PER_SHARD``, the index line of ``kvstore plan``.
+node's group commit does, and divides by the entries both the pages the B-trees use and the
+file's size (which also holds the pages lmdb's copy-on-write keeps free for reuse). Each entry
+has a chat-class TTL, so it carries all four keys (entries, expiry, access, by-segment). The
+file figure is ``ttl.plan.DEFAULT_INDEX_BYTES_PER_SHARD``, the index line of ``kvstore plan``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = measure_index_bytes(args.entries, args.tenant)
     print(
-        f"{result['entries']:,} entries: {result['used_bytes']:,} bytes of lmdb pages, "
-        f"{result['bytes_per_entry']:.0f} bytes per shard entry"
+        f"{result['entries']:,} shard entries: {result['tree_bytes_per_entry']:.0f} bytes each "
+        f"in B-tree pages, {result['file_bytes_per_entry']:.0f} bytes each of the lmdb file"
     )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 Plots: ``hit_ratio_vs_ttl.png`` (one panel per traffic class, the class's TTL in days on a
 log axis; no expiry sits at 365 days, labelled inf) when some class has several TTLs, and
 ``hit_ratio_vs_capacity.png`` (one panel per class and ``all``, TB of KV on a numeric axis;
-no limit sits at the footprint it reached) when there are several capacities. Solid lines
+no limit sits at the total footprint it reached) when there are several capacities. Solid lines
 are the token-weighted hit ratio, dashed the block hit ratio; curves that coincide exactly
 are drawn once with their labels merged. The y axis shows 0-100% unless the caller passes a
 range (``--y-range``): a fixed axis never makes 0.2 points look large. Point labels are
@@ -84,7 +84,21 @@ def write_plots(
         plot_panels(records, classes, axis, _ttl_series, plot_dir / TTL_PLOT, y_range)
         written.append(plot_dir / TTL_PLOT)
     if len({r["capacity_label"] for r in records}) > 1:
-        axis = XAxis("capacity (TB of KV; no limit: at its peak footprint)", _capacity_tb,
+        total_peak_tb = {
+            (r["ttl_label"], r["policy"]): r["peak_bytes"] / 1e12
+            for r in records
+            if r["traffic_class"] == ALL
+        }
+
+        def capacity_tb(record: Record) -> float:
+            """TB of KV the capacity allows; no limit: all classes' peak footprint (the
+            capacity that never evicts), the same x in every panel."""
+            if record["capacity_blocks"] is not None:
+                return record["capacity_bytes"] / 1e12
+            key = (record["ttl_label"], record["policy"])
+            return total_peak_tb.get(key, record["peak_bytes"] / 1e12)
+
+        axis = XAxis("capacity (TB of KV; no limit: at the total peak footprint)", capacity_tb,
                      _capacity_text, log=None)  # fmt: skip
         plot_panels(
             records, [*classes, ALL], axis, _capacity_series, plot_dir / CAPACITY_PLOT, y_range
@@ -227,8 +241,8 @@ def place_labels(fig: Any, labels: dict[Any, list[PointLabel]]) -> int:
     renderer = fig.canvas.get_renderer()
     placed = 0
     for ax, wanted in labels.items():
-        taken: list[Any] = []
         frame = ax.get_window_extent(renderer)
+        taken = [_marker_box(ax, point) for point in wanted]  # labels never cover a point
         for point in wanted:
             for dx, dy in _LABEL_OFFSETS:
                 label = ax.annotate(point.text, (point.x, point.y), textcoords="offset points",
@@ -242,6 +256,13 @@ def place_labels(fig: Any, labels: dict[Any, list[PointLabel]]) -> int:
                     break
                 label.remove()
     return placed
+
+
+def _marker_box(ax: Any, point: PointLabel, radius_px: float = 4.0) -> Any:
+    from matplotlib.transforms import Bbox
+
+    x, y = ax.transData.transform((point.x, point.y))
+    return Bbox.from_extents(x - radius_px, y - radius_px, x + radius_px, y + radius_px)
 
 
 _LABEL_OFFSETS = ((0, 6), (0, -13), (22, -3), (-22, -3), (0, 16), (0, -23), (30, 8), (-30, 8))
@@ -297,13 +318,6 @@ def _capacity_series(record: Record) -> dict[str, str]:
         for name, ttl_s in record["ttl_by_class"].items()
     }
     return {"policy": record["policy"], **ttls}
-
-
-def _capacity_tb(record: Record) -> float:
-    """TB of KV the capacity allows; no limit: the peak footprint it reached."""
-    if record["capacity_blocks"] is None:
-        return record["peak_bytes"] / 1e12
-    return record["capacity_bytes"] / 1e12
 
 
 def _capacity_text(record: Record) -> str:
