@@ -31,7 +31,7 @@ from kvstore.config import load_cluster
 from kvstore.sim_cli import (
     DEFAULT_BYTES_PER_TOKEN,
     add_grid_arguments,
-    add_plot_arguments,
+    add_output_arguments,
     add_trace_arguments,
     bytes_per_token_arg,
     simulate_from_args,
@@ -90,11 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tokens-per-day", type=count_arg,
         help="or scale the trace to this many input tokens a day (155T)",
     )  # fmt: skip
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", type=Path, help="write the plan as JSON here")
-    out.add_argument("--parquet", type=Path, help="the plan as a Parquet table too")
-    add_plot_arguments(out)
-    out.add_argument("--no-progress", action="store_true", help="no progress reports")
+    add_output_arguments(parser, "the plan as a Parquet table too")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -230,9 +230,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore sim``."""
     add_trace_arguments(parser)
     add_grid_arguments(parser)
+    add_output_arguments(parser, "Parquet table (default: next to --json)")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, parquet_help: str) -> None:
+    """``--json``, ``--parquet``, the plot flags and ``--no-progress`` (``sim`` and ``plan``)."""
     out = parser.add_argument_group("output")
-    out.add_argument("--json", type=Path, help="write results as JSON here")
-    out.add_argument("--parquet", type=Path, help="Parquet table (default: next to --json)")
+    out.add_argument("--json", type=Path, help="write the results as JSON here")
+    out.add_argument("--parquet", type=Path, help=parquet_help)
     add_plot_arguments(out)
     out.add_argument("--no-progress", action="store_true", help="no progress reports")
 

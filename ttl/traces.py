@@ -678,29 +678,21 @@ class _Columns:
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
     def finish(self, block_tokens: int, chain: bool, partial_blocks: str = PARTIAL_DROP) -> Trace:
-        if block_tokens < 1:
-            raise ValueError(f"block tokens must be >= 1, got {block_tokens}")
-        time_s = self._concat("time_s", np.float64)
-        lengths = self._concat("length", np.int64)
-        input_tokens = self._concat("input", np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        raw_ids = self._concat("ids", np.int64)
-        order = np.argsort(time_s, kind="stable")
-        offsets, raw_ids = _reorder_segments(order, offsets, raw_ids)
-        input_tokens = input_tokens[order]
-        hashed_tokens = np.minimum(np.diff(offsets) * block_tokens, input_tokens)
-        if partial_blocks == PARTIAL_DROP:
-            offsets, raw_ids = cut_partial_blocks(offsets, raw_ids, input_tokens // block_tokens)
+        """The parsed requests in time order (stable) with dense, chained when asked, ids."""
+        raw = self.raw(block_tokens, partial_blocks, None)
+        order = np.argsort(raw.time_s, kind="stable")
+        offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
+        offsets, raw_ids = _reorder_segments(order, offsets, raw.ids)
         block_ids, num_blocks = _dense_ids(raw_ids)
         if chain:
             block_ids, num_blocks = chain_block_ids(offsets, block_ids)
-        class_names, class_ids = self._sorted_classes(self._concat("label", np.int32)[order])
+        class_names, class_ids = self._sorted_classes(raw.class_codes[order])
         return Trace(
-            time_s=time_s[order],
+            time_s=raw.time_s[order],
             class_ids=class_ids,
-            input_tokens=input_tokens,
-            output_tokens=self._concat("output", np.int64)[order],
-            hashed_tokens=hashed_tokens,
+            input_tokens=raw.input_tokens[order],
+            output_tokens=raw.output_tokens[order],
+            hashed_tokens=raw.hashed_tokens[order],
             block_offsets=offsets,
             block_ids=block_ids,
             class_names=class_names,
