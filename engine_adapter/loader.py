@@ -56,6 +56,17 @@ def load_model(spec: str, device: str | torch.device, dtype: str, seed: int = 0)
     return LoadedModel(build(cfg, state, device, dtype, seed), tokenizer, fingerprint, spec)
 
 
+def kv_bytes_per_token(spec: str, dtype: str) -> float:
+    """KV bytes per token of the model ``spec`` names, in ``dtype`` (``kvstore plan --model``).
+
+    A ``random:`` preset is read from its shape, without allocating its weights."""
+    if spec.startswith("random:"):
+        config = weights.random_config(spec.removeprefix("random:"))
+    else:
+        config = load_model(spec, "cpu", dtype).model.config
+    return float(config.kv_bytes_per_token(dtype))
+
+
 def build(
     cfg: ModelConfig,
     state: dict[str, torch.Tensor] | None,

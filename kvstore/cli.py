@@ -40,7 +40,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("sim",): ("kvstore.sim_cli", "replay a request trace through the TTL and capacity policies"),
     ("sim", "generate"): ("kvstore.sim_cli:generate", "write a seeded multi-day workload"),
     ("sim", "replay"): ("bench.replay", "replay a trace against a live cluster, vs simulated"),
-    ("plan",): ("kvstore.plan_cli", "SSD TB, nodes, bandwidth and cost of TTL x capacity settings"),
+    ("plan",): ("bench.plan_cli", "SSD TB, nodes, bandwidth and cost of TTL x capacity settings"),
     ("serve",): ("engine_adapter.serve", "run the router, prefill and decode workers"),
     ("demo",): ("engine_adapter.demo", "the main job on an embedded local cluster"),
 }

@@ -1,7 +1,7 @@
 """Capacity planning: what a TTL x capacity setting costs in SSDs, nodes and bandwidth.
 
 Pure arithmetic over ``kvstore sim`` records (``ttl.sweep.result_records``) and plain numbers;
-``kvstore plan`` (``kvstore/plan_cli.py``) fills ``TierConfig`` from ``cluster.toml`` and flags.
+``kvstore plan`` (``bench/plan_cli.py``) fills ``TierConfig`` from ``cluster.toml`` and flags.
 
 Per record (one traffic class, or ``all``, at one grid point), with ``B`` KV bytes per block
 (``block_tokens x bytes_per_token``), ``k + m`` shards per block, ``P`` the peak resident blocks

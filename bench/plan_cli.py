@@ -1,5 +1,7 @@
 """``kvstore plan``: what a TTL x capacity setting costs in SSDs, nodes and bandwidth.
 
+This shell lives in bench/, the top layer, because ``--model`` reads the engine's models.
+
 ::
 
     kvstore plan --sim out/sim.json --bytes-per-token 890 --json out/plan.json      # minimal
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -167,22 +168,14 @@ def _bytes_per_token(args: argparse.Namespace, records: list[dict[str, Any]]) ->
 
 
 def model_kv_bytes_per_token(spec: str, dtype: str) -> float:
-    """KV bytes per token of a model the engine loads, from its config.
-
-    The engine is a higher layer than kvstore, so it is reached by name here, as the command
-    table reaches every command; it needs the engine extra (torch)."""
+    """KV bytes per token of a model the engine loads (needs the engine extra: torch)."""
     try:
-        weights = importlib.import_module("engine_adapter.weights")
-        loader = importlib.import_module("engine_adapter.loader")
+        from engine_adapter.loader import kv_bytes_per_token
     except ModuleNotFoundError as exc:
         raise ValueError(
             f"--model needs the engine extra ({exc.name} is missing): pip install 'kvstore[engine]'"
         ) from None
-    if spec.startswith("random:"):  # the preset's shape, without allocating its weights
-        config = weights.random_config(spec.removeprefix("random:"))
-    else:
-        config = loader.load_model(spec, "cpu", dtype).model.config
-    return float(config.kv_bytes_per_token(dtype))
+    return kv_bytes_per_token(spec, dtype)
 
 
 def tier_from_args(args: argparse.Namespace) -> TierConfig:
