@@ -61,9 +61,15 @@ bench-swapin: install
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
-# Regenerate the checked-in gRPC stubs after editing kvstore/proto/kvstore.proto.
+# Regenerate the checked-in gRPC stubs after editing kvstore/proto/kvstore.proto or
+# engine_adapter/serving/serving.proto.
 proto: install
 	$(PY) -m grpc_tools.protoc -Ikvstore/proto --python_out=kvstore/proto \
 		--grpc_python_out=kvstore/proto --pyi_out=kvstore/proto kvstore/proto/kvstore.proto
 	sed -i 's/^import kvstore_pb2 as/from kvstore.proto import kvstore_pb2 as/' \
 		kvstore/proto/kvstore_pb2_grpc.py
+	$(PY) -m grpc_tools.protoc -Iengine_adapter/serving --python_out=engine_adapter/serving \
+		--grpc_python_out=engine_adapter/serving --pyi_out=engine_adapter/serving \
+		engine_adapter/serving/serving.proto
+	sed -i 's/^import serving_pb2 as/from engine_adapter.serving import serving_pb2 as/' \
+		engine_adapter/serving/serving_pb2_grpc.py

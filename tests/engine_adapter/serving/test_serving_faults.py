@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from engine_adapter import serving_pb2 as pb
-from engine_adapter.router import Router, ServingClient
-from engine_adapter.serve import WorkerPool
+from engine_adapter.serving import serving_pb2 as pb
+from engine_adapter.serving.router import Router, ServingClient
+from engine_adapter.serving.serve import WorkerPool
 from kvstore.errors import Unavailable
-from tests.serving.conftest import BLOCK_TOKENS, MODEL, is_gone, reference_generate
+from tests.engine_adapter.serving.conftest import BLOCK_TOKENS, MODEL, is_gone, reference_generate
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]

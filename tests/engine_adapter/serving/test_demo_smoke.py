@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from engine_adapter import weights
-from engine_adapter.demo import WORKLOAD
+from engine_adapter.serving.demo import WORKLOAD
 from kvstore.errors import InvalidArgument
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(400)]

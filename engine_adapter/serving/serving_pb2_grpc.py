@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from engine_adapter import serving_pb2 as serving__pb2
+from engine_adapter.serving import serving_pb2 as serving__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import grpc
 
-from engine_adapter import serving_pb2_grpc as pb_grpc
 from engine_adapter.config import add_store_transport_argument
-from engine_adapter.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
+from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
 from kvstore.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class WorkerPool:
         """Start one worker in its own session, logging to ``run_dir/logs/<id>.log``."""
         ready_file = self.run_dir / f"{worker_id}.ready.json"
         ready_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "engine_adapter.workers", role, "--id", worker_id]
+        command = [sys.executable, "-m", "engine_adapter.serving.workers", role, "--id", worker_id]
         command += ["--cluster", str(self.cluster_toml), "--model", self.model]
         command += ["--port", str(port), "--ready-file", str(ready_file)]
         command += ["--parent-pid", str(os.getpid()), *self.worker_args, *extra_args]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapter.demo import Row, summarize
-from engine_adapter.router import WorkerEndpoint, WorkerSet, _check_replay, make_request
+from engine_adapter.serving.demo import Row, summarize
+from engine_adapter.serving.router import WorkerEndpoint, WorkerSet, _check_replay, make_request
 from kvstore.errors import InvalidArgument, Unavailable
 
 

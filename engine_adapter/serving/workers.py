@@ -2,7 +2,7 @@
 
 ::
 
-    python -m engine_adapter.workers prefill|decode --cluster DIR/cluster.toml --id p0
+    python -m engine_adapter.serving.workers prefill|decode --cluster DIR/cluster.toml --id p0
         [--model default] [--port 0] [--ready-file PATH] [--parent-pid PID]
         [--store-transport grpc|auto|ucx]
 
@@ -46,13 +46,13 @@ from typing import TypeVar
 import grpc
 import torch
 
-from engine_adapter import serving_pb2 as pb
-from engine_adapter import serving_pb2_grpc as pb_grpc
 from engine_adapter.config import EngineConfig, add_store_transport_argument
 from engine_adapter.connector import FetchOutcome
 from engine_adapter.engine import Engine, PrefillResult, Sampler
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
-from engine_adapter.router import CHANNEL_OPTIONS
+from engine_adapter.serving import serving_pb2 as pb
+from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving.router import CHANNEL_OPTIONS
 from kvstore.config import load_cluster
 from kvstore.errors import ERRORS, InvalidArgument
 from kvstore.grpc_errors import to_grpc_status
@@ -547,7 +547,7 @@ def _write_ready(path: Path, worker: WorkerBase, address: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engine_adapter.workers", description=__doc__.split("\n")[0]
+        prog="python -m engine_adapter.serving.workers", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--log-level", default="INFO")
     configure(parser)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter.serve import WorkerPool
+from engine_adapter.serving.serve import WorkerPool
 
 if TYPE_CHECKING:  # torch is imported only by the tests that need it
     from engine_adapter.engine import Engine

@@ -12,10 +12,10 @@ import random
 import pytest
 
 from client import KVClient
-from engine_adapter.router import Router
-from engine_adapter.serve import WorkerPool
+from engine_adapter.serving.router import Router
+from engine_adapter.serving.serve import WorkerPool
 from kvstore.errors import DeadlineExceeded, InvalidArgument
-from tests.serving.conftest import BLOCK_TOKENS, reference_generate
+from tests.engine_adapter.serving.conftest import BLOCK_TOKENS, reference_generate
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]

@@ -34,8 +34,8 @@ from typing import Any
 
 import grpc
 
-from engine_adapter import serving_pb2 as pb
-from engine_adapter import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving import serving_pb2 as pb
+from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
 
