@@ -43,6 +43,14 @@ log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
 
 
+def block_key_salt(tenant: str, cache_salt: str = "") -> str:
+    """The salt of a request's block keys: its tenant, narrowed by its ``cache_salt``.
+
+    Requests share cached KV only when both are equal; the store still checks the tenant.
+    """
+    return f"{tenant}\0{cache_salt}" if cache_salt else tenant
+
+
 @dataclass
 class Sequence:
     """One prompt (and what is generated after it) holding KV blocks in the engine's pool."""
@@ -118,6 +126,7 @@ class Engine:
         use_cache: bool = True,
         write_back: bool | None = None,
         reserve_tokens: int = 0,
+        cache_salt: str = "",
     ) -> PrefillResult:
         """Prefill ``prompt_ids``; the caller owns the sequence (``release`` it when done).
 
@@ -125,12 +134,13 @@ class Engine:
         config's) says whether the new full blocks are stored afterwards; ``reserve_tokens``
         allocates KV blocks for that many more tokens now (decode, ``extend``), so that the
         sequence's blocks stay consecutive and attention reads them without a gather.
+        ``cache_salt`` narrows the tenant's block keys (:func:`block_key_salt`).
         """
         started = time.perf_counter()
         traffic_class = traffic_class or self.config.traffic_class
         seq = self._new_sequence(prompt_ids, tenant, traffic_class, reserve_tokens)
         store = self.connector if use_cache else None
-        keys = store.keys(prompt_ids, tenant) if store else []
+        keys = store.keys(prompt_ids, block_key_salt(tenant, cache_salt)) if store else []
         try:
             outcome, logits, first, compute_s = await self._swap_in_and_compute(seq, keys, store)
         except BaseException:
@@ -173,6 +183,7 @@ class Engine:
         max_new_tokens: int = 32,
         temperature: float = 0.0,
         top_k: int = 0,
+        top_p: float = 1.0,
         seed: int | None = None,
         tenant: str = DEFAULT_TENANT,
         traffic_class: str | None = None,
@@ -190,7 +201,7 @@ class Engine:
             use_cache=use_cache,
             reserve_tokens=max_new_tokens - 1,
         )
-        sampler = Sampler(temperature, top_k, self.config.seed if seed is None else seed)
+        sampler = Sampler(temperature, top_k, self.config.seed if seed is None else seed, top_p)
         started = time.perf_counter()
         try:
             token_ids, reason = await asyncio.to_thread(
@@ -344,14 +355,16 @@ class Engine:
 
 
 class Sampler:
-    """Greedy when ``temperature`` is 0, else seeded sampling (optionally top-k)."""
+    """Greedy when ``temperature`` is 0, else seeded sampling, optionally among the ``top_k``
+    most likely tokens and within the smallest set of probability mass ``top_p``."""
 
-    def __init__(self, temperature: float, top_k: int, seed: int) -> None:
-        if temperature < 0 or top_k < 0:
+    def __init__(self, temperature: float, top_k: int, seed: int, top_p: float = 1.0) -> None:
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
             raise InvalidArgument(
-                f"need temperature >= 0 and top_k >= 0, got {temperature}, {top_k}"
+                "need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
+                f"{temperature}, {top_k}, {top_p}"
             )
-        self.temperature, self.top_k = temperature, top_k
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = torch.Generator().manual_seed(seed)  # CPU: same draws on any device
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -361,5 +374,15 @@ class Sampler:
         if self.top_k:
             threshold = torch.topk(scaled, min(self.top_k, scaled.numel())).values[-1]
             scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(scaled, dim=-1)  # [vocab]
+        if self.top_p < 1:
+            probs = _nucleus(probs, self.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` [vocab] with every token outside the smallest top-``top_p`` set zeroed."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [vocab]
+    sorted_probs[mass_before >= top_p] = 0.0  # the most likely token always stays
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)

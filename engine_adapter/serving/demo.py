@@ -157,7 +157,7 @@ async def replay(router: Router, steps: Sequence[Step], max_new_tokens: int) -> 
         conversation.messages.append(step.message)
         messages = [{"role": "system", "content": system}, *conversation.messages]
         completion = await router.generate(
-            messages,
+            messages=messages,
             tenant=step.tenant,
             traffic_class=step.traffic_class,
             max_new_tokens=max_new_tokens,
@@ -172,7 +172,7 @@ async def warm_up(router: Router) -> None:
     full-block forward, the first write-back) stay out of the TTFTs shown."""
     message = {"role": "user", "content": " ".join(["warm-up"] * 60)}
     for _ in router.prefill.workers:
-        await router.generate([message], tenant="warmup", max_new_tokens=2)
+        await router.generate(messages=[message], tenant="warmup", max_new_tokens=2)
 
 
 def _row(index: int, step: Step, completion: Completion) -> Row:
@@ -340,7 +340,11 @@ def _run_workload(
 async def _replay_live(console: Console, pool: WorkerPool, max_new_tokens: int) -> list[Row]:
     cancel_on_signals()
     rows: list[Row] = []
-    async with Router(pool.addresses("prefill"), pool.addresses("decode")) as router:
+    # Least-loaded rotates between idle workers, so prefixes one worker wrote are hit by the
+    # other: what the demo is about. (`balanced` would send these one-at-a-time requests to
+    # whichever worker its cost model finds faster.)
+    addresses = pool.addresses("prefill"), pool.addresses("decode")
+    async with Router(*addresses, policy="least-loaded") as router:
         await warm_up(router)
         # Off a terminal the live table shows only at the end: progress lines say how far.
         with (

@@ -1,24 +1,31 @@
-"""The router: sends each request to any prefill worker, then to a decode worker.
+"""The router: sends each request to a prefill worker, then to a decode worker.
 
 No prefix affinity: the store is shared, so whichever prefill worker gets a request finds
-the prefix another worker wrote. Workers are picked least-loaded (fewest requests this
-router has in flight on them, ties broken round-robin) or plain round-robin. The Python
-request interface, in-process or against a running ``kvstore serve``::
+the prefix another worker wrote. Prefill workers are picked by the length-aware balancer
+(``balanced``, the default: the worker that finishes the request soonest by its fitted cost
+model, see ``balancer.py``), by fewest requests in flight (``least-loaded``) or in turn
+(``round-robin``); decode workers by fewest requests in flight. The Python interface,
+in-process or against a running ``kvstore serve``::
 
     async with Router(prefill_addresses, decode_addresses) as router:        # in-process
-        completion = await router.generate(messages, tenant="acme", traffic_class="chat",
-                                           max_new_tokens=16, seed=0)
-    async with ServingClient("127.0.0.1:8700") as client:                   # remote
-        async for event in client.stream(messages, tenant="acme"): ...      # GenerateEvent
+        completion = await router.generate(Request(messages, tenant="acme", max_new_tokens=16))
+        completion = await router.generate(token_ids=[...], tenant="acme")   # same fields
+    async with ServingClient("127.0.0.1:8701") as client:                   # remote (gRPC)
+        async for event in client.stream(messages=messages): ...            # GenerateEvent
 
 Failure handling, with a deadline on every RPC: a prefill attempt that fails with
-UNAVAILABLE (the worker died or is unreachable) or passes its attempt deadline marks that
-worker down and is retried on another one; prefill is idempotent (blocks are content
-addressed), so a retry is safe. A decode stream that breaks mid-request is restarted on
-another decode worker from the same handoff; decoding is deterministic (greedy or seeded), so
-the tokens already streamed are checked and skipped. With no healthy worker left, the request
-fails with ``Unavailable`` naming the workers tried. A background probe brings a worker back
-once its Health RPC answers again.
+UNAVAILABLE (the worker died, is unreachable or is draining) or passes its attempt deadline
+marks that worker down and is retried on another one; prefill is idempotent (blocks are
+content addressed), so a retry is safe. A decode stream that breaks mid-request is restarted
+on another decode worker from the same handoff; decoding is deterministic (greedy or
+seeded), so the tokens already streamed are checked and skipped. A draining decode worker
+hands its requests back as ``migrate`` events (their KV in the store, the tail inline), and
+the router continues each on another decode worker. With no healthy worker left, the
+request fails with ``Unavailable`` naming the workers tried. A background probe brings a
+worker back once its Health RPC answers again.
+
+Stop strings are matched here, on the text the workers stream (``request.StopMatcher``):
+the decode stream is cancelled at the first one and the text ends before it.
 """
 
 from __future__ import annotations
@@ -27,8 +34,7 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +42,10 @@ import grpc
 
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving.balancer import BalancerConfig, PrefillBalancer, PrefillSample
+from engine_adapter.serving.metrics import RouterMetrics
+from engine_adapter.serving.request import ContextTooLong, QueueFull, Request, StopMatcher
+from engine_adapter.tokenizer import ChatTokenizer
 from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
 
@@ -53,12 +63,11 @@ PREFILL_ATTEMPT_TIMEOUT_S = 60.0  # one prefill attempt (a hung worker is given 
 TOKEN_TIMEOUT_S = 30.0  # longest silence on a decode stream before the worker counts as hung
 HEALTH_TIMEOUT_S = 2.0
 PROBE_INTERVAL_S = 1.0
-POLICIES = ("least-loaded", "round-robin")
+POLICIES = ("balanced", "least-loaded", "round-robin")
+CHARS_PER_TOKEN_ESTIMATE = 4  # length of a conversation the router cannot tokenize
 
-# Failures that say "this worker is gone or hung", not "this request is bad".
+# Failures that say "this worker is gone, hung or draining", not "this request is bad".
 _WORKER_FAULT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-Message = Mapping[str, str]
 
 
 @dataclass
@@ -80,56 +89,7 @@ class Completion:
     num_prefill_attempts: int
     num_swapped_tokens: int  # prompt KV the decode worker read from the store
     num_recomputed_tokens: int  # prompt KV the decode worker computed (blocks unreadable)
-
-
-def make_request(
-    messages: Sequence[Message] | None = None,
-    *,
-    token_ids: Sequence[int] | None = None,
-    tenant: str = "default",
-    traffic_class: str = "chat",
-    max_new_tokens: int = 16,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    timeout_s: float = 0.0,
-    request_id: str = "",
-) -> pb.GenerateRequest:
-    """A GenerateRequest for a conversation (``messages``) or a prompt's ``token_ids``."""
-    if (messages is None) == (token_ids is None):
-        raise InvalidArgument("pass either messages=[{'role':..., 'content':...}] or token_ids")
-    request = pb.GenerateRequest(
-        request_id=request_id or uuid.uuid4().hex[:12],
-        tenant=tenant,
-        traffic_class=traffic_class,
-        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
-        token_ids=list(token_ids or ()),
-        sampling=pb.SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        ),
-        timeout_s=timeout_s,
-    )
-    check_request(request)
-    return request
-
-
-def check_request(request: pb.GenerateRequest) -> None:
-    """InvalidArgument for a request no worker could serve (checked before routing it)."""
-    sampling = request.sampling
-    if bool(request.messages) == bool(request.token_ids):
-        raise InvalidArgument("a request needs a non-empty conversation or prompt token ids")
-    if not request.tenant or not request.traffic_class:
-        raise InvalidArgument("a request needs a tenant and a traffic class, e.g. acme / chat")
-    if sampling.max_new_tokens < 1 or sampling.temperature < 0:
-        raise InvalidArgument(
-            f"need max_new_tokens >= 1 and temperature >= 0; got "
-            f"{sampling.max_new_tokens}, {sampling.temperature}"
-        )
+    num_migrations: int = 0  # times a draining decode worker handed the request on
 
 
 async def collect(request_id: str, events: AsyncIterator[pb.GenerateEvent]) -> Completion:
@@ -172,6 +132,7 @@ def _completion(
         num_prefill_attempts=stats.num_attempts,
         num_swapped_tokens=finish.num_swapped_tokens,
         num_recomputed_tokens=finish.num_recomputed_tokens,
+        num_migrations=finish.num_migrations,
     )
 
 
@@ -186,7 +147,9 @@ class WorkerEndpoint:
     worker_id: str = ""
     num_active: int = 0  # requests this router has in flight on the worker
     healthy: bool = True
+    draining: bool = False  # takes no new requests (its Health says so)
     last_error: str = ""
+    health: pb.HealthReply = field(default_factory=pb.HealthReply)
 
     @classmethod
     def open(cls, address: str, role: str) -> WorkerEndpoint:
@@ -209,7 +172,8 @@ class WorkerEndpoint:
             raise InvalidArgument(
                 f"{self.address} is a {reply.role} worker, configured as a {self.role} worker"
             )
-        self.worker_id, self.healthy = reply.worker_id, True
+        self.worker_id, self.healthy, self.draining = reply.worker_id, True, reply.draining
+        self.health = reply
         return reply
 
 
@@ -223,7 +187,7 @@ class WorkerSet:
 
     def pick(self, exclude: set[str]) -> WorkerEndpoint | None:
         """A healthy worker not in ``exclude`` (by address); None if there is none."""
-        candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
+        candidates = self.candidates(exclude)
         if not candidates:
             return None
         turn = next(self._turn)
@@ -231,6 +195,12 @@ class WorkerSet:
         if self.policy == "round-robin":
             return rotated[0]
         return min(rotated, key=lambda w: w.num_active)  # min keeps the first of equals
+
+    def candidates(self, exclude: set[str]) -> list[WorkerEndpoint]:
+        """Healthy workers that take new requests, not in ``exclude`` (by address)."""
+        return [
+            w for w in self.workers if w.healthy and not w.draining and w.address not in exclude
+        ]
 
     def describe(self, addresses: set[str]) -> str:
         return "; ".join(
@@ -251,45 +221,29 @@ class RequestAPI:
     def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
         raise NotImplementedError
 
-    async def generate(
-        self,
-        messages: Sequence[Message] | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        tenant: str = "default",
-        traffic_class: str = "chat",
-        max_new_tokens: int = 16,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        seed: int = 0,
-        ignore_eos: bool = False,
-        timeout_s: float = 0.0,
-        request_id: str = "",
-    ) -> Completion:
-        """Run one request to completion (arguments as :func:`make_request`)."""
-        request = make_request(
-            messages,
-            token_ids=token_ids,
-            tenant=tenant,
-            traffic_class=traffic_class,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            ignore_eos=ignore_eos,
-            timeout_s=timeout_s,
-            request_id=request_id,
-        )
-        return await collect(request.request_id, self.stream_request(request))
+    async def generate(self, request: Request | None = None, /, **fields: Any) -> Completion:
+        """Run one request to completion: a :class:`Request`, or its fields as keywords."""
+        request = request or Request(**fields)
+        return await collect(request.request_id, self.stream_request(request.to_proto()))
 
     def stream(
-        self, messages: Sequence[Message] | None = None, **kwargs: Any
+        self, request: Request | None = None, /, **fields: Any
     ) -> AsyncIterator[pb.GenerateEvent]:
-        """Events of one request: ``prefill`` stats, a ``token`` per token, then ``finish``.
+        """Events of one request: ``prefill`` stats, a ``token`` per token, then ``finish``."""
+        return self.stream_request((request or Request(**fields)).to_proto())
 
-        Keyword arguments as :meth:`generate`.
-        """
-        return self.stream_request(make_request(messages, **kwargs))
+
+@dataclass
+class _Flight:
+    """One request inside the router: what it is, and when its tokens came."""
+
+    request: Request
+    proto: pb.GenerateRequest
+    arrived_s: float
+    deadline_s: float
+    num_prompt_tokens: int
+    last_token_s: float = 0.0
+    num_migrations: int = 0
 
 
 class Router(RequestAPI):
@@ -300,21 +254,33 @@ class Router(RequestAPI):
         prefill_addresses: Sequence[str],
         decode_addresses: Sequence[str],
         *,
-        policy: str = "least-loaded",
+        policy: str = "balanced",
+        balancer: BalancerConfig | None = None,
+        tokenizer: ChatTokenizer | None = None,
+        metrics: RouterMetrics | None = None,
+        max_waiting_requests: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         prefill_attempt_timeout_s: float = PREFILL_ATTEMPT_TIMEOUT_S,
         token_timeout_s: float = TOKEN_TIMEOUT_S,
     ) -> None:
+        """``tokenizer`` lets the router apply the chat template itself (then it knows every
+        prompt's length, for the balancer and the length check); ``max_waiting_requests``
+        (0: no limit) is how many requests may wait for their first token before new ones
+        get ``QueueFull``."""
         if not prefill_addresses or not decode_addresses:
             raise InvalidArgument("a router needs at least one prefill and one decode worker")
         if policy not in POLICIES:
             raise InvalidArgument(f"routing policy {policy!r}: choose one of {POLICIES}")
-        self.prefill = WorkerSet(
-            [WorkerEndpoint.open(a, "prefill") for a in prefill_addresses], policy
-        )
-        self.decode = WorkerSet(
-            [WorkerEndpoint.open(a, "decode") for a in decode_addresses], policy
-        )
+        self.policy = policy
+        self.prefill = WorkerSet([WorkerEndpoint.open(a, "prefill") for a in prefill_addresses])
+        self.decode = WorkerSet([WorkerEndpoint.open(a, "decode") for a in decode_addresses])
+        if policy == "round-robin":
+            self.prefill.policy = policy
+        self.balancer = PrefillBalancer(balancer)
+        self.tokenizer = tokenizer
+        self.metrics = metrics or RouterMetrics()
+        self.max_waiting_requests = max_waiting_requests
+        self.num_waiting = self.num_running = 0
         self.timeout_s = timeout_s
         self.prefill_attempt_timeout_s = prefill_attempt_timeout_s
         self.token_timeout_s = token_timeout_s
@@ -323,6 +289,12 @@ class Router(RequestAPI):
     @property
     def endpoints(self) -> list[WorkerEndpoint]:
         return self.prefill.workers + self.decode.workers
+
+    @property
+    def max_model_len(self) -> int:
+        """The smallest ``max_model_len`` any worker reported (0 before ``start``)."""
+        lengths = [w.health.max_model_len for w in self.endpoints if w.health.max_model_len]
+        return min(lengths, default=0)
 
     async def start(self, timeout_s: float = 30.0) -> None:
         """Wait until every worker answers Health, then keep probing the ones that fail."""
@@ -335,12 +307,19 @@ class Router(RequestAPI):
                         f"within {timeout_s} s; is it running (see its log)?"
                     )
                 await asyncio.sleep(0.1)
+        for worker in self.prefill.workers:
+            health = worker.health
+            calibration = [
+                PrefillSample(n, 0, t)
+                for n, t in zip(health.calibration_tokens, health.calibration_s, strict=True)
+            ]
+            self.balancer.add_worker(worker.address, calibration)
         self._probe_task = asyncio.create_task(self._probe_down_workers())
 
     async def _probe_down_workers(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            down = [w for w in self.endpoints if not w.healthy]
+            down = [w for w in self.endpoints if not w.healthy or w.draining]
             if down:
                 await asyncio.gather(*(w.probe() for w in down), return_exceptions=True)
 
@@ -357,45 +336,143 @@ class Router(RequestAPI):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
-        """Run ``request`` through a prefill worker, then a decode worker, streaming events."""
-        check_request(request)
-        deadline_s = time.monotonic() + (request.timeout_s or self.timeout_s)
+    async def drain(self, worker_id: str, grace_s: float) -> int:
+        """Drain decode worker ``worker_id``: no new requests; after ``grace_s`` its requests
+        move to other decode workers with their KV. Returns the requests it held."""
+        worker = next((w for w in self.decode.workers if w.worker_id == worker_id), None)
+        if worker is None:
+            known = [w.worker_id for w in self.decode.workers]
+            raise InvalidArgument(f"no decode worker {worker_id!r}; decode workers: {known}")
+        worker.draining = True
+        reply = await worker.stub.Drain(pb.DrainRequest(grace_s=grace_s), timeout=HEALTH_TIMEOUT_S)
+        return reply.num_active
+
+    async def stream_request(self, proto: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
+        """Run one request through a prefill worker, then a decode worker, streaming events."""
+        flight = self._admit(Request.from_proto(proto))
+        self.num_waiting += 1
+        self._update_gauges()
+        waiting = True
+        try:
+            matcher = StopMatcher(flight.request.stop)
+            async for event in self._prefill_then_decode(flight):
+                kind = event.WhichOneof("event")
+                if kind == "token":
+                    if waiting:
+                        waiting = False
+                        self.num_waiting, self.num_running = (
+                            self.num_waiting - 1,
+                            self.num_running + 1,
+                        )
+                        self._update_gauges()
+                    self._observe_token(flight)
+                    event.token.text = matcher.feed(event.token.text)
+                    yield event
+                    if matcher.stopped:
+                        yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
+                        return
+                elif kind == "finish":
+                    yield self._finish(flight, event.finish, matcher)
+                    return
+                else:
+                    yield event
+        finally:
+            if waiting:
+                self.num_waiting -= 1
+            else:
+                self.num_running -= 1
+            self._update_gauges()
+
+    def _admit(self, request: Request) -> _Flight:
+        """Tokenize (when the router can), check the length and the queue; the flight."""
+        now_s = time.monotonic()
+        proto = request.to_proto()
+        if request.messages and self.tokenizer is not None:
+            proto.token_ids[:] = self.tokenizer.apply_chat_template(list(request.messages))
+            del proto.messages[:]
+        if proto.token_ids:
+            num_prompt_tokens = len(proto.token_ids)
+        else:  # the workers tokenize: estimate, for the balancer only
+            chars = sum(len(m["content"]) for m in request.messages or ())
+            num_prompt_tokens = chars // CHARS_PER_TOKEN_ESTIMATE + 1
+        max_model_len = self.max_model_len
+        if proto.token_ids and max_model_len:
+            total = num_prompt_tokens + request.max_new_tokens - 1
+            if total > max_model_len:
+                raise ContextTooLong(
+                    f"{num_prompt_tokens} prompt tokens + max_tokens {request.max_new_tokens} "
+                    f"exceed the model's context of {max_model_len} tokens; shorten the prompt "
+                    "or lower max_tokens"
+                )
+        if self.max_waiting_requests and self.num_waiting >= self.max_waiting_requests:
+            raise QueueFull(
+                f"{self.num_waiting} requests are waiting for a prefill worker (the limit is "
+                f"{self.max_waiting_requests}); retry later"
+            )
+        deadline_s = now_s + (request.timeout_s or self.timeout_s)
+        return _Flight(request, proto, now_s, deadline_s, num_prompt_tokens)
+
+    def _observe_token(self, flight: _Flight) -> None:
+        now_s = time.monotonic()
+        if flight.last_token_s:
+            self.metrics.itl.observe(now_s - flight.last_token_s)
+        else:
+            self.metrics.ttft.observe(now_s - flight.arrived_s)
+        flight.last_token_s = now_s
+        self.metrics.generation_tokens.inc()
+
+    def _finish(self, flight: _Flight, finish: pb.Finish, matcher: StopMatcher) -> pb.GenerateEvent:
+        """The last event: the text as matched (no stop string), the request's counters."""
+        if flight.request.stop:
+            matcher.flush()
+            finish.text = matcher.text
+        finish.num_migrations = flight.num_migrations
+        self.metrics.e2e.observe(time.monotonic() - flight.arrived_s)
+        self.metrics.success.labels(finish.finish_reason).inc()
+        return pb.GenerateEvent(finish=finish)
+
+    def _update_gauges(self) -> None:
+        self.metrics.waiting.set(self.num_waiting)
+        self.metrics.running.set(self.num_running)
+
+    async def _prefill_then_decode(self, flight: _Flight) -> AsyncIterator[pb.GenerateEvent]:
+        proto = flight.proto
         prefill_request = pb.PrefillRequest(
-            request_id=request.request_id,
-            tenant=request.tenant,
-            traffic_class=request.traffic_class,
-            messages=request.messages,
-            token_ids=request.token_ids,
-            sampling=request.sampling,
+            request_id=proto.request_id,
+            tenant=proto.tenant,
+            traffic_class=proto.traffic_class,
+            messages=proto.messages,
+            token_ids=proto.token_ids,
+            sampling=proto.sampling,
+            cache_salt=proto.cache_salt,
         )
         handoff = pb.Handoff()
-        async for event in self._prefill(prefill_request, deadline_s):
+        async for event in self._prefill(prefill_request, flight):
             if isinstance(event, pb.Handoff):
                 handoff = event
             else:
                 yield event
-        decode_request = pb.DecodeRequest(handoff=handoff, sampling=request.sampling)
-        async for event in self._decode(decode_request, deadline_s):
+        async for event in self._decode(handoff, proto.sampling, flight):
             yield event
 
     async def _prefill(
-        self, request: pb.PrefillRequest, deadline_s: float
+        self, request: pb.PrefillRequest, flight: _Flight
     ) -> AsyncIterator[pb.GenerateEvent | pb.Handoff]:
         """GenerateEvents for the first token, then the Handoff; retried on worker faults."""
         tried: set[str] = set()
         first_token_id: int | None = None
         while True:
-            worker = self._pick(self.prefill, tried, request.request_id)
+            worker = self._pick_prefill(flight, tried)
             tried.add(worker.address)
             try:
-                async for event in self._prefill_attempt(worker, request, deadline_s):
+                async for event in self._prefill_attempt(worker, request, flight):
                     if isinstance(event, pb.Handoff):
                         yield event
                         return
                     if first_token_id is None:
                         first_token_id = event.first_token_id
                         event.stats.num_attempts = len(tried)
+                        self._observe_prefill(event.stats)
                         yield pb.GenerateEvent(prefill=event.stats)
                         token = pb.TokenDelta(token_id=event.first_token_id, text=event.text)
                         yield pb.GenerateEvent(token=token)
@@ -406,47 +483,104 @@ class Router(RequestAPI):
                             f"{first_token_id}; workers disagree (different models or seeds?)"
                         )
             except _WorkerFault as exc:
-                _remaining_s(deadline_s, request.request_id)  # the request's own deadline?
+                _remaining_s(flight.deadline_s, request.request_id)  # the request's own deadline?
                 worker.mark_down(str(exc))
                 log.warning("request %s: retrying prefill: %s", request.request_id, exc)
 
+    def _observe_prefill(self, stats: pb.PrefillStats) -> None:
+        self.metrics.prefilled(
+            stats.num_computed_tokens, stats.num_cached_tokens, stats.fetch_bytes, stats.fallback
+        )
+
+    def _pick_prefill(self, flight: _Flight, tried: set[str]) -> WorkerEndpoint:
+        """The prefill worker for this attempt, by the router's policy."""
+        request_id, num_tokens = flight.proto.request_id, flight.num_prompt_tokens
+        if self.policy != "balanced":
+            worker = self._pick(self.prefill, tried, request_id)
+        else:
+            candidates = self.prefill.candidates(tried)
+            if not candidates:
+                worker = self._pick(self.prefill, tried, request_id)  # raises Unavailable
+            by_address = {w.address: w for w in candidates}
+            address = self.balancer.assign(
+                request_id, num_tokens, time.monotonic(), list(by_address)
+            )
+            worker = by_address[address]
+        bucket = self.balancer.config.bucket_names()[self.balancer.config.bucket_of(num_tokens)]
+        self.metrics.prefill_requests.labels(bucket, worker.worker_id).inc()
+        return worker
+
     async def _prefill_attempt(
-        self, worker: WorkerEndpoint, request: pb.PrefillRequest, deadline_s: float
+        self, worker: WorkerEndpoint, request: pb.PrefillRequest, flight: _Flight
     ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
         timeout_s = min(
-            _remaining_s(deadline_s, request.request_id), self.prefill_attempt_timeout_s
+            _remaining_s(flight.deadline_s, request.request_id), self.prefill_attempt_timeout_s
         )
+        balanced = self.policy == "balanced"
         worker.num_active += 1
+        sample = None
         try:
             call = worker.stub.Prefill(request, timeout=timeout_s)
             async for event in _read_events(call, worker, timeout_s):
-                yield getattr(event, event.WhichOneof("event"))
+                event = getattr(event, event.WhichOneof("event"))
+                if balanced and isinstance(event, pb.PrefillFirst):
+                    stats = event.stats
+                    self.balancer.update(
+                        worker.address,
+                        request.request_id,
+                        stats.num_computed_tokens,
+                        stats.num_cached_tokens,
+                    )
+                    sample = self._sample(worker, request.request_id, stats)
+                yield event
         finally:
             worker.num_active -= 1
+            if balanced:
+                self.balancer.finish(worker.address, request.request_id, time.monotonic(), sample)
+
+    def _sample(
+        self, worker: WorkerEndpoint, request_id: str, stats: pb.PrefillStats
+    ) -> PrefillSample | None:
+        """What this prefill occupied the worker for, by the router's account: from when it
+        reached the head of the worker's queue until now (None if it was not the head)."""
+        if not self.balancer.is_head(worker.address, request_id):
+            return None
+        seconds = time.monotonic() - self.balancer.head_started_s(worker.address)
+        return PrefillSample(stats.num_computed_tokens, stats.num_cached_tokens, seconds)
 
     async def _decode(
-        self, request: pb.DecodeRequest, deadline_s: float
+        self, handoff: pb.Handoff, sampling: pb.SamplingParams, flight: _Flight
     ) -> AsyncIterator[pb.GenerateEvent]:
-        """Token events then the finish event; restarted on another worker on a fault."""
+        """Token events then the finish event; restarted on another worker on a fault, and
+        continued on another one when a draining worker hands the request back."""
         tried: set[str] = set()
-        streamed: list[int] = []  # token ids already sent to the caller
+        streamed: list[int] = []  # token ids sent to the caller after the first one
+        request_id = handoff.request_id
         while True:
-            worker = self._pick(self.decode, tried, request.handoff.request_id)
+            worker = self._pick(self.decode, tried, request_id)
             tried.add(worker.address)
-            position = 0
+            position = _num_decoded(handoff)
+            request = pb.DecodeRequest(handoff=handoff, sampling=sampling)
             try:
-                async for event in self._decode_attempt(worker, request, deadline_s):
-                    if event.WhichOneof("event") == "finish":
+                async for event in self._decode_attempt(worker, request, flight.deadline_s):
+                    kind = event.WhichOneof("event")
+                    if kind == "finish":
                         yield pb.GenerateEvent(finish=event.finish)
                         return
+                    if kind == "migrate":
+                        handoff, tried = event.migrate, {worker.address}
+                        flight.num_migrations += 1
+                        self.metrics.migrations.inc()
+                        log.info("request %s: moves off draining %s", request_id, worker.worker_id)
+                        break
                     position = _check_replay(streamed, position, event.token.token_id, worker)
                     if position > len(streamed):
                         streamed.append(event.token.token_id)
                         yield pb.GenerateEvent(token=event.token)
             except _WorkerFault as exc:
-                _remaining_s(deadline_s, request.handoff.request_id)
+                _remaining_s(flight.deadline_s, request_id)
                 worker.mark_down(str(exc))
-                log.warning("request %s: restarting decode: %s", request.handoff.request_id, exc)
+                log.warning("request %s: restarting decode: %s", request_id, exc)
 
     async def _decode_attempt(
         self, worker: WorkerEndpoint, request: pb.DecodeRequest, deadline_s: float
@@ -469,6 +603,13 @@ class Router(RequestAPI):
                 f"(tried: {workers.describe(tried) or 'none'}); check the workers' logs"
             )
         return worker
+
+
+def _num_decoded(handoff: pb.Handoff) -> int:
+    """Tokens the decode stream already produced before this handoff (0 for a prefill's)."""
+    if not handoff.num_prompt_tokens:
+        return 0
+    return len(handoff.token_ids) - handoff.num_prompt_tokens
 
 
 def _remaining_s(deadline_s: float, request_id: str) -> float:
@@ -515,7 +656,7 @@ async def _read_events(
 
 
 class RouterService(pb_grpc.RouterServicer):
-    """The router's gRPC face (``kvstore serve --port``): Generate streams GenerateEvents."""
+    """The router's gRPC face (``kvstore serve --grpc-port``): Generate streams events."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -523,8 +664,6 @@ class RouterService(pb_grpc.RouterServicer):
     async def Generate(  # gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex[:12]
         try:
             async for event in self.router.stream_request(request):
                 yield event
@@ -534,12 +673,12 @@ class RouterService(pb_grpc.RouterServicer):
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthReply:
-        num_active = sum(w.num_active for w in self.router.prefill.workers)
+        num_active = self.router.num_waiting + self.router.num_running
         return pb.HealthReply(worker_id="router", role="router", num_active=num_active)
 
 
 class ServingClient(RequestAPI):
-    """Python client of a running router (``kvstore serve --port P``)."""
+    """Python client of a running router's gRPC face (``kvstore serve --grpc-port P``)."""
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.address = address

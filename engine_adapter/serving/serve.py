@@ -226,7 +226,7 @@ class WorkerPool:
         self.wait_ready()
 
     def restart_dead(self) -> list[str]:
-        """Start again, on the same port, every worker that exited after it served.
+        """Start again, on the same port, every worker that crashed after it served.
 
         A worker that dies before it serves is not restarted (it would likely die again);
         the router keeps routing around it.
@@ -234,7 +234,9 @@ class WorkerPool:
         for worker in self.workers.values():
             if not worker.address:
                 self._read_ready(worker)
-        dead = [w for w in self.workers.values() if w.address and not w.alive]
+        # Exit status 0 is a worker that drained and stopped on purpose (SIGTERM from
+        # outside, or `kvstore serve drain`): it stays stopped.
+        dead = [w for w in self.workers.values() if w.address and not w.alive and w.proc.returncode]
         for worker in dead:
             log.warning(
                 "%s worker %s exited with %s; restarting it on port %d",

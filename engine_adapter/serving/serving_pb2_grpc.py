@@ -279,6 +279,11 @@ class DecodeWorkerStub:
                 request_serializer=serving__pb2.HealthRequest.SerializeToString,
                 response_deserializer=serving__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvstore.serving.v1.DecodeWorker/Drain',
+                request_serializer=serving__pb2.DrainRequest.SerializeToString,
+                response_deserializer=serving__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -297,6 +302,14 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Take no new requests; after grace_s, hand every remaining request back to the router
+        as a `migrate` event whose Handoff points at KV in the store (the tail inline).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -309,6 +322,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=serving__pb2.HealthRequest.FromString,
                     response_serializer=serving__pb2.HealthReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=serving__pb2.DrainRequest.FromString,
+                    response_serializer=serving__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +383,33 @@ class DecodeWorker:
             '/kvstore.serving.v1.DecodeWorker/Health',
             serving__pb2.HealthRequest.SerializeToString,
             serving__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.serving.v1.DecodeWorker/Drain',
+            serving__pb2.DrainRequest.SerializeToString,
+            serving__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -41,20 +42,23 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
+from prometheus_client import start_http_server
 
 from engine_adapter.config import EngineConfig, add_store_transport_argument
 from engine_adapter.connector import FetchOutcome
-from engine_adapter.engine import Engine, PrefillResult, Sampler
+from engine_adapter.engine import Engine, PrefillResult, Sampler, block_key_salt
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving.balancer import PrefillCostModel, PrefillSample
+from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.router import CHANNEL_OPTIONS
 from kvstore.config import load_cluster
-from kvstore.errors import ERRORS, InvalidArgument
+from kvstore.errors import ERRORS, InvalidArgument, Unavailable
 from kvstore.grpc_errors import to_grpc_status
 from ttl.policy import TrafficClasses
 
@@ -64,6 +68,8 @@ T = TypeVar("T")
 ROLES = ("prefill", "decode")
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 2.0
+DEFAULT_DRAIN_GRACE_S = 60.0
+DEFAULT_CALIBRATION_TOKENS = (64, 256, 512)
 DECODE_MIN_FETCH_DEADLINE_S = 1.0
 
 
@@ -122,7 +128,7 @@ async def complete(
 
 def make_sampler(sampling: pb.SamplingParams, state: bytes = b"") -> Sampler:
     """The engine's sampler for ``sampling``, resumed from a handoff's RNG ``state``."""
-    sampler = Sampler(sampling.temperature, sampling.top_k, sampling.seed)
+    sampler = Sampler(sampling.temperature, sampling.top_k, sampling.seed, sampling.top_p or 1.0)
     if state:
         sampler.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
     return sampler
@@ -171,16 +177,35 @@ class WorkerBase:
     role = ""
 
     def __init__(
-        self, worker_id: str, engine: Engine, cluster_toml: Path, inject_delay_s: float = 0.0
+        self,
+        worker_id: str,
+        engine: Engine,
+        cluster_toml: Path,
+        inject_delay_s: float = 0.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.cluster_toml = cluster_toml
         # Test-only: a slow worker (per request, and per token when decoding), to kill mid-request.
         self.inject_delay_s = inject_delay_s
+        self.metrics = metrics or WorkerMetrics()
+        self.metrics_address = ""
+        self.calibration: list[PrefillSample] = []
         self.num_active = 0
         self.lock = asyncio.Lock()  # one request holds the engine's KV pool at a time
+        self.draining = asyncio.Event()  # set: no new requests
+        self.drain_requested = asyncio.Event()  # a Drain RPC came: exit once drained
         self._classes: TrafficClasses | None = None
+
+    def start_drain(self, grace_s: float) -> None:
+        """Take no new requests (requests queued for the engine leave at once)."""
+        self.draining.set()
+
+    async def drained(self) -> None:
+        """Wait until no request is left on this worker."""
+        while self.num_active:
+            await asyncio.sleep(0.05)
 
     async def Health(  # gRPC method name
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
@@ -191,6 +216,12 @@ class WorkerBase:
             model_fingerprint=self.engine.loaded.fingerprint,
             num_active=self.num_active,
             pid=os.getpid(),
+            draining=self.draining.is_set(),
+            max_model_len=self.engine.max_model_len,
+            calibration_tokens=[s.num_new_tokens for s in self.calibration],
+            calibration_s=[s.seconds for s in self.calibration],
+            prefill_chunk_tokens=self.engine.config.prefill_chunk_tokens,
+            metrics_address=self.metrics_address,
         )
 
     async def check_traffic_class(self, traffic_class: str) -> None:
@@ -218,18 +249,49 @@ class WorkerBase:
     @contextlib.asynccontextmanager
     async def serving(
         self, context: grpc.aio.ServicerContext, request_id: str
-    ) -> AsyncIterator[None]:
-        """Count the request, hold the engine, and turn kvstore errors into gRPC statuses."""
+    ) -> AsyncIterator[bool]:
+        """Count the request, hold the engine, and turn kvstore errors into gRPC statuses.
+
+        Yields True once the request holds the engine, or False (at once) if the worker
+        drains before that: the request has not started here and belongs elsewhere.
+        """
         self.num_active += 1
+        self.metrics.waiting.inc()
+        holds = False
         try:
-            async with self.lock:
+            holds = await self._acquire_unless_draining()
+            self.metrics.waiting.dec()
+            if holds:
+                self.metrics.running.inc()
                 await asyncio.sleep(self.inject_delay_s)
-                yield
+            yield holds
         except ERRORS as exc:
             log.warning("%s %s: request %s failed: %s", self.role, self.worker_id, request_id, exc)
             await context.abort(*to_grpc_status(exc))
         finally:
+            if holds:
+                self.lock.release()
+                self.metrics.running.dec()
             self.num_active -= 1
+
+    async def _acquire_unless_draining(self) -> bool:
+        """Wait for the engine's lock, or until the worker drains (False, lock not held)."""
+        if self.draining.is_set():
+            return False
+        acquire = asyncio.ensure_future(self.lock.acquire())
+        drain = asyncio.ensure_future(self.draining.wait())
+        try:
+            await asyncio.wait({acquire, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+            if not acquire.done():
+                acquire.cancel()
+                await asyncio.gather(acquire, return_exceptions=True)
+        got_lock = acquire.done() and not acquire.cancelled() and acquire.exception() is None
+        if got_lock and self.draining.is_set():
+            self.lock.release()
+            return False
+        return got_lock
 
 
 class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
@@ -241,16 +303,22 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillEvent]:
         start_s = time.perf_counter()
-        async with self.serving(context, request.request_id):
+        async with self.serving(context, request.request_id) as holds:
+            if not holds:
+                raise Unavailable(f"prefill worker {self.worker_id} is draining")
+            busy_start_s = time.perf_counter()
             await self.check_traffic_class(request.traffic_class)
             prompt_ids = self.prompt_ids(request)
             self.check_length(len(prompt_ids), request.sampling)
             prefill = self.engine.prefill(
-                prompt_ids, tenant=request.tenant, traffic_class=request.traffic_class
+                prompt_ids,
+                tenant=request.tenant,
+                traffic_class=request.traffic_class,
+                cache_salt=request.cache_salt,
             )
             result = await complete(prefill, lambda r: self.engine.release(r.sequence))
             try:
-                async for event in self._handoff(request, result, start_s):
+                async for event in self._handoff(request, result, start_s, busy_start_s):
                     yield event
             finally:
                 self.engine.release(result.sequence)
@@ -263,18 +331,28 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
         return self.engine.encode_prompt(list(request.token_ids))
 
     async def _handoff(
-        self, request: pb.PrefillRequest, result: PrefillResult, start_s: float
+        self, request: pb.PrefillRequest, result: PrefillResult, start_s: float, busy_start_s: float
     ) -> AsyncIterator[pb.PrefillEvent]:
         """The first token at once; the handoff once the new blocks are in the store."""
         sampler = make_sampler(request.sampling)
         first_token_id = sampler.sample(result.logits)
+        layout = self.engine.layout
+        fetch_bytes = result.num_cached_tokens // layout.block_tokens * layout.block_bytes
+        now_s = time.perf_counter()
         stats = pb.PrefillStats(
             worker_id=self.worker_id,
             num_prompt_tokens=result.num_prompt_tokens,
             num_cached_tokens=result.num_cached_tokens,
             num_computed_tokens=result.num_computed_tokens,
             num_matched_tokens=result.num_matched_tokens,
-            prefill_s=time.perf_counter() - start_s,
+            prefill_s=now_s - start_s,
+            busy_s=now_s - busy_start_s,
+            fetch_bytes=fetch_bytes,
+            fallback=result.fallback or "",
+        )
+        self.metrics.prefill_time.observe(result.ttft_s)
+        self.metrics.prefilled(
+            result.num_computed_tokens, result.num_cached_tokens, fetch_bytes, stats.fallback
         )
         text = self.text([first_token_id])
         yield pb.PrefillEvent(
@@ -300,6 +378,7 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
                 kv_dtype=self.engine.layout.dtype,
                 first_token_id=first_token_id,
                 sampler_state=sampler_state(sampler),
+                cache_salt=request.cache_salt,
             )
         )
 
@@ -309,13 +388,44 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
 
     role = "decode"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.migrate_now = asyncio.Event()  # set when a drain's grace is over
+        self._grace_timer: asyncio.TimerHandle | None = None
+
+    async def Drain(  # gRPC method name
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainReply:
+        num_active = self.num_active
+        self.start_drain(request.grace_s)
+        self.drain_requested.set()
+        return pb.DrainReply(num_active=num_active)
+
+    def start_drain(self, grace_s: float) -> None:
+        """Take no new requests; after ``grace_s`` hand the running one on (see ``Drain``).
+
+        Requests queued for the engine hand themselves back at once: they have not started.
+        """
+        if self.draining.is_set():
+            return
+        log.warning(
+            "decode %s: draining; requests still running in %.0f s move", self.worker_id, grace_s
+        )
+        self.draining.set()
+        loop = asyncio.get_running_loop()
+        self._grace_timer = loop.call_later(max(grace_s, 0.0), self.migrate_now.set)
+
     async def Decode(  # gRPC method name
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeEvent]:
         handoff, sampling = request.handoff, request.sampling
-        async with self.serving(context, handoff.request_id):
+        async with self.serving(context, handoff.request_id) as holds:
+            if not holds:  # draining before it started: it goes elsewhere as it came
+                yield pb.DecodeEvent(migrate=handoff)
+                return
             self._check_handoff(handoff)
-            num_tokens = self.check_length(len(handoff.token_ids), sampling)
+            num_prompt_tokens = handoff.num_prompt_tokens or len(handoff.token_ids)
+            num_tokens = self.check_length(num_prompt_tokens, sampling)
             table = BlockTable(self.engine.config.block_tokens)
             table.block_ids = self.engine.cache.pool.allocate(table.num_blocks_for(num_tokens))
             try:
@@ -342,18 +452,68 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
     async def _decode(
         self, handoff: pb.Handoff, sampling: pb.SamplingParams, table: BlockTable
     ) -> AsyncIterator[pb.DecodeEvent]:
-        generated = [handoff.first_token_id]
+        num_prompt_tokens = handoff.num_prompt_tokens or len(handoff.token_ids)
+        prompt_ids = list(handoff.token_ids[:num_prompt_tokens])
+        generated = [*handoff.token_ids[num_prompt_tokens:], handoff.first_token_id]
         finish = pb.Finish(decode_worker_id=self.worker_id)
         finish.finish_reason = self._stop_reason(generated, sampling)
         if not finish.finish_reason:
             await self._restore_prompt(handoff, table, finish)
             sampler = make_sampler(sampling, handoff.sampler_state)
-            prompt_ids = list(handoff.token_ids)
             async for token in self._generate(prompt_ids, generated, table, sampler, sampling):
                 yield pb.DecodeEvent(token=token)
             finish.finish_reason = self._stop_reason(generated, sampling)
+            if not finish.finish_reason:  # the grace is over: the request moves on
+                migrate = await self._migrate(handoff, prompt_ids, generated, table, sampler)
+                yield pb.DecodeEvent(migrate=migrate)
+                return
+        self.metrics.recomputed_tokens.inc(finish.num_recomputed_tokens)
         finish.text = self.text(generated)
         yield pb.DecodeEvent(finish=finish)
+
+    async def _migrate(
+        self,
+        handoff: pb.Handoff,
+        prompt_ids: list[int],
+        generated: list[int],
+        table: BlockTable,
+        sampler: Sampler,
+    ) -> pb.Handoff:
+        """The request's handoff to another decode worker, its KV put in the store first.
+
+        Every token but the last generated one has KV here: the new full blocks among them
+        go to the store (the prompt's are there already), the tail travels inline. A block
+        whose put fails is recomputed by the next worker, so the output stays the same.
+        """
+        connector = self.engine.connector
+        assert connector is not None, "a decode worker opens the store before serving"
+        token_ids = prompt_ids + generated[:-1]  # [num_tokens] with KV in this worker
+        salt = block_key_salt(handoff.tenant, handoff.cache_salt)
+        keys = connector.keys(token_ids, salt)
+        await complete(
+            connector.write_back(
+                keys, table, handoff.num_stored_blocks, handoff.tenant, handoff.traffic_class
+            )
+        )
+        await complete(connector.drain())
+        tail = await complete(asyncio.to_thread(tail_kv, self.engine.cache, table, len(token_ids)))
+        self.metrics.migrations.inc()
+        log.info(
+            "decode %s: request %s moves with %d tokens of KV",
+            self.worker_id,
+            handoff.request_id,
+            len(token_ids),
+        )
+        migrate = pb.Handoff()
+        migrate.CopyFrom(handoff)
+        migrate.token_ids[:] = token_ids
+        migrate.num_prompt_tokens = len(prompt_ids)
+        migrate.num_stored_blocks = len(keys)
+        migrate.tail_kv = tail
+        migrate.tail_tokens = len(token_ids) % self.engine.config.block_tokens
+        migrate.first_token_id = generated[-1]
+        migrate.sampler_state = sampler_state(sampler)
+        return migrate
 
     def _stop_reason(self, generated: list[int], sampling: pb.SamplingParams) -> str:
         """ "stop" after a stop token, "length" at max_new_tokens, else "" (go on)."""
@@ -375,7 +535,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
         connector = self.engine.connector
         assert connector is not None, "a decode worker opens the store before serving"
         token_ids = list(handoff.token_ids)
-        keys = connector.keys(token_ids, handoff.tenant)
+        keys = connector.keys(token_ids, block_key_salt(handoff.tenant, handoff.cache_salt))
         fetch = connector.fetch_prefix(keys, table, len(keys), handoff.tenant)
         outcome = await complete(fetch, connector.release)
         try:
@@ -422,14 +582,16 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
         sampler: Sampler,
         sampling: pb.SamplingParams,
     ) -> AsyncIterator[pb.TokenDelta]:
-        """Sample tokens after the first until a stop; ``generated`` grows in place."""
+        """Sample tokens after the first until a stop, or until a drain's grace is over;
+        ``generated`` grows in place."""
         text = self.text(generated)
-        while not self._stop_reason(generated, sampling):
+        while not self._stop_reason(generated, sampling) and not self.migrate_now.is_set():
             position = len(prompt_ids) + len(generated) - 1
             await asyncio.sleep(self.inject_delay_s)
             step = asyncio.to_thread(self._step, generated[-1], position, table)
             logits = await complete(step)
             generated.append(sampler.sample(logits))
+            self.metrics.generation_tokens.inc()
             text, delta = self._text_delta(generated, text)
             yield pb.TokenDelta(token_id=generated[-1], text=delta)
 
@@ -477,10 +639,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inject-delay-ms", type=float, default=0.0, help="tests: slow requests and tokens"
     )
+    add_worker_tuning_arguments(parser)
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port)"
+    )
+
+
+def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
+    """Worker flags that ``kvstore serve`` passes through to its workers."""
+    parser.add_argument(
+        "--calibration-tokens",
+        type=_token_counts,
+        default=DEFAULT_CALIBRATION_TOKENS,
+        help="prefill workers time cold prefills of these lengths at start-up, which seed "
+        "the router's cost model of them ('' for none; default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-step-budget-ms",
+        type=float,
+        default=0.0,
+        help="solve the prefill chunk size so that one chunk's step, even at the end of "
+        "--max-model-len, fits this many ms by the calibrated cost model (0: one block per "
+        "chunk, which keeps every cached block usable)",
+    )
+    parser.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=DEFAULT_DRAIN_GRACE_S,
+        help="on SIGTERM a decode worker takes no new requests and moves what still runs "
+        "after this many seconds to another decode worker (default %(default)s)",
+    )
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+async def calibrate(engine: Engine, lengths: Sequence[int], seed: int = 0) -> list[PrefillSample]:
+    """Time a cold prefill of each length (after one untimed warm-up); no store involved."""
+    lengths = [n for n in lengths if 0 < n < engine.max_model_len]
+    rng = torch.Generator().manual_seed(seed)
+    vocab_size = engine.model.config.vocab_size
+
+    async def timed(num_tokens: int) -> float:
+        prompt = torch.randint(vocab_size, (num_tokens,), generator=rng).tolist()
+        result = await engine.prefill(prompt, use_cache=False)
+        engine.release(result.sequence)
+        return result.ttft_s
+
+    if lengths:
+        await timed(min(lengths))
+    return [PrefillSample(n, 0, await timed(n)) for n in lengths]
 
 
 async def serve_worker(args: argparse.Namespace) -> None:
-    """Load the model, serve until SIGTERM/SIGINT or the parent's death."""
+    """Load the model, serve until SIGTERM/SIGINT, a finished drain or the parent's death."""
     torch.set_num_threads(args.threads)
     config = engine_config(
         args.role,
@@ -491,9 +704,28 @@ async def serve_worker(args: argparse.Namespace) -> None:
         args.store_transport,
     )
     engine = await asyncio.to_thread(Engine.load, args.model, config)
+    calibration: list[PrefillSample] = []
+    if args.role == "prefill":
+        calibration = await calibrate(engine, args.calibration_tokens)
+        if args.prefill_step_budget_ms > 0 and calibration:
+            model = PrefillCostModel(calibration)
+            chunk = model.chunk_tokens_for(
+                args.prefill_step_budget_ms / 1000, config.block_tokens, engine.max_model_len
+            )
+            engine.config = dataclasses.replace(engine.config, prefill_chunk_tokens=chunk)
+            log.info(
+                "prefill chunk of %d tokens fits the %.0f ms step budget",
+                chunk,
+                args.prefill_step_budget_ms,
+            )
     engine.open_store(args.cluster)
     worker_type = PrefillWorker if args.role == "prefill" else DecodeWorker
     worker = worker_type(args.id, engine, args.cluster, args.inject_delay_ms / 1000)
+    worker.calibration = calibration
+    metrics_server, _ = start_http_server(
+        args.metrics_port, addr="127.0.0.1", registry=worker.metrics.registry
+    )
+    worker.metrics_address = f"127.0.0.1:{metrics_server.server_port}"
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     add = (
         pb_grpc.add_PrefillWorkerServicer_to_server
@@ -503,19 +735,43 @@ async def serve_worker(args: argparse.Namespace) -> None:
     add(worker, server)
     port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
-    stop = _stop_on_signals()
-    watcher = asyncio.create_task(_watch_parent(args.parent_pid, stop)) if args.parent_pid else None
+    signalled = _event_on_signals()
+    parent_gone = asyncio.Event()
+    watcher = (
+        asyncio.create_task(_watch_parent(args.parent_pid, parent_gone))
+        if args.parent_pid
+        else None
+    )
     if args.ready_file:
         _write_ready(args.ready_file, worker, f"127.0.0.1:{port}")
     log.info("%s worker %s serving on 127.0.0.1:%d", args.role, args.id, port)
-    await stop.wait()
+    await _first_of(signalled, parent_gone, worker.drain_requested)
+    if not parent_gone.is_set():  # SIGTERM or a Drain RPC: let what runs here finish or move
+        if signalled.is_set():
+            worker.start_drain(args.drain_grace_s)
+        await _first_of_tasks(worker.drained(), parent_gone.wait())
     if watcher is not None:
         watcher.cancel()
     await server.stop(STOP_GRACE_S)
+    metrics_server.shutdown()
     await engine.close()
 
 
-def _stop_on_signals() -> asyncio.Event:
+async def _first_of(*events: asyncio.Event) -> None:
+    await _first_of_tasks(*(event.wait() for event in events))
+
+
+async def _first_of_tasks(*awaitables: Awaitable[object]) -> None:
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _event_on_signals() -> asyncio.Event:
     """An event set by SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine_adapter.serving.demo import Row, summarize
-from engine_adapter.serving.router import WorkerEndpoint, WorkerSet, _check_replay, make_request
+from engine_adapter.serving.request import Request
+from engine_adapter.serving.router import WorkerEndpoint, WorkerSet, _check_replay
 from kvstore.errors import InvalidArgument, Unavailable
 
 
@@ -40,20 +41,26 @@ def test_pick_skips_down_and_tried_workers():
     assert "p1" in workers.describe(tried)
 
 
-def test_make_request_validates():
-    with pytest.raises(InvalidArgument, match="either messages"):
-        make_request()
-    with pytest.raises(InvalidArgument, match="either messages"):
-        make_request([{"role": "user", "content": "hi"}], token_ids=[1])
+def test_request_validates():
+    with pytest.raises(InvalidArgument, match="either a non-empty"):
+        Request()
+    with pytest.raises(InvalidArgument, match="either a non-empty"):
+        Request([{"role": "user", "content": "hi"}], token_ids=[1])
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
-        make_request(token_ids=[1], max_new_tokens=0)
-    with pytest.raises(InvalidArgument, match="non-empty"):
-        make_request(token_ids=[])
+        Request(token_ids=[1], max_new_tokens=0)
+    with pytest.raises(InvalidArgument, match="either a non-empty"):
+        Request(token_ids=[])
     with pytest.raises(InvalidArgument, match="tenant"):
-        make_request(token_ids=[1], tenant="")
-    request = make_request(token_ids=[1, 2], tenant="t", traffic_class="agent", seed=3, top_k=5)
-    assert request.request_id and list(request.token_ids) == [1, 2]
-    assert (request.sampling.seed, request.sampling.top_k) == (3, 5)
+        Request(token_ids=[1], tenant="")
+    with pytest.raises(InvalidArgument, match="top_p"):
+        Request(token_ids=[1], top_p=0)
+    with pytest.raises(InvalidArgument, match="stop"):
+        Request(token_ids=[1], stop=["a", ""])
+    request = Request(token_ids=[1, 2], tenant="t", traffic_class="agent", seed=3, top_k=5)
+    proto = request.to_proto()
+    assert proto.request_id and list(proto.token_ids) == [1, 2]
+    assert (proto.sampling.seed, proto.sampling.top_k) == (3, 5)
+    assert Request.from_proto(proto) == request, "a request does not survive the wire"
 
 
 def test_restarted_decode_must_repeat_streamed_tokens():
