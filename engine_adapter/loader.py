@@ -22,6 +22,8 @@ from kvstore.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 @dataclass
 class LoadedModel:
@@ -65,6 +67,31 @@ def kv_bytes_per_token(spec: str, dtype: str) -> float:
     else:
         config = load_model(spec, "cpu", dtype).model.config
     return float(config.kv_bytes_per_token(dtype))
+
+
+def load_tokenizer(spec: str) -> ChatTokenizer | None:
+    """Only the tokenizer of ``spec`` (no weights): what the router needs to apply the chat
+    template and count prompt tokens. None for random inits and tokenizer-less dirs."""
+    if spec.startswith("random:"):
+        return None
+    path = weights.default_gguf_path() if spec == "default" else Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return ChatTokenizer.from_gguf_fields(weights.gguf_fields(GGUFReader(str(path))))
+    if (path / "tokenizer.json").is_file():
+        return ChatTokenizer.from_dir(path)
+    return None
+
+
+def model_name(spec: str) -> str:
+    """The name the HTTP front serves ``spec`` under: ``SmolLM2-135M-Instruct`` for
+    ``default``, a GGUF file's or a directory's name, else the spec itself."""
+    if spec == "default":
+        return DEFAULT_MODEL_NAME
+    if spec.startswith("random:"):
+        return spec
+    return Path(spec).stem if Path(spec).suffix == ".gguf" else Path(spec).name
 
 
 def build(

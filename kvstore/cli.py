@@ -41,7 +41,9 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("sim", "generate"): ("kvstore.sim_cli:generate", "write a seeded multi-day workload"),
     ("sim", "replay"): ("bench.replay", "replay a trace against a live cluster, vs simulated"),
     ("plan",): ("bench.plan_cli", "SSD TB, nodes, bandwidth and cost of TTL x capacity settings"),
-    ("serve",): ("engine_adapter.serving.serve", "run the router, prefill and decode workers"),
+    ("bench", "serve"): ("bench.serve_bench", "prefill balance vs a perfect offline assignment"),
+    ("serve",): ("engine_adapter.serving.serve", "the OpenAI-compatible HTTP front and workers"),
+    ("serve", "drain"): ("engine_adapter.serving.drain", "move a decode worker's requests off it"),
     ("demo",): ("engine_adapter.serving.demo", "the main job on an embedded local cluster"),
 }
 # Packages some commands need beyond a storage node's install -> the extra that brings them.

@@ -41,14 +41,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import uvicorn
 
 from engine_adapter.config import add_store_transport_argument
+from engine_adapter.loader import load_tokenizer, model_name
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving.api_keys import ApiKeys
+from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, BalancerConfig
+from engine_adapter.serving.openai_api import create_app
 from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
-from kvstore.errors import InvalidArgument, Unavailable
+from engine_adapter.serving.workers import add_worker_tuning_arguments
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
 log = logging.getLogger(__name__)
 
+DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's habit
 STARTUP_TIMEOUT_S = 300.0  # loading the default model takes 15-60 s on a busy 2-core machine
 STOP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 2.0  # in-flight RPCs get this long when the router stops
@@ -298,45 +305,171 @@ def cancel_on_signals() -> None:
         loop.add_signal_handler(sig, task.cancel)
 
 
-async def serve_router(pool: WorkerPool, port: int, policy: str) -> None:
-    """Run the router's gRPC server on 127.0.0.1:``port`` until cancelled; restart dead workers."""
+@dataclass(frozen=True)
+class FrontConfig:
+    """How ``kvstore serve`` faces its users."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP front; 0: any free port
+    grpc_port: int | None = None  # the router's gRPC face (ServingClient); None: off
+    model: str = "default"
+    served_model_name: str = ""  # "" = loader.model_name(model)
+    api_keys: Path | None = None
+    policy: str = "balanced"
+    max_waiting_requests: int = 0
+    bucket_bounds_tokens: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS_TOKENS
+
+
+async def serve_router(pool: WorkerPool, front: FrontConfig) -> None:
+    """Serve the HTTP front (and the gRPC face) until cancelled; restart crashed workers."""
     cancel_on_signals()
-    async with Router(pool.addresses("prefill"), pool.addresses("decode"), policy=policy) as router:
-        server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        pb_grpc.add_RouterServicer_to_server(RouterService(router), server)
-        bound_port = server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        print(f"router serving on 127.0.0.1:{bound_port}; workers: {pool.pids()}", flush=True)
+    api_keys = ApiKeys.load(front.api_keys)
+    tokenizer = await asyncio.to_thread(load_tokenizer, front.model)
+    router = Router(
+        pool.addresses("prefill"),
+        pool.addresses("decode"),
+        policy=front.policy,
+        balancer=BalancerConfig(bucket_bounds_tokens=front.bucket_bounds_tokens),
+        tokenizer=tokenizer,
+        max_waiting_requests=front.max_waiting_requests,
+    )
+    async with router:
+        name = front.served_model_name or model_name(front.model)
+        http = _HttpServer(create_app(router, name, api_keys), front.host, front.port)
+        grpc_server, grpc_line = None, ""
+        if front.grpc_port is not None:
+            grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            pb_grpc.add_RouterServicer_to_server(RouterService(router), grpc_server)
+            bound = grpc_server.add_insecure_port(f"{front.host}:{front.grpc_port}")
+            await grpc_server.start()
+            grpc_line = f", gRPC {front.host}:{bound}"
+        http_task = asyncio.create_task(http.serve())
         try:
-            while True:
+            port = await http.bound_port()
+            auth = "API keys" if api_keys.enabled else "no auth"
+            print(
+                f"kvstore serve: http://{front.host}:{port}/v1 ({name}, {auth}){grpc_line}; "
+                f"run dir {pool.run_dir}; workers: {pool.pids()}",
+                flush=True,
+            )
+            while not http_task.done():
                 await asyncio.sleep(SUPERVISE_INTERVAL_S)
                 pool.restart_dead()
+            await http_task  # uvicorn exited by itself: its error, if any
         finally:
-            await server.stop(STOP_GRACE_S)
+            http.should_exit = True
+            await asyncio.gather(http_task, return_exceptions=True)
+            if grpc_server is not None:
+                await grpc_server.stop(STOP_GRACE_S)
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn inside our event loop; signals stay ours (they cancel ``serve_router``)."""
+
+    def __init__(self, app: object, host: str, port: int) -> None:
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        lifespan="off", access_log=False))  # fmt: skip
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    async def bound_port(self) -> int:
+        """The port uvicorn listens on, once it does (``port`` 0 picks a free one)."""
+        while not self.started:
+            await asyncio.sleep(_POLL_S)
+        return self.servers[0].sockets[0].getsockname()[1]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore serve``."""
+    defaults = FrontConfig()
     parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
-    parser.add_argument("--prefill-workers", type=int, default=2, help="prefill worker processes")
-    parser.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
-    parser.add_argument("--model", default="default", help="default, random:<size>, .gguf, dir")
-    parser.add_argument("--port", type=int, default=8700, help="router gRPC port (0: any)")
+    parser.add_argument(
+        "--host",
+        default=defaults.host,
+        help="HTTP (and gRPC) address to bind (default %(default)s)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=defaults.port,
+        help="OpenAI-compatible HTTP port, 0: any free one (default %(default)s)",
+    )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the router's gRPC face (ServingClient) here, 0: any (default: off)",
+    )
+    parser.add_argument(
+        "--api-keys",
+        type=Path,
+        help='TOML file with a [keys] table of "KEY" = "TENANT" (default: none, no auth, '
+        "every request is tenant 'default')",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default="",
+        help="the model name clients send (default: the model's name, e.g. SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=2,
+        help="prefill worker processes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-workers",
+        type=int,
+        default=1,
+        help="decode worker processes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--model",
+        default=defaults.model,
+        help="default, random:<size>, a .gguf file or a safetensors dir (default %(default)s)",
+    )
     parser.add_argument(
         "--policy",
         choices=POLICIES,
-        default="least-loaded",
-        help="how the router picks a prefill worker (never by prefix)",
+        default=defaults.policy,
+        help="how prefill workers are picked (default %(default)s)",
     )
-    parser.add_argument("--run-dir", type=Path, help="worker logs and ready files (default: tmp)")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
+    parser.add_argument(
+        "--bucket-bounds",
+        type=_token_counts,
+        default=DEFAULT_BUCKET_BOUNDS_TOKENS,
+        help="prompt-length bucket bounds in tokens (default 16384,65536,262144: <16K, "
+        "16-64K, 64-256K, >=256K)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="requests that may wait for their first token before new ones get 429 "
+        "(default 0: no limit)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="worker logs and ready files (default: a new temporary directory)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="tokens per request (default %(default)s)"
+    )
     parser.add_argument(
         "--fetch-policy",
         choices=["cost", "always"],
         default="cost",
-        help="prefill: fetch cached blocks when faster than computing (cost) or always",
+        help="prefill: fetch cached blocks when faster than computing (cost) or always "
+        "(default %(default)s)",
     )
     add_store_transport_argument(parser)
+    add_worker_tuning_arguments(parser)
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -344,9 +477,34 @@ def run(args: argparse.Namespace) -> int:
     if not args.cluster.is_file():
         print(f"error: no cluster config at {args.cluster}", file=sys.stderr)
         return 1
+    try:
+        front = FrontConfig(
+            host=args.host,
+            port=args.port,
+            grpc_port=args.grpc_port,
+            model=args.model,
+            served_model_name=args.served_model_name,
+            api_keys=args.api_keys,
+            policy=args.policy,
+            max_waiting_requests=args.max_waiting_requests,
+            bucket_bounds_tokens=BalancerConfig(
+                bucket_bounds_tokens=args.bucket_bounds
+            ).bucket_bounds_tokens,
+        )
+        ApiKeys.load(front.api_keys)  # a bad key file fails before the workers start
+    except (ValueError, KVStoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
     worker_args = ["--max-model-len", str(args.max_model_len), "--fetch-policy", args.fetch_policy]
-    worker_args += ["--store-transport", args.store_transport]
+    worker_args += [
+        "--store-transport",
+        args.store_transport,
+        "--drain-grace-s",
+        str(args.drain_grace_s),
+    ]
+    worker_args += ["--calibration-tokens", ",".join(map(str, args.calibration_tokens))]
+    worker_args += ["--prefill-step-budget-ms", str(args.prefill_step_budget_ms)]
     try:
         with (
             sigterm_as_interrupt(),
@@ -359,10 +517,10 @@ def run(args: argparse.Namespace) -> int:
                 worker_args=worker_args,
             ) as pool,
         ):
-            asyncio.run(serve_router(pool, args.port, args.policy))
+            asyncio.run(serve_router(pool, front))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("stopped; workers stopped", file=sys.stderr)
-    except (InvalidArgument, Unavailable) as exc:
+    except (KVStoreError, OSError) as exc:
         print(f"error: {exc}\n(worker logs: {run_dir}/logs)", file=sys.stderr)
         return 1
     return 0
