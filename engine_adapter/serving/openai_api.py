@@ -122,6 +122,21 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
             request, ApiError(500, "internal error (see the server log)", "internal_error")
         )
 
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        """The key is checked before the body is read: an unknown caller learns nothing
+        from validation errors. Bodies are JSON whatever their declared content type
+        (``curl -d`` says form-urlencoded)."""
+        if request.url.path.startswith("/v1/"):
+            try:
+                request.state.tenant = api_keys.tenant(request.headers.get("authorization"))
+            except PermissionDenied as exc:
+                return await api_error(request, ApiError.of(exc))
+            if request.method == "POST":
+                headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+                request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
+        return await call_next(request)
+
     @app.get("/health")
     async def health() -> Response:
         up = router.prefill.candidates(set()) and router.decode.candidates(set())
@@ -134,8 +149,7 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        api_keys.tenant(request.headers.get("authorization"))
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [front.model_card()]}
 
     @app.post("/v1/chat/completions")
@@ -176,7 +190,7 @@ class _Front:
         }
 
     async def complete(self, body: SamplingFields, http: Request, chat: bool) -> Response:
-        tenant = self.api_keys.tenant(http.headers.get("authorization"))
+        tenant = http.state.tenant  # set by the authenticate middleware
         if body.model != self.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
                            f"`{self.model_name}` (GET /v1/models)", "not_found_error",

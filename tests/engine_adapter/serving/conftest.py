@@ -7,6 +7,9 @@ test starts from two healthy prefill workers, one healthy decode worker and 12 n
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,3 +90,24 @@ def is_gone(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def start_serve(
+    cluster_toml: Path, run_dir: Path, *args: str
+) -> tuple[subprocess.Popen[str], dict[str, int], dict[str, int]]:
+    """``kvstore serve`` as a real process (1 prefill, 1 decode worker, HTTP on a free port);
+    its ports ({"http": P, "grpc": P if --grpc-port was given}) and worker pids."""
+    command = [sys.executable, "-m", "kvstore.cli", "serve", "--cluster", str(cluster_toml)]
+    command += ["--port", "0", "--run-dir", str(run_dir), "--prefill-workers", "1"]
+    command += ["--decode-workers", "1", "--calibration-tokens", "64", *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # the workers are ready when the router prints this
+    match = re.search(r"http://127\.0\.0\.1:(\d+)/v1.*; workers: (\{.*\})", line)
+    if not match:
+        proc.kill()
+        raise AssertionError(f"kvstore serve did not start: {line!r}; see {run_dir}/logs")
+    ports = {"http": int(match.group(1))}
+    if grpc := re.search(r"gRPC 127\.0\.0\.1:(\d+)", line):
+        ports["grpc"] = int(grpc.group(1))
+    pids = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", match.group(2))}
+    return proc, ports, pids

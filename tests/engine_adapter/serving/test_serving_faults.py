@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +19,13 @@ from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.router import Router, ServingClient
 from engine_adapter.serving.serve import WorkerPool
 from kvstore.errors import Unavailable
-from tests.engine_adapter.serving.conftest import BLOCK_TOKENS, MODEL, is_gone, reference_generate
+from tests.engine_adapter.serving.conftest import (
+    BLOCK_TOKENS,
+    MODEL,
+    is_gone,
+    reference_generate,
+    start_serve,
+)
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
@@ -175,19 +178,6 @@ async def test_storage_nodes_killed_during_workload_change_no_output(
     )
 
 
-def _start_serve(cluster_toml, run_dir) -> tuple[subprocess.Popen[str], int, dict[str, int]]:
-    """``kvstore serve`` as a real process; its router port and worker pids."""
-    command = [sys.executable, "-m", "kvstore.cli", "serve", "--cluster", str(cluster_toml)]
-    command += ["--model", MODEL, "--port", "0", "--run-dir", str(run_dir)]
-    command += ["--prefill-workers", "1", "--decode-workers", "1"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # the worker pool is ready when the router prints this
-    match = re.search(r"127\.0\.0\.1:(\d+); workers: (\{.*\})", line)
-    assert match, f"kvstore serve did not start: {line!r}; see {run_dir}/logs"
-    pids = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", match.group(2))}
-    return proc, int(match.group(1)), pids
-
-
 def _wait_gone(pids: dict[str, int], timeout_s: float) -> list[str]:
     deadline_s = time.monotonic() + timeout_s
     while time.monotonic() < deadline_s and not all(is_gone(p) for p in pids.values()):
@@ -198,10 +188,12 @@ def _wait_gone(pids: dict[str, int], timeout_s: float) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
 async def test_serve_stops_every_worker(serving_cluster, tmp_path, stop_signal):
-    proc, port, pids = _start_serve(serving_cluster.cluster_toml, tmp_path)
+    proc, ports, pids = start_serve(
+        serving_cluster.cluster_toml, tmp_path, "--model", MODEL, "--grpc-port", "0"
+    )
     try:
         assert sorted(pids) == ["d0", "p0"], f"expected workers p0 and d0, got {pids}"
-        async with ServingClient(f"127.0.0.1:{port}") as client:
+        async with ServingClient(f"127.0.0.1:{ports['grpc']}") as client:
             completion = await client.generate(token_ids=[5] * 70, tenant="serve", max_new_tokens=3)
         assert len(completion.token_ids) == 3 and completion.ttft_s > 0
         proc.send_signal(stop_signal)
