@@ -1,0 +1,304 @@
+"""``kvstore bench serve``: prefill balance on a mixed-length burst, per routing policy, against
+a perfect offline assignment of the same work.
+
+::
+
+    kvstore bench serve [--json PATH] [--model random:small] [--num-requests 48]
+        [--prefill-workers 2] [--min-tokens 64] [--max-tokens 3968] [--rounds 3]
+        [--policies balanced,least-loaded,round-robin] [--bucket-bounds 512,1024,2048]
+
+Method: a local 12-node cluster, prefill workers and one decode worker (real processes) are
+started once. Each round sends, for each policy in turn, a burst of ``--num-requests``
+prompts whose lengths are drawn log-uniformly from ``[--min-tokens, --max-tokens]`` (seeded;
+fresh prompts each time, so nothing is cached), all at once, one generated token each. A
+prefill worker serves its requests one after another, so on each worker the time between
+two consecutive completions is what the later request occupied it (the first counts from
+the burst's start). From those measured occupancies:
+
+- ``makespan_s``: burst start to the last completion (what the policy achieved);
+- ``offline_s``: the makespan of the longest-first offline assignment of the same
+  occupancies (LPT, within 4/3 of the optimum), and ``bound_s``: no assignment beats
+  ``max(total / workers, longest)``;
+- ``balance`` = ``offline_s / makespan_s`` (1.0: as good as the offline assignment;
+  DeepSeek reports about 0.8 for its online balancer) and ``balance_vs_bound``.
+
+The bucket bounds default to a scaled-down 512/1K/2K (the serving defaults 16K/64K/256K do
+not fit a CPU model's context). Figures move with the machine's load; compare policies
+within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from deploy.local_cluster import LocalCluster
+from engine_adapter.serving.balancer import (
+    BalancerConfig,
+    list_schedule_makespan_s,
+    makespan_lower_bound_s,
+)
+from engine_adapter.serving.router import POLICIES, Completion, Router
+from engine_adapter.serving.serve import WorkerPool
+
+DEFAULT_BUCKET_BOUNDS = (512, 1024, 2048)
+
+
+def prompt_lengths(num: int, min_tokens: int, max_tokens: int, seed: int) -> list[int]:
+    """Log-uniform lengths in [min_tokens, max_tokens] (seeded): many short, a few long."""
+    rng = random.Random(seed)
+    low, high = math.log(min_tokens), math.log(max_tokens)
+    return [int(math.exp(rng.uniform(low, high))) for _ in range(num)]
+
+
+def occupancies(
+    start_s: float, completions: Sequence[tuple[Completion, float]]
+) -> dict[str, list[float]]:
+    """Per prefill worker, what each of its requests occupied it (see the module doc)."""
+    by_worker: dict[str, list[float]] = defaultdict(list)
+    for completion, end_s in completions:
+        by_worker[completion.prefill_worker_id].append(end_s)
+    result = {}
+    for worker, ends in by_worker.items():
+        ends.sort()
+        result[worker] = [b - a for a, b in zip([start_s, *ends[:-1]], ends, strict=True)]
+    return result
+
+
+def summarize(
+    policy: str,
+    lengths: Sequence[int],
+    start_s: float,
+    completions: Sequence[tuple[Completion, float]],
+    num_workers: int,
+) -> dict[str, Any]:
+    """One burst's figures (the JSON record)."""
+    busy = occupancies(start_s, completions)
+    durations = [d for worker in busy.values() for d in worker]
+    makespan_s = max(end for _, end in completions) - start_s
+    offline_s = list_schedule_makespan_s(durations, num_workers)
+    bound_s = makespan_lower_bound_s(durations, num_workers)
+    tokens = defaultdict(int)
+    for (completion, _), num_tokens in zip(completions, lengths, strict=True):
+        tokens[completion.prefill_worker_id] += num_tokens
+    ttfts = sorted(c.ttft_s for c, _ in completions)
+    return {
+        "policy": policy,
+        "makespan_s": makespan_s,
+        "offline_s": offline_s,
+        "bound_s": bound_s,
+        "balance": offline_s / makespan_s,
+        "balance_vs_bound": bound_s / makespan_s,
+        "busy_s_per_worker": {w: sum(d) for w, d in sorted(busy.items())},
+        "requests_per_worker": {w: len(d) for w, d in sorted(busy.items())},
+        "prompt_tokens_per_worker": dict(sorted(tokens.items())),
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+    }
+
+
+async def burst(
+    router: Router, lengths: Sequence[int], seed: int, tenant: str
+) -> tuple[float, list[tuple[Completion, float]]]:
+    """Send every prompt at once; (start, [(completion, end time)])."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in lengths]
+
+    async def one(prompt: list[int]) -> tuple[Completion, float]:
+        completion = await router.generate(token_ids=prompt, tenant=tenant, max_new_tokens=1)
+        return completion, time.perf_counter()
+
+    start_s = time.perf_counter()
+    return start_s, list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def measure(
+    pool: WorkerPool, args: argparse.Namespace, console: Console
+) -> list[dict[str, Any]]:
+    addresses = pool.addresses("prefill"), pool.addresses("decode")
+    async with Router(*addresses, policy="least-loaded") as warm:  # first-call costs
+        for index in range(len(addresses[0])):
+            await warm.generate(
+                token_ids=[7] * 200, tenant="warm-up", max_new_tokens=1, request_id=f"w{index}"
+            )
+    records = []
+    config = BalancerConfig(bucket_bounds_tokens=args.bucket_bounds)
+    for round_index in range(args.rounds):
+        lengths = prompt_lengths(
+            args.num_requests, args.min_tokens, args.max_tokens, args.seed + round_index
+        )
+        for policy in args.policies:
+            async with Router(*addresses, policy=policy, balancer=config, timeout_s=3600) as router:
+                tenant = f"bench-{policy}-{round_index}-{time.time_ns()}"
+                start_s, completions = await burst(router, lengths, args.seed + round_index, tenant)
+            record = summarize(policy, lengths, start_s, completions, len(addresses[0]))
+            record["round"] = round_index
+            records.append(record)
+            balance, makespan_s = record["balance"], record["makespan_s"]
+            console.print(
+                f"round {round_index} {policy}: balance {balance:.2f}, makespan {makespan_s:.2f} s"
+            )
+    return records
+
+
+def results_table(records: Sequence[dict[str, Any]]) -> Table:
+    table = Table(title="prefill balance on a mixed-length burst (median over rounds)")
+    for name in (
+        "policy",
+        "makespan s",
+        "offline s",
+        "bound s",
+        "balance",
+        "vs bound",
+        "TTFT p50 s",
+        "requests per worker",
+    ):
+        table.add_column(
+            name, justify="left" if name in ("policy", "requests per worker") else "right"
+        )
+    for policy, rows in _by_policy(records).items():
+        median = {
+            k: statistics.median(r[k] for r in rows)
+            for k in (
+                "makespan_s",
+                "offline_s",
+                "bound_s",
+                "balance",
+                "balance_vs_bound",
+                "ttft_p50_s",
+            )
+        }
+        table.add_row(
+            policy,
+            f"{median['makespan_s']:.2f}",
+            f"{median['offline_s']:.2f}",
+            f"{median['bound_s']:.2f}",
+            f"{median['balance']:.2f}",
+            f"{median['balance_vs_bound']:.2f}",
+            f"{median['ttft_p50_s']:.2f}",
+            " / ".join(
+                " ".join(f"{w} {n}" for w, n in r["requests_per_worker"].items()) for r in rows
+            ),
+        )
+    return table
+
+
+def _by_policy(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        grouped[record["policy"]].append(record)
+    return grouped
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"policies {unknown or names}: choose from {POLICIES}")
+    return names
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore bench serve``."""
+    parser.add_argument("--json", type=Path, help="also write the results here (default: none)")
+    parser.add_argument(
+        "--model", default="random:small", help="the workers' model (default %(default)s)"
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=48, help="prompts per burst (default %(default)s)"
+    )
+    parser.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=2,
+        help="prefill worker processes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-tokens", type=int, default=64, help="shortest prompt (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=3968, help="longest prompt (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=4096, help="the workers' context (default %(default)s)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="bursts per policy, interleaved (default %(default)s)"
+    )
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(POLICIES),
+        help="comma-separated routing policies (default balanced,least-loaded,round-robin)",
+    )
+    parser.add_argument(
+        "--bucket-bounds",
+        type=_token_counts,
+        default=DEFAULT_BUCKET_BOUNDS,
+        help="length buckets of the balancer (default 512,1024,2048)",
+    )
+    parser.add_argument(
+        "--calibration-tokens",
+        default="64,512,2048,3968",
+        help="the prefill workers' calibration lengths (default %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    parser.add_argument(
+        "--cluster", type=Path, help="use this running cluster (default: start a local 12-node one)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the cluster and workers, run the bursts, print the table, write JSON."""
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    work_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-serve-"))
+    worker_args = ["--max-model-len", str(args.max_model_len), "--fetch-policy", "always"]
+    worker_args += ["--calibration-tokens", args.calibration_tokens]
+    with contextlib.ExitStack() as stack:
+        cluster_toml = args.cluster
+        if cluster_toml is None:
+            cluster = stack.enter_context(
+                LocalCluster.start(work_dir / "cluster", num_nodes=12, fsync=False)
+            )
+            cluster_toml = cluster.cluster_toml
+        with console.status("starting workers (calibrating the prefill workers)..."):
+            pool = stack.enter_context(
+                WorkerPool.start(
+                    cluster_toml,
+                    work_dir / "serve",
+                    num_prefill=args.prefill_workers,
+                    num_decode=1,
+                    model=args.model,
+                    worker_args=worker_args,
+                )
+            )
+        records = asyncio.run(measure(pool, args, console))
+    console.print(results_table(records))
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "records": records,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,48 @@
+"""``kvstore bench serve`` end to end on a tiny burst (real cluster and workers), and its
+occupancy arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.serve_bench import occupancies, prompt_lengths
+from engine_adapter.serving.router import Completion
+
+pytest.importorskip("torch")
+
+
+def _completion(worker: str) -> Completion:
+    return Completion("r", [1], "", "length", 1, 0, 0, 1, 0.1, 0.1, worker, "d0", 1, 0, 0)
+
+
+def test_occupancies_are_gaps_between_completions_per_worker():
+    done = [(_completion("p0"), 3.0), (_completion("p1"), 2.0), (_completion("p0"), 1.0)]
+    assert occupancies(0.0, done) == {"p0": [1.0, 2.0], "p1": [2.0]}
+    lengths = prompt_lengths(200, 64, 4000, seed=1)
+    assert (
+        min(lengths) >= 64 and max(lengths) <= 4000 and lengths == prompt_lengths(200, 64, 4000, 1)
+    )
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(300)
+def test_bench_serve_prints_json(serving_cluster, tmp_path):
+    out = tmp_path / "serve.json"
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "serve", "--json", str(out)]
+    command += ["--cluster", str(serving_cluster.cluster_toml), "--num-requests", "6"]
+    command += ["--rounds", "1", "--max-tokens", "600", "--calibration-tokens", "64,256"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, (
+        f"bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    )
+    records = json.loads(out.read_text())["records"]
+    assert [r["policy"] for r in records] == ["balanced", "least-loaded", "round-robin"]
+    for record in records:
+        assert 0 < record["balance_vs_bound"] <= 1.0 + 1e-9, "a run beat the lower bound"
+        assert record["bound_s"] <= record["offline_s"] <= 4 / 3 * record["bound_s"] + 1e-9
+        assert sum(record["requests_per_worker"].values()) == 6
+    assert "balance" in done.stdout
