@@ -43,6 +43,6 @@ def test_bench_serve_prints_json(serving_cluster, tmp_path):
     assert [r["policy"] for r in records] == ["balanced", "least-loaded", "round-robin"]
     for record in records:
         assert 0 < record["balance_vs_bound"] <= 1.0 + 1e-9, "a run beat the lower bound"
-        assert record["bound_s"] <= record["offline_s"] <= 4 / 3 * record["bound_s"] + 1e-9
+        assert record["bound_s"] <= record["offline_s"] + 1e-9
         assert sum(record["requests_per_worker"].values()) == 6
     assert "balance" in done.stdout
