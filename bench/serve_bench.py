@@ -55,6 +55,7 @@ from engine_adapter.serving.balancer import (
 )
 from engine_adapter.serving.router import POLICIES, Completion, Router
 from engine_adapter.serving.serve import WorkerPool
+from kvstore.cli import list_arg
 
 DEFAULT_BUCKET_BOUNDS = (512, 1024, 2048)
 
@@ -137,7 +138,7 @@ async def measure(
                 token_ids=[7] * 200, tenant="warm-up", max_new_tokens=1, request_id=f"w{index}"
             )
     records = []
-    config = BalancerConfig(bucket_bounds_tokens=args.bucket_bounds)
+    config = BalancerConfig(bucket_bounds_tokens=tuple(args.bucket_bounds))
     for round_index in range(args.rounds):
         lengths = prompt_lengths(
             args.num_requests, args.min_tokens, args.max_tokens, args.seed + round_index
@@ -205,10 +206,6 @@ def _by_policy(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, An
     return grouped
 
 
-def _token_counts(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
-
-
 def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = sorted(set(names) - set(POLICIES))
@@ -219,49 +216,37 @@ def _policies(text: str) -> list[str]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore bench serve``."""
-    parser.add_argument("--json", type=Path, help="also write the results here (default: none)")
-    parser.add_argument(
-        "--model", default="random:small", help="the workers' model (default %(default)s)"
-    )
-    parser.add_argument(
-        "--num-requests", type=int, default=48, help="prompts per burst (default %(default)s)"
-    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--model", default="random:small", help="the workers' model")
+    parser.add_argument("--num-requests", type=int, default=48, help="prompts per burst")
     parser.add_argument(
         "--prefill-workers",
         type=int,
         default=2,
-        help="prefill worker processes (default %(default)s)",
+        help="prefill worker processes",
     )
-    parser.add_argument(
-        "--min-tokens", type=int, default=64, help="shortest prompt (default %(default)s)"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=3968, help="longest prompt (default %(default)s)"
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=4096, help="the workers' context (default %(default)s)"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="bursts per policy, interleaved (default %(default)s)"
-    )
+    parser.add_argument("--min-tokens", type=int, default=64, help="shortest prompt")
+    parser.add_argument("--max-tokens", type=int, default=3968, help="longest prompt")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the workers' context")
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per policy, interleaved")
     parser.add_argument(
         "--policies",
         type=_policies,
         default=list(POLICIES),
-        help="comma-separated routing policies (default balanced,least-loaded,round-robin)",
+        help="comma-separated routing policies",
     )
     parser.add_argument(
         "--bucket-bounds",
-        type=_token_counts,
+        type=list_arg(int),
         default=DEFAULT_BUCKET_BOUNDS,
-        help="length buckets of the balancer (default 512,1024,2048)",
+        help="length buckets of the balancer",
     )
     parser.add_argument(
         "--calibration-tokens",
         default="64,512,2048,3968",
-        help="the prefill workers' calibration lengths (default %(default)s)",
+        help="the prefill workers' calibration lengths",
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument(
         "--cluster", type=Path, help="use this running cluster (default: start a local 12-node one)"
     )

@@ -53,6 +53,8 @@ MODULE_TO_EXTRA = {
     "torch": "engine",
     "gguf": "engine",
     "tokenizers": "engine",
+    "fastapi": "engine",
+    "uvicorn": "engine",
     "redis": "dev",
     "ucxx": "ucx",
 }

@@ -19,6 +19,8 @@ import sys
 import urllib.error
 import urllib.request
 
+from kvstore.cli import duration_arg
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_GRACE_S = 60.0
 
@@ -28,14 +30,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", required=True, help="decode worker id, e.g. d0")
     parser.add_argument(
         "--grace-s",
-        type=float,
+        type=duration_arg,
         default=DEFAULT_GRACE_S,
-        help="seconds running requests may go on before they move (default %(default)s)",
+        help="seconds running requests may go on before they move",
     )
     parser.add_argument(
         "--url",
         default=DEFAULT_URL,
-        help="the HTTP front of kvstore serve, reached from this host (default %(default)s)",
+        help="the HTTP front of kvstore serve, reached from this host",
     )
 
 

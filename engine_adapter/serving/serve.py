@@ -51,6 +51,7 @@ from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, Balanc
 from engine_adapter.serving.openai_api import create_app
 from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
 from engine_adapter.serving.workers import add_worker_tuning_arguments
+from kvstore.cli import list_arg
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -387,13 +388,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host",
         default=defaults.host,
-        help="HTTP (and gRPC) address to bind (default %(default)s)",
+        help="HTTP (and gRPC) address to bind",
     )
     parser.add_argument(
         "--port",
         type=int,
         default=defaults.port,
-        help="OpenAI-compatible HTTP port, 0: any free one (default %(default)s)",
+        help="OpenAI-compatible HTTP port, 0: any free one",
     )
     parser.add_argument(
         "--grpc-port",
@@ -416,60 +417,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--prefill-workers",
         type=int,
         default=2,
-        help="prefill worker processes (default %(default)s)",
+        help="prefill worker processes",
     )
     parser.add_argument(
         "--decode-workers",
         type=int,
         default=1,
-        help="decode worker processes (default %(default)s)",
+        help="decode worker processes",
     )
     parser.add_argument(
         "--model",
         default=defaults.model,
-        help="default, random:<size>, a .gguf file or a safetensors dir (default %(default)s)",
+        help="which model: 'default' is SmolLM2-135M-Instruct; also random:<size>, a .gguf "
+        "file or a safetensors dir; default: %(default)s",
     )
     parser.add_argument(
         "--policy",
         choices=POLICIES,
         default=defaults.policy,
-        help="how prefill workers are picked (default %(default)s)",
+        help="how prefill workers are picked",
     )
     parser.add_argument(
         "--bucket-bounds",
-        type=_token_counts,
+        type=list_arg(int),
         default=DEFAULT_BUCKET_BOUNDS_TOKENS,
-        help="prompt-length bucket bounds in tokens (default 16384,65536,262144: <16K, "
-        "16-64K, 64-256K, >=256K)",
+        help="prompt-length bucket bounds in tokens (<16K, 16-64K, 64-256K, >=256K)",
     )
     parser.add_argument(
         "--max-waiting-requests",
         type=int,
         default=0,
-        help="requests that may wait for their first token before new ones get 429 "
-        "(default 0: no limit)",
+        help="requests that may wait for their first token before new ones get 429 (0: no limit)",
     )
     parser.add_argument(
         "--run-dir",
         type=Path,
         help="worker logs and ready files (default: a new temporary directory)",
     )
-    parser.add_argument(
-        "--max-model-len", type=int, default=2048, help="tokens per request (default %(default)s)"
-    )
+    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
     parser.add_argument(
         "--fetch-policy",
         choices=["cost", "always"],
         default="cost",
-        help="prefill: fetch cached blocks when faster than computing (cost) or always "
-        "(default %(default)s)",
+        help="prefill: fetch cached blocks when faster than computing (cost) or always",
     )
     add_store_transport_argument(parser)
     add_worker_tuning_arguments(parser)
-
-
-def _token_counts(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -491,6 +484,7 @@ def run(args: argparse.Namespace) -> int:
                 bucket_bounds_tokens=args.bucket_bounds
             ).bucket_bounds_tokens,
         )
+        BalancerConfig(bucket_bounds_tokens=front.bucket_bounds_tokens)  # checks the bounds
         ApiKeys.load(front.api_keys)  # a bad key file fails before the workers start
     except (ValueError, KVStoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)

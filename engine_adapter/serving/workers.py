@@ -57,6 +57,7 @@ from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.balancer import PrefillCostModel, PrefillSample
 from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.router import CHANNEL_OPTIONS
+from kvstore.cli import duration_arg, list_arg
 from kvstore.config import load_cluster
 from kvstore.errors import ERRORS, InvalidArgument, Unavailable
 from kvstore.grpc_errors import to_grpc_status
@@ -649,10 +650,10 @@ def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
     """Worker flags that ``kvstore serve`` passes through to its workers."""
     parser.add_argument(
         "--calibration-tokens",
-        type=_token_counts,
+        type=list_arg(int),
         default=DEFAULT_CALIBRATION_TOKENS,
         help="prefill workers time cold prefills of these lengths at start-up, which seed "
-        "the router's cost model of them ('' for none; default %(default)s)",
+        "the router's cost model of them ('' for none)",
     )
     parser.add_argument(
         "--prefill-step-budget-ms",
@@ -664,15 +665,11 @@ def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drain-grace-s",
-        type=float,
+        type=duration_arg,
         default=DEFAULT_DRAIN_GRACE_S,
         help="on SIGTERM a decode worker takes no new requests and moves what still runs "
-        "after this many seconds to another decode worker (default %(default)s)",
+        "after this many seconds to another decode worker",
     )
-
-
-def _token_counts(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
 
 
 async def calibrate(engine: Engine, lengths: Sequence[int], seed: int = 0) -> list[PrefillSample]:
