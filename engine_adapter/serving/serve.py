@@ -1,25 +1,29 @@
-"""``kvstore serve``: the router and its prefill and decode worker processes.
+"""``kvstore serve``: the OpenAI-compatible HTTP front, the router, and its prefill and
+decode worker processes.
 
 ::
 
-    kvstore serve --cluster DIR/cluster.toml [--prefill-workers 2] [--decode-workers 1]
-                  [--model default] [--port 8700] [--policy least-loaded|round-robin]
+    kvstore serve --cluster DIR/cluster.toml [--host 127.0.0.1] [--port 8000]
+                  [--api-keys keys.toml] [--grpc-port P] [--prefill-workers 2]
+                  [--decode-workers 1] [--model default] [--policy balanced]
                   [--run-dir DIR] [--store-transport grpc|auto|ucx]
 
 Layout (every box is a process; the store's nodes are started separately)::
 
-                      +--> prefill worker p0 --+   put full blocks    +-------------+
-    user --gRPC--> router                      +--------------------> | kvstore     |
-    (ServingClient)   +--> prefill worker p1 --+                      | 12 nodes    |
-                      |                                               | (10+2 EC)   |
+  OpenAI client       +--> prefill worker p0 --+   put full blocks    +-------------+
+  curl --HTTP--> router                        +--------------------> | kvstore     |
+  (ServingClient      +--> prefill worker p1 --+                      | 12 nodes    |
+   over gRPC)         |                                               | (10+2 EC)   |
                       +--> decode worker d0  <------------------------+-------------+
                            (handoff: token ids,  get_into full blocks
                             tail KV, first token)
 
+The HTTP front (uvicorn) and the router's gRPC face run in one event loop with the router.
 Worker processes run in their own sessions (a terminal's Ctrl-C reaches only this process,
 which then stops them in order), watch this process (they exit if it dies, even by SIGKILL)
 and are stopped on exit, on SIGTERM/SIGINT and by ``atexit``: no orphans. A worker that
-dies is restarted on its port; the router stops sending it requests until its Health answers.
+crashes is restarted on its port; the router stops sending it requests until its Health
+answers. A worker that exits 0 (drained) stays stopped.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 
     python -m engine_adapter.serving.workers prefill|decode --cluster DIR/cluster.toml --id p0
         [--model default] [--port 0] [--ready-file PATH] [--parent-pid PID]
-        [--store-transport grpc|auto|ucx]
+        [--store-transport grpc|auto|ucx] [--metrics-port 0] [--drain-grace-s 60]
+        [--calibration-tokens 64,256,512] [--prefill-step-budget-ms 0]
 
 The handoff, through the store::
 
@@ -20,12 +21,26 @@ The handoff, through the store::
                                                                           the tail KV, then decode
                                                                           one token at a time
 
+Drain (``Drain`` RPC or SIGTERM) of a decode worker, the same path the other way::
+
+    decode worker d0 (draining)                          decode worker d1
+    no new requests; queued ones: migrate(Handoff as it came)
+    after the grace: put the new full blocks (prompt
+    and generated tokens), tail KV, sampler state
+                           --migrate(Handoff)--> router --Decode(Handoff)--> as above, then
+                                                                          decode on from the last
+                                                                          sampled token
+
 Both roles run :class:`engine_adapter.engine.Engine` (model, paged KV, store connector); the
-decode worker's connector always fetches (its KV must come from the store) and never writes.
-A worker serves one request at a time (requests queue on a lock; torch runs off the event
-loop, so Health answers during a prefill). It writes ``--ready-file`` (JSON: id, role,
-address, pid, model fingerprint) once it serves, and exits on SIGTERM/SIGINT or when its
-parent dies, so a killed ``kvstore serve`` leaves no workers behind.
+decode worker's connector always fetches (its KV must come from the store) and writes only
+when a drain moves a request. A worker serves one request at a time (requests queue on a
+lock; torch runs off the event loop, so Health answers during a prefill). A prefill worker
+first times a few cold prefills (``--calibration-tokens``), which its Health reply carries to
+the router's cost model. A worker writes ``--ready-file`` (JSON: id, role, address, pid,
+model fingerprint) once it serves, serves Prometheus metrics on ``--metrics-port``, and
+exits when its parent dies (so a killed ``kvstore serve`` leaves no workers behind), on
+SIGINT, or after a drain (SIGTERM or the RPC) has moved or finished every request; it exits
+0 then, which ``kvstore serve`` takes as "do not restart".
 """
 
 from __future__ import annotations
