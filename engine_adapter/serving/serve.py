@@ -47,14 +47,13 @@ from pathlib import Path
 import grpc
 import uvicorn
 
-from engine_adapter.config import add_store_transport_argument
 from engine_adapter.loader import load_tokenizer, model_name
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.api_keys import ApiKeys
 from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, BalancerConfig
 from engine_adapter.serving.openai_api import create_app
 from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
-from engine_adapter.serving.workers import add_worker_tuning_arguments
+from engine_adapter.serving.workers import add_worker_tuning_arguments, tuning_argv
 from kvstore.cli import list_arg
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
@@ -458,14 +457,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="worker logs and ready files (default: a new temporary directory)",
     )
-    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
-    parser.add_argument(
-        "--fetch-policy",
-        choices=["cost", "always"],
-        default="cost",
-        help="prefill: fetch cached blocks when faster than computing (cost) or always",
-    )
-    add_store_transport_argument(parser)
     add_worker_tuning_arguments(parser)
 
 
@@ -494,15 +485,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
-    worker_args = ["--max-model-len", str(args.max_model_len), "--fetch-policy", args.fetch_policy]
-    worker_args += [
-        "--store-transport",
-        args.store_transport,
-        "--drain-grace-s",
-        str(args.drain_grace_s),
-    ]
-    worker_args += ["--calibration-tokens", ",".join(map(str, args.calibration_tokens))]
-    worker_args += ["--prefill-step-budget-ms", str(args.prefill_step_budget_ms)]
+    worker_args = tuning_argv(args)
     try:
         with (
             sigterm_as_interrupt(),

