@@ -9,8 +9,9 @@ a perfect offline assignment of the same work.
 
 Method: a local 12-node cluster, prefill workers and one decode worker (real processes) are
 started once. Each round sends, for each policy in turn, a burst of ``--num-requests``
-prompts whose lengths are drawn log-uniformly from ``[--min-tokens, --max-tokens]`` (seeded;
-fresh prompts each time, so nothing is cached), all at once, one generated token each. A
+prompts of mixed lengths (seeded: short ones log-uniform in ``[--min-tokens, max/8]``, a
+``--long-fraction`` of long ones in ``[max/2, --max-tokens]``; fresh prompts each time, so
+nothing is cached), all at once, one generated token each. A
 prefill worker serves its requests one after another, so on each worker the time between
 two consecutive completions is what the later request occupied it (the first counts from
 the burst's start). From those measured occupancies:
@@ -60,11 +61,19 @@ from kvstore.cli import list_arg
 DEFAULT_BUCKET_BOUNDS = (512, 1024, 2048)
 
 
-def prompt_lengths(num: int, min_tokens: int, max_tokens: int, seed: int) -> list[int]:
-    """Log-uniform lengths in [min_tokens, max_tokens] (seeded): many short, a few long."""
+def prompt_lengths(
+    num: int, min_tokens: int, max_tokens: int, long_fraction: float, seed: int
+) -> list[int]:
+    """Seeded mixed lengths: short ones log-uniform in [min, max/8], and a ``long_fraction``
+    of long ones uniform in [max/2, max] (chat turns next to long documents)."""
     rng = random.Random(seed)
-    low, high = math.log(min_tokens), math.log(max_tokens)
-    return [int(math.exp(rng.uniform(low, high))) for _ in range(num)]
+    low, high = math.log(min_tokens), math.log(max(max_tokens // 8, min_tokens))
+    return [
+        rng.randint(max_tokens // 2, max_tokens)
+        if rng.random() < long_fraction
+        else int(math.exp(rng.uniform(low, high)))
+        for _ in range(num)
+    ]
 
 
 def occupancies(
@@ -141,7 +150,11 @@ async def measure(
     config = BalancerConfig(bucket_bounds_tokens=tuple(args.bucket_bounds))
     for round_index in range(args.rounds):
         lengths = prompt_lengths(
-            args.num_requests, args.min_tokens, args.max_tokens, args.seed + round_index
+            args.num_requests,
+            args.min_tokens,
+            args.max_tokens,
+            args.long_fraction,
+            args.seed + round_index,
         )
         for policy in args.policies:
             async with Router(*addresses, policy=policy, balancer=config, timeout_s=3600) as router:
@@ -245,6 +258,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--calibration-tokens",
         default="64,512,2048,3968",
         help="the prefill workers' calibration lengths",
+    )
+    parser.add_argument(
+        "--long-fraction", type=float, default=0.15, help="share of long prompts (max/2 to max)"
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument(

@@ -20,6 +20,12 @@ cost on that worker), with no prefix affinity: the store is shared, so any worke
 prefix. Among workers that tie (within 5%), the one holding fewer requests of the same length bucket
 wins, which spreads each bucket's long prompts over the workers.
 
+**Late binding.** The router sends a worker at most the request it runs plus
+``max_queued_per_worker`` more (default 1, so it never idles between two); later requests
+wait at the router, in arrival order, and are assigned as workers make room. Each choice then
+starts from where the workers really are, so a wrong prediction (a noisy calibration, a
+worker slowed by its neighbours) costs one request, not a whole burst queued behind it.
+
 **Buckets.** Prompt lengths are bucketed (default <16K, 16-64K, 64-256K, >=256K tokens):
 the tie-break above, and the router's metrics per bucket.
 
@@ -49,6 +55,9 @@ class BalancerConfig:
 
     bucket_bounds_tokens: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS_TOKENS
     fit_window: int = DEFAULT_FIT_WINDOW  # recent prefills per worker the model is fitted to
+    # Requests a worker holds beyond the one it runs: enough that it never idles between
+    # two; the rest wait at the router for late binding (see the module doc).
+    max_queued_per_worker: int = 1
 
     def __post_init__(self) -> None:
         bounds = self.bucket_bounds_tokens
@@ -57,6 +66,8 @@ class BalancerConfig:
                 f"bucket_bounds_tokens={bounds}: give increasing positive token counts, "
                 "e.g. 16384,65536,262144 for <16K, 16-64K, 64-256K, >=256K"
             )
+        if self.max_queued_per_worker < 0:
+            raise ValueError("max_queued_per_worker must be >= 0")
         if self.fit_window < 4:
             raise ValueError(f"fit_window={self.fit_window}: need >= 4 prefills to fit a, b, c, d")
 
@@ -228,6 +239,10 @@ class PrefillBalancer:
             queue.head_started_s = now_s
         if sample is not None:
             queue.model.observe(sample)
+
+    def has_room(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` holds fewer requests than it runs plus may queue."""
+        return len(self.queues[worker_id].held) <= self.config.max_queued_per_worker
 
     def head_started_s(self, worker_id: str) -> float:
         return self.queues[worker_id].head_started_s

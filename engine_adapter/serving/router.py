@@ -31,6 +31,7 @@ the decode stream is cancelled at the first one and the text ends before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -285,6 +286,7 @@ class Router(RequestAPI):
         self.prefill_attempt_timeout_s = prefill_attempt_timeout_s
         self.token_timeout_s = token_timeout_s
         self._probe_task: asyncio.Task[None] | None = None
+        self._prefill_room = asyncio.Event()  # set: a prefill worker's queue got shorter
 
     @property
     def endpoints(self) -> list[WorkerEndpoint]:
@@ -462,7 +464,7 @@ class Router(RequestAPI):
         tried: set[str] = set()
         first_token_id: int | None = None
         while True:
-            worker = self._pick_prefill(flight, tried)
+            worker = await self._pick_prefill(flight, tried)
             tried.add(worker.address)
             try:
                 async for event in self._prefill_attempt(worker, request, flight):
@@ -492,23 +494,41 @@ class Router(RequestAPI):
             stats.num_computed_tokens, stats.num_cached_tokens, stats.fetch_bytes, stats.fallback
         )
 
-    def _pick_prefill(self, flight: _Flight, tried: set[str]) -> WorkerEndpoint:
+    async def _pick_prefill(self, flight: _Flight, tried: set[str]) -> WorkerEndpoint:
         """The prefill worker for this attempt, by the router's policy."""
         request_id, num_tokens = flight.proto.request_id, flight.num_prompt_tokens
         if self.policy != "balanced":
             worker = self._pick(self.prefill, tried, request_id)
         else:
-            candidates = self.prefill.candidates(tried)
-            if not candidates:
-                worker = self._pick(self.prefill, tried, request_id)  # raises Unavailable
-            by_address = {w.address: w for w in candidates}
-            address = self.balancer.assign(
-                request_id, num_tokens, time.monotonic(), list(by_address)
-            )
-            worker = by_address[address]
+            worker = await self._bind_prefill(flight, tried)
         bucket = self.balancer.config.bucket_names()[self.balancer.config.bucket_of(num_tokens)]
         self.metrics.prefill_requests.labels(bucket, worker.worker_id).inc()
         return worker
+
+    async def _bind_prefill(self, flight: _Flight, tried: set[str]) -> WorkerEndpoint:
+        """Late binding: wait (in arrival order) until a worker has room in its queue, then
+        take the one with room that finishes the request soonest.
+
+        Holding requests here rather than queueing them all on workers at once lets each
+        assignment see how far the workers really got, so a wrong prediction costs one
+        request, not the whole burst behind it.
+        """
+        request_id = flight.proto.request_id
+        while True:
+            candidates = self.prefill.candidates(tried)
+            if not candidates:
+                return self._pick(self.prefill, tried, request_id)  # raises Unavailable
+            with_room = [w for w in candidates if self.balancer.has_room(w.address)]
+            if with_room:
+                by_address = {w.address: w for w in with_room}
+                address = self.balancer.assign(
+                    request_id, flight.num_prompt_tokens, time.monotonic(), list(by_address)
+                )
+                return by_address[address]
+            self._prefill_room.clear()  # no await since the check: no wake-up is missed
+            wait_s = min(_remaining_s(flight.deadline_s, request_id), PROBE_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):  # re-check health now and then
+                await asyncio.wait_for(self._prefill_room.wait(), wait_s)
 
     async def _prefill_attempt(
         self, worker: WorkerEndpoint, request: pb.PrefillRequest, flight: _Flight
@@ -537,6 +557,7 @@ class Router(RequestAPI):
             worker.num_active -= 1
             if balanced:
                 self.balancer.finish(worker.address, request.request_id, time.monotonic(), sample)
+                self._prefill_room.set()  # waiters wake in arrival order
 
     def _sample(
         self, worker: WorkerEndpoint, request_id: str, stats: pb.PrefillStats

@@ -125,3 +125,14 @@ def test_offline_references():
     assert list_schedule_makespan_s(durations, 2) == 7.0  # LPT: 3+2+2 | 3+2
     assert makespan_lower_bound_s(durations, 2) == 6.0
     assert makespan_lower_bound_s([5.0, 1.0], 2) == 5.0
+
+
+def test_a_worker_holds_what_it_runs_plus_its_queue():
+    balancer = _balancer(1e-3)
+    assert balancer.has_room("w0")
+    balancer.assign("a", 100, 0.0, ["w0"])
+    assert balancer.has_room("w0"), "one running request leaves room for one queued"
+    balancer.assign("b", 100, 0.0, ["w0"])
+    assert not balancer.has_room("w0"), "late binding: the rest must wait at the router"
+    balancer.finish("w0", "a", 0.1)
+    assert balancer.has_room("w0")

@@ -22,10 +22,10 @@ def _completion(worker: str) -> Completion:
 def test_occupancies_are_gaps_between_completions_per_worker():
     done = [(_completion("p0"), 3.0), (_completion("p1"), 2.0), (_completion("p0"), 1.0)]
     assert occupancies(0.0, done) == {"p0": [1.0, 2.0], "p1": [2.0]}
-    lengths = prompt_lengths(200, 64, 4000, seed=1)
-    assert (
-        min(lengths) >= 64 and max(lengths) <= 4000 and lengths == prompt_lengths(200, 64, 4000, 1)
-    )
+    lengths = prompt_lengths(200, 64, 4000, long_fraction=0.2, seed=1)
+    assert min(lengths) >= 64 and max(lengths) <= 4000
+    assert 20 < sum(n >= 2000 for n in lengths) < 60, "the long share is off"
+    assert lengths == prompt_lengths(200, 64, 4000, 0.2, 1), "the workload is not seeded"
 
 
 @pytest.mark.engine
