@@ -165,8 +165,12 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
         client = request.client.host if request.client else ""
         if not client or not ip_address(client).is_loopback:
             raise ApiError(403, "drain is accepted from loopback clients only", "permission_error")
-        body = await request.json()
-        worker, grace_s = str(body.get("worker", "")), float(body.get("grace_s", 60.0))
+        try:
+            body = await request.json()
+            worker, grace_s = str(body["worker"]), float(body.get("grace_s", 60.0))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message = 'expected a JSON body {"worker": "d0", "grace_s": 60}'
+            raise ApiError(400, message, "invalid_request_error") from None
         num_active = await router.drain(worker, grace_s)
         return {"worker": worker, "grace_s": grace_s, "num_active": num_active}
 

@@ -345,6 +345,11 @@ class Router(RequestAPI):
         if worker is None:
             known = [w.worker_id for w in self.decode.workers]
             raise InvalidArgument(f"no decode worker {worker_id!r}; decode workers: {known}")
+        if not self.decode.candidates({worker.address}):
+            raise InvalidArgument(
+                f"{worker_id} is the only decode worker taking requests: its requests would "
+                "have nowhere to go; start another decode worker first"
+            )
         worker.draining = True
         reply = await worker.stub.Drain(pb.DrainRequest(grace_s=grace_s), timeout=HEALTH_TIMEOUT_S)
         return reply.num_active

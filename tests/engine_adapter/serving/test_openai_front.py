@@ -12,6 +12,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -250,3 +251,18 @@ def test_curl(server):
         'kvstore:request_errors_total{code="401"}',
     ):
         assert name in metrics, f"/metrics lacks {name}"
+
+
+def test_serve_drain_command_reaches_the_router(server):
+    """``kvstore serve drain`` talks to the HTTP front; this server has one decode worker,
+    so draining it is refused (its requests would have nowhere to go), as is an unknown one."""
+
+    def drain(worker: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "kvstore.cli", "serve", "drain", "--worker", worker]
+        return subprocess.run([*command, "--url", server], capture_output=True, text=True)
+
+    only = drain("d0")
+    assert only.returncode == 1 and "only decode worker" in only.stderr, only.stderr
+    unknown = drain("d9")
+    assert unknown.returncode == 1 and "no decode worker 'd9'" in unknown.stderr, unknown.stderr
+    assert _chat(_client(server), "still there?", max_tokens=1).usage.completion_tokens == 1
