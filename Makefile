@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install system-packages lint bench-erasure bench-storage bench-engine bench-swapin clean
+.PHONY: demo test install system-packages lint bench-erasure bench-storage bench-engine bench-swapin bench-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-engine: install
 
 bench-swapin: install
 	$(VENV)/bin/kvstore bench swapin --json out/bench_swapin.json
+
+bench-serve: install
+	$(VENV)/bin/kvstore bench serve --json out/bench_serve.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
