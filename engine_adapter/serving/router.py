@@ -357,21 +357,16 @@ class Router(RequestAPI):
     async def stream_request(self, proto: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
         """Run one request through a prefill worker, then a decode worker, streaming events."""
         flight = self._admit(Request.from_proto(proto))
-        self.num_waiting += 1
-        self._update_gauges()
+        self._count(waiting=+1)
         waiting = True
         try:
             matcher = StopMatcher(flight.request.stop)
             async for event in self._prefill_then_decode(flight):
                 kind = event.WhichOneof("event")
                 if kind == "token":
-                    if waiting:
+                    if waiting:  # the first token: the request now runs
                         waiting = False
-                        self.num_waiting, self.num_running = (
-                            self.num_waiting - 1,
-                            self.num_running + 1,
-                        )
-                        self._update_gauges()
+                        self._count(waiting=-1, running=+1)
                     self._observe_token(flight)
                     event.token.text = matcher.feed(event.token.text)
                     yield event
@@ -385,10 +380,9 @@ class Router(RequestAPI):
                     yield event
         finally:
             if waiting:
-                self.num_waiting -= 1
+                self._count(waiting=-1)
             else:
-                self.num_running -= 1
-            self._update_gauges()
+                self._count(running=-1)
 
     def _admit(self, request: Request) -> _Flight:
         """Tokenize (when the router can), check the length and the queue; the flight."""
@@ -438,7 +432,10 @@ class Router(RequestAPI):
         self.metrics.success.labels(finish.finish_reason).inc()
         return pb.GenerateEvent(finish=finish)
 
-    def _update_gauges(self) -> None:
+    def _count(self, waiting: int = 0, running: int = 0) -> None:
+        """Requests waiting for their first token and running after it, and their gauges."""
+        self.num_waiting += waiting
+        self.num_running += running
         self.metrics.waiting.set(self.num_waiting)
         self.metrics.running.set(self.num_running)
 
