@@ -45,6 +45,9 @@ async def test_drained_decode_worker_hands_requests_on_unchanged(
             [d1.address, worker_pool.workers["d0"].address],
         )
         async with Router(prefill, decode, policy="least-loaded") as router:
+            # Decode workers in turn (d1, d0, d1, d0): d1 surely holds two requests, one
+            # decoding (slowly) and one queued behind it, when the drain comes.
+            router.decode.policy = "round-robin"
             requests = [
                 asyncio.create_task(
                     router.generate(token_ids=p, tenant=how, max_new_tokens=NUM_NEW_TOKENS)
