@@ -7,8 +7,10 @@ and integrity failures (a shard that fails its checksum)::
 
     KVStoreError                        kvstore, client, engine_adapter
       InvalidArgument (ValueError)      wrong key size, oversized block, bad buffer, bad config
+        ContextTooLong                  a prompt longer than the model's context (serving)
       PermissionDenied                  wrong token, another tenant's data
       CapacityExhausted                 the node cannot store more bytes
+        QueueFull                       the serving tier's queue is full
       Unavailable                       a node, or too many nodes, could not be reached
         QuorumError                     a write reached fewer nodes than the write quorum
       DeadlineExceeded
@@ -42,6 +44,7 @@ __all__ = [
     "CapacityExhausted",
     "ChecksumMismatch",
     "CodecError",
+    "ContextTooLong",
     "DeadlineExceeded",
     "ErasureError",
     "InvalidArgument",
@@ -49,6 +52,7 @@ __all__ = [
     "KVStoreError",
     "MixedVersions",
     "PermissionDenied",
+    "QueueFull",
     "QuorumError",
     "ShardHeaderError",
     "TTLError",
@@ -81,6 +85,14 @@ class Unavailable(KVStoreError):
 
 class QuorumError(Unavailable):
     """A write reached fewer nodes than the write quorum; the block is not stored."""
+
+
+class ContextTooLong(InvalidArgument):
+    """A prompt plus the tokens asked for exceed the model's context (the HTTP front's 413)."""
+
+
+class QueueFull(CapacityExhausted):
+    """Too many requests wait for a prefill worker already (the HTTP front's 429)."""
 
 
 class DeadlineExceeded(KVStoreError):

@@ -42,14 +42,15 @@ from engine_adapter.serving.openai_protocol import (
     SamplingFields,
     error_body,
 )
-from engine_adapter.serving.request import ContextTooLong, QueueFull
 from engine_adapter.serving.request import Request as ServingRequest
 from engine_adapter.serving.router import Router
 from kvstore.errors import (
+    ContextTooLong,
     DeadlineExceeded,
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
+    QueueFull,
     Unavailable,
 )
 

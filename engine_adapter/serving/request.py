@@ -13,18 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapter.serving import serving_pb2 as pb
-from kvstore.errors import CapacityExhausted, InvalidArgument
+from kvstore.errors import InvalidArgument
 
 Message = Mapping[str, str]
 MAX_STOP_STRINGS = 4  # as OpenAI's API
-
-
-class ContextTooLong(InvalidArgument):
-    """The prompt plus the tokens asked for exceed the model's context (HTTP 413)."""
-
-
-class QueueFull(CapacityExhausted):
-    """Too many requests wait for a prefill worker already (HTTP 429); retry later."""
 
 
 @dataclass(frozen=True)
