@@ -35,6 +35,7 @@ from client.ucx_gets import UcxGets
 from client.ucx_transport import UcxTransport
 from client.write_path import WriteCounters, write_block
 from erasure.codec import byte_view, make_codec
+from kvstore.auth import client_token
 from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
 from kvstore.errors import (
     InvalidArgument,
@@ -45,6 +46,7 @@ from kvstore.errors import (
 )
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.tls import channel_credentials
 from kvstore.ucx_worker import INSTALL_HINT, ucx_available
 from ttl.clock import Clock, make_clock
 
@@ -57,15 +59,28 @@ TRANSPORTS = READ_TRANSPORTS
 class KVClient:
     """Client of one cluster for one tenant. Create with :meth:`connect`."""
 
-    def __init__(self, config: ClusterConfig, tenant: str, token: str | None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        tenant: str,
+        token: str | None,
+        *,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+    ) -> None:
         if not tenant:
             raise InvalidArgument("tenant must be a non-empty string, e.g. tenant='acme'")
+        try:
+            token = client_token(token)
+            credentials = channel_credentials(config, tls_cert_file, tls_key_file)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         self.config = config
         self.tenant = tenant
         self.codec = make_codec(config.codec)
         self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
         self.placement = Placement(config)
-        self.conns = {node.id: NodeConn(node, tenant, token) for node in config.nodes}
+        self.conns = {node.id: NodeConn(node, tenant, token, credentials) for node in config.nodes}
         self.group_conns = [[self.conns[i] for i in group] for group in config.groups]
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
@@ -81,8 +96,17 @@ class KVClient:
         token: str | None = None,
         *,
         transport: str = "grpc",
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> _Connecting:
         """Open a client: ``await KVClient.connect(...)`` or ``async with KVClient.connect(...)``.
+
+        ``token`` is this client's credential (kvstore/auth.py): None reads ``$KVSTORE_TOKEN``
+        or the file named by ``$KVSTORE_TOKEN_FILE`` (never cluster.toml). The nodes derive
+        the tenant from it: a tenant token works only for its own ``tenant``, a service token
+        for the tenants of its allow-list. With TLS on, ``tls_cert_file``/``tls_key_file``
+        (or ``$KVSTORE_TLS_CERT``/``$KVSTORE_TLS_KEY``) are the client certificate for mutual
+        TLS.
 
         Channels connect lazily; a node that is down only shows up as a failed RPC later.
         ``transport`` picks how read payloads travel (client/ucx_gets.py): "grpc"; "ucx"
@@ -99,9 +123,12 @@ class KVClient:
 
         async def open_client() -> KVClient:
             if isinstance(cluster_toml, ClusterConfig):
-                client = cls(cluster_toml, tenant, token)
+                config = cluster_toml
             else:
-                client = cls(await asyncio.to_thread(load_cluster, cluster_toml), tenant, token)
+                config = await asyncio.to_thread(load_cluster, cluster_toml)
+            client = cls(
+                config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
+            )
             if transport != "grpc":
                 try:
                     await client._start_ucx(forced=transport == "ucx")
@@ -361,15 +388,17 @@ async def _run_until(
 ) -> None:
     """Run ``calls`` concurrently until ``is_done()`` or all finish or the timeout; cancel rest.
 
-    Exceptions other than the ones the calls handle themselves propagate.
+    Exceptions other than the ones the calls handle themselves propagate (the first one; the
+    others of the same turn are retrieved, so asyncio never reports them as lost).
     """
     tasks = {asyncio.ensure_future(call) for call in calls}
     try:
         async with asyncio.timeout(timeout_s):
             while tasks and not is_done():
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
+                errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
+                if errors:
+                    raise errors[0]
     except TimeoutError:
         log.debug("contains: deadline passed with %d nodes outstanding", len(tasks))
     finally:

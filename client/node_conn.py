@@ -32,6 +32,7 @@ from kvstore.errors import BadReply, DeadlineExceeded
 from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
+from kvstore.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,19 @@ MAX_PUT_BATCH_SHARDS = 64
 class NodeConn:
     """Channel, stub and health of one node for one tenant; create inside the event loop."""
 
-    def __init__(self, node: NodeConfig, tenant: str, token: str | None) -> None:
+    def __init__(
+        self,
+        node: NodeConfig,
+        tenant: str,
+        token: str | None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.node_id = node.id
         self.address = node.address
         self.tenant = tenant
         self.token = token
-        self.channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
+        # TLS when the cluster has it on (kvstore/tls.py); plaintext only on loopback.
+        self.channel = aio_channel(node.address, credentials, CHANNEL_OPTIONS)
         self.stub = ShardStoreStub(self.channel)
         # GetShards replies carry the shards: parse them without protobuf's copies.
         self.stub.GetShards = self.channel.unary_unary(

@@ -177,8 +177,13 @@ class BlockRead:
             self.conns[position].health.record_lateness(position in outstanding)
 
     def _cancel_outstanding(self) -> None:
+        """Cancel the replies still awaited; retrieve the errors of those already in (a
+        refusal raised by one reply must not leave its siblings' errors unretrieved)."""
         for future in self.pending:
-            future.cancel()
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()
         self.pending.clear()
 
 

@@ -2,13 +2,18 @@
 
 The JSON (``--json``)::
 
-    {"cluster_toml": ..., "epoch": 1,
+    {"cluster_toml": ..., "epoch": 1, "tls": true, "auth": true,
+     "retention_caps": [{"tenant", "traffic_class", "max_ttl_s"}],
      "nodes": [{"id", "address", "failure_domain", "pid", "up", "shards", "bytes",
                 "used_bytes", "capacity_bytes", "corrupt_shards", "segments", "hits",
-                "misses", "classes": [{"traffic_class", "shards", "bytes", "hits",
-                "misses", "expired", "evicted", "youngest_evicted_age_s"}]}]}
+                "misses", "last_tombstone_seq", "classes": [{"traffic_class", "shards",
+                "bytes", "hits", "misses", "expired", "evicted", "youngest_evicted_age_s"}]}]}
 
-A node that does not answer has ``"up": false`` and no figures.
+A node that does not answer (or refuses the credential) has ``"up": false`` and no figures.
+Stats needs an admin credential when the nodes require auth: the token `cluster up --auth`
+wrote in DIR/admin.token, else ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``. The retention
+caps are the nodes' own (from their credentials file), as the first node that answered
+reports them.
 """
 
 from __future__ import annotations
@@ -20,22 +25,31 @@ from typing import Any
 import grpc
 from rich.table import Table
 
+from kvstore.auth import client_token
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tables import make_console, print_fitted
-from ttl.units import format_bytes
+from kvstore.tls import channel_credentials, sync_channel
+from ttl.units import format_bytes, format_duration
 
 STATS_TIMEOUT_S = 2.0
 
 
-def fetch_stats(config: ClusterConfig) -> dict[str, pb.StatsReply | None]:
+def fetch_stats(
+    config: ClusterConfig,
+    token: str | None = None,
+    client_cert: tuple[str | None, str | None] = (None, None),
+) -> dict[str, pb.StatsReply | None]:
     """Node id -> its Stats reply (None if it did not answer); all nodes asked concurrently."""
-    channels = {n.id: grpc.insecure_channel(n.address) for n in config.nodes}
+    credentials = channel_credentials(config, *client_cert)
+    channels = {n.id: sync_channel(n.address, credentials) for n in config.nodes}
+    token = client_token(token)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     try:
         futures = {
             n.id: ShardStoreStub(channels[n.id]).Stats.future(
-                pb.StatsRequest(), timeout=STATS_TIMEOUT_S, metadata=_auth(n)
+                pb.StatsRequest(), timeout=STATS_TIMEOUT_S, metadata=metadata
             )
             for n in config.nodes
         }
@@ -43,10 +57,6 @@ def fetch_stats(config: ClusterConfig) -> dict[str, pb.StatsReply | None]:
     finally:
         for channel in channels.values():
             channel.close()
-
-
-def _auth(node: NodeConfig) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {node.auth_token}"),) if node.auth_token else None
 
 
 def _result(future: grpc.Future) -> pb.StatsReply | None:
@@ -99,6 +109,25 @@ def class_table(stats: dict) -> Table:
     return table
 
 
+def retention_caps(stats: dict) -> list[dict[str, Any]]:
+    """The tenant TTL caps in force, as the first node that answered reports them."""
+    reply = next((r for r in stats.values() if r is not None), None)
+    caps = reply.retention_caps if reply is not None else ()
+    return [
+        {"tenant": c.tenant, "traffic_class": c.traffic_class, "max_ttl_s": c.max_ttl_s}
+        for c in caps
+    ]
+
+
+def caps_table(caps: list[dict[str, Any]]) -> Table:
+    table = Table(title="retention caps (tenant TTL per class, enforced by the nodes)")
+    for column in ("tenant", "class", "max TTL"):
+        table.add_column(column, justify="right" if column == "max TTL" else "left")
+    for cap in caps:
+        table.add_row(cap["tenant"], cap["traffic_class"], format_duration(cap["max_ttl_s"]))
+    return table
+
+
 def status_document(
     config: ClusterConfig, cluster_toml: Path, pids: dict[str, int], stats: dict
 ) -> dict[str, Any]:
@@ -106,6 +135,9 @@ def status_document(
     return {
         "cluster_toml": str(cluster_toml),
         "epoch": config.epoch,
+        "tls": config.tls_enabled,
+        "auth": any(n.credentials_file for n in config.nodes),
+        "retention_caps": retention_caps(stats),
         "nodes": [_node_record(node, pids.get(node.id), stats[node.id]) for node in config.nodes],
     }
 
@@ -129,6 +161,7 @@ def _node_record(node: NodeConfig, pid: int | None, reply: pb.StatsReply | None)
         segments=reply.segments,
         hits=reply.hits,
         misses=reply.misses,
+        last_tombstone_seq=reply.last_tombstone_seq,
         classes=[_class_record(c) for c in reply.classes],
     )
     return record
@@ -152,15 +185,24 @@ def _youngest(c: pb.ClassStats) -> float | None:
     return c.youngest_evicted_age_s if c.HasField("youngest_evicted_age_s") else None
 
 
-def print_status(root: Path, pids: dict[str, int], *, as_json: bool = False) -> int:
+def print_status(
+    root: Path,
+    pids: dict[str, int],
+    *,
+    as_json: bool = False,
+    token: str | None = None,
+    client_cert: tuple[str | None, str | None] = (None, None),
+) -> int:
     """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise."""
     cluster_toml = root / "cluster.toml"
     config = load_cluster(cluster_toml)
-    stats = fetch_stats(config)
+    stats = fetch_stats(config, token, client_cert)
     if as_json:
         print(json.dumps(status_document(config, cluster_toml, pids, stats), indent=1))
     else:
         console = make_console()
         print_fitted(node_table(config, pids, stats), console, keep=("up",))
         print_fitted(class_table(stats), console, keep=("class",))
+        if caps := retention_caps(stats):
+            print_fitted(caps_table(caps), console, keep=("tenant",))
     return 0 if all(reply is not None for reply in stats.values()) else 1

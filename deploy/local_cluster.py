@@ -3,16 +3,24 @@
 ::
 
     kvstore cluster up --nodes 12 --dir DIR [--time-scale X] [--backend isal|zfec]
-                       [--max-bytes 1GiB] [--no-fsync] [--base-port P]
+                       [--max-bytes 1GiB] [--no-fsync] [--base-port P] [--auth] [--tls]
     kvstore cluster status --dir DIR [--json]
+    kvstore cluster add-tenant --dir DIR TENANT [--role service --tenants a,b] [--max-ttl ...]
     kvstore cluster down --dir DIR
 
 Layout of DIR::
 
-    cluster.toml     the cluster map every node and client reads (written by `up`)
-    pids.json        node id -> pid of the running node process
-    logs/<id>.log    each node's stdout and stderr (appended across restarts)
-    <id>/            each node's data directory
+    cluster.toml       the cluster map every node and client reads (written by `up`)
+    pids.json          node id -> pid of the running node process
+    logs/<id>.log      each node's stdout and stderr (appended across restarts)
+    <id>/              each node's data directory
+    credentials.toml   with --auth: the nodes' principals, tokens hashed (mode 0600)
+    admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
+    node.token         with --auth: the credential nodes present to each other (0600)
+    tls/               with --tls: the development CA and one certificate per node
+
+On one machine the nodes share DIR, so they share one credentials file; on real hosts each
+node has its own copy (the same file), and only the nodes can read it.
 
 Each node is its own failure domain; groups come from kvstore.placement.make_groups (one group
 per node, rotations of the node list). Programmatic use (tests, benchmarks)::
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -41,22 +50,32 @@ from typing import Any
 import grpc
 
 from deploy.cluster_status import print_status
-from kvstore.cli import size_arg
+from kvstore.auth import Role, add_principal, read_token_file, set_tenant_caps, write_private
+from kvstore.certs import init_ca, issue_files
+from kvstore.cli import list_arg, size_arg
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
     CodecConfig,
     NodeConfig,
+    TLSConfig,
     TTLConfig,
+    load_cluster,
     save_cluster,
 )
 from kvstore.errors import ERRORS, InvalidArgument, Unavailable
 from kvstore.placement import make_groups
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
+from kvstore.tls import channel_credentials, sync_channel
+from ttl.units import parse_duration_s
 
 log = logging.getLogger(__name__)
 
+CREDENTIALS_FILE = "credentials.toml"
+ADMIN_TOKEN_FILE = "admin.token"
+NODE_TOKEN_FILE = "node.token"
+TLS_DIR = "tls"
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05
@@ -159,9 +178,11 @@ def log_tail(root: Path, node_id: str, num_lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
 
 
-def health(address: str, timeout_s: float) -> pb.HealthReply | None:
+def health(
+    address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+) -> pb.HealthReply | None:
     """The node's Health reply, or None if it does not answer within ``timeout_s``."""
-    with grpc.insecure_channel(address, options=_HEALTH_OPTIONS) as channel:
+    with sync_channel(address, credentials, _HEALTH_OPTIONS) as channel:
         try:
             return ShardStoreStub(channel).Health(pb.HealthRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -177,11 +198,12 @@ def wait_healthy(
     """Poll Health on every node in ``procs`` until all serve; raise Unavailable otherwise."""
     deadline_s = time.monotonic() + timeout_s
     waiting = dict(procs)
+    credentials = channel_credentials(config, *local_client_cert(root, config))
     while waiting:
         for node_id, proc in list(waiting.items()):
             if proc.poll() is not None:
                 raise Unavailable(_startup_failure(root, node_id, f"exited with {proc.returncode}"))
-            reply = health(config.node(node_id).address, timeout_s=0.5)
+            reply = health(config.node(node_id).address, 0.5, credentials)
             if reply is not None and reply.serving:
                 del waiting[node_id]
         if waiting and time.monotonic() > deadline_s:
@@ -194,6 +216,58 @@ def wait_healthy(
 def _startup_failure(root: Path, node_id: str, what: str) -> str:
     tail = log_tail(root, node_id)
     return f"node {node_id} {what}; last lines of {root}/logs/{node_id}.log:\n{tail}"
+
+
+def secure(
+    root: Path, config: ClusterConfig, *, auth: bool, tls: bool, mtls: bool
+) -> ClusterConfig:
+    """``config`` with auth (credentials file, admin and node tokens) and TLS (a dev CA, a
+    certificate per node; ``mtls``: client certificates required) set up under ``root``."""
+    nodes = config.nodes
+    if auth:
+        credentials = root / CREDENTIALS_FILE
+        credentials.unlink(missing_ok=True)
+        write_private(root / ADMIN_TOKEN_FILE, add_principal(credentials, "admin", Role.ADMIN))
+        node_token = add_principal(credentials, "nodes", Role.NODE, cert_identity="")
+        write_private(root / NODE_TOKEN_FILE, node_token)
+        nodes = tuple(
+            dataclasses.replace(
+                n,
+                credentials_file=str(credentials.resolve()),
+                peer_token_file=str((root / NODE_TOKEN_FILE).resolve()),
+            )
+            for n in nodes
+        )
+    tls_config = config.tls
+    if tls:
+        tls_dir = root / TLS_DIR
+        ca_file = init_ca(tls_dir)
+        issued = {n.id: issue_files(tls_dir, n.id, [n.host, "localhost"]) for n in nodes}
+        issue_files(tls_dir, "admin", [])
+        nodes = tuple(
+            dataclasses.replace(
+                n,
+                tls_cert_file=str(issued[n.id][0].resolve()),
+                tls_key_file=str(issued[n.id][1].resolve()),
+            )
+            for n in nodes
+        )
+        tls_config = TLSConfig("on", str(ca_file.resolve()), "require" if mtls else "none")
+    return dataclasses.replace(config, nodes=nodes, tls=tls_config)
+
+
+def local_admin_token(root: Path) -> str | None:
+    """The admin token `cluster up --auth` wrote, or None (no auth, or not a local cluster)."""
+    path = root / ADMIN_TOKEN_FILE
+    return read_token_file(path) if path.exists() else None
+
+
+def local_client_cert(root: Path, config: ClusterConfig) -> tuple[str | None, str | None]:
+    """The admin client certificate of a local mutual-TLS cluster, else (None, None)."""
+    cert, key = root / TLS_DIR / "admin.pem", root / TLS_DIR / "admin.key"
+    if config.tls.client_certs == "require" and cert.exists():
+        return str(cert), str(key)
+    return None, None
 
 
 def read_pids(root: Path) -> dict[str, int]:
@@ -258,6 +332,18 @@ class LocalCluster:
     def cluster_toml(self) -> Path:
         return self.root / "cluster.toml"
 
+    @property
+    def credentials_file(self) -> Path:
+        return self.root / CREDENTIALS_FILE
+
+    @property
+    def admin_token(self) -> str | None:
+        return local_admin_token(self.root)
+
+    def add_tenant(self, tenant: str, role: Role = Role.TENANT, tenants: Sequence[str] = ()) -> str:
+        """A new principal's token (``kvstore cluster add-tenant``); nodes see it within 1 s."""
+        return add_principal(self.credentials_file, tenant, role, frozenset(tenants))
+
     @classmethod
     def start(
         cls,
@@ -268,12 +354,17 @@ class LocalCluster:
         backend: str = "isal",
         base_port: int | None = None,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        auth: bool = False,
+        tls: bool = False,
+        mtls: bool = False,
         **node_defaults: Any,
     ) -> LocalCluster:
         """Write ``root/cluster.toml``, start every node concurrently, wait until all serve.
 
         ``node_defaults`` are NodeConfig fields for every node (``fsync=False``,
-        ``max_bytes=...``). On a startup failure the started nodes are stopped again.
+        ``max_bytes=...``). ``auth`` writes a credentials file with an admin and a node
+        principal (``root/admin.token``); ``tls`` a CA and node certificates (``mtls``:
+        clients must present one too). On a startup failure the started nodes are stopped.
         """
         root = Path(root)
         if any(is_node_process(pid, n) for n, pid in read_pids(root).items()):
@@ -282,6 +373,7 @@ class LocalCluster:
             )
         root.mkdir(parents=True, exist_ok=True)
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
+        config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls)
         save_cluster(config, root / "cluster.toml")
         cluster = cls(root, config)
         try:
@@ -370,10 +462,77 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-port", type=int, default=None, help="first port to use (default: free ports)"
     )
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="require credentials: write DIR/credentials.toml and an admin token (DIR/admin.token)",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="TLS on every channel: a dev CA and node certificates"
+    )
+    parser.add_argument(
+        "--mtls", action="store_true", help="like --tls, and clients must present certificates"
+    )
 
 
 def run_up(args: argparse.Namespace) -> int:
     return _report_errors(_up, args)
+
+
+def configure_add_tenant(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster add-tenant``."""
+    _add_dir(parser)
+    parser.add_argument("tenant", help="the tenant (or service) name; its token is printed")
+    parser.add_argument(
+        "--role",
+        choices=[Role.TENANT.value, Role.SERVICE.value, Role.ADMIN.value, Role.NODE.value],
+        default=Role.TENANT.value,
+        help="tenant: its own blocks; service: acts for --tenants; admin: stats and purge",
+    )
+    parser.add_argument(
+        "--tenants",
+        type=list_arg(str),
+        default=[],
+        help="for --role service: the tenants it may act for, comma-separated ('*' = any)",
+    )
+    parser.add_argument(
+        "--max-ttl",
+        type=list_arg(_class_cap),
+        default=[],
+        help="retention caps for this tenant, e.g. chat=1d,agent=12h (nodes enforce them)",
+    )
+    parser.add_argument(
+        "--credentials",
+        type=Path,
+        default=None,
+        help="the credentials file to change (default: DIR/credentials.toml)",
+    )
+    parser.add_argument(
+        "--cert-identity", default="", help="common name of its mTLS client certificate"
+    )
+
+
+def _class_cap(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"a cap is CLASS=DURATION like chat=1d, got {text!r}")
+    return name.strip(), parse_duration_s(value.strip())
+
+
+def run_add_tenant(args: argparse.Namespace) -> int:
+    return _report_errors(_add_tenant, args)
+
+
+def _add_tenant(args: argparse.Namespace) -> int:
+    path = args.credentials or args.dir / CREDENTIALS_FILE
+    role = Role(args.role)
+    token = add_principal(
+        path, args.tenant, role, frozenset(args.tenants), cert_identity=args.cert_identity
+    )
+    if args.max_ttl:
+        set_tenant_caps(path, args.tenant, dict(args.max_ttl))
+    print(token)
+    return 0
 
 
 def configure_status(parser: argparse.ArgumentParser) -> None:
@@ -383,7 +542,18 @@ def configure_status(parser: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    return _report_errors(lambda a: print_status(a.dir, read_pids(a.dir), as_json=a.json), args)
+    return _report_errors(_status, args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    config = load_cluster(args.dir / "cluster.toml")
+    return print_status(
+        args.dir,
+        read_pids(args.dir),
+        as_json=args.json,
+        token=local_admin_token(args.dir),
+        client_cert=local_client_cert(args.dir, config),
+    )
 
 
 def configure_down(parser: argparse.ArgumentParser) -> None:
@@ -429,7 +599,15 @@ def _up(args: argparse.Namespace) -> int:
         args.time_scale,
         backend=args.backend,
         base_port=args.base_port,
+        auth=args.auth,
+        tls=args.tls,
+        mtls=args.mtls,
         **overrides,
     )
     print(f"{len(cluster.procs)} nodes serving; cluster map: {cluster.cluster_toml}")
+    if args.auth:
+        print(
+            f"auth on: admin token in {args.dir / ADMIN_TOKEN_FILE}; add tenants with "
+            f"`kvstore cluster add-tenant --dir {args.dir} TENANT`"
+        )
     return 0

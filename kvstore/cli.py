@@ -30,6 +30,13 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("cluster", "up"): ("deploy.local_cluster:up", "start a local cluster in the background"),
     ("cluster", "status"): ("deploy.local_cluster:status", "each node's and class's figures"),
     ("cluster", "down"): ("deploy.local_cluster:down", "stop a local cluster's nodes"),
+    ("cluster", "add-tenant"): (
+        "deploy.local_cluster:add_tenant",
+        "add a tenant (or service) principal and print its new token",
+    ),
+    ("certs", "init"): ("kvstore.certs:init", "make a development CA for TLS"),
+    ("certs", "issue"): ("kvstore.certs:issue", "issue a node or client certificate"),
+    ("purge",): ("deploy.purge", "delete every block of a tenant and destroy its data key"),
     ("bench", "erasure"): ("bench.erasure_bench", "erasure codec throughput vs memcpy"),
     ("bench", "storage"): ("bench.storage_bench", "cluster PUT/GET throughput and latency"),
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
@@ -62,6 +69,7 @@ MODULE_TO_EXTRA = {
 GROUPS: dict[tuple[str, ...], str] = {
     ("cluster",): "start, inspect or stop a local cluster",
     ("bench",): "benchmarks: each prints a table and writes JSON",
+    ("certs",): "a development CA and certificates for TLS",
 }
 
 

@@ -20,6 +20,13 @@
     [ttl.classes]
     chat = "7d"
     agent = "3d"
+    [tls]                          # kvstore/tls.py; "auto" = on when a node is off loopback
+    mode = "auto"
+    ca_file = "/etc/kvstore/tls/ca.pem"
+    [encryption]                   # optional, client-side per tenant (client/sealer.py)
+    tenants = ["acme"]
+    keyring_file = "/etc/kvstore/keyring.json"
+    master_key_file = "/etc/kvstore/master.key"
     [node_defaults]                # any NodeConfig field; a [[nodes]] entry may override it
     fsync = true
     [[nodes]]
@@ -118,7 +125,14 @@ class NodeConfig:
     max_shard_bytes: int = 4 * MiB  # largest shard payload accepted (block max / k, rounded up)
     max_batch_bytes: int = 64 * MiB  # largest request a node accepts
     inject_delay_ms: float = 0.0  # test-only: a fixed delay per request (a straggler)
-    auth_token: str = ""  # if set, requests must carry metadata ("authorization", "Bearer <token>")
+    # Principals (kvstore/auth.py): the node-side credentials file, mode 0600; "" = auth off.
+    credentials_file: str = ""
+    metrics_auth: bool = False  # /metrics needs an admin or node bearer token (/healthz never)
+    peer_token_file: str = ""  # the token this node presents to its peers (role node)
+    tls_cert_file: str = ""  # this node's certificate chain (PEM), when [tls] is on
+    tls_key_file: str = ""  # its private key (PEM, mode 0600)
+    tombstone_retention_s: float = 8 * 86400.0  # delete-log records kept (>= the longest TTL)
+    tombstone_sync_interval_s: float = 30.0  # how often a node pulls its peers' delete logs
     scrub_bytes_per_s: int = 64 * MiB  # background re-read and verify of records; 0 = no scrub
     scrub_pass_interval_s: float = 3600.0  # a full scrub pass starts at most this often
     ucx: str = "auto"  # UCX data path for reads: "auto" = on when ucxx imports, "off"
@@ -141,6 +155,70 @@ class NodeConfig:
             )
         if self.ucx not in ("auto", "off"):
             raise ValueError(f"node {self.id}: ucx must be 'auto' or 'off', got {self.ucx!r}")
+        if self.tombstone_retention_s <= 0 or self.tombstone_sync_interval_s <= 0:
+            raise ValueError(
+                f"node {self.id}: tombstone_retention_s and tombstone_sync_interval_s must be > 0"
+            )
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0].strip("[]")
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+TLS_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """TLS on every gRPC channel (kvstore/tls.py). ``[tls]`` in cluster.toml.
+
+    ``mode = "auto"`` (the default) is on as soon as one node is not on a loopback address,
+    so a multi-host map cannot run in plaintext by omission; ``"off"`` is allowed only for
+    loopback clusters. The CA file is public: it says which certificates to trust.
+    """
+
+    mode: str = "auto"
+    ca_file: str = ""  # PEM bundle that signs node (and client) certificates
+    client_certs: str = "none"  # "require": mutual TLS, clients must present a CA-signed cert
+
+    def __post_init__(self) -> None:
+        if self.mode not in TLS_MODES:
+            raise ValueError(f"[tls] mode must be one of {TLS_MODES}, got {self.mode!r}")
+        if self.client_certs not in ("none", "require"):
+            raise ValueError(
+                f"[tls] client_certs must be 'none' or 'require', got {self.client_certs!r}"
+            )
+
+    def enabled_for(self, nodes: tuple[NodeConfig, ...]) -> bool:
+        if self.mode == "auto":
+            return any(n.host not in LOOPBACK_HOSTS for n in nodes)
+        return self.mode == "on"
+
+
+@dataclass(frozen=True)
+class EncryptionConfig:
+    """Client-side encryption at rest per tenant (client/sealer.py). ``[encryption]``.
+
+    Paths name files on the trusted client hosts (the serving tier), never secrets
+    themselves: the master key file (mode 0600) wraps each tenant's data key, and the keyring
+    holds the wrapped keys. ``kms = "module:factory"`` replaces the master key file by an
+    external KMS (a factory returning a :class:`client.keyring.KeyWrapper`).
+    """
+
+    tenants: tuple[str, ...] = ()  # tenants whose blocks are sealed; "*" = every tenant
+    keyring_file: str = ""
+    master_key_file: str = ""
+    kms: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tenants and not self.keyring_file:
+            raise ValueError("[encryption] tenants are set but keyring_file is not")
+        if self.tenants and not (self.master_key_file or self.kms):
+            raise ValueError("[encryption] needs master_key_file or kms to wrap data keys")
+
+    def covers(self, tenant: str) -> bool:
+        return tenant in self.tenants or "*" in self.tenants
 
 
 @dataclass(frozen=True)
@@ -151,6 +229,8 @@ class ClusterConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     ttl: TTLConfig = field(default_factory=TTLConfig)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
 
     def __post_init__(self) -> None:
         ids = [n.id for n in self.nodes]
@@ -172,6 +252,30 @@ class ClusterConfig:
             raise ValueError(f"read_fanout {self.client.read_fanout} must be in [k={k}, k+m={n}]")
         if not k <= self.client.write_quorum <= n:
             raise ValueError(f"write_quorum {self.client.write_quorum} must be in [{k}, {n}]")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        remote = [n.id for n in self.nodes if n.host not in LOOPBACK_HOSTS]
+        if self.tls.mode == "off" and remote:
+            raise ValueError(
+                f"[tls] mode = 'off' but nodes {remote[:3]} are not on loopback: tokens and "
+                "blocks would cross the network in plaintext; make certificates with "
+                "`kvstore certs init|issue` and set [tls] ca_file and each node's tls_cert_file"
+            )
+        if not self.tls_enabled:
+            return
+        if not self.tls.ca_file:
+            raise ValueError("TLS is on ([tls] mode, or nodes off loopback) but ca_file is unset")
+        missing = [n.id for n in self.nodes if not (n.tls_cert_file and n.tls_key_file)]
+        if missing:
+            raise ValueError(
+                f"TLS is on but nodes {missing[:3]} have no tls_cert_file/tls_key_file; "
+                "issue them with `kvstore certs issue`"
+            )
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls.enabled_for(self.nodes)
 
     def node(self, node_id: str) -> NodeConfig:
         for node in self.nodes:
@@ -183,6 +287,10 @@ class ClusterConfig:
         )
 
 
+_REMOVED_NODE_FIELDS = {
+    "auth_token": "the shared cluster token is gone: nodes read principals from "
+    "credentials_file (kvstore cluster add-tenant) and clients pass their own token",
+}
 _NODE_DEFAULTS = {f.name for f in dataclasses.fields(NodeConfig)} - {
     "id",
     "address",
@@ -216,8 +324,16 @@ def _ttl_from_toml(raw: Mapping[str, Any]) -> TTLConfig:
     return TTLConfig(classes=classes, eviction_order=eviction_order, **rest)
 
 
+def _check_removed(fields: Mapping[str, Any]) -> None:
+    for name, advice in _REMOVED_NODE_FIELDS.items():
+        if name in fields:
+            raise ValueError(f"{name} is no longer a node field: {advice}")
+
+
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
     defaults = with_units(raw.get("node_defaults", {}))
+    for fields in (defaults, *raw.get("nodes", [])):
+        _check_removed(fields)
     unknown = set(defaults) - _NODE_DEFAULTS
     if unknown:
         raise ValueError(
@@ -230,6 +346,10 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
         codec=CodecConfig(**with_units(raw.get("codec", {}))),
         client=ClientConfig(**with_units(raw.get("client", {}))),
         ttl=_ttl_from_toml(raw.get("ttl", {})),
+        tls=TLSConfig(**raw.get("tls", {})),
+        encryption=EncryptionConfig(
+            **{k: tuple(v) if k == "tenants" else v for k, v in raw.get("encryption", {}).items()}
+        ),
     )
 
 
@@ -260,6 +380,11 @@ def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "codec": dataclasses.asdict(cfg.codec),
         "client": dataclasses.asdict(cfg.client),
         "ttl": ttl,
+        "tls": dataclasses.asdict(cfg.tls),
+        "encryption": {
+            k: list(v) if k == "tenants" else v
+            for k, v in dataclasses.asdict(cfg.encryption).items()
+        },
         "nodes": [dataclasses.asdict(n) for n in cfg.nodes],
         "groups": [{"nodes": list(g)} for g in cfg.groups],
     }

@@ -20,6 +20,7 @@ concurrent requests cost one round of fsyncs instead of N.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,7 +31,7 @@ from kvstore.index import Entry, Index
 from kvstore.read_state import ReadState
 from kvstore.segment_appender import SegmentAppender
 from kvstore.segments import record_bytes
-from ttl.policy import TrafficClasses, is_expired
+from ttl.policy import Retention, is_expired
 
 SHARD_CHECKSUM_SLICE = slice(HEADER_BYTES - 8, HEADER_BYTES)  # erasure/shard.py header layout
 
@@ -57,13 +58,13 @@ class GroupCommit:
         appender: SegmentAppender,
         evictor: Evictor,
         reads: ReadState,
-        classes: TrafficClasses,
+        retention: Callable[[], Retention],
     ) -> None:
         self._index = index
         self._appender = appender
         self._evictor = evictor
         self._reads = reads
-        self._classes = classes
+        self._retention = retention  # the store's current TTLs and tenant caps
         self._lock = threading.Lock()
         self._queue: list[PutRequest] = []  # puts waiting for the next group commit
 
@@ -142,5 +143,7 @@ class GroupCommit:
             shard_checksum=int.from_bytes(bytes(memoryview(shard)[SHARD_CHECKSUM_SLICE]), "little"),
             created_s=request.now,
             last_access_s=request.now,
-            expires_at_s=self._classes.expires_at_s(request.traffic_class, request.now),
+            expires_at_s=self._retention().expires_at_s(
+                request.tenant, request.traffic_class, request.now
+            ),
         )

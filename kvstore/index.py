@@ -20,6 +20,13 @@ numeric order)::
     segments  segment_id(8)                             -> window_id(i64) committed_bytes(u64)
                                                            live_bytes(u64) num_live(u64)
     counters  name (utf-8)                              -> f64     stats kept across restarts
+    erase     segment_id(8) offset(8)                   -> record bytes(u64): records of deleted
+                                                                   shards whose bytes are still
+                                                                   to be destroyed on disk
+    tombstones seq(8)                                   -> at_s(f64) key length(u8) key
+                                                           tenant (utf-8): the delete log that
+                                                           peers pull (kvstore/tombstones.py);
+                                                           an empty key = the whole tenant
 
 Entry value (little-endian)::
 
@@ -66,7 +73,7 @@ import xxhash
 from kvstore.errors import CapacityExhausted
 from kvstore.segments import record_bytes
 
-DBS = ("entries", "expiry", "access", "by_seg", "segments", "counters")
+DBS = ("entries", "expiry", "access", "by_seg", "segments", "counters", "erase", "tombstones")
 ENTRY_KEY_BYTES = 40
 _ENTRY = struct.Struct("<QQIQdddB")
 _SEGMENT = struct.Struct("<qQQQ")
@@ -76,6 +83,8 @@ _MAX_U64 = (1 << 64) - 1
 USED_BYTES = "node/used_bytes"
 NEXT_SEGMENT_ID = "node/next_segment_id"
 ACCESS_ORDER_INDEXED = "node/access_order_indexed"  # 1 once every entry is in ``access``
+LAST_TOMBSTONE_SEQ = "node/last_tombstone_seq"
+_TOMBSTONE = struct.Struct("<dB")
 
 
 def class_counter(traffic_class: str, name: str) -> str:
@@ -121,6 +130,29 @@ class SegmentMeta:
     @property
     def dead_bytes(self) -> int:
         return self.committed_bytes - self.live_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """One delete in the node's delete log: every version of ``key`` (``b""``: every key of
+    the tenant) created at or before ``at_s`` is deleted."""
+
+    seq: int
+    tenant: str
+    key: bytes
+    at_s: float
+
+
+def _encode_tombstone(t: Tombstone) -> bytes:
+    return _TOMBSTONE.pack(t.at_s, len(t.key)) + t.key + t.tenant.encode()
+
+
+def _decode_tombstone(seq_key: bytes, value: bytes) -> Tombstone:
+    at_s, key_len = _TOMBSTONE.unpack_from(value)
+    key_end = _TOMBSTONE.size + key_len
+    return Tombstone(
+        _U64.unpack(seq_key)[0], value[key_end:].decode(), value[_TOMBSTONE.size : key_end], at_s
+    )
 
 
 def tenant_hash(tenant: str) -> bytes:
@@ -370,6 +402,22 @@ class IndexView:
         entries = (decode_entry(k, v) for k, v in items)
         return [e for e in entries if e.tenant == tenant]
 
+    def tenant_entries(self, tenant: str, start: bytes, limit: int) -> list[Entry]:
+        """Up to ``limit`` entries of ``tenant`` from index key ``start`` (b"": the first)."""
+        prefix = tenant_hash(tenant)
+        items = self._txn.scan("entries", max(start, prefix), _prefix_end(prefix), limit)
+        return [e for e in (decode_entry(k, v) for k, v in items) if e.tenant == tenant]
+
+    def erase_queue(self, limit: int) -> list[tuple[int, int, int]]:
+        """(segment id, offset, record bytes) of deleted records not yet destroyed on disk."""
+        items = self._txn.scan("erase", b"", None, limit)
+        return [(*struct.unpack(">QQ", k), _U64.unpack(v)[0]) for k, v in items]
+
+    def tombstones(self, after_seq: int, limit: int) -> list[Tombstone]:
+        """Up to ``limit`` delete-log records with a sequence number above ``after_seq``."""
+        items = self._txn.scan("tombstones", _u64(after_seq + 1), None, limit)
+        return [_decode_tombstone(k, v) for k, v in items]
+
     def entry(self, tenant: str, key: bytes, version: bytes) -> Entry | None:
         value = self._txn.get("entries", entry_key(tenant, key, version))
         if value is None:
@@ -504,6 +552,30 @@ class IndexWriter(IndexView):
         self._unlink(decode_entry(entry.index_key, value))
         self._txn.delete("entries", entry.index_key)
         return True
+
+    def queue_erase(self, entry: Entry) -> None:
+        """Remember that ``entry``'s record bytes must be destroyed on disk (same transaction
+        as its delete, so a crash before the erase cannot forget it)."""
+        self._txn.put(
+            "erase", struct.pack(">QQ", entry.segment_id, entry.offset), _u64(entry.record_bytes)
+        )
+
+    def erased(self, segment_id: int, offset: int) -> None:
+        self._txn.delete("erase", struct.pack(">QQ", segment_id, offset))
+
+    def log_tombstone(self, tenant: str, key: bytes, at_s: float) -> int:
+        """Append a record to the delete log; return its sequence number."""
+        seq = int(self.counter(LAST_TOMBSTONE_SEQ) or 0) + 1
+        self._txn.put("tombstones", _u64(seq), _encode_tombstone(Tombstone(seq, tenant, key, at_s)))
+        self._set(LAST_TOMBSTONE_SEQ, seq)
+        return seq
+
+    def prune_tombstones(self, before_s: float, limit: int = 4096) -> int:
+        """Drop delete-log records older than ``before_s`` (the log is in time order)."""
+        old = [t for t in self.tombstones(0, limit) if t.at_s < before_s]
+        for tombstone in old:
+            self._txn.delete("tombstones", _u64(tombstone.seq))
+        return len(old)
 
     def index_access_order(self, batch: int = 4096) -> int:
         """Add every entry to the ``access`` order unless that was done; return how many.

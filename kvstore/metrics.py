@@ -19,7 +19,9 @@ series that has no value yet is absent (never a -1)::
     kvstore_build_info{version,python}  process_*  python_info     (standard collectors)
 
 HTTP: ``/metrics`` serves the metrics and ``/healthz`` answers 200 "ok" while the node serves
-(503 otherwise); any other path is 404.
+(503 otherwise); any other path is 404. With ``NodeConfig.metrics_auth`` /metrics needs an
+``Authorization: Bearer <token>`` header of an admin or node principal (401 otherwise);
+/healthz stays open.
 """
 
 from __future__ import annotations
@@ -157,9 +159,18 @@ class NodeMetrics:
         self.requests.labels(rpc, code.name).inc()
         self.latency.labels(rpc).observe(elapsed_s)
 
-    def serve(self, host: str, port: int, is_serving: Callable[[], bool] = lambda: True) -> None:
-        """Serve ``/metrics`` and ``/healthz`` on ``host:port`` in a background thread."""
-        app = _routes(make_wsgi_app(self.registry), is_serving)
+    def serve(
+        self,
+        host: str,
+        port: int,
+        is_serving: Callable[[], bool] = lambda: True,
+        authorize: Callable[[str], bool] | None = None,
+    ) -> None:
+        """Serve ``/metrics`` and ``/healthz`` on ``host:port`` in a background thread.
+
+        ``authorize`` (given the Authorization header) guards /metrics when set.
+        """
+        app = _routes(make_wsgi_app(self.registry), is_serving, authorize)
         self._http = make_server(host, port, app, _Server, handler_class=_QuietHandler)
         threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics").start()
 
@@ -170,12 +181,20 @@ class NodeMetrics:
             self._http = None
 
 
-def _routes(metrics_app: Callable, is_serving: Callable[[], bool]) -> Callable:
-    """A WSGI app: /metrics -> ``metrics_app``, /healthz -> 200 or 503, else 404."""
+def _routes(
+    metrics_app: Callable,
+    is_serving: Callable[[], bool],
+    authorize: Callable[[str], bool] | None = None,
+) -> Callable:
+    """A WSGI app: /metrics -> ``metrics_app`` (if authorized), /healthz -> 200 or 503,
+    else 404."""
 
     def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            if authorize is not None and not authorize(environ.get("HTTP_AUTHORIZATION", "")):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain")])
+                return [b"send Authorization: Bearer <admin or node token>\n"]
             return metrics_app(environ, start_response)
         if path == "/healthz":
             ok = is_serving()

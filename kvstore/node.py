@@ -6,11 +6,14 @@ and Prometheus on ``metrics_port`` (0 = off), prints ``node <id> serving on <add
 ready, and on SIGTERM or SIGINT finishes in-flight requests, persists pending TTL refreshes and
 closes the index. In the background it runs upkeep ticks and the scrub (kvstore/scrub.py).
 
-The servicer is a thin shell: it checks the token (every RPC but Health, which tells only the
-node's id, epoch and clock, so health checkers need no secret), injects the straggler delay,
-runs the store call in the node's one thread pool (reads overlap, writes serialize inside the
-store) and maps kvstore errors to gRPC status codes through
-:func:`kvstore.grpc_errors.to_grpc_status` only.
+The servicer is a thin shell: it finds the caller's principal from its credential (a bearer
+token or a verified mTLS client certificate, kvstore/auth.py; every RPC but Health, which
+tells only the node's id, epoch and clock, so health checkers need no secret), derives the
+tenant from it (a request naming another tenant is PERMISSION_DENIED before the store is
+touched), injects the straggler delay, runs the store call in the node's one thread pool
+(reads overlap, writes serialize inside the store) and maps kvstore errors to gRPC status
+codes through :func:`kvstore.grpc_errors.to_grpc_status` only. In the background it pulls its
+peers' delete logs (kvstore/tombstones.py) and applies the tenants' retention caps.
 
 One exception to "blocking work runs in the pool": a get of at most ``INLINE_GET_MAX_KEYS``
 keys runs on the event loop. It is an lmdb read snapshot and a ``pread`` per shard (tens of
@@ -38,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hmac
 import logging
 import signal
 import sys
@@ -51,14 +53,17 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvstore import ucx_get
+from kvstore.auth import Authenticator, Principal, Role, bearer_token
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.get_reply import encode_get_shards_reply
 from kvstore.grpc_errors import status_code, to_grpc_status
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
 from kvstore.shard_store import GetResult, ShardStore, StoreStats
+from kvstore.tls import peer_identity, server_credentials
+from kvstore.tombstones import MAX_TOMBSTONES_PER_REPLY, sync_forever
 from kvstore.ucx_server import UcxServer
 from kvstore.ucx_worker import REQUEST_TAG, ucx_available
 from ttl.clock import make_clock
@@ -79,11 +84,15 @@ def upkeep_period_s(time_scale: float, expiry_window_s: float) -> float:
     return min(1.0, max(0.05, expiry_window_s / 4 / time_scale))
 
 
+Handler = Callable[[Any, Principal], Message | bytes]
+
+
 class NodeServicer:
     """The gRPC face of one node's store.
 
     Requests arrive as raw bytes and are parsed here, so a malformed message gets
-    INVALID_ARGUMENT (gRPC's own deserializer would answer UNKNOWN).
+    INVALID_ARGUMENT (gRPC's own deserializer would answer UNKNOWN). Every handler gets the
+    caller's principal and checks it first.
     """
 
     def __init__(
@@ -94,8 +103,10 @@ class NodeServicer:
         metrics: NodeMetrics,
         executor: ThreadPoolExecutor,
         ucx: UcxServer | None = None,
+        auth: Authenticator | None = None,
     ) -> None:
         self._store = store
+        self._auth = auth or Authenticator(None)
         self._ucx = ucx
         self._node = node
         self._epoch = epoch
@@ -110,6 +121,8 @@ class NodeServicer:
             "GetShards": (pb.GetShardsRequest, self._get, True),
             "Contains": (pb.ContainsRequest, self._contains, True),
             "Delete": (pb.DeleteRequest, self._delete, True),
+            "Purge": (pb.PurgeRequest, self._purge, False),
+            "ListTombstones": (pb.ListTombstonesRequest, self._list_tombstones, False),
             "Stats": (pb.StatsRequest, self._stats, False),
             "Health": (pb.HealthRequest, self._health, False),
         }
@@ -150,20 +163,19 @@ class NodeServicer:
         rpc: str,
         context: grpc.aio.ServicerContext,
         request_type: type[Message],
-        handler: Callable[[Any], Message | bytes],
+        handler: Handler,
         raw: bytes,
         *,
         delay: bool,
     ) -> Message | bytes:
-        """Authorize, delay (straggler), parse and run ``handler`` in the pool, map errors."""
+        """Authenticate, delay (straggler), parse and run ``handler`` in the pool, map errors."""
         start_s = time.perf_counter()
         code, details, reply = grpc.StatusCode.OK, "", None
         try:
-            if rpc != "Health":
-                self._authorize(context)
+            principal = self._principal(context) if rpc != "Health" else None
             if delay and self._delay_s:
                 await asyncio.sleep(self._delay_s)
-            reply = await self._run(request_type, handler, raw)
+            reply = await self._run(request_type, handler, raw, principal)
         except Exception as exc:
             code, details = to_grpc_status(exc)
             if code is grpc.StatusCode.INTERNAL:
@@ -174,44 +186,40 @@ class NodeServicer:
         return reply
 
     async def _run(
-        self, request_type: type[Message], handler: Callable[[Any], Message | bytes], raw: bytes
+        self,
+        request_type: type[Message],
+        handler: Handler,
+        raw: bytes,
+        principal: Principal | None,
     ) -> Message | bytes:
         """Parse and handle ``raw``: small gets on the event loop, the rest in the pool."""
         loop = asyncio.get_running_loop()
         if handler != self._get:
             return await loop.run_in_executor(
-                self._executor, _parse_and_call, request_type, handler, raw
+                self._executor, _parse_and_call, request_type, handler, raw, principal
             )
         request = _parse(request_type, raw)  # a get request holds keys only: cheap to parse
         if len(request.keys) <= INLINE_GET_MAX_KEYS:
-            return handler(request)
-        return await loop.run_in_executor(self._executor, handler, request)
+            return handler(request, principal)
+        return await loop.run_in_executor(self._executor, handler, request, principal)
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if not self._node.auth_token:
-            return
+    def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Who the call comes from: its mTLS certificate's name or its bearer token."""
+        if not self._auth.enabled:
+            return self._auth.authenticate(None)
         metadata = dict(context.invocation_metadata() or ())
-        offered = str(metadata.get("authorization", ""))
-        if not offered.startswith("Bearer ") or not self._token_matches(offered[7:]):
-            raise PermissionDenied(
-                "missing or wrong token: send metadata ('authorization', 'Bearer <token>') "
-                "with the token of this cluster"
-            )
+        return self._auth.authenticate(bearer_token(metadata), peer_identity(context))
 
-    def _token_matches(self, offered: str) -> bool:
-        """Whether ``offered`` is the cluster's token (always true when it has none)."""
-        token = self._node.auth_token
-        return not token or hmac.compare_digest(offered.encode(), token.encode())
-
-    def _put(self, request: pb.PutShardsRequest) -> pb.PutShardsReply:
+    def _put(self, request: pb.PutShardsRequest, principal: Principal) -> pb.PutShardsReply:
+        tenant = principal.tenant_for(request.tenant)
         items = [(s.key, s.shard) for s in request.shards]
-        num_stored = self._store.put(request.tenant, request.traffic_class, items)
+        num_stored = self._store.put(tenant, request.traffic_class, items)
         self._metrics.put_shards.inc(num_stored)
         return pb.PutShardsReply(num_stored=num_stored)
 
-    def _get(self, request: pb.GetShardsRequest) -> bytes:
+    def _get(self, request: pb.GetShardsRequest, principal: Principal) -> bytes:
         """The serialized GetShardsReply (encoded here: one copy of each shard)."""
-        return encode_get_shards_reply(self._lookup(request))
+        return encode_get_shards_reply(self._lookup(request, principal.tenant_for(request.tenant)))
 
     def _on_ucx_request(self, frame: memoryview) -> None:
         """A read request that came over UCX (kvstore/ucx_get.py): answered over UCX.
@@ -245,14 +253,18 @@ class NodeServicer:
     ) -> None:
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
-        results: list[GetResult] | Exception | None = None
-        if self._token_matches(token):
+        results: list[GetResult] | Exception
+        try:
+            tenant = self._ucx_tenant(token, request)
             loop = asyncio.get_running_loop()
-            try:
-                results = await loop.run_in_executor(self._executor, self._lookup, request)
-            except Exception as exc:  # answered below, like a failure of an inline lookup
-                results = exc
+            results = await loop.run_in_executor(self._executor, self._lookup, request, tenant)
+        except Exception as exc:  # answered below, like a failure of an inline lookup
+            results = exc
         self._answer_ucx_request(token, request, results, start_s)
+
+    def _ucx_tenant(self, token: str, request: pb.GetShardsRequest) -> str:
+        """The tenant a UCX read acts for (UCX has no TLS: the token is the only credential)."""
+        return self._auth.authenticate(token or None).tenant_for(request.tenant)
 
     def _answer_ucx_request(
         self,
@@ -266,12 +278,10 @@ class NodeServicer:
         assert self._ucx is not None
         code = grpc.StatusCode.OK
         try:
-            if not self._token_matches(token):
-                raise PermissionDenied("missing or wrong token in a UCX read request")
             if isinstance(results, Exception):
                 raise results
             if results is None:
-                results = self._lookup(request)
+                results = self._lookup(request, self._ucx_tenant(token, request))
             ucx_get.answer(self._ucx, request.ucx, results)
         except Exception as exc:  # the client hears of every failure at once, as over gRPC
             error = exc if isinstance(exc, KVStoreError) else None
@@ -282,9 +292,9 @@ class NodeServicer:
             ucx_get.refuse(self._ucx, request.ucx, len(request.keys), error)
         self._metrics.observe("GetShardsUcx", code, time.perf_counter() - start_s)
 
-    def _lookup(self, request: pb.GetShardsRequest) -> list[GetResult]:
+    def _lookup(self, request: pb.GetShardsRequest, tenant: str) -> list[GetResult]:
         self._metrics.get_keys.inc(len(request.keys))
-        results = self._store.get(request.tenant, list(request.keys), request.version)
+        results = self._store.get(tenant, list(request.keys), request.version)
         reply_bytes = sum(len(s) for r in results for s in r.shards)
         if reply_bytes > self._node.max_batch_bytes:
             raise InvalidArgument(
@@ -293,17 +303,52 @@ class NodeServicer:
             )
         return results
 
-    def _contains(self, request: pb.ContainsRequest) -> pb.ContainsReply:
-        found = self._store.contains(request.tenant, list(request.keys))
+    def _contains(self, request: pb.ContainsRequest, principal: Principal) -> pb.ContainsReply:
+        found = self._store.contains(principal.tenant_for(request.tenant), list(request.keys))
         return pb.ContainsReply(results=[pb.KeyVersions(versions=v) for v in found])
 
-    def _delete(self, request: pb.DeleteRequest) -> pb.DeleteReply:
-        return pb.DeleteReply(num_deleted=self._store.delete(request.tenant, list(request.keys)))
+    def _delete(self, request: pb.DeleteRequest, principal: Principal) -> pb.DeleteReply:
+        tenant = principal.tenant_for(request.tenant)
+        return pb.DeleteReply(num_deleted=self._store.delete(tenant, list(request.keys)))
 
-    def _stats(self, request: pb.StatsRequest) -> pb.StatsReply:
-        return stats_reply(self._node.id, self._epoch, self._store.stats())
+    def _purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:
+        principal.require(Role.ADMIN)
+        erased = self._store.purge(request.tenant)
+        log.info(
+            "purged tenant %r: %d shards, %d bytes",
+            request.tenant,
+            erased.num_shards,
+            erased.num_bytes,
+        )
+        return pb.PurgeReply(
+            node_id=self._node.id, num_deleted=erased.num_shards, bytes_erased=erased.num_bytes
+        )
 
-    def _health(self, request: pb.HealthRequest) -> pb.HealthReply:
+    def _list_tombstones(
+        self, request: pb.ListTombstonesRequest, principal: Principal
+    ) -> pb.ListTombstonesReply:
+        principal.require(Role.NODE, Role.ADMIN)
+        limit = min(request.limit or MAX_TOMBSTONES_PER_REPLY, MAX_TOMBSTONES_PER_REPLY)
+        records, last_seq = self._store.tombstones(request.after_seq, limit)
+        return pb.ListTombstonesReply(
+            tombstones=[
+                pb.Tombstone(seq=t.seq, tenant=t.tenant, key=t.key, at_s=t.at_s) for t in records
+            ],
+            last_seq=last_seq,
+        )
+
+    def _stats(self, request: pb.StatsRequest, principal: Principal) -> pb.StatsReply:
+        principal.require(Role.ADMIN, Role.NODE)
+        reply = stats_reply(self._node.id, self._epoch, self._store.stats())
+        for tenant, caps in sorted(self._store.retention.tenant_to_max_ttl_s.items()):
+            for traffic_class, cap_s in sorted(caps.items()):
+                reply.retention_caps.add(
+                    tenant=tenant, traffic_class=traffic_class, max_ttl_s=cap_s
+                )
+        _, reply.last_tombstone_seq = self._store.tombstones(0, 0)
+        return reply
+
+    def _health(self, request: pb.HealthRequest, principal: Principal | None) -> pb.HealthReply:
         return pb.HealthReply(
             node_id=self._node.id,
             epoch=self._epoch,
@@ -328,9 +373,9 @@ def _parse(request_type: type[Message], raw: bytes) -> Message:
 
 
 def _parse_and_call(
-    request_type: type[Message], handler: Callable[[Any], Message | bytes], raw: bytes
+    request_type: type[Message], handler: Handler, raw: bytes, principal: Principal | None
 ) -> Message | bytes:
-    return handler(_parse(request_type, raw))
+    return handler(_parse(request_type, raw), principal)
 
 
 def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:
@@ -363,12 +408,17 @@ def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:
     )
 
 
-async def _upkeep(store: ShardStore, period_s: float, executor: ThreadPoolExecutor) -> None:
-    """Expiry, refresh persistence and capacity checks, forever; errors are logged, not fatal."""
+async def _upkeep(
+    store: ShardStore, auth: Authenticator, period_s: float, executor: ThreadPoolExecutor
+) -> None:
+    """Retention caps from the (re-read) credentials file, expiry, refresh persistence,
+    capacity checks and queued erases, forever; errors are logged, not fatal."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period_s)
         try:
+            caps = auth.current().tenant_to_max_ttl_s
+            await loop.run_in_executor(executor, store.set_retention_caps, caps)
             await loop.run_in_executor(executor, store.tick)
         except Exception:
             log.exception("upkeep tick failed; retrying next period")
@@ -384,26 +434,38 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(NUM_WORKER_THREADS, thread_name_prefix=f"node-{node.id}")
     clock = make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
+    auth = Authenticator(node.credentials_file or None)
+    credentials = server_credentials(cluster, node)
     store = await loop.run_in_executor(executor, ShardStore, node, cluster.ttl, clock)
     metrics = NodeMetrics(store.stats)
     try:
+        await loop.run_in_executor(
+            executor, store.set_retention_caps, auth.current().tenant_to_max_ttl_s
+        )
         await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
         server = grpc.aio.server(options=_server_options(node))
         ucx = _start_ucx(node)
-        servicer = NodeServicer(store, node, cluster.epoch, metrics, executor, ucx)
+        servicer = NodeServicer(store, node, cluster.epoch, metrics, executor, ucx, auth)
         servicer.register(server)
-        server.add_insecure_port(node.address)
+        if credentials is None:
+            server.add_insecure_port(node.address)
+        else:
+            server.add_secure_port(node.address, credentials)
         await server.start()
         if node.metrics_port:
-            metrics.serve(node.address.rpartition(":")[0], node.metrics_port)
+            metrics.serve(node.host, node.metrics_port, authorize=_metrics_authorizer(node, auth))
         period_s = upkeep_period_s(cluster.ttl.time_scale, cluster.ttl.expiry_window_s)
-        upkeep = asyncio.create_task(_upkeep(store, period_s, executor))
-        scrub = asyncio.create_task(scrub_forever(store.scrub, node, executor))
+        background = [
+            asyncio.create_task(_upkeep(store, auth, period_s, executor)),
+            asyncio.create_task(scrub_forever(store.scrub, node, executor)),
+            asyncio.create_task(sync_forever(cluster, node, store, executor)),
+        ]
         log.info("node %s serving on %s", node.id, node.address)
         print(f"node {node.id} serving on {node.address}", flush=True)
         await stop.wait()
-        upkeep.cancel()
-        scrub.cancel()
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await server.stop(STOP_GRACE_S)
         if ucx is not None:
             await ucx.close()  # no more UCX requests come in
@@ -413,6 +475,22 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         await loop.run_in_executor(executor, store.close)
         executor.shutdown()
     log.info("node %s stopped", node.id)
+
+
+def _metrics_authorizer(node: NodeConfig, auth: Authenticator) -> Callable[[str], bool] | None:
+    """With ``metrics_auth``: /metrics answers only an admin or node bearer token."""
+    if not node.metrics_auth:
+        return None
+
+    def authorize(header: str) -> bool:
+        try:
+            principal = auth.authenticate(bearer_token({"authorization": header}))
+            principal.require(Role.ADMIN, Role.NODE)
+        except KVStoreError:
+            return False
+        return True
+
+    return authorize
 
 
 def _start_ucx(node: NodeConfig) -> UcxServer | None:
@@ -456,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(_main(cluster, node))
-    except (RuntimeError, OSError, KVStoreError) as exc:  # a port or the data_dir is taken
+    except (RuntimeError, OSError, ValueError, KVStoreError) as exc:  # port, data_dir, files
         log.error("node %s failed: %s", node.id, exc)
         print(f"kvstore node {node.id}: {exc}", file=sys.stderr)
         return 1

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from kvstore.errors import UnknownTrafficClass
 from kvstore.index import Entry, Index, IndexWriter, class_counter
 from kvstore.store_stats import CORRUPT_SHARDS, NODE_MISSES
-from ttl.policy import TrafficClasses
+from ttl.policy import Retention
 
 
-def touched(entry: Entry, now: float, classes: TrafficClasses) -> Entry:
+def touched(entry: Entry, now: float, retention: Retention) -> Entry:
     """``entry`` accessed at ``now``: its TTL restarts (kept if its class was removed)."""
     try:
-        expires_at_s = classes.expires_at_s(entry.traffic_class, now)
+        expires_at_s = retention.expires_at_s(entry.tenant, entry.traffic_class, now)
     except UnknownTrafficClass:
         return entry
     return replace(entry, last_access_s=now, expires_at_s=expires_at_s)
@@ -47,8 +47,8 @@ def quarantine(w: IndexWriter, corrupt: Iterable[Entry]) -> None:
 class ReadState:
     """Thread-safe buffers of read-side state (see the module docstring)."""
 
-    def __init__(self, classes: TrafficClasses) -> None:
-        self._classes = classes
+    def __init__(self, retention: Callable[[], Retention]) -> None:
+        self._retention = retention  # the store's current TTLs and tenant caps
         self._lock = threading.Lock()
         self._refreshed: dict[bytes, tuple[Entry, float]] = {}  # index key -> (entry, hit time)
         self._counts: Counter[str] = Counter()  # hits/misses not yet persisted
@@ -60,7 +60,7 @@ class ReadState:
             refreshed = self._refreshed.get(entry.index_key)
         if refreshed is None or refreshed[1] <= entry.last_access_s:
             return entry
-        return touched(entry, refreshed[1], self._classes)
+        return touched(entry, refreshed[1], self._retention())
 
     def record_hit(self, served: Sequence[Entry], now: float) -> None:
         """Refresh every served entry; count one hit, for the class of the first."""
@@ -98,7 +98,7 @@ class ReadState:
         for entry, hit_s in refreshed:
             held = w.entry(entry.tenant, entry.key, entry.version)
             if held is not None and held.last_access_s < hit_s:
-                w.put_entry(touched(held, hit_s, self._classes))
+                w.put_entry(touched(held, hit_s, self._retention()))
 
     def flush(self, index: Index) -> None:
         """Persist everything buffered in one transaction (caller holds the write lock)."""

@@ -25,16 +25,20 @@ Why a record header when the shard checks itself: a shard proves only that its o
 intact. The record header proves the bytes at this offset belong to *this* key and tenant, so a
 wrong or stale index entry (or a recycled file) can never serve another key's valid shard.
 
-Files are only ever appended to by the single writer and truncated back to the length the index
-last committed (a torn tail after a crash, or a put that failed before its commit). Readers open
-the file per request, so a segment deleted by expiry while a read is in flight shows up as
+Files are only ever appended to by the single writer, truncated back to the length the index
+last committed (a torn tail after a crash, or a put that failed before its commit), or have
+the records of deleted shards destroyed in place (:meth:`SegmentFiles.erase`: a hole punched
+with ``fallocate``, or zeros written where the filesystem cannot punch). Readers open the file
+per request, so a segment deleted by expiry while a read is in flight shows up as
 ``FileNotFoundError`` (a miss after a re-check), never as bytes of a recycled descriptor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import logging
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -44,12 +48,51 @@ import xxhash
 
 from kvstore.errors import CapacityExhausted, ChecksumMismatch
 
+log = logging.getLogger(__name__)
+
 RECORD_MAGIC = b"KVR1"
 RECORD_HEADER_BYTES = 40
 _RECORD = struct.Struct("<4sI16s8s")  # bytes [0, 32)
 _CHECKSUM = struct.Struct("<Q")
 assert _RECORD.size + _CHECKSUM.size == RECORD_HEADER_BYTES
 _SUFFIX = ".seg"
+# fallocate(2) modes: deallocate a byte range, keep the file's size (reads there give zeros).
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_ZEROS = bytes(1 << 20)
+
+
+def _load_fallocate() -> ctypes._CFuncPtr | None:
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # not Linux/glibc: erase writes zeros instead
+        return None
+    fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fallocate.restype = ctypes.c_int
+    return fallocate
+
+
+_fallocate = _load_fallocate()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Deallocate ``[offset, offset + length)`` of ``fd``; False where the filesystem cannot."""
+    if _fallocate is None:
+        return False
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if _fallocate(fd, mode, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+
+
+def overwrite_with_zeros(fd: int, offset: int, length: int) -> None:
+    """Write zeros over ``[offset, offset + length)`` (where holes cannot be punched)."""
+    end = offset + length
+    while offset < end:
+        offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
 
 
 def pack_record_header(key: bytes, tenant_hash: bytes, shard_bytes: int) -> bytes:
@@ -134,6 +177,25 @@ class SegmentFiles:
         """Cut the file back to ``length`` bytes: drops a torn or uncommitted tail."""
         with contextlib.suppress(FileNotFoundError):
             os.truncate(self.path(segment_id), length)
+
+    def erase(self, segment_id: int, offset: int, length: int) -> None:
+        """Destroy the bytes of a record in place: reads of the range give zeros from now on.
+
+        A punched hole frees the filesystem blocks; where the filesystem cannot punch, the
+        range is overwritten with zeros. Synced when fsync is configured. A segment already
+        gone needs nothing.
+        """
+        try:
+            fd = os.open(self.path(segment_id), os.O_WRONLY)
+        except FileNotFoundError:
+            return
+        try:
+            if not punch_hole(fd, offset, length):
+                overwrite_with_zeros(fd, offset, length)
+            if self.fsync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def remove(self, segment_id: int) -> None:
         """Close and unlink a segment (readers in flight get FileNotFoundError on open)."""

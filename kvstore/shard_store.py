@@ -13,6 +13,8 @@ read snapshot and a ``pread`` per shard), writes serialize on one lock (lmdb has
     kvstore/read_state.py        what reads learn (TTL refreshes, hit/miss counts, corrupt
                                  shards), persisted by the next write or tick
     kvstore/reclaimer.py         expiry and carry-forward: whole segment files freed
+    kvstore/deletion.py          delete and purge that destroy the records' bytes on disk,
+                                 the delete log (tombstones) and peers' tombstones applied
     kvstore/eviction.py          the byte limit, eviction in the configured order (LRU by
                                  default, or earliest expiry), compaction
     kvstore/recovery.py          start-up: data_dir lock, segment files checked against the index
@@ -26,13 +28,16 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvstore.config import NodeConfig, TTLConfig
+from kvstore.deletion import Deleter, Erased
+from kvstore.errors import UnknownTrafficClass
 from kvstore.eviction import Evictor
 from kvstore.group_commit import GroupCommit, PutRequest
-from kvstore.index import Backend, Index, LmdbBackend
+from kvstore.index import LAST_TOMBSTONE_SEQ, Backend, Entry, Index, LmdbBackend, Tombstone
 from kvstore.read_state import ReadState
 from kvstore.reclaimer import Reclaimer
 from kvstore.recovery import lock_data_dir, recover
@@ -43,14 +48,17 @@ from kvstore.segments import SegmentFiles
 from kvstore.shard_reader import GetResult, ShardReader, Status
 from kvstore.store_stats import ClassStats, StoreStats, store_stats
 from ttl.clock import Clock
+from ttl.policy import Retention
 
 __all__ = [
     "INF_WINDOW",
     "ClassStats",
+    "Erased",
     "GetResult",
     "ShardStore",
     "Status",
     "StoreStats",
+    "Tombstone",
     "window_end_s",
     "window_id",
 ]
@@ -70,7 +78,8 @@ class ShardStore:
         self._index = Index(backend or LmdbBackend(data_dir / "index", sync=node.fsync))
         self._files = SegmentFiles(data_dir / "segments", fsync=node.fsync)
         self._write_lock = threading.Lock()
-        self._reads = ReadState(ttl.classes)
+        self.retention = Retention(ttl.classes)
+        self._reads = ReadState(lambda: self.retention)
         self._reader = ShardReader(self._index, self._files, self._reads)
         self._appender = SegmentAppender(
             self._index,
@@ -84,9 +93,12 @@ class ShardStore:
         )
         self._evictor = Evictor(node, self._index, self._files, self._reclaimer, ttl.eviction)
         self._puts = GroupCommit(
-            self._index, self._appender, self._evictor, self._reads, ttl.classes
+            self._index, self._appender, self._evictor, self._reads, lambda: self.retention
         )
         self._scrubber = Scrubber(self._index, self._reader, self._reads)
+        self._deleter = Deleter(self._index, self._files)
+        with self._write_lock:
+            self._deleter.erase_queued()  # deletes committed before a crash reach the bytes
 
     def put(self, tenant: str, traffic_class: str, shards: Sequence[tuple[bytes, bytes]]) -> int:
         """Store ``(key, shard)`` pairs durably, all or nothing; return how many were new.
@@ -122,16 +134,75 @@ class ShardStore:
         return [[e.version for e in self._reader.live_entries(tenant, key, now)[0]] for key in keys]
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Remove every version of ``keys`` owned by ``tenant``; return the number removed."""
+        """Remove every version of ``keys`` owned by ``tenant``; return the number removed.
+
+        The records' bytes are destroyed on disk before this returns (kvstore/deletion.py),
+        and each key goes into the delete log that peers pull.
+        """
         check_tenant(tenant)
         check_keys(keys)
         with self._write_lock:
             self._reads.flush(self._index)
+            return self._deleter.delete(tenant, keys, self.clock.now()).num_shards
+
+    def purge(self, tenant: str) -> Erased:
+        """Remove every shard of ``tenant`` (bytes destroyed on disk) and log the purge."""
+        check_tenant(tenant)
+        with self._write_lock:
+            self._reads.flush(self._index)
+            return self._deleter.purge(tenant, self.clock.now())
+
+    def apply_tombstones(self, tombstones: Iterable[Tombstone]) -> Erased:
+        """Apply deletes a peer logged (see kvstore/deletion.py)."""
+        with self._write_lock:
+            self._reads.flush(self._index)
+            return self._deleter.apply(tombstones)
+
+    def tombstones(self, after_seq: int, limit: int) -> tuple[list[Tombstone], int]:
+        """(delete-log records after ``after_seq``, the log's last sequence number)."""
+        with self._index.read() as view:
+            return view.tombstones(after_seq, limit), int(view.counter(LAST_TOMBSTONE_SEQ) or 0)
+
+    def counter(self, name: str) -> float | None:
+        """A persisted counter (kvstore/index.py), e.g. a peer's delete-log cursor."""
+        with self._index.read() as view:
+            return view.counter(name)
+
+    def set_counter(self, name: str, value: float) -> None:
+        with self._write_lock, self._index.write() as w:
+            w.add(name, value - (w.counter(name) or 0.0))
+
+    def set_retention_caps(self, tenant_to_max_ttl_s: Mapping[str, Mapping[str, float]]) -> None:
+        """Install per-tenant TTL caps; entries stored under a looser TTL are cut back now."""
+        retention = Retention(self.ttl.classes, tenant_to_max_ttl_s)
+        if retention == self.retention:
+            return
+        with self._write_lock:
+            self._reads.flush(self._index)
+            self.retention = retention
+            for tenant in tenant_to_max_ttl_s:
+                self._cap_entries(tenant)
+
+    def _cap_entries(self, tenant: str) -> None:
+        start = b""
+        while True:
             with self._index.write() as w:
-                victims = [e for key in keys for e in w.versions(tenant, key)]
-                for entry in victims:
-                    w.delete_entry(entry)
-        return len(victims)
+                batch = w.tenant_entries(tenant, start, 4096)
+                for entry in batch:
+                    capped_s = self._capped_expiry_s(entry)
+                    if capped_s < entry.expires_at_s:
+                        w.put_entry(replace(entry, expires_at_s=capped_s))
+            if len(batch) < 4096:
+                return
+            start = batch[-1].index_key + b"\x00"
+
+    def _capped_expiry_s(self, entry: Entry) -> float:
+        try:
+            return self.retention.expires_at_s(
+                entry.tenant, entry.traffic_class, entry.last_access_s
+            )
+        except UnknownTrafficClass:
+            return entry.expires_at_s
 
     def expire(self) -> int:
         """Delete expired entries, retire passed windows, free empty segments; return #expired."""
@@ -144,11 +215,15 @@ class ShardStore:
         return num_expired
 
     def tick(self) -> int:
-        """Periodic upkeep: persist refreshes, expire, and evict if above the high watermark."""
+        """Periodic upkeep: persist refreshes, expire, evict if above the high watermark,
+        erase what a failed erase left queued, prune the delete log."""
         num_expired = self.expire()
         now = self.clock.now()
         with self._write_lock:
             self._evictor.evict_if_over_high_watermark(now)
+            self._deleter.erase_queued()
+            with self._index.write() as w:
+                w.prune_tombstones(now - self.node.tombstone_retention_s)
         return num_expired
 
     def flush(self) -> None:

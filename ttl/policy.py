@@ -93,3 +93,24 @@ class TrafficClasses:
 def is_expired(expires_at_s: float, now_s: float) -> bool:
     """Expired at and after the expiry instant (see the module docstring)."""
     return now_s >= expires_at_s
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Class TTLs with per-tenant caps: a tenant's TTL in a class is the smaller of the two.
+
+    A cap (``max_ttl_s`` in the nodes' credentials file) lets an operator hold one tenant's
+    data shorter than the class allows (a data rule, not a hit-rate choice). Like every TTL
+    it counts from the last access.
+    """
+
+    classes: TrafficClasses = field(default_factory=TrafficClasses)
+    tenant_to_max_ttl_s: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def ttl_s(self, tenant: str, traffic_class: str) -> float:
+        ttl_s = self.classes.ttl_s(traffic_class)
+        cap_s = self.tenant_to_max_ttl_s.get(tenant, {}).get(traffic_class, math.inf)
+        return min(ttl_s, cap_s)
+
+    def expires_at_s(self, tenant: str, traffic_class: str, last_access_s: float) -> float:
+        return last_access_s + self.ttl_s(tenant, traffic_class)

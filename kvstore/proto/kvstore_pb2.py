@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"&\n\x08ShardPut\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05shard\x18\x02 \x01(\x0c\"_\n\x10PutShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12$\n\x06shards\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.ShardPut\"$\n\x0ePutShardsReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"g\n\x10GetShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x0c\x12$\n\x03ucx\x18\x04 \x01(\x0b\x32\x17.kvstore.v1.UcxDelivery\"7\n\x0bUcxDelivery\x12\x16\n\x0eworker_address\x18\x01 \x01(\x0c\x12\x10\n\x08tag_base\x18\x02 \x01(\x04\"Z\n\x0bShardResult\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.kvstore.v1.ShardStatus\x12\x0e\n\x06shards\x18\x02 \x03(\x0c\x12\x12\n\nucx_header\x18\x03 \x01(\x0c\":\n\x0eGetShardsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.ShardResult\"/\n\x0f\x43ontainsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1f\n\x0bKeyVersions\x12\x10\n\x08versions\x18\x01 \x03(\x0c\"9\n\rContainsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.KeyVersions\"-\n\rDeleteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\"\n\x0b\x44\x65leteReply\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc2\x01\n\nClassStats\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x07 \x01(\x04\x12#\n\x16youngest_evicted_age_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x19\n\x17_youngest_evicted_age_s\"\xe8\x01\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06shards\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63orrupt_shards\x18\x06 \x01(\x04\x12\'\n\x07\x63lasses\x18\x07 \x03(\x0b\x32\x16.kvstore.v1.ClassStats\x12\x10\n\x08segments\x18\x08 \x01(\x04\x12\x0c\n\x04hits\x18\t \x01(\x04\x12\x0e\n\x06misses\x18\n \x01(\x04\x12\x12\n\nused_bytes\x18\x0b \x01(\x04\"\x0f\n\rHealthRequest\"i\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\r\n\x05now_s\x18\x04 \x01(\x01\x12\x1a\n\x12ucx_worker_address\x18\x05 \x01(\x0c*-\n\x0bShardStatus\x12\x08\n\x04MISS\x10\x00\x12\x07\n\x03HIT\x10\x01\x12\x0b\n\x07\x43ORRUPT\x10\x02\x32\xe6\x03\n\nShardStore\x12\x45\n\tPutShards\x12\x1c.kvstore.v1.PutShardsRequest\x1a\x1a.kvstore.v1.PutShardsReply\x12\x45\n\tGetShards\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply\x12O\n\x0fGetShardsStream\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply(\x01\x30\x01\x12\x42\n\x08\x43ontains\x12\x1b.kvstore.v1.ContainsRequest\x1a\x19.kvstore.v1.ContainsReply\x12<\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x17.kvstore.v1.DeleteReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12<\n\x06Health\x12\x19.kvstore.v1.HealthRequest\x1a\x17.kvstore.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"&\n\x08ShardPut\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05shard\x18\x02 \x01(\x0c\"_\n\x10PutShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12$\n\x06shards\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.ShardPut\"$\n\x0ePutShardsReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"g\n\x10GetShardsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x0c\x12$\n\x03ucx\x18\x04 \x01(\x0b\x32\x17.kvstore.v1.UcxDelivery\"7\n\x0bUcxDelivery\x12\x16\n\x0eworker_address\x18\x01 \x01(\x0c\x12\x10\n\x08tag_base\x18\x02 \x01(\x04\"Z\n\x0bShardResult\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.kvstore.v1.ShardStatus\x12\x0e\n\x06shards\x18\x02 \x03(\x0c\x12\x12\n\nucx_header\x18\x03 \x01(\x0c\":\n\x0eGetShardsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.ShardResult\"/\n\x0f\x43ontainsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1f\n\x0bKeyVersions\x12\x10\n\x08versions\x18\x01 \x03(\x0c\"9\n\rContainsReply\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.KeyVersions\"-\n\rDeleteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\"\n\x0b\x44\x65leteReply\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"\x1e\n\x0cPurgeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"H\n\nPurgeReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_deleted\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ytes_erased\x18\x03 \x01(\x04\"C\n\tTombstone\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0c\n\x04\x61t_s\x18\x04 \x01(\x01\"9\n\x15ListTombstonesRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\"R\n\x13ListTombstonesReply\x12)\n\ntombstones\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.Tombstone\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xc2\x01\n\nClassStats\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x07 \x01(\x04\x12#\n\x16youngest_evicted_age_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x19\n\x17_youngest_evicted_age_s\"\xcc\x02\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06shards\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63orrupt_shards\x18\x06 \x01(\x04\x12\'\n\x07\x63lasses\x18\x07 \x03(\x0b\x32\x16.kvstore.v1.ClassStats\x12\x10\n\x08segments\x18\x08 \x01(\x04\x12\x0c\n\x04hits\x18\t \x01(\x04\x12\x0e\n\x06misses\x18\n \x01(\x04\x12\x12\n\nused_bytes\x18\x0b \x01(\x04\x12\x30\n\x0eretention_caps\x18\x0c \x03(\x0b\x32\x18.kvstore.v1.RetentionCap\x12\x14\n\x0c\x65rase_queued\x18\r \x01(\x04\x12\x1a\n\x12last_tombstone_seq\x18\x0e \x01(\x04\"H\n\x0cRetentionCap\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x15\n\rtraffic_class\x18\x02 \x01(\t\x12\x11\n\tmax_ttl_s\x18\x03 \x01(\x01\"\x0f\n\rHealthRequest\"i\n\x0bHealthReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\r\n\x05now_s\x18\x04 \x01(\x01\x12\x1a\n\x12ucx_worker_address\x18\x05 \x01(\x0c*-\n\x0bShardStatus\x12\x08\n\x04MISS\x10\x00\x12\x07\n\x03HIT\x10\x01\x12\x0b\n\x07\x43ORRUPT\x10\x02\x32\xf7\x04\n\nShardStore\x12\x45\n\tPutShards\x12\x1c.kvstore.v1.PutShardsRequest\x1a\x1a.kvstore.v1.PutShardsReply\x12\x45\n\tGetShards\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply\x12O\n\x0fGetShardsStream\x12\x1c.kvstore.v1.GetShardsRequest\x1a\x1a.kvstore.v1.GetShardsReply(\x01\x30\x01\x12\x42\n\x08\x43ontains\x12\x1b.kvstore.v1.ContainsRequest\x1a\x19.kvstore.v1.ContainsReply\x12<\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x17.kvstore.v1.DeleteReply\x12\x39\n\x05Purge\x12\x18.kvstore.v1.PurgeRequest\x1a\x16.kvstore.v1.PurgeReply\x12T\n\x0eListTombstones\x12!.kvstore.v1.ListTombstonesRequest\x1a\x1f.kvstore.v1.ListTombstonesReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12<\n\x06Health\x12\x19.kvstore.v1.HealthRequest\x1a\x17.kvstore.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHARDSTATUS']._serialized_start=1314
-  _globals['_SHARDSTATUS']._serialized_end=1359
+  _globals['_SHARDSTATUS']._serialized_start=1806
+  _globals['_SHARDSTATUS']._serialized_end=1851
   _globals['_SHARDPUT']._serialized_start=29
   _globals['_SHARDPUT']._serialized_end=67
   _globals['_PUTSHARDSREQUEST']._serialized_start=69
@@ -57,16 +57,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEREQUEST']._serialized_end=704
   _globals['_DELETEREPLY']._serialized_start=706
   _globals['_DELETEREPLY']._serialized_end=740
-  _globals['_STATSREQUEST']._serialized_start=742
-  _globals['_STATSREQUEST']._serialized_end=756
-  _globals['_CLASSSTATS']._serialized_start=759
-  _globals['_CLASSSTATS']._serialized_end=953
-  _globals['_STATSREPLY']._serialized_start=956
-  _globals['_STATSREPLY']._serialized_end=1188
-  _globals['_HEALTHREQUEST']._serialized_start=1190
-  _globals['_HEALTHREQUEST']._serialized_end=1205
-  _globals['_HEALTHREPLY']._serialized_start=1207
-  _globals['_HEALTHREPLY']._serialized_end=1312
-  _globals['_SHARDSTORE']._serialized_start=1362
-  _globals['_SHARDSTORE']._serialized_end=1848
+  _globals['_PURGEREQUEST']._serialized_start=742
+  _globals['_PURGEREQUEST']._serialized_end=772
+  _globals['_PURGEREPLY']._serialized_start=774
+  _globals['_PURGEREPLY']._serialized_end=846
+  _globals['_TOMBSTONE']._serialized_start=848
+  _globals['_TOMBSTONE']._serialized_end=915
+  _globals['_LISTTOMBSTONESREQUEST']._serialized_start=917
+  _globals['_LISTTOMBSTONESREQUEST']._serialized_end=974
+  _globals['_LISTTOMBSTONESREPLY']._serialized_start=976
+  _globals['_LISTTOMBSTONESREPLY']._serialized_end=1058
+  _globals['_STATSREQUEST']._serialized_start=1060
+  _globals['_STATSREQUEST']._serialized_end=1074
+  _globals['_CLASSSTATS']._serialized_start=1077
+  _globals['_CLASSSTATS']._serialized_end=1271
+  _globals['_STATSREPLY']._serialized_start=1274
+  _globals['_STATSREPLY']._serialized_end=1606
+  _globals['_RETENTIONCAP']._serialized_start=1608
+  _globals['_RETENTIONCAP']._serialized_end=1680
+  _globals['_HEALTHREQUEST']._serialized_start=1682
+  _globals['_HEALTHREQUEST']._serialized_end=1697
+  _globals['_HEALTHREPLY']._serialized_start=1699
+  _globals['_HEALTHREPLY']._serialized_end=1804
+  _globals['_SHARDSTORE']._serialized_start=1854
+  _globals['_SHARDSTORE']._serialized_end=2485
 # @@protoc_insertion_point(module_scope)

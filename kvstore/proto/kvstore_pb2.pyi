@@ -110,6 +110,50 @@ class DeleteReply(_message.Message):
     num_deleted: int
     def __init__(self, num_deleted: _Optional[int] = ...) -> None: ...
 
+class PurgeRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class PurgeReply(_message.Message):
+    __slots__ = ("node_id", "num_deleted", "bytes_erased")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_ERASED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    num_deleted: int
+    bytes_erased: int
+    def __init__(self, node_id: _Optional[str] = ..., num_deleted: _Optional[int] = ..., bytes_erased: _Optional[int] = ...) -> None: ...
+
+class Tombstone(_message.Message):
+    __slots__ = ("seq", "tenant", "key", "at_s")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    tenant: str
+    key: bytes
+    at_s: float
+    def __init__(self, seq: _Optional[int] = ..., tenant: _Optional[str] = ..., key: _Optional[bytes] = ..., at_s: _Optional[float] = ...) -> None: ...
+
+class ListTombstonesRequest(_message.Message):
+    __slots__ = ("after_seq", "limit")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    limit: int
+    def __init__(self, after_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListTombstonesReply(_message.Message):
+    __slots__ = ("tombstones", "last_seq")
+    TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    tombstones: _containers.RepeatedCompositeFieldContainer[Tombstone]
+    last_seq: int
+    def __init__(self, tombstones: _Optional[_Iterable[_Union[Tombstone, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -135,7 +179,7 @@ class ClassStats(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., youngest_evicted_age_s: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes")
+    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +191,9 @@ class StatsReply(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_CAPS_FIELD_NUMBER: _ClassVar[int]
+    ERASE_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOMBSTONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     shards: int
@@ -158,7 +205,20 @@ class StatsReply(_message.Message):
     hits: int
     misses: int
     used_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+    retention_caps: _containers.RepeatedCompositeFieldContainer[RetentionCap]
+    erase_queued: int
+    last_tombstone_seq: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ...) -> None: ...
+
+class RetentionCap(_message.Message):
+    __slots__ = ("tenant", "traffic_class", "max_ttl_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    traffic_class: str
+    max_ttl_s: float
+    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., max_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,16 @@ class ShardStoreStub:
                 request_serializer=kvstore__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.DeleteReply.FromString,
                 _registered_method=True)
+        self.Purge = channel.unary_unary(
+                '/kvstore.v1.ShardStore/Purge',
+                request_serializer=kvstore__pb2.PurgeRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PurgeReply.FromString,
+                _registered_method=True)
+        self.ListTombstones = channel.unary_unary(
+                '/kvstore.v1.ShardStore/ListTombstones',
+                request_serializer=kvstore__pb2.ListTombstonesRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ListTombstonesReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.ShardStore/Stats',
                 request_serializer=kvstore__pb2.StatsRequest.SerializeToString,
@@ -105,7 +115,22 @@ class ShardStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deletes every version of the keys; their bytes are destroyed on disk before the reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Purge(self, request, context):
+        """Admin only: every shard of one tenant, bytes destroyed on disk before the reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTombstones(self, request, context):
+        """Node or admin: this node's delete log after a sequence number (peers pull it).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -117,7 +142,8 @@ class ShardStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Open to everyone (no credential): id, epoch, clock, UCX address.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -149,6 +175,16 @@ def add_ShardStoreServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=kvstore__pb2.DeleteRequest.FromString,
                     response_serializer=kvstore__pb2.DeleteReply.SerializeToString,
+            ),
+            'Purge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Purge,
+                    request_deserializer=kvstore__pb2.PurgeRequest.FromString,
+                    response_serializer=kvstore__pb2.PurgeReply.SerializeToString,
+            ),
+            'ListTombstones': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTombstones,
+                    request_deserializer=kvstore__pb2.ListTombstonesRequest.FromString,
+                    response_serializer=kvstore__pb2.ListTombstonesReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -296,6 +332,60 @@ class ShardStore:
             '/kvstore.v1.ShardStore/Delete',
             kvstore__pb2.DeleteRequest.SerializeToString,
             kvstore__pb2.DeleteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Purge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/Purge',
+            kvstore__pb2.PurgeRequest.SerializeToString,
+            kvstore__pb2.PurgeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTombstones(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/ListTombstones',
+            kvstore__pb2.ListTombstonesRequest.SerializeToString,
+            kvstore__pb2.ListTombstonesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvstore.auth import Role, add_principal
 from kvstore.config import load_cluster
 from kvstore.segments import RECORD_HEADER_BYTES
 from tests.kvstore.node_harness import (
@@ -227,15 +228,19 @@ async def test_bad_input_gets_clear_errors_and_changes_nothing(tmp_path: Path, s
 
 
 async def test_auth_token_and_injected_delay(tmp_path: Path, start_node) -> None:
-    config = write_config(tmp_path, auth_token="s3cret")
+    credentials = tmp_path / "credentials.toml"
+    token = add_principal(credentials, "acme", Role.TENANT)
+    config = write_config(tmp_path, credentials_file=str(credentials))
     start_node(config, extra_args=("--inject-delay-ms", "200"))
     denied = grpc.StatusCode.PERMISSION_DENIED
     async with NodeClient(_address(config)) as anonymous:
-        await _expect_code(anonymous.contains([b"k" * 16]), denied, "token")
+        await _expect_code(anonymous.contains([b"k" * 16]), denied, "credential")
         assert await anonymous.now_s() > 0, "Health must answer without a token"
     async with NodeClient(_address(config), token="wrong") as wrong:
         await _expect_code(wrong.stats(), denied)
-    async with NodeClient(_address(config), token="s3cret") as client:
+    async with NodeClient(_address(config), token=token) as tenant_only:
+        await _expect_code(tenant_only.stats(), denied, "role")
+    async with NodeClient(_address(config), token=token) as client:
         start_s = time.monotonic()
         assert await client.contains([b"k" * 16]) == [[]]
         assert time.monotonic() - start_s >= 0.2, "--inject-delay-ms not applied"

@@ -1,0 +1,146 @@
+"""TLS for every gRPC channel: node servers, clients, and node-to-node channels.
+
+When ``[tls]`` is on (cluster.toml; kvstore/config.py ``TLSConfig``), a node serves with its
+``tls_cert_file``/``tls_key_file`` and every channel to a node verifies that certificate
+against ``ca_file``. With ``client_certs = "require"`` (mutual TLS) the handshake fails
+unless the client presents a certificate the same CA signed; the certificate's common name
+is the caller's identity for the credentials file (kvstore/auth.py).
+
+Certificates are reloaded without a restart: before each handshake gRPC asks
+:class:`ReloadingServerCert` for a new configuration, which re-reads the files when their
+modification times changed (replace both files, new connections get the new pair; open
+connections keep theirs). Clients read their files when they connect.
+
+The UCX read path (kvstore/ucx_get.py) carries no TLS: with encryption at rest on
+(client/sealer.py) its payloads are ciphertext, but the token in a UCX request frame
+travels in the clear, so use UCX only inside a trusted network (the README says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstore.config import ClusterConfig, NodeConfig
+
+log = logging.getLogger(__name__)
+
+CLIENT_CERT_ENV = "KVSTORE_TLS_CERT"
+CLIENT_KEY_ENV = "KVSTORE_TLS_KEY"
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+
+
+class ReloadingServerCert:
+    """The node's certificate configuration, re-read when a file changes (see module doc)."""
+
+    def __init__(self, cert_file: str, key_file: str, ca_file: str, require_client_cert: bool):
+        self._paths = (cert_file, key_file, ca_file)
+        self._require = require_client_cert
+        self._mtimes = self._stat()
+        self.initial = self._load()
+
+    def _stat(self) -> tuple[int, ...]:
+        return tuple(os.stat(p).st_mtime_ns for p in self._paths)
+
+    def _load(self) -> Any:
+        cert_file, key_file, ca_file = self._paths
+        pair = (_read(key_file, "TLS key"), _read(cert_file, "TLS certificate"))
+        ca = _read(ca_file, "CA file") if self._require else None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def fetch(self) -> Any:
+        """gRPC's config fetcher: a new configuration if a file changed, else None."""
+        try:
+            mtimes = self._stat()
+            if mtimes == self._mtimes:
+                return None
+            config = self._load()
+        except (OSError, ValueError) as exc:
+            log.error("keeping the current TLS certificate: %s", exc)
+            return None
+        self._mtimes = mtimes
+        log.info("reloaded TLS certificate %s", self._paths[0])
+        return config
+
+
+def server_credentials(cluster: ClusterConfig, node: NodeConfig) -> grpc.ServerCredentials | None:
+    """The node's server credentials, or None when TLS is off (plaintext, loopback only)."""
+    if not cluster.tls_enabled:
+        return None
+    require = cluster.tls.client_certs == "require"
+    cert = ReloadingServerCert(node.tls_cert_file, node.tls_key_file, cluster.tls.ca_file, require)
+    return grpc.dynamic_ssl_server_credentials(cert.initial, cert.fetch, require)
+
+
+def channel_credentials(
+    cluster: ClusterConfig, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials | None:
+    """Credentials for channels to the cluster's nodes, or None when TLS is off.
+
+    The client certificate (mutual TLS) comes from the arguments, else from
+    ``$KVSTORE_TLS_CERT`` and ``$KVSTORE_TLS_KEY``.
+    """
+    if not cluster.tls_enabled:
+        return None
+    cert_file = cert_file or os.environ.get(CLIENT_CERT_ENV)
+    key_file = key_file or os.environ.get(CLIENT_KEY_ENV)
+    if cluster.tls.client_certs == "require" and not (cert_file and key_file):
+        raise ValueError(
+            "the cluster requires client certificates (mutual TLS): pass tls_cert_file and "
+            f"tls_key_file or set ${CLIENT_CERT_ENV} and ${CLIENT_KEY_ENV}"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(cluster.tls.ca_file, "CA file"),
+        private_key=_read(key_file, "TLS key") if key_file else None,
+        certificate_chain=_read(cert_file, "TLS certificate") if cert_file else None,
+    )
+
+
+def node_channel_credentials(
+    cluster: ClusterConfig, node: NodeConfig
+) -> grpc.ChannelCredentials | None:
+    """Credentials for a node's own channels to its peers: its certificate is its identity."""
+    return channel_credentials(cluster, node.tls_cert_file, node.tls_key_file)
+
+
+def aio_channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Channel:
+    """A grpc.aio channel: TLS when ``credentials`` are given, else plaintext."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def sync_channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """As :func:`aio_channel`, for the synchronous API (status and health tools)."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def peer_identity(context: Any) -> str | None:
+    """The verified client certificate's common name of a call (mutual TLS), or None."""
+    try:
+        auth = context.auth_context()
+    except Exception:  # not every context type has one
+        return None
+    names = auth.get("x509_common_name") or ()
+    return names[0].decode(errors="replace") if names else None

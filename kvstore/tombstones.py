@@ -1,0 +1,123 @@
+"""Peers' delete logs: how a node that was down or cut off during a delete learns of it.
+
+Every node logs each delete and purge it serves (kvstore/deletion.py). A node pulls the logs
+of the peers it shares a placement group with: at start-up and every
+``tombstone_sync_interval_s`` (30 s), over the same TLS as every channel, with its own
+credential (a node principal's token from ``peer_token_file``, or its certificate under
+mutual TLS)::
+
+    for each peer:  ListTombstones(after_seq = cursor[peer])  ->  records, last_seq
+                    apply the records (delete versions created at or before each)
+                    cursor[peer] = the last record's seq (persisted in the index counters)
+                    a last_seq below the cursor: the peer's log restarted, pull from 0
+
+Logs are kept ``tombstone_retention_s`` (8 days, beyond the longest TTL), so a node that was
+away longer than that holds only shards that have expired by then anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kvstore.auth import read_token_file
+from kvstore.config import ClusterConfig, NodeConfig
+from kvstore.index import Tombstone
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
+from kvstore.shard_store import ShardStore
+from kvstore.tls import aio_channel, node_channel_credentials
+
+log = logging.getLogger(__name__)
+
+MAX_TOMBSTONES_PER_REPLY = 4096
+PULL_TIMEOUT_S = 10.0
+
+
+def group_peers(cluster: ClusterConfig, node_id: str) -> list[NodeConfig]:
+    """The nodes that share a placement group with ``node_id`` (it excluded)."""
+    peer_ids = {n for group in cluster.groups if node_id in group for n in group} - {node_id}
+    return [n for n in cluster.nodes if n.id in peer_ids]
+
+
+def cursor_name(peer_id: str) -> str:
+    return f"peer/{peer_id}/tombstone_seq"
+
+
+class TombstoneSync:
+    """Pulls and applies the delete logs of one node's peers."""
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        node: NodeConfig,
+        store: ShardStore,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self._store = store
+        self._executor = executor
+        token = read_token_file(node.peer_token_file) if node.peer_token_file else None
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        credentials = node_channel_credentials(cluster, node)
+        self._peers = group_peers(cluster, node.id)
+        self._channels = {p.id: aio_channel(p.address, credentials) for p in self._peers}
+
+    async def pull_all(self) -> int:
+        """One pull from every peer; return the number of shards deleted here."""
+        num_deleted = 0
+        for peer in self._peers:
+            try:
+                num_deleted += await self.pull(peer.id)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("delete log of %s not pulled: %s", peer.id, exc.code().name)
+        return num_deleted
+
+    async def pull(self, peer_id: str) -> int:
+        loop = asyncio.get_running_loop()
+        stub = ShardStoreStub(self._channels[peer_id])
+        cursor = int(self._store.counter(cursor_name(peer_id)) or 0)
+        num_deleted = 0
+        while True:
+            reply = await stub.ListTombstones(
+                pb.ListTombstonesRequest(after_seq=cursor, limit=MAX_TOMBSTONES_PER_REPLY),
+                timeout=PULL_TIMEOUT_S,
+                metadata=self._metadata,
+            )
+            if reply.last_seq < cursor:  # the peer's log restarted (its data_dir was replaced)
+                cursor = 0
+                continue
+            records = [Tombstone(t.seq, t.tenant, t.key, t.at_s) for t in reply.tombstones]
+            if records:
+                erased = await loop.run_in_executor(
+                    self._executor, self._store.apply_tombstones, records
+                )
+                num_deleted += erased.num_shards
+                cursor = records[-1].seq
+                await loop.run_in_executor(
+                    self._executor, self._store.set_counter, cursor_name(peer_id), cursor
+                )
+            if len(records) < MAX_TOMBSTONES_PER_REPLY:
+                return num_deleted
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+
+
+async def sync_forever(
+    cluster: ClusterConfig, node: NodeConfig, store: ShardStore, executor: ThreadPoolExecutor
+) -> None:
+    """Pull the peers' delete logs now and every ``tombstone_sync_interval_s``."""
+    sync = TombstoneSync(cluster, node, store, executor)
+    try:
+        while True:
+            try:
+                if num_deleted := await sync.pull_all():
+                    log.info("applied peers' deletes: %d shards removed", num_deleted)
+            except Exception:
+                log.exception("pulling peers' delete logs failed; retrying later")
+            await asyncio.sleep(node.tombstone_sync_interval_s)
+    finally:
+        await sync.close()
