@@ -1,57 +1,155 @@
-"""A cluster with an auth token: the client's token travels with every RPC."""
+"""Principals on a real 12-node cluster with auth and TLS: a tenant is who its credential says.
+
+The impostor scenario of issue 19: a client holding tenant evil's token that claims
+``tenant="acme"`` must fail on every call, and acme's blocks must stay acme's.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from client import KVClient
 from deploy.local_cluster import LocalCluster
-from kvstore.errors import PermissionDenied
+from kvstore.auth import Role
+from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.ucx_worker import ucx_available
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 KEY = bytes(range(16))
+BLOCK = b"acme's secret KV block " * 1000
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("auth")
-    with LocalCluster.start(root, 12, fsync=False, auth_token="s3cret") as c:
+    with LocalCluster.start(root, 12, fsync=False, auth=True, tls=True) as c:
         yield c
 
 
-async def test_right_token_works_wrong_or_missing_token_is_refused(cluster: LocalCluster) -> None:
-    toml: Path = cluster.cluster_toml
-    async with KVClient.connect(toml, tenant="acme", token="s3cret") as kv:
-        await kv.put(KEY, b"secret block")
-        assert await kv.get(KEY) == b"secret block"
-        assert await kv.contains([KEY]) == [True]
-    for token in (None, "wrong"):
-        async with KVClient.connect(toml, tenant="acme", token=token) as kv:
-            with pytest.raises(PermissionDenied):
-                await kv.put(KEY, b"overwrite")
-            with pytest.raises(PermissionDenied):
-                await kv.get(KEY)
-            with pytest.raises(PermissionDenied):
+@pytest.fixture(scope="module")
+def tokens(cluster: LocalCluster) -> dict[str, str]:
+    made = {
+        "acme": cluster.add_tenant("acme"),
+        "evil": cluster.add_tenant("evil"),
+        "serving": cluster.add_tenant("serving", Role.SERVICE, ["acme"]),
+    }
+    made["admin"] = cluster.admin_token or ""
+    return made
+
+
+async def _wait_for_reload(cluster: LocalCluster, token: str) -> None:
+    """Nodes re-read the credentials file within a second of a change."""
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=token) as kv:
+        for _ in range(50):
+            try:
                 await kv.contains([KEY])
-            with pytest.raises(PermissionDenied):
-                await kv.delete([KEY])
-    async with KVClient.connect(toml, tenant="acme", token="s3cret") as kv:
-        assert await kv.get(KEY) == b"secret block", "a refused client changed stored data"
+                return
+            except PermissionDenied:
+                await asyncio.sleep(0.1)
+    raise AssertionError("nodes never accepted a token added to the credentials file")
+
+
+def _record_loop_errors() -> list[dict[str, Any]]:
+    """Collect what asyncio reports as lost (e.g. 'Task exception was never retrieved')."""
+    errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    return errors
+
+
+async def _every_call_refused(kv: KVClient) -> None:
+    out = bytearray(len(BLOCK))
+    calls = {
+        "get": lambda: kv.get(KEY),
+        "get_into": lambda: kv.get_into(KEY, out),
+        "contains": lambda: kv.contains([KEY]),
+        "match_prefix": lambda: kv.match_prefix([KEY, bytes(16)]),
+        "put": lambda: kv.put(KEY, b"attacker-chosen KV"),
+        "delete": lambda: kv.delete([KEY]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(PermissionDenied):
+            await call()
+            pytest.fail(f"{name} with another tenant's or no credential was not refused")
+
+
+async def test_impostor_fails_for_every_call(cluster: LocalCluster, tokens: dict) -> None:
+    errors = _record_loop_errors()
+    toml = cluster.cluster_toml
+    await _wait_for_reload(cluster, tokens["serving"])
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(KEY, BLOCK)
+        assert await kv.get(KEY) == BLOCK
+    impostors = {
+        "evil's token claiming acme": tokens["evil"],
+        "no token": None,
+        "a made-up token": "kvst_not-a-real-token",
+        "the admin token (no data access)": tokens["admin"],
+    }
+    for token in impostors.values():
+        async with KVClient.connect(toml, tenant="acme", token=token) as kv:
+            await _every_call_refused(kv)
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"]) as kv:
+        assert await kv.get(KEY) == BLOCK, "a refused client changed acme's block"
+        assert await kv.match_prefix([KEY]) == 1, "a refused delete removed acme's block"
+    async with KVClient.connect(toml, tenant="evil", token=tokens["evil"]) as kv:
+        assert await kv.get(KEY) is None, "evil reads acme's key under its own tenant"
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert not errors, f"refused calls left asyncio errors behind: {errors[:3]}"
+
+
+async def test_service_acts_only_for_its_allow_list(cluster: LocalCluster, tokens: dict) -> None:
+    toml = cluster.cluster_toml
+    await _wait_for_reload(cluster, tokens["serving"])
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(KEY, BLOCK)
+    async with KVClient.connect(toml, tenant="acme", token=tokens["serving"]) as kv:
+        out = np.zeros(len(BLOCK), dtype=np.uint8)
+        assert await kv.get_into(KEY, out), "the service cannot read a tenant it serves"
+        assert out.tobytes() == BLOCK
+    async with KVClient.connect(toml, tenant="evil", token=tokens["serving"]) as kv:
+        await _every_call_refused(kv)
+
+
+async def test_token_comes_from_env_or_file_never_cluster_toml(
+    cluster: LocalCluster, tokens: dict, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    assert tokens["acme"] not in cluster.cluster_toml.read_text(), "a token is in cluster.toml"
+    assert "token_sha256" in cluster.credentials_file.read_text()
+    assert tokens["acme"] not in cluster.credentials_file.read_text(), "a token stored in clear"
+    assert cluster.credentials_file.stat().st_mode & 0o077 == 0, "credentials readable by others"
+    await _wait_for_reload(cluster, tokens["acme"])
+    monkeypatch.setenv("KVSTORE_TOKEN", tokens["acme"])
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        assert await kv.contains([KEY]) is not None
+    monkeypatch.delenv("KVSTORE_TOKEN")
+    token_file = tmp_path / "acme.token"
+    token_file.write_text(tokens["acme"] + "\n")
+    token_file.chmod(0o644)
+    monkeypatch.setenv("KVSTORE_TOKEN_FILE", str(token_file))
+    with pytest.raises(InvalidArgument, match="chmod 600"):
+        await KVClient.connect(cluster.cluster_toml, tenant="acme")
+    token_file.chmod(0o600)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        assert await kv.contains([KEY]) is not None
 
 
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
-async def test_reads_over_ucx_check_the_token_too(cluster: LocalCluster) -> None:
-    toml: Path = cluster.cluster_toml
-    async with KVClient.connect(toml, tenant="acme", token="s3cret") as kv:
-        await kv.put(KEY, b"secret block over ucx")
-    async with KVClient.connect(toml, tenant="acme", token="s3cret", transport="ucx") as kv:
-        assert await kv.get(KEY) == b"secret block over ucx"
+async def test_reads_over_ucx_derive_the_tenant_too(cluster: LocalCluster, tokens: dict) -> None:
+    toml = cluster.cluster_toml
+    await _wait_for_reload(cluster, tokens["serving"])
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(KEY, BLOCK)
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"], transport="ucx") as kv:
+        assert await kv.get(KEY) == BLOCK
         assert kv.ucx is not None and kv.ucx.counters.num_ucx_replies > 0, "read not over UCX"
-    for token in (None, "wrong"):
+    for token in (None, "wrong", tokens["evil"]):
         async with KVClient.connect(toml, tenant="acme", token=token, transport="ucx") as kv:
             with pytest.raises(PermissionDenied):
                 await kv.get(KEY)

@@ -23,6 +23,7 @@ from kvstore.config import (
     ClusterConfig,
     CodecConfig,
     NodeConfig,
+    TLSConfig,
     TTLConfig,
     save_cluster,
 )
@@ -57,6 +58,7 @@ def write_config(
     expiry_window_s: float = 3600.0,
     eviction_order: str = TTLConfig.eviction_order,
     data_dir: Path | None = None,
+    tls: TLSConfig | None = None,
     **node_fields: Any,
 ) -> Path:
     """A cluster.toml of one node ``n0`` (k=1, m=0) with free ports; returns its path."""
@@ -83,6 +85,7 @@ def write_config(
         codec=CodecConfig(k=1, m=0, backend="zfec"),
         client=ClientConfig(read_fanout=1, write_quorum=1),
         ttl=ttl,
+        tls=tls or TLSConfig(),
     )
     path = directory / "cluster.toml"
     save_cluster(cluster, path)
