@@ -28,8 +28,10 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
+from client.keyring import open_keyring
 from client.node_conn import NodeConn, consume_result
 from client.read_path import BlockRead, ReadCounters
+from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally, ShardCollector
 from client.ucx_gets import UcxGets
 from client.ucx_transport import UcxTransport
@@ -86,6 +88,14 @@ class KVClient:
         self.write_counters = WriteCounters()
         self._background: set[asyncio.Task[Any]] = set()
         self.ucx: UcxGets | None = None  # the UCX read path, when connect() enabled it
+        # Encryption at rest for this tenant ([encryption] in cluster.toml): blocks are sealed
+        # before erasure coding and opened after decoding (client/sealer.py).
+        self.sealer: BlockSealer | None = None
+        if config.encryption.covers(tenant):
+            try:
+                self.sealer = BlockSealer(tenant, open_keyring(config.encryption))
+            except (OSError, ValueError) as exc:
+                raise InvalidArgument(f"[encryption] of tenant {tenant!r}: {exc}") from None
         self._closed = False
 
     @classmethod
@@ -180,6 +190,8 @@ class KVClient:
         check_key(key)
         self.config.ttl.classes.check(traffic_class)
         view = self._block_view(data)
+        if self.sealer is not None:
+            view = memoryview(self.sealer.seal(key, view))
         shards = self.codec.encode(view)
         self.write_counters.num_puts += 1
         await write_block(
@@ -195,7 +207,7 @@ class KVClient:
 
     def _block_view(self, data: Buffer) -> memoryview:
         view = _byte_view(data, "put data")
-        max_bytes = self.config.codec.max_block_bytes
+        max_bytes = self.config.codec.max_block_bytes - (OVERHEAD_BYTES if self.sealer else 0)
         if not 0 < len(view) <= max_bytes:
             raise InvalidArgument(
                 f"a block must be 1 to {max_bytes} bytes (max_block_bytes in cluster.toml), "
@@ -239,9 +251,12 @@ class KVClient:
         self.read_counters.num_reads += 1
         try:
             async with asyncio.timeout(timeout_s):
-                block = await reader.run(timeout_s, out)
+                # A sealed block decodes into its own buffer; opening it writes ``out``.
+                block = await reader.run(timeout_s, None if self.sealer else out)
         except TimeoutError:
             block = None
+        if block is not None and self.sealer is not None:
+            block = self.sealer.open(key, block, out)
         if block is None:
             self.read_counters.num_misses += 1
         else:

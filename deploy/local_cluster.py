@@ -14,6 +14,8 @@ Layout of DIR::
     pids.json          node id -> pid of the running node process
     logs/<id>.log      each node's stdout and stderr (appended across restarts)
     <id>/              each node's data directory
+    master.key         with --encrypt: the master key that wraps tenants' data keys (0600)
+    keyring.json       with --encrypt: the wrapped data keys (made on a tenant's first put)
     credentials.toml   with --auth: the nodes' principals, tokens hashed (mode 0600)
     admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
     node.token         with --auth: the credential nodes present to each other (0600)
@@ -49,6 +51,7 @@ from typing import Any
 
 import grpc
 
+from client.keyring import new_master_key
 from deploy.cluster_status import print_status
 from kvstore.auth import Role, add_principal, read_token_file, set_tenant_caps, write_private
 from kvstore.certs import init_ca, issue_files
@@ -57,6 +60,7 @@ from kvstore.config import (
     ClientConfig,
     ClusterConfig,
     CodecConfig,
+    EncryptionConfig,
     NodeConfig,
     TLSConfig,
     TTLConfig,
@@ -76,6 +80,10 @@ CREDENTIALS_FILE = "credentials.toml"
 ADMIN_TOKEN_FILE = "admin.token"
 NODE_TOKEN_FILE = "node.token"
 TLS_DIR = "tls"
+MASTER_KEY_FILE = "master.key"
+KEYRING_FILE = "keyring.json"
+MASTER_KEY_FILE = "master.key"
+KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05
@@ -219,16 +227,29 @@ def _startup_failure(root: Path, node_id: str, what: str) -> str:
 
 
 def secure(
-    root: Path, config: ClusterConfig, *, auth: bool, tls: bool, mtls: bool
+    root: Path,
+    config: ClusterConfig,
+    *,
+    auth: bool,
+    tls: bool,
+    mtls: bool,
+    encrypt: Sequence[str] = (),
 ) -> ClusterConfig:
-    """``config`` with auth (credentials file, admin and node tokens) and TLS (a dev CA, a
-    certificate per node; ``mtls``: client certificates required) set up under ``root``."""
+    """``config`` with auth (credentials file, admin and node tokens), TLS (a dev CA, a
+    certificate per node; ``mtls``: client certificates required) and encryption at rest for
+    the ``encrypt`` tenants (a master key file and a keyring) set up under ``root``."""
     nodes = config.nodes
+    encryption = config.encryption
+    if encrypt:
+        master = new_master_key(root / MASTER_KEY_FILE)
+        encryption = EncryptionConfig(
+            tuple(encrypt), str((root / KEYRING_FILE).resolve()), str(master.resolve())
+        )
     if auth:
         credentials = root / CREDENTIALS_FILE
         credentials.unlink(missing_ok=True)
         write_private(root / ADMIN_TOKEN_FILE, add_principal(credentials, "admin", Role.ADMIN))
-        node_token = add_principal(credentials, "nodes", Role.NODE, cert_identity="")
+        node_token = add_principal(credentials, "nodes", Role.NODE)
         write_private(root / NODE_TOKEN_FILE, node_token)
         nodes = tuple(
             dataclasses.replace(
@@ -253,7 +274,7 @@ def secure(
             for n in nodes
         )
         tls_config = TLSConfig("on", str(ca_file.resolve()), "require" if mtls else "none")
-    return dataclasses.replace(config, nodes=nodes, tls=tls_config)
+    return dataclasses.replace(config, nodes=nodes, tls=tls_config, encryption=encryption)
 
 
 def local_admin_token(root: Path) -> str | None:
@@ -357,6 +378,7 @@ class LocalCluster:
         auth: bool = False,
         tls: bool = False,
         mtls: bool = False,
+        encrypt: Sequence[str] = (),
         **node_defaults: Any,
     ) -> LocalCluster:
         """Write ``root/cluster.toml``, start every node concurrently, wait until all serve.
@@ -364,7 +386,9 @@ class LocalCluster:
         ``node_defaults`` are NodeConfig fields for every node (``fsync=False``,
         ``max_bytes=...``). ``auth`` writes a credentials file with an admin and a node
         principal (``root/admin.token``); ``tls`` a CA and node certificates (``mtls``:
-        clients must present one too). On a startup failure the started nodes are stopped.
+        clients must present one too); ``encrypt`` names tenants whose blocks clients seal
+        (a master key and keyring under ``root``). On a startup failure the started nodes
+        are stopped.
         """
         root = Path(root)
         if any(is_node_process(pid, n) for n, pid in read_pids(root).items()):
@@ -373,7 +397,7 @@ class LocalCluster:
             )
         root.mkdir(parents=True, exist_ok=True)
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
-        config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls)
+        config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls, encrypt=encrypt)
         save_cluster(config, root / "cluster.toml")
         cluster = cls(root, config)
         try:
@@ -472,6 +496,12 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mtls", action="store_true", help="like --tls, and clients must present certificates"
+    )
+    parser.add_argument(
+        "--encrypt",
+        type=list_arg(str),
+        default=[],
+        help="tenants whose blocks clients seal (AES-GCM; DIR/master.key, DIR/keyring.json)",
     )
 
 
@@ -602,6 +632,7 @@ def _up(args: argparse.Namespace) -> int:
         auth=args.auth,
         tls=args.tls,
         mtls=args.mtls,
+        encrypt=args.encrypt,
         **overrides,
     )
     print(f"{len(cluster.procs)} nodes serving; cluster map: {cluster.cluster_toml}")

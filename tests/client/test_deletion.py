@@ -1,0 +1,154 @@
+"""Deletion that reaches the bytes, checked on disk: a 12-node cluster's data directories are
+searched for a known block's bytes after delete and purge, also for a node that was down."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import KVClient
+from deploy.local_cluster import LocalCluster
+from tests.kvstore.node_harness import REPO_ROOT
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+BLOCK_BYTES = 200_000
+NEEDLE_BYTES = 48
+SYNC_INTERVAL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("deletion")
+    with LocalCluster.start(
+        root, 12, fsync=False, auth=True, tombstone_sync_interval_s=SYNC_INTERVAL_S
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokens(cluster: LocalCluster) -> dict[str, str]:
+    made = {"acme": cluster.add_tenant("acme"), "globex": cluster.add_tenant("globex")}
+    time.sleep(1.2)  # nodes re-read the credentials file within a second
+    return made
+
+
+def _block(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes()
+
+
+def _needles(block: bytes, k: int = 10) -> list[bytes]:
+    """A window from the middle of each data shard's payload (shard i holds slice i)."""
+    payload = -(-len(block) // k)
+    return [block[i * payload + 100 : i * payload + 100 + NEEDLE_BYTES] for i in range(k)]
+
+
+def _holders(cluster: LocalCluster, block: bytes) -> set[str]:
+    """Node ids whose data directory holds any window of ``block`` in any file."""
+    needles = _needles(block)
+    found = set()
+    for node in cluster.config.nodes:
+        for path in Path(node.data_dir).rglob("*"):
+            if path.is_file() and any(n in path.read_bytes() for n in needles):
+                found.add(node.id)
+    return found
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline_s:
+            raise AssertionError(what)
+        time.sleep(0.1)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+async def test_delete_destroys_the_bytes_on_every_node(cluster: LocalCluster, tokens) -> None:
+    kept, doomed = _block(1), _block(2)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(_key(1), kept)
+        await kv.put(_key(2), doomed)
+        await kv.close()  # background shard puts finish
+    assert len(_holders(cluster, doomed)) == 10, "the scan does not find a block's data shards"
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.delete([_key(2)])
+        assert _holders(cluster, doomed) == set(), "deleted bytes still on disk after delete"
+        assert await kv.get(_key(1)) == kept, "a delete destroyed a neighbouring record"
+        assert len(_holders(cluster, kept)) == 10
+
+
+async def test_a_node_down_during_a_delete_applies_it_when_it_returns(
+    cluster: LocalCluster, tokens
+) -> None:
+    block = _block(3)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(_key(3), block)
+        await kv.close()
+    down = sorted(_holders(cluster, block))[0]
+    cluster.kill_node(down)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.delete([_key(3)])
+    assert _holders(cluster, block) == {down}, "only the node that was down keeps the bytes"
+    cluster.restart_node(down)
+    _wait_for(
+        lambda: not _holders(cluster, block),
+        timeout_s=10 * SYNC_INTERVAL_S + 5,
+        what="the returning node never applied the delete it missed (delete log not pulled)",
+    )
+
+
+def _purge(cluster: LocalCluster, tenant: str, *extra: str) -> tuple[int, dict]:
+    command = [sys.executable, "-m", "kvstore.cli", "purge", "--tenant", tenant]
+    command += ["--dir", str(cluster.root), "--json", *extra]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout, f"purge printed nothing: {done.stderr}"
+    return done.returncode, json.loads(done.stdout)
+
+
+async def test_purge_reports_per_node_and_reaches_a_returning_node(
+    cluster: LocalCluster, tokens
+) -> None:
+    acme_blocks, globex_block = [_block(10), _block(11)], _block(12)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=tokens["acme"]) as kv:
+        for i, block in enumerate(acme_blocks):
+            await kv.put(_key(10 + i), block)
+        await kv.close()
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="globex", token=tokens["globex"]
+    ) as kv:
+        await kv.put(_key(10), globex_block)  # the same key, another tenant: must survive
+        await kv.close()
+    down = sorted(_holders(cluster, acme_blocks[0]))[-1]
+    cluster.kill_node(down)
+    code, report = _purge(cluster, "acme")
+    assert code == 1, "purge said done while a node was down"
+    by_node = {n["node_id"]: n for n in report["nodes"]}
+    assert not by_node[down]["done"] and by_node[down]["error"]
+    done = [n for n in report["nodes"] if n["done"]]
+    # Every node of the one 12-node group holds one shard of each of acme's two blocks.
+    assert len(done) == 11 and all(n["num_deleted"] == 2 for n in done), report
+    assert sum(n["bytes_erased"] for n in done) >= sum(len(b) for b in acme_blocks)
+    for block in acme_blocks:
+        assert _holders(cluster, block) == {down}, "purged bytes still on a node that was up"
+    cluster.restart_node(down)
+    _wait_for(
+        lambda: not any(_holders(cluster, b) for b in acme_blocks),
+        timeout_s=10 * SYNC_INTERVAL_S + 5,
+        what="the returning node never applied the purge it missed",
+    )
+    code, report = _purge(cluster, "acme", "--wait", "--timeout", "20s")
+    assert code == 0 and all(n["done"] for n in report["nodes"]), report
+    assert len(_holders(cluster, globex_block)) == 10, "purging acme destroyed globex's block"
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="globex", token=tokens["globex"]
+    ) as kv:
+        assert await kv.get(_key(10)) == globex_block
