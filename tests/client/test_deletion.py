@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 BLOCK_BYTES = 200_000
 NEEDLE_BYTES = 48
 SYNC_INTERVAL_S = 0.5
+ERASE_BOUND_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,13 @@ async def test_delete_destroys_the_bytes_on_every_node(cluster: LocalCluster, to
     assert len(_holders(cluster, doomed)) == 10, "the scan does not find a block's data shards"
     async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=tokens["acme"]) as kv:
         await kv.delete([_key(2)])
-        assert _holders(cluster, doomed) == set(), "deleted bytes still on disk after delete"
+        # Nodes erase before they answer; one whose Delete failed learns it from its peers'
+        # delete logs within a sync interval. Either way well within the 60 s bound.
+        _wait_for(
+            lambda: not _holders(cluster, doomed),
+            timeout_s=ERASE_BOUND_S,
+            what="deleted bytes still on disk after the delete",
+        )
         assert await kv.get(_key(1)) == kept, "a delete destroyed a neighbouring record"
         assert len(_holders(cluster, kept)) == 10
 
@@ -134,8 +141,9 @@ async def test_purge_reports_per_node_and_reaches_a_returning_node(
     by_node = {n["node_id"]: n for n in report["nodes"]}
     assert not by_node[down]["done"] and by_node[down]["error"]
     done = [n for n in report["nodes"] if n["done"]]
-    # Every node of the one 12-node group holds one shard of each of acme's two blocks.
-    assert len(done) == 11 and all(n["num_deleted"] == 2 for n in done), report
+    # Every node of the one 12-node group holds one shard of each of acme's three blocks
+    # (the first test's kept block too).
+    assert len(done) == 11 and all(n["num_deleted"] == 3 for n in done), report
     assert sum(n["bytes_erased"] for n in done) >= sum(len(b) for b in acme_blocks)
     for block in acme_blocks:
         assert _holders(cluster, block) == {down}, "purged bytes still on a node that was up"
