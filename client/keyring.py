@@ -35,10 +35,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstore.auth import check_private, write_private
 from kvstore.config import EncryptionConfig
+from kvstore.errors import InvalidArgument
 
 DATA_KEY_BYTES = 32  # AES-256
 KEY_ID_BYTES = 8
@@ -137,7 +139,14 @@ class Keyring:
         cache_key = (tenant, key_id)
         if cache_key not in self._key_id_to_key:
             wrapped = base64.b64decode(record["wrapped"])
-            self._key_id_to_key[cache_key] = self._wrapper.unwrap(wrapped, _context(tenant, key_id))
+            try:
+                key = self._wrapper.unwrap(wrapped, _context(tenant, key_id))
+            except InvalidTag:
+                raise InvalidArgument(
+                    f"data key {key_id.hex()} of tenant {tenant!r} in {self.path} does not "
+                    "unwrap: this is not the master key (or KMS) that wrapped it"
+                ) from None
+            self._key_id_to_key[cache_key] = key
         return self._key_id_to_key[cache_key]
 
     def rotate(self, tenant: str) -> bytes:
