@@ -1,0 +1,153 @@
+"""A property-based fuzz test of every RPC of a real node with auth on: random credentials
+(none, made-up, tenant, service, node, admin), random and half-valid messages. Every call
+must end, within its deadline, in a status a client can act on; the node must never crash,
+hang or log an unexpected error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore import ucx_get
+from kvstore.auth import Role, add_principal
+from kvstore.errors import InvalidArgument
+from kvstore.proto import kvstore_pb2 as pb
+from tests.kvstore.node_harness import make_shard, write_config
+
+pytestmark = pytest.mark.timeout(300)
+RPCS = (
+    "PutShards",
+    "GetShards",
+    "GetShardsStream",
+    "Contains",
+    "Delete",
+    "Purge",
+    "ListTombstones",
+    "Stats",
+    "Health",
+)
+# What a well-behaved node answers to anything; INTERNAL, UNKNOWN and DEADLINE_EXCEEDED
+# (a hang) are bugs.
+EXPECTED_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+CALL_TIMEOUT_S = 10.0
+
+tenants = st.sampled_from(["", "acme", "globex", "x" * 300, "é\u0000"])
+keys = st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40)), max_size=5)
+shards = st.one_of(
+    st.binary(max_size=300),
+    st.binary(min_size=1, max_size=200).map(make_shard),
+)
+
+
+@st.composite
+def messages(draw: st.DrawFn, rpc: str) -> bytes:
+    """Raw request bytes: garbage, or a message of the right type with hostile fields."""
+    if draw(st.booleans()):
+        return draw(st.binary(max_size=200))
+    if rpc == "PutShards":
+        items = draw(
+            st.lists(st.tuples(keys.map(lambda k: k[0] if k else b""), shards), max_size=4)
+        )
+        message = pb.PutShardsRequest(
+            tenant=draw(tenants),
+            traffic_class=draw(st.sampled_from(["chat", "agent", "", "nope"])),
+            shards=[pb.ShardPut(key=k, shard=s) for k, s in items],
+        )
+    elif rpc in ("GetShards", "GetShardsStream"):
+        message = pb.GetShardsRequest(
+            tenant=draw(tenants), keys=draw(keys), version=draw(st.binary(max_size=20))
+        )
+    elif rpc == "Contains":
+        message = pb.ContainsRequest(tenant=draw(tenants), keys=draw(keys))
+    elif rpc == "Delete":
+        message = pb.DeleteRequest(tenant=draw(tenants), keys=draw(keys))
+    elif rpc == "Purge":
+        message = pb.PurgeRequest(tenant=draw(tenants))
+    elif rpc == "ListTombstones":
+        message = pb.ListTombstonesRequest(
+            after_seq=draw(st.integers(0, 2**64 - 1)), limit=draw(st.integers(0, 2**32 - 1))
+        )
+    else:
+        message = pb.StatsRequest() if rpc == "Stats" else pb.HealthRequest()
+    return message.SerializeToString()
+
+
+def _call(channel: grpc.Channel, rpc: str, raw: bytes, metadata) -> grpc.StatusCode:
+    method = f"/kvstore.v1.ShardStore/{rpc}"
+    try:
+        if rpc == "GetShardsStream":
+            replies = channel.stream_stream(method)(
+                iter([raw, raw]), timeout=CALL_TIMEOUT_S, metadata=metadata
+            )
+            list(replies)
+        else:
+            channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
+    credentials = tmp_path / "credentials.toml"
+    tokens = {
+        "tenant": add_principal(credentials, "acme", Role.TENANT),
+        "service": add_principal(credentials, "serving", Role.SERVICE, frozenset({"acme"})),
+        "node": add_principal(credentials, "nodes", Role.NODE),
+        "admin": add_principal(credentials, "admin", Role.ADMIN),
+        "made-up": "kvst_made-up",
+        "empty": "",
+    }
+    config = write_config(tmp_path, credentials_file=str(credentials), max_batch_bytes=1 << 20)
+    node = start_node(config)
+    address = config.read_text().split('address = "')[1].split('"')[0]
+    unexpected: list[tuple[str, str, grpc.StatusCode]] = []
+
+    with grpc.insecure_channel(address) as channel:
+
+        @settings(
+            max_examples=400,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        )
+        @given(data=st.data())
+        def fuzz(data: st.DataObject) -> None:
+            rpc = data.draw(st.sampled_from(RPCS))
+            raw = data.draw(messages(rpc))
+            who = data.draw(st.sampled_from([None, *tokens]))
+            header = data.draw(
+                st.sampled_from(["Bearer {}", "{}", "Basic {}", "Bearer  {}", "bearer {}"])
+            )
+            metadata = None if who is None else (("authorization", header.format(tokens[who])),)
+            code = _call(channel, rpc, raw, metadata)
+            if code not in EXPECTED_CODES:
+                unexpected.append((rpc, str(who), code))
+
+        fuzz()
+        health = channel.unary_unary("/kvstore.v1.ShardStore/Health")
+        assert health(pb.HealthRequest().SerializeToString(), timeout=5), "node stopped answering"
+    assert not unexpected, f"calls ended in unexpected statuses (crash or hang): {unexpected[:5]}"
+    assert node.proc is not None and node.proc.poll() is None, "the node process died"
+    log_text = node.log_path.read_text()
+    for marker in ("Traceback", "never retrieved", "failed"):
+        assert marker not in log_text, f"the node logged {marker!r}:\n{log_text[-3000:]}"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(frame=st.one_of(st.binary(max_size=300), st.binary(max_size=50).map(lambda b: b"KVRQ" + b)))
+def test_ucx_request_frames_parse_or_are_refused(frame: bytes) -> None:
+    """The UCX read request's parser (reached by anyone who can send to the node's worker)."""
+    try:
+        token, request = ucx_get.decode_request(frame)
+    except InvalidArgument:
+        return
+    assert isinstance(token, str) and request.HasField("ucx")
