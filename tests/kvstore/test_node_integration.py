@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -302,3 +303,35 @@ async def test_a_second_process_on_the_same_data_dir_is_refused(tmp_path: Path, 
         with pytest.raises(RuntimeError, match="in use by another node process"):
             start_node(intruder)
         await _assert_all_hit(client, {b"d" * 16: b"mine"})
+
+
+async def test_metrics_can_require_an_admin_token_health_stays_open(
+    tmp_path: Path, start_node
+) -> None:
+    credentials = tmp_path / "credentials.toml"
+    admin = add_principal(credentials, "admin", Role.ADMIN)
+    tenant = add_principal(credentials, "acme", Role.TENANT)
+    metrics_port = free_port()
+    config = write_config(
+        tmp_path,
+        metrics_port=metrics_port,
+        credentials_file=str(credentials),
+        metrics_auth=True,
+    )
+    start_node(config)
+    base = f"http://127.0.0.1:{metrics_port}"
+
+    def status(path: str, token: str | None) -> int:
+        request = urllib.request.Request(base + path)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request) as reply:
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert await asyncio.to_thread(status, "/metrics", None) == 401
+    assert await asyncio.to_thread(status, "/metrics", tenant) == 401, "a tenant read metrics"
+    assert await asyncio.to_thread(status, "/metrics", admin) == 200
+    assert await asyncio.to_thread(status, "/healthz", None) == 200, "health must stay open"
