@@ -9,6 +9,12 @@ deploy/cluster.example.toml was written by ``write_example``::
 
 Copy the result to every host (``/etc/kvstore/cluster.toml``) and start one
 ``kvstore-node@<id>`` systemd unit per node (deploy/systemd/kvstore-node@.service).
+
+The map is secure by default: TLS on every channel (``[tls]``; each host's nodes serve the
+host's certificate, ``/etc/kvstore/tls/node.pem``, issued for its name by ``kvstore certs
+issue``), and principals from ``/etc/kvstore/credentials.toml`` (the same file on every host,
+mode 0600, readable by the nodes only), with the nodes' own token in
+``/etc/kvstore/node.token``. The README's security section has the set-up commands.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import tomli_w
 
-from kvstore.config import ClusterConfig, CodecConfig, NodeConfig, cluster_to_dict
+from kvstore.config import ClusterConfig, CodecConfig, NodeConfig, TLSConfig, cluster_to_dict
 from kvstore.placement import make_groups
 
 _IDENTITY_FIELDS = ("id", "address", "metrics_port", "failure_domain", "data_dir")
@@ -40,8 +46,10 @@ def multi_host_config(
     port: int = 50100,
     metrics_port: int = 50200,
     codec: CodecConfig | None = None,
+    etc_dir: str = "/etc/kvstore",
 ) -> ClusterConfig:
-    """Nodes ``<short host>-<i>`` on ``host:port + i``, data under ``data_root/<id>``."""
+    """Nodes ``<short host>-<i>`` on ``host:port + i``, data under ``data_root/<id>``, with
+    TLS and credentials files under ``etc_dir`` (see the module docstring)."""
     nodes = tuple(
         NodeConfig(
             id=f"{host.split('.')[0]}-{i}",
@@ -49,13 +57,19 @@ def multi_host_config(
             metrics_port=metrics_port + i,
             failure_domain=host,
             data_dir=f"{data_root}/{host.split('.')[0]}-{i}",
+            credentials_file=f"{etc_dir}/credentials.toml",
+            peer_token_file=f"{etc_dir}/node.token",
+            metrics_auth=True,
+            tls_cert_file=f"{etc_dir}/tls/node.pem",
+            tls_key_file=f"{etc_dir}/tls/node.key",
         )
         for host in hosts
         for i in range(nodes_per_host)
     )
     codec = codec or CodecConfig()
     groups = make_groups([(n.id, n.failure_domain) for n in nodes], codec.num_shards)
-    return ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=codec)
+    tls = TLSConfig(mode="on", ca_file=f"{etc_dir}/tls/ca.pem")
+    return ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=codec, tls=tls)
 
 
 def example_config() -> ClusterConfig:

@@ -375,19 +375,19 @@ def _ttl_s_to_toml(ttl_s: float) -> str | float:
 def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     ttl = dataclasses.asdict(cfg.ttl)
     ttl["classes"] = {k: _ttl_s_to_toml(v) for k, v in cfg.ttl.classes.class_to_ttl_s.items()}
-    return {
+    raw: dict[str, Any] = {
         "epoch": cfg.epoch,
         "codec": dataclasses.asdict(cfg.codec),
         "client": dataclasses.asdict(cfg.client),
         "ttl": ttl,
         "tls": dataclasses.asdict(cfg.tls),
-        "encryption": {
-            k: list(v) if k == "tenants" else v
-            for k, v in dataclasses.asdict(cfg.encryption).items()
-        },
-        "nodes": [dataclasses.asdict(n) for n in cfg.nodes],
-        "groups": [{"nodes": list(g)} for g in cfg.groups],
     }
+    if cfg.encryption.tenants:
+        encryption = dataclasses.asdict(cfg.encryption)
+        raw["encryption"] = {**encryption, "tenants": list(cfg.encryption.tenants)}
+    raw["nodes"] = [dataclasses.asdict(n) for n in cfg.nodes]
+    raw["groups"] = [{"nodes": list(g)} for g in cfg.groups]
+    return raw
 
 
 def save_cluster(cfg: ClusterConfig, path: str | Path) -> None:

@@ -78,3 +78,36 @@ def test_a_node_that_cannot_start_is_named_with_its_log(tmp_path: Path) -> None:
             LocalCluster.start(tmp_path, 12, base_port=port - 3, fsync=False)
     assert "bind" in str(info.value).lower() or "address" in str(info.value).lower()
     assert _wait_gone(read_pids(tmp_path)) == [], "a failed start must stop the nodes it started"
+
+
+def test_up_with_auth_and_tls_add_tenant_status_and_caps(tmp_path: Path) -> None:
+    """The contract: `cluster up --auth` writes an admin credential, `add-tenant` prints a
+    tenant's new token, `cluster status` shows the retention caps."""
+    root = tmp_path / "secure"
+    try:
+        up = _kvstore(
+            "cluster", "up", "--nodes", "12", "--dir", str(root), "--no-fsync", "--auth", "--tls"
+        )
+        assert up.returncode == 0, f"cluster up --auth failed:\n{up.stdout}\n{up.stderr}"
+        assert (root / "admin.token").stat().st_mode & 0o077 == 0, "admin token readable by all"
+        config = load_cluster(root / "cluster.toml")
+        assert config.tls_enabled and all(n.credentials_file for n in config.nodes)
+        added = _kvstore(
+            "cluster", "add-tenant", "--dir", str(root), "acme", "--max-ttl", "chat=1d"
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        token = added.stdout.strip()
+        assert token.startswith("kvst_") and token not in (root / "credentials.toml").read_text()
+        time.sleep(1.5)  # nodes re-read the credentials file; the next tick applies the caps
+        status = _kvstore("cluster", "status", "--dir", str(root), "--json")
+        assert status.returncode == 0, f"status with the admin token failed:\n{status.stderr}"
+        document = json.loads(status.stdout)
+        assert document["auth"] and document["tls"]
+        assert document["retention_caps"] == [
+            {"tenant": "acme", "traffic_class": "chat", "max_ttl_s": 86400.0}
+        ]
+        table = _kvstore("cluster", "status", "--dir", str(root))
+        assert "retention caps" in table.stdout and "acme" in table.stdout, table.stdout
+    finally:
+        _kvstore("cluster", "down", "--dir", str(root))
+        stop_pids(read_pids(root))

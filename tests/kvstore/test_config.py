@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import TTLConfig, load_cluster, save_cluster
+from deploy.multi_host import compact_dict, example_config
+from kvstore.config import TTLConfig, cluster_from_dict, load_cluster, save_cluster
 from tests.kvstore.node_harness import write_config
 from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder
 
@@ -86,3 +87,17 @@ def test_sizes_and_durations_take_units(tmp_path: Path) -> None:
     path.write_text(toml.replace('"1GiB"', '"lots"'))
     with pytest.raises(ValueError, match="bad size 'lots'"):
         load_cluster(path)
+
+
+def test_plaintext_to_remote_nodes_and_the_shared_token_are_refused() -> None:
+    raw = compact_dict(example_config())
+    raw["tls"] = {"mode": "off"}
+    with pytest.raises(ValueError, match="plaintext"):
+        cluster_from_dict(raw)
+    raw["tls"] = {"mode": "auto"}  # on, because the nodes are off loopback: needs a CA
+    with pytest.raises(ValueError, match="ca_file"):
+        cluster_from_dict(raw)
+    raw = compact_dict(example_config())
+    raw["node_defaults"]["auth_token"] = "s3cret"
+    with pytest.raises(ValueError, match="credentials_file"):
+        cluster_from_dict(raw)
