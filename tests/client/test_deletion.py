@@ -27,9 +27,16 @@ ERASE_BOUND_S = 10.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("deletion")
-    with LocalCluster.start(
-        root, 12, fsync=False, auth=True, tombstone_sync_interval_s=SYNC_INTERVAL_S
-    ) as c:
+    # Mutual TLS: node-to-node delete-log pulls run over it too; clients present the dev CA's
+    # "admin" certificate (transport identity) and their tenant token (principal).
+    with (
+        LocalCluster.start(
+            root, 12, fsync=False, auth=True, mtls=True, tombstone_sync_interval_s=SYNC_INTERVAL_S
+        ) as c,
+        pytest.MonkeyPatch.context() as env,
+    ):
+        env.setenv("KVSTORE_TLS_CERT", str(root / "tls" / "admin.pem"))
+        env.setenv("KVSTORE_TLS_KEY", str(root / "tls" / "admin.key"))
         yield c
 
 
