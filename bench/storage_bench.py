@@ -5,6 +5,7 @@
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--seconds S]
         [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx]
+        [--encryption]
 
 One client process runs N concurrent asyncio tasks per setting, each issuing one request after
 another for ``--seconds``; systems run interleaved in ``--rounds`` (A B, B A, ...). Order: PUTs
@@ -17,7 +18,10 @@ round), so the client has learned which node is slow, as it would have in steady
 bytes of block data per second. The client process tunes glibc's malloc for multi-megabyte
 buffers first (``--malloc tuned``, see erasure/allocator.py). With ``--baseline redis`` the
 same workload runs through redis-py (hiredis) asyncio against a ``redis-server`` this bench
-starts with persistence off.
+starts with persistence off. With ``--encryption`` a second kvstore client whose tenant's
+blocks are sealed (AES-256-GCM, client/sealer.py) runs the same workload interleaved with the
+plain one (``kvstore/sealed``; ratio "sealed/plain MB/s"), and the report's ``seal_cost``
+gives the CPU-seconds per GB of sealing and opening alone, on one core.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import json
 import logging
 import os
 import random
+import tempfile
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,9 +55,12 @@ from bench.common import (
     transport_list,
 )
 from client import KVClient
+from client.keyring import Keyring, MasterKeyFile, new_master_key
+from client.sealer import BlockSealer
 from deploy.local_cluster import LocalCluster
 from erasure.allocator import tune_glibc_malloc
 from kvstore.cli import list_arg, size_arg
+from kvstore.config import EncryptionConfig, load_cluster
 from kvstore.errors import KVStoreError
 from kvstore.progress import ProgressReporter
 from kvstore.tables import make_console, print_fitted
@@ -60,6 +69,7 @@ from ttl.units import size_label
 log = logging.getLogger(__name__)
 
 STRAGGLER_NODE = "n00"
+SEALED_TENANT = "bench-sealed"
 
 
 @dataclass
@@ -308,6 +318,10 @@ def ratios(results: list[Result]) -> list[dict[str, Any]]:
         if redis_runs:
             ratio = ours.mb_per_s / redis_runs[0].mb_per_s
             rows.append(_ratio_row("kvstore/redis MB/s", ours, ratio))
+        sealed_runs = setting_to_calm.get(("kvstore/sealed", *setting))
+        if sealed_runs and ours.mb_per_s:
+            ratio = sealed_runs[0].mb_per_s / ours.mb_per_s
+            rows.append(_ratio_row("sealed/plain MB/s", ours, ratio))
     return rows
 
 
@@ -378,6 +392,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for i, transport in enumerate(args.transport)
         ]
         client = systems[0].target.client
+        if args.encryption:
+            keys_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kv-keys-")))
+            sealed = await _sealed_target(cluster_toml, keys_dir)
+            systems.insert(1, SystemUnderTest(sealed, workload.rng))
         if with_redis:
             port = stack.enter_context(redis_server())
             systems.append(SystemUnderTest(RedisTarget(port), workload.rng))
@@ -393,6 +411,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "results": [asdict(r) for r in runner.results],
         "ratios": ratios(runner.results),
+        "seal_cost": seal_cost(workload.block_sizes) if args.encryption else [],
         "notes": notes,
         "settings": {
             "block_sizes": workload.block_sizes,
@@ -413,6 +432,47 @@ async def _kvstore_target(cluster_toml: Path, transport: str, position: int) -> 
     """A client forced onto ``transport`` (Unavailable if UCX cannot work here)."""
     client = await KVClient.connect(cluster_toml, tenant="bench", transport=transport)
     return KVStoreTarget(client, transport, "kvstore" if position == 0 else f"kvstore/{transport}")
+
+
+async def _sealed_target(cluster_toml: Path, keys_dir: Path) -> KVStoreTarget:
+    """A client of a tenant whose blocks are sealed, keys under ``keys_dir``."""
+    config = await asyncio.to_thread(load_cluster, cluster_toml)
+    master = new_master_key(keys_dir / "master.key")
+    encryption = EncryptionConfig((SEALED_TENANT,), str(keys_dir / "keyring.json"), str(master))
+    client = await KVClient.connect(replace(config, encryption=encryption), tenant=SEALED_TENANT)
+    return KVStoreTarget(client, "grpc", "kvstore/sealed")
+
+
+def seal_cost(block_sizes: list[int], min_s: float = 0.5) -> list[dict[str, Any]]:
+    """CPU-seconds per GB of sealing and of opening (into a buffer), one core, per size."""
+    with tempfile.TemporaryDirectory(prefix="kv-seal-") as tmp:
+        keyring = Keyring(Path(tmp) / "k.json", MasterKeyFile(new_master_key(Path(tmp) / "m")))
+        sealer = BlockSealer(SEALED_TENANT, keyring)
+        rows = []
+        for block_bytes in block_sizes:
+            block = memoryview(np.random.default_rng(0).bytes(block_bytes))
+            out = memoryview(bytearray(block_bytes))
+            key = block_bytes.to_bytes(16, "little")
+            sealed = sealer.seal(key, block)
+            seal_s = _cpu_s_per_call(lambda: sealer.seal(key, block), min_s)  # noqa: B023
+            open_s = _cpu_s_per_call(lambda: sealer.open(key, sealed, out), min_s)  # noqa: B023
+            gb = block_bytes / 1e9
+            rows.append(
+                {
+                    "block_bytes": block_bytes,
+                    "seal_cpu_s_per_gb": seal_s / gb,
+                    "open_cpu_s_per_gb": open_s / gb,
+                }
+            )
+    return rows
+
+
+def _cpu_s_per_call(call: Callable[[], object], min_s: float) -> float:
+    num_calls, start_s = 0, time.process_time()
+    while (elapsed_s := time.process_time() - start_s) < min_s:
+        call()
+        num_calls += 1
+    return elapsed_s / num_calls
 
 
 def _ucx_note(target: KVStoreTarget) -> str:
@@ -464,6 +524,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-fsync", action="store_true", help="local cluster without fsync")
     parser.add_argument(
+        "--encryption",
+        action="store_true",
+        help="also bench a tenant whose blocks are sealed (AES-GCM), interleaved with plain",
+    )
+    parser.add_argument(
         "--malloc",
         choices=["tuned", "default"],
         default="tuned",
@@ -481,6 +546,11 @@ def run(args: argparse.Namespace) -> int:
     print_fitted(results_table(results), console, keep=("MB/s",))
     if report["ratios"]:
         print_fitted(ratios_table(report["ratios"]), console)
+    for row in report["seal_cost"]:
+        console.print(
+            f"sealing {size_label(row['block_bytes'])}: {row['seal_cpu_s_per_gb']:.2f} CPU-s/GB, "
+            f"opening: {row['open_cpu_s_per_gb']:.2f} CPU-s/GB (one core)"
+        )
     for note in report["notes"]:
         console.print(f"note: {note}")
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     baseline = "redis" if shutil.which("redis-server") else "none"
     command = [sys.executable, "-m", "kvstore.cli", "bench", "storage", "--json", str(out)]
     command += ["--block-sizes", "64KiB", "--concurrency", "1,4", "--seconds", "0.2"]
-    command += ["--straggler-ms", "20", "--baseline", baseline, "--no-fsync"]
+    command += ["--straggler-ms", "20", "--baseline", baseline, "--no-fsync", "--encryption"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
     assert "storage benchmark" in run.stdout, "the results table was not printed"
@@ -33,6 +33,10 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     expected = {("put", 1, 0), ("put", 4, 0), ("get", 1, 0), ("get", 4, 0)}
     assert settings == expected | {("get", 1, 20), ("get", 4, 20)}, settings
     assert all(r["mb_per_s"] > 0 and r["num_failed"] == 0 for r in ours), "requests failed"
+    sealed = [r for r in results if r["system"] == "kvstore/sealed"]
+    assert sealed and all(r["mb_per_s"] > 0 and r["num_failed"] == 0 for r in sealed)
+    assert any(row["kind"] == "sealed/plain MB/s" for row in report["ratios"])
+    assert report["seal_cost"] and report["seal_cost"][0]["seal_cpu_s_per_gb"] > 0
     if baseline == "redis":
-        assert {r["system"] for r in results} == {"kvstore", "redis"}
+        assert {r["system"] for r in results} == {"kvstore", "kvstore/sealed", "redis"}
         assert any(row["kind"] == "kvstore/redis MB/s" for row in report["ratios"])
