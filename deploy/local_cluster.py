@@ -85,6 +85,8 @@ KEYRING_FILE = "keyring.json"
 MASTER_KEY_FILE = "master.key"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = "Address already in use"
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 _HEALTH_OPTIONS = (
@@ -219,6 +221,15 @@ def wait_healthy(
             raise Unavailable(_startup_failure(root, node_id, f"not healthy after {timeout_s} s"))
         if waiting:
             time.sleep(_POLL_S)
+
+
+def _new_ports(nodes: Sequence[NodeConfig]) -> tuple[NodeConfig, ...]:
+    """``nodes`` on fresh free ports (gRPC and metrics), everything else kept."""
+    ports = free_ports(2 * len(nodes))
+    return tuple(
+        dataclasses.replace(n, address=f"{n.host}:{ports[i]}", metrics_port=ports[len(nodes) + i])
+        for i, n in enumerate(nodes)
+    )
 
 
 def _startup_failure(root: Path, node_id: str, what: str) -> str:
@@ -398,17 +409,27 @@ class LocalCluster:
         root.mkdir(parents=True, exist_ok=True)
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
         config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls, encrypt=encrypt)
-        save_cluster(config, root / "cluster.toml")
-        cluster = cls(root, config)
-        try:
-            for node in config.nodes:
-                cluster.procs[node.id] = spawn_node(root, node.id)
-            cluster._save_pids()
-            wait_healthy(root, config, cluster.procs, startup_timeout_s)
-        except BaseException:
-            cluster.stop()
-            raise
-        return cluster
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            save_cluster(config, root / "cluster.toml")
+            cluster = cls(root, config)
+            try:
+                for node in config.nodes:
+                    cluster.procs[node.id] = spawn_node(root, node.id)
+                cluster._save_pids()
+                wait_healthy(root, config, cluster.procs, startup_timeout_s)
+                return cluster
+            except Unavailable as exc:
+                cluster.stop()
+                # Free ports are only free when chosen: another process may bind one before a
+                # node does. With ports of our own choosing, choose again.
+                if base_port is not None or _PORT_TAKEN not in str(exc) or attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("a port was taken meanwhile; starting again on other ports")
+                config = dataclasses.replace(config, nodes=_new_ports(config.nodes))
+            except BaseException:
+                cluster.stop()
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _save_pids(self) -> None:
         write_pids(self.root, {n: p.pid for n, p in self.procs.items() if p.poll() is None})

@@ -63,7 +63,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
 from kvstore.shard_store import GetResult, ShardStore, StoreStats
 from kvstore.tls import peer_identity, server_credentials
-from kvstore.tombstones import MAX_TOMBSTONES_PER_REPLY, sync_forever
+from kvstore.tombstones import MAX_TOMBSTONES_PER_REPLY, TombstoneSync, sync_forever
 from kvstore.ucx_server import UcxServer
 from kvstore.ucx_worker import REQUEST_TAG, ucx_available
 from ttl.clock import make_clock
@@ -443,6 +443,7 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
             executor, store.set_retention_caps, auth.current().tenant_to_max_ttl_s
         )
         await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
+        sync = TombstoneSync(cluster, node, store, executor)
         server = grpc.aio.server(options=_server_options(node))
         ucx = _start_ucx(node)
         servicer = NodeServicer(store, node, cluster.epoch, metrics, executor, ucx, auth)
@@ -458,7 +459,7 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         background = [
             asyncio.create_task(_upkeep(store, auth, period_s, executor)),
             asyncio.create_task(scrub_forever(store.scrub, node, executor)),
-            asyncio.create_task(sync_forever(cluster, node, store, executor)),
+            asyncio.create_task(sync_forever(sync, node.tombstone_sync_interval_s)),
         ]
         log.info("node %s serving on %s", node.id, node.address)
         print(f"node {node.id} serving on {node.address}", flush=True)

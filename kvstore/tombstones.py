@@ -106,11 +106,12 @@ class TombstoneSync:
         await asyncio.gather(*(c.close() for c in self._channels.values()))
 
 
-async def sync_forever(
-    cluster: ClusterConfig, node: NodeConfig, store: ShardStore, executor: ThreadPoolExecutor
-) -> None:
-    """Pull the peers' delete logs now and every ``tombstone_sync_interval_s``."""
-    sync = TombstoneSync(cluster, node, store, executor)
+async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
+    """Pull the peers' delete logs now and every ``interval_s``; close the channels at the end.
+
+    Built by the caller first, so a missing or unsafe ``peer_token_file`` stops the node at
+    start-up instead of silently disabling the sync.
+    """
     try:
         while True:
             try:
@@ -118,6 +119,6 @@ async def sync_forever(
                     log.info("applied peers' deletes: %d shards removed", num_deleted)
             except Exception:
                 log.exception("pulling peers' delete logs failed; retrying later")
-            await asyncio.sleep(node.tombstone_sync_interval_s)
+            await asyncio.sleep(interval_s)
     finally:
         await sync.close()
