@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.keyring import Keyring, MasterKeyFile, new_master_key
+from client.keyring import Keyring, MasterKeyFile, new_master_key, open_keyring
 from client.sealer import HEADER_BYTES, OVERHEAD_BYTES, BlockSealer
+from kvstore.config import EncryptionConfig
 from kvstore.errors import InvalidArgument
 
 KEY_A, KEY_B = b"a" * 16, b"b" * 16
@@ -69,3 +70,37 @@ def test_keyring_is_shared_between_processes_and_keys_are_wrapped(tmp_path: Path
     other_master = MasterKeyFile(new_master_key(tmp_path / "other.key"))
     with pytest.raises(InvalidArgument, match="not the master key"):
         Keyring(tmp_path / "k.json", other_master).current_key("acme", create=False)
+
+
+class _RecordingKms:
+    """A KMS stand-in behind the hook: wraps with its own key and records each call."""
+
+    def __init__(self, config: EncryptionConfig) -> None:
+        self.inner = MasterKeyFile(config.master_key_file)
+        self.calls: list[str] = []
+
+    def wrap(self, data_key: bytes, context: bytes) -> bytes:
+        self.calls.append("wrap")
+        return self.inner.wrap(data_key, context)
+
+    def unwrap(self, wrapped: bytes, context: bytes) -> bytes:
+        self.calls.append("unwrap")
+        return self.inner.unwrap(wrapped, context)
+
+
+def make_recording_kms(config: EncryptionConfig) -> _RecordingKms:
+    return _RecordingKms(config)
+
+
+def test_the_kms_hook_replaces_the_master_key(tmp_path: Path) -> None:
+    config = EncryptionConfig(
+        ("acme",),
+        str(tmp_path / "k.json"),
+        str(new_master_key(tmp_path / "kms.key")),
+        kms="tests.client.test_sealer:make_recording_kms",
+    )
+    keyring = open_keyring(config)
+    sealed = BlockSealer("acme", keyring).seal(KEY_A, memoryview(b"via kms"))
+    assert BlockSealer("acme", open_keyring(config)).open(KEY_A, sealed) == b"via kms"
+    kms = keyring._wrapper
+    assert isinstance(kms, _RecordingKms) and kms.calls[0] == "wrap", "the hook was not used"
