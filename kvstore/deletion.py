@@ -100,6 +100,8 @@ class Deleter:
         while True:
             with self._index.read() as view:
                 queued = view.erase_queue(_BATCH)
+            if not queued:  # the common case: no write transaction at all
+                return num_erased
             done = [item for item in queued if self._erase_one(*item)]
             with self._index.write() as w:
                 for segment_id, offset, _ in done:
@@ -107,6 +109,14 @@ class Deleter:
             num_erased += len(done)
             if len(queued) < _BATCH or len(done) < len(queued):
                 return num_erased  # a failed erase stays queued for the next tick
+
+    def prune_log(self, before_s: float) -> None:
+        """Drop delete-log records older than ``before_s`` (a write only when some are)."""
+        with self._index.read() as view:
+            oldest = view.tombstones(0, 1)
+        if oldest and oldest[0].at_s < before_s:
+            with self._index.write() as w:
+                w.prune_tombstones(before_s)
 
     def _erase_one(self, segment_id: int, offset: int, length: int) -> bool:
         try:

@@ -222,8 +222,7 @@ class ShardStore:
         with self._write_lock:
             self._evictor.evict_if_over_high_watermark(now)
             self._deleter.erase_queued()
-            with self._index.write() as w:
-                w.prune_tombstones(now - self.node.tombstone_retention_s)
+            self._deleter.prune_log(now - self.node.tombstone_retention_s)
         return num_expired
 
     def flush(self) -> None:
