@@ -7,16 +7,15 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from client import KVClient
 from deploy.local_cluster import LocalCluster
 from kvstore.config import EncryptionConfig, load_cluster, save_cluster
+from tests.client.secure_cluster import add_tenants, random_block
 from tests.kvstore.node_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -33,13 +32,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def tokens(cluster: LocalCluster) -> dict[str, str]:
-    made = {"acme": cluster.add_tenant("acme"), "globex": cluster.add_tenant("globex")}
-    time.sleep(1.2)  # nodes re-read the credentials file within a second
-    return made
+    return add_tenants(cluster, ["acme", "globex"])
 
 
 def _block(seed: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes()
+    return random_block(seed, BLOCK_BYTES)
 
 
 def _disk_bytes(cluster: LocalCluster) -> bytes:
