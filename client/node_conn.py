@@ -42,8 +42,11 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
     # gRPC's default reconnect backoff grows to 120 s; a restarted node should be found fast.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # gRPC also takes this as the time a connection attempt may take: at 100 ms, TLS
+    # handshakes on a loaded machine were cut short ("tcp handshaker shutdown") and calls
+    # failed as UNAVAILABLE. A refused connection (a node down) still fails at once.
+    ("grpc.min_reconnect_backoff_ms", 5000),
 )
 
 # Status codes that say "this node is down or broken" (not "your request is wrong").
