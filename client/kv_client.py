@@ -10,6 +10,13 @@
     await kv.contains(keys) -> list[bool]
     await kv.match_prefix(keys) -> int
     await kv.delete(keys); await kv.close()
+    await kv.get_batch_into(keys, buffers) -> list[bool]  # the data plane (below)
+    await kv.get_batch(keys) -> list[bytes | None]
+    await kv.put_batch(keys, blocks, traffic_class="chat")   # QuorumError names the keys
+
+The batch calls are the data plane: one request per node per batch (client/batch_read.py,
+client/write_path.py), shard payloads landing straight in the caller's buffers. The
+single-key calls are batches of one.
 
 What a caller sees: ``get`` returns the exact bytes some ``put`` of that key stored, or None
 (a miss, fewer than k reachable shards of one version, or the deadline passed); never a mix of
@@ -28,16 +35,17 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
+from client.batch_read import BatchRead, ReadCounters
 from client.keyring import open_keyring
-from client.node_conn import NodeConn, consume_result
-from client.read_path import BlockRead, ReadCounters
+from client.node_conn import NodeConn, NodeReader, consume_result
 from client.sealer import OVERHEAD_BYTES, BlockSealer
-from client.shard_tally import PresenceTally, ShardCollector
-from client.ucx_gets import UcxGets
-from client.ucx_transport import UcxTransport
-from client.write_path import WriteCounters, write_block
+from client.shard_tally import PresenceTally
+from client.ucx.reader import UcxReads
+from client.ucx.transport import UcxTransport
+from client.write_path import BatchWrite, WriteCounters
 from erasure.codec import byte_view, make_codec
 from kvstore.auth import client_token
+from kvstore.byte_arena import ByteArena
 from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
 from kvstore.errors import (
     InvalidArgument,
@@ -49,13 +57,14 @@ from kvstore.errors import (
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tls import channel_credentials
-from kvstore.ucx_worker import INSTALL_HINT, ucx_available
+from kvstore.ucx.worker import INSTALL_HINT, ucx_available
 from ttl.clock import Clock, make_clock
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 TRANSPORTS = READ_TRANSPORTS
+WRITE_SPARE_BYTES = 64 << 20  # parity and padded tails of one put_batch are encoded here
 
 
 class KVClient:
@@ -82,12 +91,20 @@ class KVClient:
         self.codec = make_codec(config.codec)
         self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
         self.placement = Placement(config)
-        self.conns = {node.id: NodeConn(node, tenant, token, credentials) for node in config.nodes}
-        self.group_conns = [[self.conns[i] for i in group] for group in config.groups]
+        k = config.codec.k
+        self.conns = {
+            node.id: NodeConn(node, tenant, token, k, credentials) for node in config.nodes
+        }
+        self._conn_list = list(self.conns.values())
+        # The read transport of each node, in _conn_list order: gRPC, or UCX (connect()).
+        self.readers: list[NodeReader] = list(self._conn_list)
+        node_index = {node_id: i for i, node_id in enumerate(self.conns)}
+        self._group_members = [[node_index[n] for n in group] for group in config.groups]
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
+        self._write_spare = ByteArena(WRITE_SPARE_BYTES)
         self._background: set[asyncio.Task[Any]] = set()
-        self.ucx: UcxGets | None = None  # the UCX read path, when connect() enabled it
+        self.ucx: UcxReads | None = None  # the UCX read path, when connect() enabled it
         # Encryption at rest for this tenant ([encryption] in cluster.toml): blocks are sealed
         # before erasure coding and opened after decoding (client/sealer.py).
         self.sealer: BlockSealer | None = None
@@ -119,7 +136,7 @@ class KVClient:
         TLS.
 
         Channels connect lazily; a node that is down only shows up as a failed RPC later.
-        ``transport`` picks how read payloads travel (client/ucx_gets.py): "grpc"; "ucx"
+        ``transport`` picks how reads travel (client/ucx/reader.py): "grpc"; "ucx"
         (Unavailable at connect unless ucxx is installed and some node answers with a UCX
         address this client reaches); "auto" = UCX to each node a shared-memory/RDMA UCX
         worker reaches (learned in the background), gRPC to the rest. Results are identical.
@@ -150,19 +167,18 @@ class KVClient:
         return _Connecting(open_client)
 
     async def _start_ucx(self, *, forced: bool) -> None:
-        """Give every node connection the UCX read path (see :meth:`connect`)."""
+        """Give every node a UCX read transport that falls back to gRPC (see :meth:`connect`)."""
         if not ucx_available():
             if forced:
                 raise Unavailable(f"transport='ucx' but ucxx is not installed; {INSTALL_HINT}")
             return
         # "auto" uses UCX only where it beats gRPC: shared memory, CMA or RDMA, never TCP.
-        transport = UcxTransport(transports=None if forced else "^tcp")
-        self.ucx = UcxGets(transport, self.codec.payload_bytes(self.config.codec.max_block_bytes))
-        for conn in self.conns.values():
-            conn.ucx = self.ucx
+        self.ucx = UcxReads(UcxTransport(transports=None if forced else "^tcp"))
+        readers = [self.ucx.reader(conn) for conn in self._conn_list]
+        self.readers = list(readers)
         if forced:
-            await asyncio.gather(*(self.ucx.observe(conn) for conn in self.conns.values()))
-            if not any(self.ucx.reachable(conn) for conn in self.conns.values()):
+            await asyncio.gather(*(reader.observe() for reader in readers))
+            if not any(reader.usable() for reader in readers):
                 raise Unavailable(
                     "transport='ucx' but no node answered with a UCX address this client "
                     "reaches (nodes down, started with ucx='off', or without ucxx); use "
@@ -187,23 +203,45 @@ class KVClient:
         timeout_s: float | None = None,
     ) -> None:
         """Store ``data`` under ``key``; QuorumError if fewer than write_quorum shards land."""
-        check_key(key)
+        await self.put_batch([key], [data], traffic_class=traffic_class, timeout_s=timeout_s)
+
+    async def put_batch(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Buffer],
+        *,
+        traffic_class: str,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Store ``blocks[i]`` under ``keys[i]``: one PutShards per node for the whole batch.
+
+        Stores every block it can. Raises QuorumError naming the keys (also as its ``keys``
+        attribute) whose blocks reached fewer than write_quorum nodes; the other blocks are
+        stored. Misuse (bad key, unknown class, oversized block) raises before anything is sent.
+        """
+        if len(keys) != len(blocks):
+            raise InvalidArgument(
+                f"put_batch got {len(keys)} keys but {len(blocks)} blocks; pass one block per key"
+            )
+        for key in keys:
+            check_key(key)
         self.config.ttl.classes.check(traffic_class)
-        view = self._block_view(data)
-        if self.sealer is not None:
-            view = memoryview(self.sealer.seal(key, view))
-        shards = self.codec.encode(view)
-        self.write_counters.num_puts += 1
-        await write_block(
-            self.group_conns[self.placement.group_index(key)],
-            key,
-            shards,
-            traffic_class,
+        views = [self._block_view(block) for block in blocks]
+        if self.sealer is not None:  # sealed before erasure coding (client/sealer.py)
+            views = [memoryview(self.sealer.seal(k, v)) for k, v in zip(keys, views, strict=True)]
+        if not keys:
+            return
+        write = BatchWrite(
+            self.codec,
+            self._conn_list,
+            self._group_members,
             self.config.client.write_quorum,
-            self._timeout_s(timeout_s),
+            self._write_spare,
             self.write_counters,
             self._background,
         )
+        groups = [self.placement.group_index(key) for key in keys]
+        await write.run(keys, groups, views, traffic_class, self._timeout_s(timeout_s))
 
     def _block_view(self, data: Buffer) -> memoryview:
         view = _byte_view(data, "put data")
@@ -217,8 +255,8 @@ class KVClient:
 
     async def get(self, key: bytes, *, timeout_s: float | None = None) -> bytes | None:
         """The block stored under ``key``, or None (miss, too few shards, deadline)."""
-        block = await self._read(key, None, timeout_s)
-        return block if block is None or isinstance(block, bytes) else bytes(block)
+        (block,) = await self.get_batch([key], timeout_s=timeout_s)
+        return block
 
     async def get_into(self, key: bytes, out: Buffer, *, timeout_s: float | None = None) -> bool:
         """Decode the block straight into ``out`` (writable, exactly the block's size).
@@ -226,42 +264,62 @@ class KVClient:
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
         when ``out`` is read-only or its size differs from the stored block's.
         """
-        view = _byte_view(out, "get_into's out")
-        if view.readonly:
+        (landed,) = await self.get_batch_into([key], [out], timeout_s=timeout_s)
+        return landed
+
+    async def get_batch(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> list[bytes | None]:
+        """Each key's block, or None (a miss): one request per node for the whole batch."""
+        blocks = await self._read(keys, [None] * len(keys), timeout_s)
+        return [b if b is None or isinstance(b, bytes) else bytes(b) for b in blocks]
+
+    async def get_batch_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, timeout_s: float | None = None
+    ) -> list[bool]:
+        """Land each key's block in its buffer: True = it landed and was verified, False = a
+        miss (that buffer may then hold partial data).
+
+        Each buffer must be writable and exactly its block's size (InvalidArgument
+        otherwise). Shard payloads land straight at their place in the buffers; a buffer
+        from a long-lived pool (client/buffer_pool.py) is registered with UCX once.
+        """
+        if len(keys) != len(buffers):
             raise InvalidArgument(
-                "get_into needs a writable buffer (bytearray, numpy array, ...), got read-only "
-                f"{type(out).__name__}"
+                f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers; "
+                "pass one buffer per key"
             )
-        return await self._read(key, view, timeout_s) is not None
+        outs = [_writable(buffer, i) for i, buffer in enumerate(buffers)]
+        return [block is not None for block in await self._read(keys, outs, timeout_s)]
 
     async def _read(
-        self, key: bytes, out: memoryview | None, timeout_s: float | None
-    ) -> bytes | memoryview | None:
-        check_key(key)
-        timeout_s = self._timeout_s(timeout_s)
-        conns = self.group_conns[self.placement.group_index(key)]
-        reader = BlockRead(
-            conns,
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview | None],
+        timeout_s: float | None,
+    ) -> list[bytes | memoryview | None]:
+        for key in keys:
+            check_key(key)
+        if not keys:
+            return []
+        read = BatchRead(
             self.codec,
+            self._conn_list,
+            self.readers,
+            self._group_members,
             self.config.client.read_fanout,
-            key,
-            ShardCollector(self.codec),
+            min(n.max_batch_bytes for n in self.config.nodes),
             self.read_counters,
         )
-        self.read_counters.num_reads += 1
-        try:
-            async with asyncio.timeout(timeout_s):
-                # A sealed block decodes into its own buffer; opening it writes ``out``.
-                block = await reader.run(timeout_s, None if self.sealer else out)
-        except TimeoutError:
-            block = None
-        if block is not None and self.sealer is not None:
-            block = self.sealer.open(key, block, out)
-        if block is None:
-            self.read_counters.num_misses += 1
-        else:
-            self.read_counters.num_hits += 1
-        return block
+        groups = [self.placement.group_index(key) for key in keys]
+        if self.sealer is None:
+            return await read.run(keys, groups, outs, self._timeout_s(timeout_s))
+        # A sealed block decodes into its own buffer; opening it writes the caller's.
+        sealed = await read.run(keys, groups, [None] * len(keys), self._timeout_s(timeout_s))
+        return [
+            None if block is None else self.sealer.open(key, block, out)
+            for key, block, out in zip(keys, sealed, outs, strict=True)
+        ]
 
     async def contains(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
@@ -377,6 +435,16 @@ def _byte_view(buffer: object, what: str) -> memoryview:
         return byte_view(buffer, what)
     except InvalidCodecInput as exc:
         raise InvalidArgument(str(exc)) from None
+
+
+def _writable(buffer: Buffer, position: int) -> memoryview:
+    view = _byte_view(buffer, f"buffer {position}")
+    if view.readonly:
+        raise InvalidArgument(
+            f"buffer {position} is read-only {type(buffer).__name__}; get_batch_into needs "
+            "writable buffers (bytearray, numpy array, a BufferPool slot)"
+        )
+    return view
 
 
 class _Connecting:

@@ -53,7 +53,7 @@ from erasure.shard import (
     Shard,
     ShardHeader,
     block_checksum,
-    pack_shards,
+    pack_headers,
     parse_header,
     shard_payload,
     verify_shard,
@@ -154,31 +154,57 @@ class Codec:
 
     def encode(self, block: Buffer) -> list[bytes]:
         """k+m shards, each = erasure.shard header (48 B) + payload; shard i has index i."""
+        view = self._check_block(block)
+        spare = _scratch.take(self.spare_bytes(view.nbytes))
+        return [header + payload for header, payload in self.encode_into(view, spare)]
+
+    def spare_bytes(self, block_len: int) -> int:
+        """Bytes of reusable space :meth:`encode_into` needs for a block: the zero-padded
+        tail's payloads and the parity payloads."""
+        payload_len = self.payload_bytes(block_len)
+        if payload_len == 0:
+            return 0
+        return (self.k - block_len // payload_len + self.m) * payload_len
+
+    def encode_into(self, block: Buffer, spare: memoryview) -> list[tuple[bytes, memoryview]]:
+        """k+m shards as (48-byte header, payload) pairs, shard i with index i, copying
+        nothing but the padded tail: data payloads view ``block``, the tail and the parity
+        are written into ``spare`` (:meth:`spare_bytes` long, reused by the caller). The
+        pairs are valid while ``block`` and ``spare`` are unchanged."""
+        view = self._check_block(block)
+        payload_len = self.payload_bytes(view.nbytes)
+        version = block_checksum(view)
+        if payload_len == 0:
+            payloads = [view] * self.num_shards
+        else:
+            head, tail, parity = self._regions(view, payload_len, spare)
+            if self.m:
+                self._backend.encode_parity((head, tail), parity, payload_len)
+            payloads = [*_rows(head, payload_len), *_rows(tail, payload_len)]
+            payloads += _rows(parity, payload_len)
+        headers = pack_headers(self.backend, self.k, self.m, view.nbytes, version, payloads)
+        return list(zip(headers, payloads, strict=True))
+
+    def _check_block(self, block: Buffer) -> memoryview:
         view = byte_view(block, "block")
         if view.nbytes > self.max_block_bytes:
             raise InvalidCodecInput(
                 f"block of {view.nbytes} bytes exceeds max_block_bytes={self.max_block_bytes}; "
                 "split it or raise [codec] max_block_bytes in cluster.toml"
             )
-        payload_len = self.payload_bytes(view.nbytes)
-        version = block_checksum(view)
-        if payload_len == 0:
-            payloads = [view] * self.num_shards
-        else:
-            head, tail, parity = self._regions(view, payload_len)
-            if self.m:
-                self._backend.encode_parity((head, tail), parity, payload_len)
-            payloads = [*_rows(head, payload_len), *_rows(tail, payload_len)]
-            payloads += _rows(parity, payload_len)
-        return pack_shards(self.backend, self.k, self.m, view.nbytes, version, payloads)
+        return view
 
     def _regions(
-        self, view: memoryview, payload_len: int
+        self, view: memoryview, payload_len: int, spare: memoryview
     ) -> tuple[memoryview, memoryview, memoryview]:
         """The block's whole payloads (a view), its zero-padded tail (a copy), parity space."""
         num_full = view.nbytes // payload_len
         num_padded = self.k - num_full
-        spare = _scratch.take((num_padded + self.m) * payload_len)
+        if len(spare) < (num_padded + self.m) * payload_len:
+            raise InvalidCodecInput(
+                f"spare buffer of {len(spare)} bytes is too small; encode_into needs "
+                f"{self.spare_bytes(view.nbytes)} (Codec.spare_bytes)"
+            )
         head, tail = view[: num_full * payload_len], spare[: num_padded * payload_len]
         rest = view[head.nbytes :]
         tail[: rest.nbytes] = rest

@@ -156,7 +156,7 @@ def shard_payload(shard: Shard) -> memoryview:
     return split_shard(shard)[1]
 
 
-def pack_shards(
+def pack_headers(
     backend: str,
     k: int,
     m: int,
@@ -164,18 +164,17 @@ def pack_shards(
     version: bytes,
     payloads: Sequence[bytes | memoryview],
 ) -> list[bytes]:
-    """Whole shards (header + payload) of one block whose checksum is ``version``; shard i
+    """The 48-byte headers of one block's shards whose checksum is ``version``; shard i
     carries ``payloads[i]``.
 
-    The encoder's fast path: the same bytes as ``pack_header(ShardHeader(...), p) + p`` for
-    each payload, without building a ShardHeader per shard, in one allocation per shard.
+    The encoder's fast path: the same bytes as ``pack_header(ShardHeader(...), p)`` for each
+    payload, without building a ShardHeader per shard.
     """
     backend_id = BACKEND_IDS[backend]
-    shards = []
+    headers = []
     for index, payload in enumerate(payloads):
         fields = _FIELDS.pack(
             MAGIC, FORMAT_VERSION, backend_id, k, m, index, block_len, version, len(payload)
         )
-        checksum = _CHECKSUM.pack(shard_checksum(fields, payload))
-        shards.append(b"".join((fields, checksum, payload)))
-    return shards
+        headers.append(fields + _CHECKSUM.pack(shard_checksum(fields, payload)))
+    return headers

@@ -29,11 +29,13 @@ INVALID_ARGUMENT from the store; a larger message is refused by gRPC itself with
 RESOURCE_EXHAUSTED before it reaches the node. A get whose reply would pass ``max_batch_bytes``
 gets INVALID_ARGUMENT (ask for fewer keys per request).
 
-Unary vs streaming: a message on an open stream costs both ends less CPU than a unary call
-(docs/design-measurements.md has the figures). So both exist: unary ``GetShards`` is the
-simple contract (cancellable per call) and ``GetShardsStream`` serves the same requests, one at
-a time and in order, over one long-lived stream: the client's read path uses it
-(client/get_stream.py) and falls back to unary when a stream breaks.
+Batch reads. ``ReadBatch`` (gRPC) and the UCX request (kvstore/ucx/frames.py) serve the
+client's data plane: one request per node per batch. The store reads the whole batch in the
+executor (one index snapshot, one ``preadv`` per shard into a staging region of
+``ByteArena``), and the answer (kvstore/batch_answer.py) goes back as a stream of chunks of at
+most 4 MiB (gRPC) or as one reply frame plus one message per payload that the client
+receives straight into its buffers (UCX). Unary ``GetShards`` stays for tools that want
+protobuf replies.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore import ucx_get
+from kvstore import batch_answer
 from kvstore.auth import Authenticator, Principal, Role, bearer_token
+from kvstore.byte_arena import ByteArena
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.get_reply import encode_get_shards_reply
@@ -61,11 +64,12 @@ from kvstore.grpc_errors import status_code, to_grpc_status
 from kvstore.metrics import NodeMetrics
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scrub import scrub_forever
-from kvstore.shard_store import GetResult, ShardStore, StoreStats
+from kvstore.shard_store import BatchRead, GetResult, ShardStore, StoreStats
 from kvstore.tls import peer_identity, server_credentials
 from kvstore.tombstones import MAX_TOMBSTONES_PER_REPLY, TombstoneSync, sync_forever
-from kvstore.ucx_server import UcxServer
-from kvstore.ucx_worker import REQUEST_TAG, ucx_available
+from kvstore.ucx import frames as ucx_frames
+from kvstore.ucx.server import UcxServer
+from kvstore.ucx.worker import REQUEST_TAG, ucx_available
 from ttl.clock import make_clock
 
 log = logging.getLogger(__name__)
@@ -114,8 +118,11 @@ class NodeServicer:
         self._executor = executor
         self._delay_s = node.inject_delay_ms / 1000.0
         self._ucx_tasks: set[asyncio.Task[None]] = set()
+        # Batch reads gather their payloads here (kvstore/byte_arena.py): twice the largest
+        # answer, so two answers of that size can be in flight without a fallback buffer.
+        self._staging = ByteArena(2 * node.max_batch_bytes)
         if ucx is not None:
-            ucx.worker.listen(REQUEST_TAG, self._on_ucx_request, ucx_get.MAX_REQUEST_BYTES)
+            ucx.worker.listen(REQUEST_TAG, self._on_ucx_request, ucx_frames.MAX_REQUEST_BYTES)
         self._unary = {
             "PutShards": (pb.PutShardsRequest, self._put, True),
             "GetShards": (pb.GetShardsRequest, self._get, True),
@@ -135,9 +142,7 @@ class NodeServicer:
             )
             for name in self._unary
         }
-        handlers["GetShardsStream"] = grpc.stream_stream_rpc_method_handler(
-            self._get_stream, response_serializer=_serialize
-        )
+        handlers["ReadBatch"] = grpc.unary_stream_rpc_method_handler(self._read_batch_stream)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
         )
@@ -150,13 +155,15 @@ class NodeServicer:
 
         return method
 
-    async def _get_stream(
-        self, raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    async def _read_batch_stream(
+        self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        async for raw in raw_requests:
-            yield await self._serve(
-                "GetShardsStream", context, pb.GetShardsRequest, self._get, raw, delay=True
-            )
+        """ReadBatch: the batch answer as ReadBatchChunk messages (kvstore/batch_answer.py)."""
+        chunks = await self._serve(
+            "ReadBatch", context, pb.GetShardsRequest, self._read_batch_chunks, raw, delay=True
+        )
+        for chunk in chunks:
+            yield chunk
 
     async def _serve(
         self,
@@ -191,10 +198,10 @@ class NodeServicer:
         handler: Handler,
         raw: bytes,
         principal: Principal | None,
-    ) -> Message | bytes:
+    ) -> Any:
         """Parse and handle ``raw``: small gets on the event loop, the rest in the pool."""
         loop = asyncio.get_running_loop()
-        if handler != self._get:
+        if handler not in (self._get, self._read_batch_chunks):
             return await loop.run_in_executor(
                 self._executor, _parse_and_call, request_type, handler, raw, principal
             )
@@ -221,19 +228,42 @@ class NodeServicer:
         """The serialized GetShardsReply (encoded here: one copy of each shard)."""
         return encode_get_shards_reply(self._lookup(request, principal.tenant_for(request.tenant)))
 
-    def _on_ucx_request(self, frame: memoryview) -> None:
-        """A read request that came over UCX (kvstore/ucx_get.py): answered over UCX.
+    def _read_batch(self, request: pb.GetShardsRequest, tenant: str) -> BatchRead:
+        """The batch answer, payloads in a staging region (release it once sent)."""
+        self._metrics.get_keys.inc(len(request.keys))
+        read = self._store.read_batch(
+            tenant, list(request.keys), request.version, self._staging.take
+        )
+        if read.payload_bytes > self._node.max_batch_bytes:
+            read.release()
+            raise InvalidArgument(
+                f"answer of {read.payload_bytes} bytes for {len(request.keys)} keys exceeds "
+                f"max_batch_bytes {self._node.max_batch_bytes}; ask for fewer keys per request"
+            )
+        return read
 
-        Called by the UCX worker's progress loop. As over gRPC, a get of a few keys is
-        looked up right here; the straggler delay and larger batches (lookup in the pool)
-        run in a task of their own.
+    def _read_batch_chunks(self, request: pb.GetShardsRequest, principal: Principal) -> list[bytes]:
+        """ReadBatch's answer as ReadBatchChunk messages (one copy of the staging)."""
+        read = self._read_batch(request, principal.tenant_for(request.tenant))
+        try:
+            return batch_answer.encode_chunks(
+                batch_answer.encode_table(read.entries), read.payloads
+            )
+        finally:
+            read.release()
+
+    def _on_ucx_request(self, frame: memoryview) -> None:
+        """A batch read that came over UCX (kvstore/ucx/frames.py): answered over UCX.
+
+        Called by the UCX worker's progress loop. As over gRPC, a read of a few keys is done
+        right here; the straggler delay and larger batches (read in the pool) run in a task.
         """
         start_s = time.perf_counter()
         try:
-            token, request = ucx_get.decode_request(frame)
+            token, request = ucx_frames.decode_request(frame)
         except InvalidArgument as exc:  # no reply address to refuse it to
             log.warning("dropping a malformed UCX read request: %s", exc)
-            self._metrics.observe("GetShardsUcx", status_code(exc), time.perf_counter() - start_s)
+            self._metrics.observe("ReadBatchUcx", status_code(exc), time.perf_counter() - start_s)
             return
         if self._delay_s or len(request.keys) > INLINE_GET_MAX_KEYS:
             task = asyncio.ensure_future(self._serve_ucx_request(token, request, start_s))
@@ -253,14 +283,14 @@ class NodeServicer:
     ) -> None:
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
-        results: list[GetResult] | Exception
+        read: BatchRead | Exception
         try:
             tenant = self._ucx_tenant(token, request)
             loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(self._executor, self._lookup, request, tenant)
-        except Exception as exc:  # answered below, like a failure of an inline lookup
-            results = exc
-        self._answer_ucx_request(token, request, results, start_s)
+            read = await loop.run_in_executor(self._executor, self._read_batch, request, tenant)
+        except Exception as exc:  # answered below, like a failure of an inline read
+            read = exc
+        self._answer_ucx_request(token, request, read, start_s)
 
     def _ucx_tenant(self, token: str, request: pb.GetShardsRequest) -> str:
         """The tenant a UCX read acts for (UCX has no TLS: the token is the only credential)."""
@@ -270,27 +300,32 @@ class NodeServicer:
         self,
         token: str,
         request: pb.GetShardsRequest,
-        results: list[GetResult] | Exception | None,
+        read: BatchRead | Exception | None,
         start_s: float,
     ) -> None:
-        """Check the token, look up (unless ``results`` holds the lookup's outcome) and
-        answer over UCX."""
+        """Authenticate and read (unless ``read`` holds the read's outcome), then answer over
+        UCX; the staging is released once the client took the payloads."""
         assert self._ucx is not None
         code = grpc.StatusCode.OK
         try:
-            if isinstance(results, Exception):
-                raise results
-            if results is None:
-                results = self._lookup(request, self._ucx_tenant(token, request))
-            ucx_get.answer(self._ucx, request.ucx, results)
+            if isinstance(read, Exception):
+                raise read
+            if read is None:
+                read = self._read_batch(request, self._ucx_tenant(token, request))
+            try:
+                sent = ucx_frames.answer(self._ucx, request.ucx, read)
+            except BaseException:
+                read.release()
+                raise
+            sent.add_done_callback(lambda _, done=read: done.release())
         except Exception as exc:  # the client hears of every failure at once, as over gRPC
             error = exc if isinstance(exc, KVStoreError) else None
             if error is None:
                 log.exception("UCX read request failed")
                 error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
             code = status_code(error)
-            ucx_get.refuse(self._ucx, request.ucx, len(request.keys), error)
-        self._metrics.observe("GetShardsUcx", code, time.perf_counter() - start_s)
+            ucx_frames.refuse(self._ucx, request.ucx, error)
+        self._metrics.observe("ReadBatchUcx", code, time.perf_counter() - start_s)
 
     def _lookup(self, request: pb.GetShardsRequest, tenant: str) -> list[GetResult]:
         self._metrics.get_keys.inc(len(request.keys))

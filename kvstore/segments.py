@@ -231,6 +231,33 @@ class SegmentFiles:
             raise ChecksumMismatch(f"segment {segment_id} ends inside the record at {offset}")
         return shard
 
+    def open_reader(self, segment_id: int) -> int:
+        """A read-only descriptor of the segment (FileNotFoundError if it is gone); the caller
+        closes it. One per segment per batch: every record of it is then one ``preadv``."""
+        return os.open(self.path(segment_id), os.O_RDONLY)
+
+    @staticmethod
+    def read_into(
+        fd: int,
+        offset: int,
+        payload: memoryview,
+        key: bytes,
+        tenant_hash: bytes,
+        head: bytearray,
+    ) -> memoryview:
+        """Read the record at ``offset`` with one ``preadv``: record and shard headers into
+        ``head`` (``RECORD_HEADER_BYTES + 48`` bytes), the payload straight into ``payload``.
+
+        Returns the 48-byte shard header (a view of ``head``) once the record header proved
+        the bytes are this key's; the shard checksum is the caller's to verify.
+        """
+        num_read = os.preadv(fd, [head, payload], offset)
+        if num_read != len(head) + len(payload):
+            raise ChecksumMismatch(f"segment ends inside the record at {offset}")
+        shard_bytes = len(head) - RECORD_HEADER_BYTES + len(payload)
+        check_record_header(bytes(head[:RECORD_HEADER_BYTES]), key, tenant_hash, shard_bytes)
+        return memoryview(head)[RECORD_HEADER_BYTES:]
+
     def _write_fd(self, segment_id: int) -> int:
         fd = self._write_fds.get(segment_id)
         if fd is None:

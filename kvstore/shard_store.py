@@ -28,10 +28,11 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from kvstore.byte_arena import Region
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.deletion import Deleter, Erased
 from kvstore.errors import UnknownTrafficClass
@@ -45,13 +46,14 @@ from kvstore.request_checks import check_keys, check_put, check_tenant, check_ve
 from kvstore.scrub import Scrubber, ScrubStep
 from kvstore.segment_appender import INF_WINDOW, SegmentAppender, window_end_s, window_id
 from kvstore.segments import SegmentFiles
-from kvstore.shard_reader import GetResult, ShardReader, Status
+from kvstore.shard_reader import BatchRead, GetResult, ShardReader, Status
 from kvstore.store_stats import ClassStats, StoreStats, store_stats
 from ttl.clock import Clock
 from ttl.policy import Retention
 
 __all__ = [
     "INF_WINDOW",
+    "BatchRead",
     "ClassStats",
     "Erased",
     "GetResult",
@@ -125,6 +127,17 @@ class ShardStore:
         check_version(version)
         now = self.clock.now()
         return [self._reader.get_one(tenant, key, version, now) for key in keys]
+
+    def read_batch(
+        self, tenant: str, keys: Sequence[bytes], version: bytes, take: Callable[[int], Region]
+    ) -> BatchRead:
+        """:meth:`get` for a batch read: the answer's table entries, payloads read into one
+        region from ``take`` (kvstore/batch_answer.py has the layout). Same semantics: a hit
+        refreshes the TTL of each shard served; a corrupt shard is never served."""
+        check_tenant(tenant)
+        check_keys(keys)
+        check_version(version)
+        return self._reader.read_batch(tenant, keys, version, self.clock.now(), take)
 
     def contains(self, tenant: str, keys: Sequence[bytes]) -> list[list[bytes]]:
         """Live versions of each key, newest first; reads no data and refreshes nothing."""

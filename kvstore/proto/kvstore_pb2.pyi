@@ -61,14 +61,18 @@ class UcxDelivery(_message.Message):
     def __init__(self, worker_address: _Optional[bytes] = ..., tag_base: _Optional[int] = ...) -> None: ...
 
 class ShardResult(_message.Message):
-    __slots__ = ("status", "shards", "ucx_header")
+    __slots__ = ("status", "shards")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
-    UCX_HEADER_FIELD_NUMBER: _ClassVar[int]
     status: ShardStatus
     shards: _containers.RepeatedScalarFieldContainer[bytes]
-    ucx_header: bytes
-    def __init__(self, status: _Optional[_Union[ShardStatus, str]] = ..., shards: _Optional[_Iterable[bytes]] = ..., ucx_header: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[ShardStatus, str]] = ..., shards: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReadBatchChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class GetShardsReply(_message.Message):
     __slots__ = ("results",)

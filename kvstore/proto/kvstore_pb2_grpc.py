@@ -44,10 +44,10 @@ class ShardStoreStub:
                 request_serializer=kvstore__pb2.GetShardsRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.GetShardsReply.FromString,
                 _registered_method=True)
-        self.GetShardsStream = channel.stream_stream(
-                '/kvstore.v1.ShardStore/GetShardsStream',
+        self.ReadBatch = channel.unary_stream(
+                '/kvstore.v1.ShardStore/ReadBatch',
                 request_serializer=kvstore__pb2.GetShardsRequest.SerializeToString,
-                response_deserializer=kvstore__pb2.GetShardsReply.FromString,
+                response_deserializer=kvstore__pb2.ReadBatchChunk.FromString,
                 _registered_method=True)
         self.Contains = channel.unary_unary(
                 '/kvstore.v1.ShardStore/Contains',
@@ -98,10 +98,10 @@ class ShardStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetShardsStream(self, request_iterator, context):
-        """GetShards over one long-lived stream: one reply per request, in request order, same
-        semantics. Optional fast path: cheaper per request than unary for large shards
-        (docs/design-measurements.md).
+    def ReadBatch(self, request, context):
+        """The batch read, one call per node per batch: GetShards' semantics, the answer (a table
+        of shard entries, then their payloads; kvstore/batch_answer.py) as a stream of chunks
+        of at most 4 MiB, in order. Clients land each chunk's bytes as it arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,10 +161,10 @@ def add_ShardStoreServicer_to_server(servicer, server):
                     request_deserializer=kvstore__pb2.GetShardsRequest.FromString,
                     response_serializer=kvstore__pb2.GetShardsReply.SerializeToString,
             ),
-            'GetShardsStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.GetShardsStream,
+            'ReadBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBatch,
                     request_deserializer=kvstore__pb2.GetShardsRequest.FromString,
-                    response_serializer=kvstore__pb2.GetShardsReply.SerializeToString,
+                    response_serializer=kvstore__pb2.ReadBatchChunk.SerializeToString,
             ),
             'Contains': grpc.unary_unary_rpc_method_handler(
                     servicer.Contains,
@@ -262,7 +262,7 @@ class ShardStore:
             _registered_method=True)
 
     @staticmethod
-    def GetShardsStream(request_iterator,
+    def ReadBatch(request,
             target,
             options=(),
             channel_credentials=None,
@@ -272,12 +272,12 @@ class ShardStore:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_stream(
+            request,
             target,
-            '/kvstore.v1.ShardStore/GetShardsStream',
+            '/kvstore.v1.ShardStore/ReadBatch',
             kvstore__pb2.GetShardsRequest.SerializeToString,
-            kvstore__pb2.GetShardsReply.FromString,
+            kvstore__pb2.ReadBatchChunk.FromString,
             options,
             channel_credentials,
             insecure,

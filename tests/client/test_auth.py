@@ -18,7 +18,7 @@ from client import KVClient
 from deploy.local_cluster import LocalCluster
 from kvstore.auth import Role
 from kvstore.errors import InvalidArgument, PermissionDenied
-from kvstore.ucx_worker import ucx_available
+from kvstore.ucx.worker import ucx_available
 
 pytestmark = pytest.mark.timeout(180)
 KEY = bytes(range(16))

@@ -18,8 +18,7 @@ import pytest
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
 from kvstore.errors import InvalidArgument, QuorumError, UnknownTrafficClass
-from kvstore.ucx_get import MIN_MESSAGE_PAYLOAD_BYTES
-from kvstore.ucx_worker import ucx_available
+from kvstore.ucx.worker import ucx_available
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,7 +69,8 @@ def stored(cluster: LocalCluster) -> dict[bytes, bytes]:
     async def put_all() -> None:
         async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
             for batch in _batches(list(key_to_block.items()), 16):
-                await asyncio.gather(*(kv.put(k, b, traffic_class="chat") for k, b in batch))
+                keys, blocks = zip(*batch, strict=True)
+                await kv.put_batch(keys, blocks, traffic_class="chat")
 
     asyncio.run(put_all())
     return key_to_block
@@ -81,7 +81,8 @@ def _batches(items: list, size: int) -> list[list]:
 
 
 async def _read_all(kv: KVClient, key_to_block: dict[bytes, bytes]) -> dict[bytes, bytes | None]:
-    """Read every key, half through get and half through get_into, 16 at a time."""
+    """Read every key 16 at a time, each batch another way: get_batch_into, get_batch, and
+    16 concurrent single-key calls (get and get_into, each a batch of one)."""
 
     async def read(position: int, key: bytes) -> bytes | None:
         if position % 2:
@@ -90,9 +91,19 @@ async def _read_all(kv: KVClient, key_to_block: dict[bytes, bytes]) -> dict[byte
         return bytes(out) if await kv.get_into(key, out) else None
 
     got: dict[bytes, bytes | None] = {}
-    for batch in _batches(list(enumerate(key_to_block)), 16):
-        values = await asyncio.gather(*(read(p, k) for p, k in batch))
-        got.update({k: v for (_, k), v in zip(batch, values, strict=True)})
+    for number, batch in enumerate(_batches(list(enumerate(key_to_block)), 16)):
+        keys = [k for _, k in batch]
+        if number % 3 == 0:
+            outs = [bytearray(len(key_to_block[k])) for k in keys]
+            landed = await kv.get_batch_into(keys, outs)
+            values: list[bytes | None] = [
+                bytes(o) if ok else None for o, ok in zip(outs, landed, strict=True)
+            ]
+        elif number % 3 == 1:
+            values = await kv.get_batch(keys)
+        else:
+            values = await asyncio.gather(*(read(p, k) for p, k in batch))
+        got.update(zip(keys, values, strict=True))
     return got
 
 
@@ -200,8 +211,7 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
 async def test_get_into_over_ucx_lands_payloads_in_place(cluster: LocalCluster) -> None:
     rng = random.Random(11)
-    # 4 MB and 2 MB split into 10 whole payloads; 4 MiB - 7 leaves a padded last data shard;
-    # 1 MB has payloads small enough to travel inside the node's reply (kvstore/ucx_get.py).
+    # 4 MB, 2 MB and 1 MB split into 10 whole payloads; 4 MiB - 7 leaves a padded last one.
     sizes = [4_000_000, 2_000_000, 4 * MiB - 7, 1_000_000]
     keys = block_keys(list(range(len(sizes) * 4)), 4, "in-place", "salt")
     blocks = {key: rng.randbytes(size) for key, size in zip(keys, sizes, strict=True)}
@@ -213,8 +223,7 @@ async def test_get_into_over_ucx_lands_payloads_in_place(cluster: LocalCluster) 
             out = bytearray(len(block))
             assert await kv.get_into(key, out) and out == block, "get_into over UCX failed"
             landed = kv.ucx.counters.num_landed_in_place - before
-            payload_bytes = kv.codec.payload_bytes(len(block))
-            whole = len(block) // payload_bytes if payload_bytes >= MIN_MESSAGE_PAYLOAD_BYTES else 0
+            whole = len(block) // kv.codec.payload_bytes(len(block))
             # A read asks k+1 nodes and ends at k shards: the parity shard may beat one.
             spare = kv.config.client.read_fanout - kv.codec.k
             assert whole - spare <= landed <= whole, (

@@ -6,16 +6,16 @@ import random
 
 import pytest
 
-from erasure.shard import ShardHeader, pack_header, pack_shards, verify_shard
+from erasure.shard import ShardHeader, pack_header, pack_headers, verify_shard
 
 
 @pytest.mark.parametrize("payload_len", [0, 1, 4097])
-def test_pack_shards_matches_pack_header(payload_len: int) -> None:
+def test_pack_headers_matches_pack_header(payload_len: int) -> None:
     rng = random.Random(payload_len)
     payloads = [rng.randbytes(payload_len) for _ in range(5)]
     version = rng.randbytes(16)
-    shards = pack_shards("zfec", 3, 2, 3 * payload_len, version, payloads)
-    for index, (shard, payload) in enumerate(zip(shards, payloads, strict=True)):
+    headers = pack_headers("zfec", 3, 2, 3 * payload_len, version, payloads)
+    for index, (packed, payload) in enumerate(zip(headers, payloads, strict=True)):
         header = ShardHeader("zfec", 3, 2, index, 3 * payload_len, version, payload_len)
-        assert shard == pack_header(header, payload) + payload, "batch packer drifted from format"
-        assert verify_shard(shard) == header
+        assert packed == pack_header(header, payload), "batch packer drifted from the format"
+        assert verify_shard(packed + payload) == header

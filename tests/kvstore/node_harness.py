@@ -18,6 +18,7 @@ import grpc
 
 from deploy.local_cluster import free_ports
 from erasure.shard import ShardHeader, block_checksum, pack_header
+from kvstore import batch_answer
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
@@ -185,13 +186,23 @@ class NodeClient:
         reply = await self.stub.GetShards(request, metadata=self._metadata(), timeout=30)
         return list(reply.results)
 
-    async def get_stream(
-        self, key_batches: Sequence[Sequence[bytes]]
-    ) -> list[list[pb.ShardResult]]:
-        """GetShardsStream: one request per batch over one stream, replies in order."""
-        requests = [pb.GetShardsRequest(tenant=self.tenant, keys=keys) for keys in key_batches]
-        call = self.stub.GetShardsStream(iter(requests), metadata=self._metadata(), timeout=30)
-        return [list(reply.results) async for reply in call]
+    async def read_batch(
+        self, keys: Sequence[bytes], version: bytes = b""
+    ) -> list[tuple[int, int, bytes]]:
+        """ReadBatch, decoded: (key index, status, whole shard or b"") per table entry."""
+        request = pb.GetShardsRequest(tenant=self.tenant, keys=keys, version=version)
+        call = self.stub.ReadBatch(request, metadata=self._metadata(), timeout=30)
+        data = b"".join([chunk.data async for chunk in call])
+        size = batch_answer.table_bytes(data)
+        entries, _ = batch_answer.decode_table(data[:size], len(keys))
+        rows, position = [], size
+        for row, entry in enumerate(entries):
+            end = position + int(entry["payload_bytes"])
+            header = entries.tobytes()[row * 64 + 16 : (row + 1) * 64]
+            shard = header + data[position:end] if entry["status"] == batch_answer.HIT else b""
+            rows.append((int(entry["key_index"]), int(entry["status"]), shard))
+            position = end
+        return rows
 
     async def contains(self, keys: Sequence[bytes]) -> list[list[bytes]]:
         request = pb.ContainsRequest(tenant=self.tenant, keys=keys)

@@ -62,11 +62,10 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
         assert await client.put(items) == 150, "re-put of the same version must be idempotent"
         await _assert_all_hit(client, key_to_payload)
         keys = list(key_to_payload)
-        streamed = await client.get_stream([keys[:100], keys[100:], [b"m" * 16]])
-        assert [r.shards[0][48:] for r in streamed[0] + streamed[1]] == list(
-            key_to_payload.values()
-        ), "GetShardsStream replies out of order or wrong"
-        assert streamed[2][0].status == MISS
+        rows = await client.read_batch([*keys, b"m" * 16])
+        hits = sorted((i, shard[48:]) for i, status, shard in rows if status == HIT)
+        assert hits == list(enumerate(key_to_payload.values())), "ReadBatch served wrong shards"
+        assert [(i, status) for i, status, _ in rows if status != HIT] == [(len(keys), MISS)]
         key, old = next(iter(key_to_payload.items()))
         new = old + b"v2"
         assert await client.put([(key, make_shard(new))]) == 1

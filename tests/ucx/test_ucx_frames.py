@@ -1,4 +1,4 @@
-"""The UCX read request and reply frames (kvstore/ucx_get.py): pure code, no UCX needed."""
+"""The UCX read request and reply frames (kvstore/ucx/frames.py): pure code, no UCX needed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.ucx_get import decode_reply, decode_request, encode_error, encode_request
+from kvstore.ucx.frames import decode_reply, decode_request, encode_error, encode_request
 
 
 def _request() -> pb.GetShardsRequest:

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from client.buffer_pool import BufferPool
-from client.ucx_transport import UcxTransport
+from client.ucx.transport import UcxTransport
 from erasure.codec import Codec
 from erasure.config import CodecConfig
 from erasure.shard import HEADER_BYTES, block_checksum, shard_checksum, shard_version
-from kvstore.ucx_worker import ucx_available
+from kvstore.ucx.worker import ucx_available
 
 if not ucx_available():
     pytest.skip("the optional ucx extra (ucxx) is not installed", allow_module_level=True)

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from client.ucx_gets import PayloadLanding
-from client.ucx_transport import UcxTransport
+from client.ucx.transport import UcxTransport
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.ucx_server import UcxServer
-from kvstore.ucx_worker import MAX_BATCH_MESSAGES, UcxWorker, batch_tag, ucx_available
+from kvstore.ucx import ucp
+from kvstore.ucx.server import UcxServer
+from kvstore.ucx.worker import MAX_BATCH_MESSAGES, UcxWorker, batch_tag, ucx_available
 
 if not ucx_available():
     pytest.skip("the optional ucx extra (ucxx) is not installed", allow_module_level=True)
@@ -227,39 +227,65 @@ def test_tag_bases_are_unique_per_client() -> None:
 
 
 class _TransferInProgress:
-    """Stands in for a ucxx receive request that UCX is still writing into its buffer."""
+    """Stands in for a posted receive that UCX is still writing into its buffer."""
 
-    completed = False
+    done = False
 
-    def check_error(self) -> None:
-        pass
+    def status(self) -> int:
+        return ucp.UCS_OK if self.done else ucp.UCS_INPROGRESS
 
 
-async def test_a_landing_closes_only_once_no_transfer_can_write_into_it() -> None:
-    """A get_into buffer must not be handed back while UCX may still write into it: not
-    when another waiter cancelled the receive first, nor when a close is itself cut short."""
+async def test_cancel_returns_only_once_no_transfer_can_write_into_the_buffer() -> None:
+    """A buffer must not be handed back while UCX may still write into it: a cancel of a
+    receive in transfer waits for its end, even when a first cancel was itself cut short."""
     client = UcxTransport(seed=3)
     try:
-        for first_closer in ("batch", "timed-out close"):
-            out = bytearray(100)
-            landing = PayloadLanding(memoryview(out)[:50], 0)
-            batch = client.new_batch([landing.view, 10])
-            landing.attach(batch, 0)
-            tag = batch_tag(batch.tag_base, 0)
-            receive = client.worker._expected.pop(tag)  # as _match does when it arrives
-            receive.request, receive.num_bytes = _TransferInProgress(), 50
-            client.worker._matched[tag] = receive
-            if first_closer == "batch":
-                other = asyncio.ensure_future(batch.cancel())
-            else:
-                with pytest.raises(TimeoutError):
-                    await asyncio.wait_for(landing.close(), 0.05)
-                other = asyncio.ensure_future(asyncio.sleep(0))
-            with pytest.raises(TimeoutError):  # the transfer is still writing into `out`
-                await asyncio.wait_for(asyncio.shield(landing.close()), 0.1)
-            receive.request.completed = True  # the transfer ends; the worker reaps it
-            await asyncio.wait_for(landing.close(), 5)
-            await other
-            assert tag not in client.worker._matched, f"{first_closer}: receive still live"
+        out = bytearray(100)
+        tag = batch_tag(client.next_tag_base(), 0)
+        client.worker.receive(tag, memoryview(out))
+        receive = client.worker._expected.pop(tag)  # as _post does when it arrives
+        receive.posted, receive.num_bytes = _TransferInProgress(), 50
+        client.worker._matched[tag] = receive
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.worker.cancel(tag), 0.05)
+        with pytest.raises(TimeoutError):  # the transfer is still writing into `out`
+            await asyncio.wait_for(client.worker.cancel(tag), 0.1)
+        receive.posted.done = True  # the transfer ends; the worker reaps it
+        await asyncio.wait_for(client.worker.cancel(tag), 5)
+        assert tag not in client.worker._matched, "receive still live after its cancel"
     finally:
         await client.close()
+
+
+async def test_a_scatter_receive_holds_its_message_until_it_lands_or_is_cancelled() -> None:
+    """Over TCP (in one process shared memory needs a second process, test_ucx_processes)."""
+    server = UcxServer(transports="tcp")
+    client = UcxTransport(transports="tcp", seed=5)
+    try:
+        payload = _payloads([300_000])[0]
+        tag_base = client.next_tag_base()
+        held = client.worker.receive_scatter(batch_tag(tag_base, 0), 1 << 20)
+        sent = server.post(client.address, tag_base, [payload], 5.0)
+        await asyncio.sleep(0.2)
+        assert not held.future.done(), "a scatter receive completed before its regions existed"
+        parts = [bytearray(100_000), bytearray(200_000)]
+        held.land([memoryview(p) for p in parts])
+        assert await asyncio.wait_for(held.future, 5) == len(payload)
+        assert b"".join(parts) == payload, "scatter regions hold the wrong bytes"
+        assert await sent
+        dropped_base = client.next_tag_base()
+        dropped = client.worker.receive_scatter(batch_tag(dropped_base, 0), 1 << 20)
+        sent = server.post(client.address, dropped_base, [payload], 5.0)
+        await asyncio.sleep(0.2)
+        await client.worker.cancel(batch_tag(dropped_base, 0))
+        assert await asyncio.wait_for(sent, 5), "a cancelled held message kept its sender waiting"
+        assert dropped.future.cancelled()
+        wrong_base = client.next_tag_base()
+        wrong = client.worker.receive_scatter(batch_tag(wrong_base, 0), 1 << 20)
+        wrong.land([memoryview(bytearray(10))])
+        server.post(client.address, wrong_base, [payload], 5.0)
+        with pytest.raises(InvalidArgument, match="scatter regions"):
+            await asyncio.wait_for(wrong.future, 5)
+    finally:
+        await client.close()
+        await server.close()

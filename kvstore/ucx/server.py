@@ -1,6 +1,6 @@
 """Node side of the UCX data path: send shard bytes from the memory that holds them.
 
-A node's UCX worker listens for read requests (kvstore/ucx_get.py has the frames and the
+A node's UCX worker listens for read requests (kvstore/ucx/frames.py has the frames and the
 exchange) and answers each with messages to the asking client's worker::
 
     client                                     node
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.ucx_worker import UcxWorker, batch_tag
+from kvstore.ucx.worker import UcxWorker, batch_tag
 
 logger = logging.getLogger(__name__)
 

@@ -1,32 +1,33 @@
 """One UCX worker driven by the asyncio loop: the engine under both ends of the UCX data path.
 
 The UCX data path moves shard bytes from a node's memory straight into slots of the client's
-buffer pool; gRPC stays the control plane (kvstore/ucx_server.py, client/ucx_transport.py).
+buffer pool; gRPC stays the control plane (kvstore/ucx/server.py, client/ucx/transport.py).
 This module owns what both ends share: the UCX context and worker, endpoints, tagged sends,
 tagged receives into caller-owned buffers, their cancellation, and progress.
 
-Why tagged messages and not RMA (one-sided gets)
-    ucxx's Python API has tagged, stream and active messages but no RMA calls (its C++ library
-    has them, the bindings do not). RMA is reachable through ctypes on libucp (``ucp_mem_map``,
-    ``ucp_rkey_pack``, ``ucp_get_nbx`` on the handles ucxx exposes), so we measured both with
-    ``python -m bench.ucx_bench --transports grpc,ucx,ucx-rma`` (each GET pays one gRPC round
-    trip, as a storage read does; 2-core VM shared with other work, load 10-13): 4 MiB at
-    concurrency 8, RMA 3.7 GB/s (rounds 3.0-4.5), tagged 2.9 (2.2-3.4), gRPC 0.62; CPU
-    seconds per GB, client + server, which hold up under load: 0.25, 0.40 and 1.15. Without
-    the gRPC round trip, on a quieter machine: RMA 18-23 GB/s, tagged 8-15. RMA wins the
-    microbenchmark, whose source is one buffer registered once. We chose tagged messages for
-    the store:
-    - a node reads a shard with ``pread`` into memory it owns for one request (its segments
-      are files opened per read and deleted by expiry). RMA needs long-lived registered
-      memory, an rkey per region, and a release message from the client before the node may
-      reuse it: one more round trip and a lease per read, which the benchmark does not pay.
-      A tagged send's completion *is* that release, for free;
-    - the node decides what it sends: a freed segment is a MISS, never read; with RMA a client
-      holding an rkey could read a region that was freed and reused (checksums would catch it);
-    - over shared memory a tagged send of >= 8 KiB is already a one-sided read underneath: the
-      receiver pulls the bytes with a CMA get (process_vm_readv) from the sender's memory into
-      the slot; the difference is one rendezvous message and our completion bookkeeping;
-    - no ctypes bindings to keep in step with UCX releases.
+Why one scatter message per node per batch (not one message per shard, not RMA)
+    A batch read asks each node once; the node answers with a small reply frame (one 64-byte
+    entry per shard: status and shard header) and one payload message, every payload of the
+    batch back to back (kvstore/ucx/frames.py). The client receives that message into an IOV
+    (kvstore/ucx/ucp.py) whose regions are the places the payloads belong: each data shard's
+    place in the caller's block, scratch for parity. Measured with scratch scripts on the
+    2-core machine, 8 shards of 410 KiB per request, 4 requests in flight, one server
+    (CPU-seconds per GB, client / server; quiet machine): a message per shard 0.19 / 0.18, one
+    gathered message received contiguously and copied into place 0.27 / 0.42, one gathered
+    message received into an IOV 0.26 / 0.27 with the copy done by the sender. The per-shard
+    messages cost least on one server, but the client pays for each one in Python (a probe,
+    a receive and a completion per shard, blocks x nodes per batch); with the IOV the client
+    does one probe and one receive per node per batch, and over shared memory UCX makes the
+    sender write each region (a CMA write, the RDMA-write style of 3FS's storage servers)
+    into memory the receiver matched first, so a straggler can never write late.
+    One-sided RMA writes with the client's rkey (the same bytes moved, no receive at all)
+    were not chosen: a hedged read stops waiting for its slowest node, and that node's write
+    could then land in a buffer the caller already owns again; a tagged message lands only
+    once the receiver matched it. RMA gets would need the node to keep its staging alive
+    until a "done" message (segments are freed by expiry) and a ctypes call per shard.
+    Sending an IOV (gathering the payloads from the node's memory) is not used: with UCX 1.21
+    an IOV send on an endpoint whose wire-up has not yet seen a rendezvous message stalls the
+    endpoint for good; the node gathers with one ``preadv`` per shard into its staging.
 
 UCX over TCP (``transports="tcp"``; the only transport this wheel has between hosts without a
 system UCX built for RDMA) moved 0.4-0.5 GB/s at 4 MiB, below gRPC: pick UCX for a peer only
@@ -41,10 +42,10 @@ Why endpoints from worker addresses, with peer error handling off
     survives a dead receiver (measured: its send just never completes, or fails over TCP).
 
 Why receives are matched on arrival (probe, then receive) rather than pre-posted
-    A pre-posted receive cannot be cancelled safely from Python: ucxx cancels a request only
-    when its Python object dies, and a receive already matched keeps writing into its buffer.
-    So :meth:`UcxWorker.receive` only *registers* the slot; when a message arrives the
-    progress loop probes it, reads its length and receives it into the exact slot. A message
+    A pre-posted receive cannot be cancelled safely: a receive already matched keeps writing
+    into its buffer. So :meth:`UcxWorker.receive` only *registers* the slot; when a message
+    arrives the progress loop probes it, reads its length and receives it into the exact slot
+    (or holds it until :meth:`ScatterReceive.land` names its regions). A message
     whose tag nobody expects (cancelled, timed out, or too long for its slot) is received into
     a 1-byte tombstone: the truncated receive completes the sender's send without reading
     the payload. :meth:`UcxWorker.cancel` returns only once no UCX operation can still write
@@ -67,16 +68,19 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.ucx import ucp
 
 # ucxx sets UCX_MEMTYPE_CACHE, which this UCX release no longer knows and warns about.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 try:
+    import libucx
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
 except ImportError:  # the optional `ucx` extra is not installed
@@ -92,11 +96,12 @@ MAX_BATCH_MESSAGES = 1 << BATCH_INDEX_BITS
 _MAX_ADDRESS_BYTES = 1 << 16
 _ADDRESS_VERSION_MASK = 0x0F  # low bits of a packed worker address's first byte
 _TOMBSTONE_BYTES = 1  # a receive this small truncates any real message: nothing is read
-# The tag of read requests sent to a node (kvstore/ucx_get.py). Client batch tags live on
+# The tag of read requests sent to a node (kvstore/ucx/frames.py). Client batch tags live on
 # client workers, so they never meet it.
 REQUEST_TAG = MAX_TAG
 _RESTART_PROGRESS_S = 1.0  # after progress failed, while listeners wait for messages
 DEFAULT_SPIN_S = 0.0  # polling before sleeping on the epoll fd (see Progress above)
+_UCP = ucp.load(Path(libucx.__file__).parent if ucx_api is not None else None)
 
 
 def ucx_available() -> bool:
@@ -105,19 +110,21 @@ def ucx_available() -> bool:
 
 
 # Where a receive lands: host memory, a CUDA array (``__cuda_array_interface__``, e.g. a torch
-# CUDA tensor; UCX's CUDA transports copy into it), or a function called on arrival with the
-# message's length that returns host memory for it (a buffer of exactly the right size).
+# CUDA tensor; UCX's CUDA transports copy into it), a function called on arrival with the
+# message's length that returns host memory for it (a buffer of exactly the right size), or
+# None: regions named later (:class:`ScatterReceive`).
 Destination = Any
 
 
 @dataclass(eq=False)
 class _Receive:
-    """A slot waiting for the message with one tag; ``request`` is set once it is matched."""
+    """A slot waiting for the message with one tag; ``posted`` is set once it is matched."""
 
     destination: Destination
     capacity: int  # the most bytes the destination takes
     future: asyncio.Future[int]
-    request: Any = None
+    posted: ucp.Receive | None = None
+    message: tuple[int, int] | None = None  # (handle, length) of an arrival held for land()
     num_bytes: int = 0
     released: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -137,6 +144,23 @@ class _Send:
     array: Any  # keeps the source buffer alive until UCX is done with it
 
 
+class ScatterReceive:
+    """A receive whose regions are named after its message may already have arrived.
+
+    Register it (:meth:`UcxWorker.receive_scatter`) before the peer sends; :meth:`land`
+    names the regions, in order, that the message fills exactly (their sizes must add up to
+    its length). Until then an arrived message is held, unread.
+    """
+
+    def __init__(self, worker: UcxWorker, tag: int, future: asyncio.Future[int]) -> None:
+        self.tag = tag
+        self.future = future
+        self._worker = worker
+
+    def land(self, regions: Sequence[memoryview]) -> None:
+        self._worker._land(self.tag, list(regions))
+
+
 class UcxWorker:
     """A UCX context and worker, progressed by the running asyncio loop.
 
@@ -153,11 +177,13 @@ class UcxWorker:
         idle_wait_s: float = 0.05,
         grace_s: float = 10.0,
     ) -> None:
-        if ucx_api is None:
+        if ucx_api is None or _UCP is None:
             raise Unavailable(f"UCX is not available: ucxx is not installed; {INSTALL_HINT}")
+        self._ucp = _UCP
         self._context = _context(transports)
         self._worker = ucx_api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
+        self._handle: int = self._worker.handle
         self.address: bytes = self._worker.address.tobytes()
         self._spin_s = spin_s
         self._idle_wait_s = idle_wait_s
@@ -167,11 +193,10 @@ class UcxWorker:
         self._abandoned: dict[int, float] = {}  # tag -> monotonic deadline
         self._sends: dict[asyncio.Future[None], _Send] = {}
         self._listeners: dict[int, _Listener] = {}
-        # Listened messages in transfer: (ucxx request, the buffer it fills, its listener).
-        self._incoming: list[tuple[Any, memoryview, _Listener]] = []
-        self._tombstones: list[Any] = []
-        self._tombstone = bytearray(_TOMBSTONE_BYTES)
-        self._any_tag = (ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0))  # a probe matching all
+        # Listened messages in transfer: (receive, the buffer it fills, its listener).
+        self._incoming: list[tuple[ucp.Receive, memoryview, _Listener]] = []
+        self._tombstones: list[ucp.Receive] = []
+        self._tombstone = memoryview(bytearray(_TOMBSTONE_BYTES))
         self._wakeup: asyncio.Future[None] | None = None  # set while the loop sleeps
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -223,16 +248,34 @@ class UcxWorker:
         ``max_bytes``) fails the future with InvalidArgument and is discarded. Register before
         asking the peer to send: a message whose tag is not registered is discarded.
         """
+        destination, capacity = _destination(out, max_bytes)
+        return self._expect(tag, destination, capacity)
+
+    def receive_scatter(self, tag: int, max_bytes: int) -> ScatterReceive:
+        """Expect the message tagged ``tag`` (at most ``max_bytes``); name its regions later
+        with :meth:`ScatterReceive.land`. The future gives its length."""
+        return ScatterReceive(self, tag, self._expect(tag, None, max_bytes))
+
+    def _expect(self, tag: int, destination: Destination, capacity: int) -> asyncio.Future[int]:
         self._check_open()
         _check_tag(tag)
         if tag in self._expected or tag in self._matched:
             raise InvalidArgument(f"tag {tag:#x} already has a receive; tags are single-use")
-        destination, capacity = _destination(out, max_bytes)
         future = asyncio.get_running_loop().create_future()
         self._expected[tag] = _Receive(destination, capacity, future)
         self._abandoned.pop(tag, None)
         self._wake()
         return future
+
+    def _land(self, tag: int, regions: list[memoryview]) -> None:
+        receive = self._expected.get(tag)
+        if receive is None or receive.destination is not None:
+            return  # cancelled, failed, or landed already
+        ucp.check_regions(regions)
+        receive.destination = regions
+        if receive.message is not None:
+            del self._expected[tag]
+            self._post(tag, receive, *receive.message)
 
     def listen(self, tag: int, handler: Callable[[memoryview], None], max_bytes: int) -> None:
         """Receive every message tagged ``tag`` (up to ``max_bytes``; longer ones are
@@ -256,7 +299,10 @@ class UcxWorker:
         if receive is not None:
             receive.future.cancel()
             receive.released.set()
-            self._abandoned[tag] = time.monotonic() + self._grace_s
+            if receive.message is not None:
+                self._discard(*receive.message)  # arrived, held unread: release its sender
+            else:
+                self._abandoned[tag] = time.monotonic() + self._grace_s
             return
         receive = self._matched.get(tag)
         if receive is not None:
@@ -375,45 +421,60 @@ class UcxWorker:
     def _dispatch(self) -> bool:
         """Match every arrived message to its slot, or to a tombstone; True if any arrived."""
         arrived = False
-        while True:
-            probe = self._worker.tag_probe(*self._any_tag, True)
-            if not probe.matched:
-                return arrived
+        while (probed := self._ucp.probe(self._handle)) is not None:
             arrived = True
-            self._match(probe, probe.sender_tag.value, probe.length)
+            self._match(*probed)
+        return arrived
 
-    def _match(self, probe: Any, tag: int, num_bytes: int) -> None:
+    def _match(self, message: int, tag: int, num_bytes: int) -> None:
         listener = self._listeners.get(tag)
         if listener is not None and num_bytes <= listener.max_bytes:
             buffer = memoryview(bytearray(num_bytes))
-            request = self._worker.tag_recv_with_handle(Array(buffer), probe)
-            self._incoming.append((request, buffer, listener))
+            self._incoming.append((self._receive(message, [buffer]), buffer, listener))
             return
-        receive = self._expected.pop(tag, None)
+        receive = self._expected.get(tag)
         if receive is not None and num_bytes > receive.capacity:
-            receive.future.set_exception(
-                InvalidArgument(
-                    f"message with tag {tag:#x} is {num_bytes} bytes but its receive buffer "
-                    f"holds {receive.capacity}; size receive slots for the largest shard"
-                )
+            self._fail(
+                tag, receive, f"is {num_bytes} bytes but its receive holds {receive.capacity}"
             )
-            receive.released.set()
             receive = None
         if receive is None:
             self._abandoned.pop(tag, None)
-            tombstone = Array(self._tombstone)
-            self._tombstones.append(self._worker.tag_recv_with_handle(tombstone, probe))
+            self._discard(message, num_bytes)
             return
+        if receive.destination is None:  # a scatter receive whose regions are not named yet
+            receive.message = (message, num_bytes)
+            return
+        del self._expected[tag]
+        self._post(tag, receive, message, num_bytes)
+
+    def _post(self, tag: int, receive: _Receive, message: int, num_bytes: int) -> None:
+        """Receive a probed message into its slot (which must take exactly its bytes)."""
         try:
-            landing = _landing(receive, num_bytes)
+            regions = _regions(receive, num_bytes)
         except InvalidArgument as exc:
-            receive.future.set_exception(exc)
-            receive.released.set()
-            self._match(probe, tag, num_bytes)  # no longer expected: discarded
+            self._fail(tag, receive, str(exc))
+            self._discard(message, num_bytes)
             return
         receive.num_bytes = num_bytes
-        receive.request = self._worker.tag_recv_with_handle(landing, probe)
+        receive.posted = self._receive(message, regions)
         self._matched[tag] = receive
+
+    def _fail(self, tag: int, receive: _Receive, why: str) -> None:
+        self._expected.pop(tag, None)
+        receive.future.set_exception(
+            InvalidArgument(
+                f"message with tag {tag:#x} {why}; size receive slots for the largest message"
+            )
+        )
+        receive.released.set()
+
+    def _receive(self, message: int, regions: Sequence[Any]) -> ucp.Receive:
+        return self._ucp.receive(self._handle, message, regions)
+
+    def _discard(self, message: int, num_bytes: int) -> None:
+        """Receive an unwanted message into the tombstone: truncated, its bytes never read."""
+        self._tombstones.append(self._receive(message, [self._tombstone]))
 
     def _reap(self) -> bool:
         """Resolve the futures of completed requests; True if any completed."""
@@ -423,27 +484,28 @@ class UcxWorker:
         if self._incoming:
             self._deliver_incoming()
         for tag, receive in list(self._matched.items()):
-            if receive.request.completed:
+            assert receive.posted is not None
+            status = receive.posted.status()
+            if status != ucp.UCS_INPROGRESS:
                 del self._matched[tag]
-                _resolve(receive.future, receive.request, receive.num_bytes)
+                _resolve_receive(receive, status)
                 receive.released.set()
         for send in [s for s in self._sends.values() if s.request.completed]:
             del self._sends[send.future]
-            _resolve(send.future, send.request, None)
-        self._tombstones = [t for t in self._tombstones if not t.completed]
+            _resolve_send(send.future, send.request)
+        self._tombstones = [t for t in self._tombstones if t.status() == ucp.UCS_INPROGRESS]
         return self.num_pending < num_before
 
     def _deliver_incoming(self) -> None:
         """Hand each completely received listened message to its listener."""
         still = []
-        for request, buffer, listener in self._incoming:
-            if not request.completed:
-                still.append((request, buffer, listener))
+        for posted, buffer, listener in self._incoming:
+            status = posted.status()
+            if status == ucp.UCS_INPROGRESS:
+                still.append((posted, buffer, listener))
                 continue
-            try:
-                request.check_error()
-            except Exception as exc:  # one ucxx error type per UCX status
-                logger.warning("UCX message for a listener not received: %s", exc)
+            if status != ucp.UCS_OK:
+                logger.warning("UCX message for a listener not received: status %d", status)
                 continue
             try:
                 listener.handler(buffer)
@@ -463,7 +525,7 @@ class UcxWorker:
             if not future.done():
                 future.set_exception(error)
         for receive in self._expected.values():
-            receive.released.set()  # never matched: UCX holds no pointer into its buffer
+            receive.released.set()  # never posted: UCX holds no pointer into its buffer
         self._expected.clear()
         self._sends.clear()
 
@@ -503,6 +565,16 @@ def batch_tag(tag_base: int, index: int) -> int:
     return tag_base + index
 
 
+class _CudaRegion:
+    """A CUDA array as a receive region: its device pointer and size (UCX copies there)."""
+
+    def __init__(self, array: Any) -> None:
+        interface = array.__cuda_array_interface__
+        self.address = interface["data"][0]
+        self.nbytes = Array(array).nbytes
+        self.array = array  # alive while UCX may write
+
+
 def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, int]:
     """Check a receive's destination; return it (host memory as a byte view) and its size."""
     if callable(out):
@@ -510,7 +582,8 @@ def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, 
             raise InvalidArgument("a receive that allocates on arrival needs max_bytes >= 0")
         return out, max_bytes
     if hasattr(out, "__cuda_array_interface__"):
-        return out, Array(out).nbytes
+        region = _CudaRegion(out)
+        return region, region.nbytes
     try:
         view = memoryview(out).cast("B")
     except TypeError:
@@ -522,18 +595,25 @@ def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, 
     return view, len(view)
 
 
-def _landing(receive: _Receive, num_bytes: int) -> Any:
-    """The ucxx Array a matched message of ``num_bytes`` is received into."""
+def _regions(receive: _Receive, num_bytes: int) -> list[Any]:
+    """The regions a matched message of ``num_bytes`` is received into, in order."""
     destination = receive.destination
+    if isinstance(destination, list):
+        if sum(region.nbytes for region in destination) != num_bytes:
+            raise InvalidArgument(
+                f"is {num_bytes} bytes but its scatter regions add up to "
+                f"{sum(region.nbytes for region in destination)}"
+            )
+        return destination
     if isinstance(destination, memoryview):
-        return Array(destination[:num_bytes])
-    if hasattr(destination, "__cuda_array_interface__"):
-        return Array(destination)  # a longer buffer takes a shorter message
+        return [destination[:num_bytes]]
+    if isinstance(destination, _CudaRegion):
+        return [destination]  # a longer buffer takes a shorter message
     view = memoryview(destination(num_bytes)).cast("B")
     if view.readonly or len(view) < num_bytes:
-        raise InvalidArgument(f"allocator gave no writable buffer of {num_bytes} bytes")
+        raise InvalidArgument(f"got no writable buffer of {num_bytes} bytes from its allocator")
     receive.destination = view
-    return Array(view[:num_bytes])
+    return [view[:num_bytes]]
 
 
 def _set_once(future: asyncio.Future[None]) -> None:
@@ -546,8 +626,18 @@ def _check_tag(tag: int) -> None:
         raise InvalidArgument(f"UCX tag {tag} is not an unsigned 64-bit integer")
 
 
-def _resolve(future: asyncio.Future[Any], request: Any, result: Any) -> None:
-    """Complete ``future`` from a finished ucxx request (unless the waiter gave up)."""
+def _resolve_receive(receive: _Receive, status: int) -> None:
+    """Complete a receive's future from its final status (unless the waiter gave up)."""
+    if receive.future.done():
+        return
+    if status == ucp.UCS_OK:
+        receive.future.set_result(receive.num_bytes)
+    else:
+        receive.future.set_exception(Unavailable(f"UCX receive failed with status {status}"))
+
+
+def _resolve_send(future: asyncio.Future[Any], request: Any) -> None:
+    """Complete ``future`` from a finished ucxx send (unless the waiter gave up)."""
     if future.done():
         return
     try:
@@ -555,4 +645,4 @@ def _resolve(future: asyncio.Future[Any], request: Any, result: Any) -> None:
     except Exception as exc:  # one ucxx error type per UCX status; all mean "not delivered"
         future.set_exception(Unavailable(f"UCX transfer failed: {type(exc).__name__}: {exc}"))
     else:
-        future.set_result(result)
+        future.set_result(None)

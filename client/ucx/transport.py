@@ -1,15 +1,13 @@
-"""Client side of the UCX data path: requests to nodes, and shard bytes straight into the
-client's own buffers.
+"""Client side of the UCX data path: the client's worker, tag bases, and the nodes it reaches.
 
-For one read from one node the client registers the slot where each message must land
-(message i = the payload of the request's key i, e.g. into its place in the destination
-block; message len(keys) = the node's reply frame), then sends the request over UCX with the
-batch's tag base (kvstore/ucx_get.py has the exchange). UCX moves the bytes: over shared
-memory the client pulls them with one CMA read from the node's memory into the slot, so the
-only copy is the transport's own. The caller still verifies every checksum.
+A batch read from one node registers where the node's messages must land, then sends the
+request over UCX with a fresh tag base (client/ucx/reader.py; kvstore/ucx/frames.py has the
+exchange). :class:`UcxReceiveBatch` registers one contiguous slot per message, for the UCX
+microbenchmark (bench/ucx_bench.py) and tests; the read path receives its payloads with one
+scatter receive per node instead.
 
 Tags are made here and are unique per client worker: a random 44-bit request counter in the
-high bits and the message index in the low 20 bits (kvstore.ucx_worker.batch_tag).
+high bits and the message index in the low 20 bits (kvstore.ucx.worker.batch_tag).
 
 Nodes are tracked by the worker address each advertises over gRPC: a node that restarts
 comes back with a new address, :meth:`UcxTransport.observe_node` reports the change, and the
@@ -29,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.ucx_worker import (
+from kvstore.ucx.worker import (
     BATCH_INDEX_BITS,
     MAX_BATCH_MESSAGES,
     REQUEST_TAG,
@@ -143,14 +141,18 @@ class UcxTransport:
         """This client's UCX worker address: sent to nodes in each UCX read request."""
         return self.worker.address
 
+    def next_tag_base(self) -> int:
+        """A fresh tag base for one request's messages (unique on this client's worker)."""
+        request_id = self._next_request_id
+        self._next_request_id = (request_id + 1) % (1 << _REQUEST_ID_BITS)
+        return request_id << BATCH_INDEX_BITS
+
     def new_batch(self, slots: Sequence[Any | None]) -> UcxReceiveBatch:
         """Register receives for one request: message i lands in ``slots[i]`` (None: none).
 
         Call before sending the request; pass the batch's ``tag_base`` to the node.
         """
-        request_id = self._next_request_id
-        self._next_request_id = (request_id + 1) % (1 << _REQUEST_ID_BITS)
-        return UcxReceiveBatch(self.worker, request_id << BATCH_INDEX_BITS, slots)
+        return UcxReceiveBatch(self.worker, self.next_tag_base(), slots)
 
     def observe_node(self, node_id: str, node_address: bytes) -> bool:
         """Record the UCX address a node advertises; True if it changed (the node restarted).
@@ -181,7 +183,7 @@ class UcxTransport:
         return self._node_to_reachable[node_id]
 
     def send_request(self, node_id: str, frame: bytes) -> asyncio.Future[None]:
-        """Send a request frame (kvstore/ucx_get.py) to a node :meth:`reachable` approved."""
+        """Send a request frame (kvstore/ucx/frames.py) to a node :meth:`reachable` approved."""
         endpoint = self._node_to_endpoint.get(node_id)
         if endpoint is None:
             raise Unavailable(f"node {node_id} is not reachable over UCX")

@@ -1,0 +1,333 @@
+"""The batch read: one request per node per batch, the first k valid shards of one version per
+block, every checksum verified.
+
+::
+
+    keys -> their groups (placement) -> per group: plan_read (ask 11 nodes, 1 in reserve)
+         -> per node: ONE request for every key it is asked for (client/landing.Wanted)
+    answers arrive node by node, each landed by its transport (UCX or gRPC): data shards at
+    their place in the caller's blocks, the rest apart (client/landing.py)
+         -> every HIT shard verified (codec.verify), tallied per key by version
+         -> a key is decided when one version has k shards, or when the requests still
+            pending for it cannot give k: then its group's reserve nodes are asked, once
+    every key decided -> cancel the requests still out (their transports stop writing first)
+         -> decode each complete key into its buffer (data shards already there: no copy)
+
+A slow or dead node never holds the batch: each key needs any k of the 11 asked, so the
+batch ends when the other ten have answered, and the slow node's request is cancelled. The
+client's Python work per batch is per node (a request, an answer, a table decoded with numpy)
+plus a short loop per shard (one checksum call, one tally update); it never creates a future
+or a message per shard.
+
+This is the module's one dense hot path. Decoding runs on the event loop thread: with ISA-L
+and every data shard in place it is one xxh3 pass over the block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from client.landing import NodeAnswer, Wanted
+from client.node_conn import NodeConn, NodeReader, consume_result
+from client.read_plan import plan_read
+from client.shard_tally import ShardCollector, can_complete
+from erasure.codec import Codec
+from erasure.shard import SplitShard
+from kvstore import batch_answer
+from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS_PER_REQUEST = 64  # keys of one request to one node (more: several requests)
+
+
+@dataclass
+class ReadCounters:
+    """What reads did, for tests and benchmarks (monotonic counts)."""
+
+    num_reads: int = 0  # keys read (a batch of n keys counts n)
+    num_hits: int = 0
+    num_misses: int = 0
+    num_batches: int = 0  # get/get_into/get_batch/get_batch_into calls
+    num_node_requests: int = 0  # requests sent to nodes (one per node per batch, usually)
+    num_corrupt_shards: int = 0  # shards skipped: bad checksum/header, or CORRUPT from a node
+    num_hedged: int = 0  # batches that finished without waiting for every asked node
+    num_reserve_asks: int = 0  # requests to nodes beyond the first fan-out
+    num_decode_failures: int = 0  # versions whose k shards did not rebuild a valid block
+
+
+@dataclass
+class _Request:
+    """One request to one node: which batch keys, and which shard of each it holds."""
+
+    node: int  # index into BatchRead.conns
+    keys: list[bytes]
+    wanted: Wanted
+
+
+class BatchRead:
+    """One batch read over a cluster's groups (see module doc). Use once: ``await run()``."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        conns: Sequence[NodeConn],
+        readers: Sequence[NodeReader],
+        group_members: Sequence[Sequence[int]],
+        fanout: int,
+        max_batch_bytes: int,
+        counters: ReadCounters,
+    ) -> None:
+        self.codec = codec
+        self.conns = conns  # every node of the cluster; health lives here
+        self.readers = readers  # the read transport of each node (same order as conns)
+        self.group_members = group_members  # per group: node indexes by shard position
+        self.fanout = fanout
+        self.max_batch_bytes = max_batch_bytes
+        self.counters = counters
+
+    async def run(
+        self,
+        keys: Sequence[bytes],
+        groups: Sequence[int],
+        outs: Sequence[memoryview | None],
+        timeout_s: float,
+    ) -> list[bytes | memoryview | None]:
+        """Each key's block (written into its ``outs`` entry when one is given), or None."""
+        deadline_s = asyncio.get_running_loop().time() + timeout_s
+        self.counters.num_batches += 1
+        self.counters.num_reads += len(keys)
+        state = _State(self, keys, groups, outs, deadline_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await state.gather()
+        except TimeoutError:
+            log.debug("batch read: deadline passed with %d keys undecided", state.num_undecided)
+        finally:
+            await state.stop()
+        try:
+            return state.decode()
+        finally:
+            state.release()
+
+
+class _State:
+    """The progress of one batch read: requests out, shards tallied per key."""
+
+    def __init__(
+        self,
+        read: BatchRead,
+        keys: Sequence[bytes],
+        groups: Sequence[int],
+        outs: Sequence[memoryview | None],
+        deadline_s: float,
+    ) -> None:
+        self.read = read
+        self.keys, self.groups, self.outs = keys, groups, outs
+        self.deadline_s = deadline_s  # on the event loop's clock
+        k = read.codec.k
+        self.collectors = [ShardCollector(read.codec) for _ in keys]
+        self.complete: list[bytes | None] = [None] * len(keys)  # the version that reached k
+        self.decided = [False] * len(keys)
+        self.num_undecided = len(keys)
+        self.pending = [0] * len(keys)  # requests out that cover each key
+        self.tasks: dict[asyncio.Task[NodeAnswer], _Request] = {}
+        self.answers: list[NodeAnswer] = []
+        self.asked_nodes: set[int] = set()
+        self.reserve: dict[int, tuple[int, ...]] = {}  # group -> shard positions in reserve
+        self.reserve_asked = [False] * len(keys)
+        self.k = k
+        self._plan()
+
+    def _plan(self) -> None:
+        """Per group a read plan; per node one request (or a few, for very large batches)."""
+        group_to_positions: dict[int, list[int]] = {}
+        for position, group in enumerate(self.groups):
+            group_to_positions.setdefault(group, []).append(position)
+        node_to_items: dict[int, list[tuple[int, int]]] = {}
+        for group, positions in group_to_positions.items():
+            members = self.read.group_members[group]
+            conns = [self.read.conns[n] for n in members]
+            plan = plan_read(
+                self.k,
+                self.read.fanout,
+                [conn.is_suspect() for conn in conns],
+                [conn.health.late_score for conn in conns],
+                [conn.health.is_slow and conn.health.take_probe() for conn in conns],
+            )
+            self.reserve[group] = plan.reserve
+            for shard_index in plan.ask:
+                items = node_to_items.setdefault(members[shard_index], [])
+                items += ((p, shard_index) for p in positions)
+        for node, items in node_to_items.items():
+            self._ask(node, items)
+
+    def _ask(self, node: int, items: list[tuple[int, int]]) -> None:
+        """Send ``node`` requests for ``items`` ((batch position, shard index) pairs)."""
+        self.asked_nodes.add(node)
+        per_key_bytes = [self._payload_estimate(p) for p, _ in items]
+        start = 0
+        while start < len(items):
+            end, num_bytes = start, 0
+            while end < len(items) and end - start < MAX_KEYS_PER_REQUEST:
+                if end > start and num_bytes + per_key_bytes[end] > self.read.max_batch_bytes:
+                    break
+                num_bytes += per_key_bytes[end]
+                end += 1
+            chunk = items[start:end]
+            start = end
+            positions = [p for p, _ in chunk]
+            request = _Request(
+                node, [self.keys[p] for p in positions], Wanted(positions, [s for _, s in chunk])
+            )
+            for position in positions:
+                self.pending[position] += 1
+            reader = self.read.readers[node]
+            timeout_s = self.deadline_s - asyncio.get_running_loop().time()
+            task = asyncio.ensure_future(
+                reader.read_batch(request.keys, request.wanted, self.outs, timeout_s)
+            )
+            self.tasks[task] = request
+            self.read.counters.num_node_requests += 1
+
+    def _payload_estimate(self, position: int) -> int:
+        out = self.outs[position]
+        codec = self.read.codec
+        return codec.payload_bytes(len(out) if out is not None else codec.max_block_bytes)
+
+    async def gather(self) -> None:
+        """Absorb answers until every key is decided or every request finished."""
+        while self.tasks and self.num_undecided:
+            done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self._absorb(task, self.tasks.pop(task))
+            self._ask_reserves()
+
+    def _absorb(self, task: asyncio.Task[NodeAnswer], request: _Request) -> None:
+        try:
+            answer = task.result()
+        except (PermissionDenied, InvalidArgument):
+            raise
+        except KVStoreError as exc:
+            log.debug(
+                "batch read from node %s failed: %s", self.read.conns[request.node].node_id, exc
+            )
+            answer = None
+        if answer is not None:
+            self.answers.append(answer)
+            self._tally(answer, request)
+        for position in request.wanted.positions:
+            self.pending[position] -= 1
+            self._decide_if_hopeless(position)
+
+    def _tally(self, answer: NodeAnswer, request: _Request) -> None:
+        """Verify and count every HIT shard of one node's answer (the per-shard loop)."""
+        entries = answer.entries
+        statuses = entries["status"]
+        self.read.counters.num_corrupt_shards += int((statuses == batch_answer.CORRUPT).sum())
+        hit_rows = (statuses == batch_answer.HIT).nonzero()[0].tolist()
+        if not hit_rows:
+            return
+        raw = entries.tobytes()
+        key_indexes = entries["key_index"].tolist()
+        positions = request.wanted.positions
+        header_start = batch_answer.ENTRY_BYTES - 48
+        for row, payload in zip(hit_rows, answer.payloads, strict=True):
+            position = positions[key_indexes[row]]
+            if self.decided[position]:
+                continue
+            start = row * batch_answer.ENTRY_BYTES + header_start
+            shard = SplitShard(raw[start : start + 48], payload)
+            version = self.collectors[position].add(shard)  # verifies the shard checksum
+            if version is not None:
+                self.complete[position] = version
+                self._decide(position)
+
+    def _hopeless(self, position: int) -> bool:
+        """The requests still out for this key cannot give it k shards of one version."""
+        best = self.collectors[position].best_count
+        return not self.decided[position] and not can_complete(best, self.pending[position], self.k)
+
+    def _decide_if_hopeless(self, position: int) -> None:
+        if self._hopeless(position) and (
+            self.reserve_asked[position] or not self.reserve[self.groups[position]]
+        ):
+            self._decide(position)
+
+    def _decide(self, position: int) -> None:
+        self.decided[position] = True
+        self.num_undecided -= 1
+
+    def _ask_reserves(self) -> None:
+        """Ask the reserve nodes for the keys that can no longer complete otherwise (once)."""
+        group_to_positions: dict[int, list[int]] = {}
+        for position in range(len(self.keys)):
+            if self._hopeless(position) and not self.reserve_asked[position]:
+                self.reserve_asked[position] = True
+                group_to_positions.setdefault(self.groups[position], []).append(position)
+        for group, positions in group_to_positions.items():
+            members = self.read.group_members[group]
+            self.read.counters.num_reserve_asks += len(self.reserve[group])
+            for shard_index in self.reserve[group]:
+                self._ask(members[shard_index], [(p, shard_index) for p in positions])
+            for position in positions:
+                self._decide_if_hopeless(position)
+
+    async def stop(self) -> None:
+        """Cancel the requests still out and wait until none can write into a buffer."""
+        outstanding = set(self.tasks)
+        if outstanding:
+            self.read.counters.num_hedged += 1
+        late_nodes = {self.tasks[t].node for t in outstanding}
+        for node in self.asked_nodes:
+            self.read.conns[node].health.record_lateness(node in late_nodes)
+        for task in outstanding:
+            task.cancel()
+        finished = await asyncio.gather(*outstanding, return_exceptions=True)
+        for result in finished:
+            if isinstance(result, NodeAnswer):  # it finished as we stopped: nobody uses it
+                result.release()
+        for task in outstanding:
+            consume_result(task)
+        self.tasks.clear()
+
+    def decode(self) -> list[bytes | memoryview | None]:
+        """Decode every complete key into its buffer (or new bytes); None for the rest."""
+        blocks: list[bytes | memoryview | None] = []
+        counters = self.read.counters
+        for position, version in enumerate(self.complete):
+            block = None if version is None else self._decode_one(position, version)
+            blocks.append(block)
+            if block is None:
+                counters.num_misses += 1
+            else:
+                counters.num_hits += 1
+        for collector in self.collectors:
+            counters.num_corrupt_shards += collector.num_corrupt
+        return blocks
+
+    def _decode_one(self, position: int, version: bytes) -> bytes | memoryview | None:
+        collector = self.collectors[position]
+        out = self.outs[position]
+        block_len = collector.version_to_header[version].block_len
+        if out is not None and len(out) != block_len:
+            raise InvalidArgument(
+                f"buffer {position} of the batch is {len(out)} bytes but block "
+                f"{self.keys[position].hex()} is {block_len} bytes; pass a writable buffer of "
+                "exactly the block's size"
+            )
+        try:
+            # The collector ran codec.verify on every shard as it arrived.
+            return self.read.codec.decode(collector.shards(version), out=out, verified=True)
+        except CodecError as exc:
+            log.warning("dropping version %s: %s", version.hex(), exc)
+            self.read.counters.num_decode_failures += 1
+            return None
+
+    def release(self) -> None:
+        """Free the scratch of every answer (after decoding: parity shards live there)."""
+        for answer in self.answers:
+            answer.release()

@@ -1,0 +1,177 @@
+"""Where a node's batch answer lands: each payload at its place in the caller's block, or apart.
+
+A node answers a batch read with a table of shard entries and their payloads back to back
+(kvstore/batch_answer.py). The client reads the table first and decides, per HIT entry,
+where its payload goes (:func:`landing_regions`)::
+
+    entry: key j, shard index i, payload_len P, block_len L, version V
+      out_j given, i < k, (i+1)*P <= L = len(out_j),        -> out_j[i*P : (i+1)*P]
+      i is the index this node holds for key j, first such entry of key j in this answer
+      anything else (parity, the zero-padded last data shard, -> None: it lands apart (scratch
+      another version of the same length, plain get)            or the received chunk)
+
+Over UCX the regions become one scatter receive; over gRPC :class:`StreamLander` copies each
+chunk's bytes into them as chunks arrive. With every data shard present the block is then
+complete without a copy by the decoder (erasure/codec.py skips payloads already in place).
+The decision is made from the header before any byte lands, so a payload is never written
+into a block it does not belong to; the shard checksum is still verified once it landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore import batch_answer
+from kvstore.byte_arena import ByteArena, Region
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What one request asks a node for: request key i is batch key ``positions[i]``, of
+    which this node holds shard ``shard_indexes[i]``."""
+
+    positions: list[int]
+    shard_indexes: list[int]
+
+
+def landing_regions(
+    entries: np.ndarray,
+    wanted: Wanted,
+    outs: Sequence[memoryview | None],
+    k: int,
+) -> list[memoryview | None]:
+    """Per HIT entry (in table order), its place in the caller's block or None (apart)."""
+    regions: list[memoryview | None] = []
+    placed: set[int] = set()
+    hits = entries[entries["status"] == batch_answer.HIT]
+    for key_index, shard_index, payload_len, block_len in zip(
+        hits["key_index"].tolist(),
+        hits["shard_index"].tolist(),
+        hits["payload_len"].tolist(),
+        hits["block_len"].tolist(),
+        strict=True,
+    ):
+        out = outs[wanted.positions[key_index]]
+        start = shard_index * payload_len
+        fits = (
+            out is not None
+            and key_index not in placed
+            and shard_index == wanted.shard_indexes[key_index]
+            and shard_index < k
+            and block_len == len(out)
+            and payload_len == -(-block_len // k)
+            and start + payload_len <= block_len
+        )
+        if fits:
+            assert out is not None
+            placed.add(key_index)
+            regions.append(out[start : start + payload_len])
+        else:
+            regions.append(None)
+    return regions
+
+
+@dataclass
+class NodeAnswer:
+    """A node's answer as the batch read uses it: the table, each HIT payload's bytes (in
+    table order, where they landed), and the scratch to release after decoding."""
+
+    entries: np.ndarray
+    payloads: list[memoryview]
+    in_place: list[bool]  # per HIT payload: it landed at its place in the caller's block
+    scratch: list[Region] = field(default_factory=list)
+
+    def release(self) -> None:
+        for region in self.scratch:
+            region.release()
+        self.scratch.clear()
+
+
+def fill_apart(regions: list[memoryview | None], sizes: list[int], arena: ByteArena) -> Region:
+    """Give every None region a place in one scratch region (for a scatter receive)."""
+    scratch = arena.take(
+        sum(size for region, size in zip(regions, sizes, strict=True) if region is None)
+    )
+    position = 0
+    for i, (region, size) in enumerate(zip(regions, sizes, strict=True)):
+        if region is None:
+            regions[i] = scratch.view[position : position + size]
+            position += size
+    return scratch
+
+
+class StreamLander:
+    """Lands a batch answer that arrives as a byte stream in chunks (gRPC's ReadBatch).
+
+    Feed each chunk's bytes in order; the table is taken as soon as it is complete, then each
+    payload is copied into its region, or kept as a view of its chunk when it has none (a
+    payload cut across chunks is joined into a buffer of its own).
+    """
+
+    def __init__(self, wanted: Wanted, outs: Sequence[memoryview | None], k: int) -> None:
+        self._wanted, self._outs, self._k = wanted, outs, k
+        self._head = bytearray()  # the table's bytes until it is complete
+        self._entries: np.ndarray | None = None
+        self._regions: list[memoryview | None] = []
+        self._sizes: list[int] = []
+        self._payloads: list[memoryview] = []
+        self._partial: list[memoryview] = []  # pieces of the payload being received
+        self._filled = 0  # bytes of the current payload received
+
+    def feed(self, data: memoryview) -> None:
+        if self._entries is None:
+            data = self._take_table(data)
+            if self._entries is None:
+                return
+        while len(data):
+            data = self._land(data)
+
+    def _take_table(self, data: memoryview) -> memoryview:
+        """Take the table's bytes from ``data``; return what follows it (payload bytes)."""
+        before = len(self._head)
+        self._head += data[: max(0, batch_answer.TABLE_HEAD.size - before)]
+        if len(self._head) < batch_answer.TABLE_HEAD.size:
+            return memoryview(b"")
+        size = batch_answer.table_bytes(self._head)
+        self._head += data[len(self._head) - before : size - before]
+        if len(self._head) < size:
+            return memoryview(b"")
+        entries, _ = batch_answer.decode_table(bytes(self._head), len(self._wanted.positions))
+        hits = entries["status"] == batch_answer.HIT
+        self._entries = entries
+        self._regions = landing_regions(entries, self._wanted, self._outs, self._k)
+        self._sizes = entries["payload_bytes"][hits].tolist()
+        return data[size - before :]
+
+    def _land(self, data: memoryview) -> memoryview:
+        index = len(self._payloads)
+        if index >= len(self._sizes):
+            raise ValueError(f"batch answer carries {len(data)} bytes beyond its payloads")
+        size, region = self._sizes[index], self._regions[index]
+        take = min(size - self._filled, len(data))
+        piece, rest = data[:take], data[take:]
+        if region is not None:
+            region[self._filled : self._filled + take] = piece
+        else:
+            self._partial.append(piece)
+        self._filled += take
+        if self._filled == size:
+            self._payloads.append(region if region is not None else self._joined())
+            self._filled = 0
+        return rest
+
+    def _joined(self) -> memoryview:
+        pieces, self._partial = self._partial, []
+        if len(pieces) == 1:
+            return pieces[0]
+        return memoryview(b"".join(pieces))
+
+    def finish(self) -> NodeAnswer:
+        """The answer; ValueError if the stream ended early."""
+        if self._entries is None or len(self._payloads) != len(self._sizes):
+            raise ValueError("batch answer stream ended before its last payload")
+        in_place = [region is not None for region in self._regions]
+        return NodeAnswer(self._entries, self._payloads, in_place)

@@ -1,0 +1,247 @@
+"""A node's UCX read transport, falling back to gRPC: the client half of kvstore/ucx/frames.py.
+
+One batch read from one node::
+
+    expect reply frame (tag_base + 0)     allocated at its size on arrival
+    expect payloads    (tag_base + 1)     a scatter receive; regions named later
+    request(keys, worker address, tag_base) --UCX-->  node
+    reply: the answer's table (kvstore/batch_answer.py)
+        -> each HIT payload's region (client/landing.py): its place in the caller's block,
+           or one scratch region of the client's arena for the rest
+    land(regions): UCX writes every payload there (over shared memory the node writes them
+        with CMA, once this receive matched its message)
+
+Python work per node per batch is constant: two receives, one send, one table decode (numpy),
+whatever the number of shards. The shards are then verified like any other
+(client/batch_read.py), so a UCX fault can lose a node's answer but never return wrong bytes.
+
+Fallbacks. No reply in time (node restarted, UCX failing), or no payloads in time: the whole
+request goes over gRPC within the same deadline (``NodeConn.read_batch`` lands into the same
+regions), and the node is read over gRPC for ``UCX_RETRY_S``. Whether a node is worth asking
+over UCX is learned from its Health reply (its UCX worker address) in the background: until
+then, and for a node without one, reads use gRPC. A failed UCX read asks Health again, which
+also notices a restarted node's new address. A node that failed recently (gRPC) is asked over
+gRPC too, whose connection errors tell at once that a node is down.
+
+Nothing lands after a read returns or is cancelled: both receives are cancelled in a
+``finally`` that runs to its end (the worker waits for a transfer already matched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from client.landing import NodeAnswer, Wanted, fill_apart, landing_regions
+from client.node_conn import NodeConn
+from client.ucx.transport import UcxTransport
+from kvstore import batch_answer
+from kvstore.byte_arena import ByteArena, Region
+from kvstore.errors import BadReply, KVStoreError, Unavailable
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.ucx import frames
+from kvstore.ucx.worker import batch_tag
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+HEALTH_RETRY_S = 5.0  # at most one background Health ask per node this often
+MAX_REPLY_BYTES = 64 << 20  # a reply frame is allocated at its size; this only bounds it
+UCX_WAIT_SHARE = 0.5  # of the time left that a UCX wait may use (the rest is for gRPC)
+UCX_RETRY_S = 10.0  # a node that left a UCX request unanswered is read over gRPC this long
+SCRATCH_BYTES = 256 << 20  # payloads with no place in a caller's block (parity) land here
+
+
+@dataclass
+class UcxCounters:
+    """What the UCX read path did (monotonic counts, for tests and benchmarks)."""
+
+    num_ucx_replies: int = 0  # node requests asked and answered over UCX
+    num_ucx_shards: int = 0  # shard payloads that arrived over UCX
+    num_fallbacks: int = 0  # node requests that went over gRPC after UCX failed
+    num_landed_in_place: int = 0  # payloads UCX wrote straight into a caller's block
+
+
+class UcxReads:
+    """What every node's UCX reader shares: the transport, its scratch arena, counters."""
+
+    def __init__(self, transport: UcxTransport) -> None:
+        self.transport = transport
+        self.arena = ByteArena(SCRATCH_BYTES)
+        self.counters = UcxCounters()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def reader(self, conn: NodeConn) -> UcxReader:
+        return UcxReader(conn, self)
+
+    def start_background(self, task: asyncio.Task[None]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Stop background Health asks and close the UCX worker."""
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.transport.close()
+
+
+class UcxReader:
+    """One node's read transport: UCX where it works, else (and on failure) gRPC."""
+
+    def __init__(self, conn: NodeConn, shared: UcxReads) -> None:
+        self.conn = conn
+        self.node_id = conn.node_id
+        self.health = conn.health
+        self._shared = shared
+        self._next_health_ask_s = 0.0
+        self._grpc_until_s = 0.0  # no UCX reply came: read over gRPC until then
+
+    def usable(self) -> bool:
+        """Whether to ask the node over UCX now; learns its address in the background."""
+        transport = self._shared.transport
+        if transport.node_address(self.node_id) is None:
+            self._ask_health_later()
+            return False
+        if time.monotonic() < self._grpc_until_s or self.conn.is_suspect():
+            return False
+        return transport.reachable(self.node_id)
+
+    async def observe(self) -> None:
+        """Ask the node's Health for its UCX address and record it (errors: unknown)."""
+        try:
+            reply = await self.conn.call("Health", pb.HealthRequest(), HEALTH_TIMEOUT_S)
+        except KVStoreError as exc:
+            log.debug("node %s: no Health reply for its UCX address: %s", self.node_id, exc)
+            return
+        if reply.ucx_worker_address:
+            self._shared.transport.observe_node(self.node_id, reply.ucx_worker_address)
+        else:
+            self._shared.transport.forget_node(self.node_id)
+
+    async def read_batch(
+        self,
+        keys: list[bytes],
+        wanted: Wanted,
+        outs: Sequence[memoryview | None],
+        timeout_s: float,
+    ) -> NodeAnswer:
+        """As :meth:`NodeConn.read_batch`, over UCX when the node is usable."""
+        deadline_s = time.monotonic() + timeout_s
+        if not self.usable():
+            return await self.conn.read_batch(keys, wanted, outs, timeout_s)
+        try:
+            answer = await self._read_ucx(keys, wanted, outs, deadline_s)
+        except (Unavailable, TimeoutError) as exc:
+            answer = None
+            log.info("node %s: UCX read failed (%s); reading over gRPC", self.node_id, exc)
+        if answer is None:
+            return await self._fall_back(keys, wanted, outs, deadline_s)
+        self._shared.counters.num_ucx_replies += 1
+        return answer
+
+    async def _read_ucx(
+        self,
+        keys: list[bytes],
+        wanted: Wanted,
+        outs: Sequence[memoryview | None],
+        deadline_s: float,
+    ) -> NodeAnswer | None:
+        transport = self._shared.transport
+        worker = transport.worker
+        tag_base = transport.next_tag_base()
+        reply_tag = batch_tag(tag_base, frames.REPLY_INDEX)
+        payload_tag = batch_tag(tag_base, frames.PAYLOAD_INDEX)
+        reply_box: list[memoryview] = []
+
+        def allocate(num_bytes: int) -> memoryview:
+            reply_box.append(memoryview(bytearray(num_bytes)))
+            return reply_box[0]
+
+        reply = worker.receive(reply_tag, allocate, MAX_REPLY_BYTES)
+        payloads = worker.receive_scatter(payload_tag, self.conn.max_batch_bytes)
+        scratch: Region | None = None
+        try:
+            delivery = pb.UcxDelivery(worker_address=transport.address, tag_base=tag_base)
+            request = pb.GetShardsRequest(tenant=self.conn.tenant, keys=keys, ucx=delivery)
+            transport.send_request(self.node_id, frames.encode_request(request, self.conn.token))
+            reply_bytes = await asyncio.wait_for(reply, _ucx_share(deadline_s))
+            self.health.record_success()
+            try:
+                table = frames.decode_reply(reply_box[0][:reply_bytes])
+                entries, payload_bytes = batch_answer.decode_table(table, len(keys))
+            except ValueError as exc:
+                raise BadReply(f"node {self.node_id} sent a malformed UCX reply: {exc}") from None
+            hits = entries["status"] == batch_answer.HIT
+            regions = landing_regions(entries, wanted, outs, self.conn.k)
+            in_place = [region is not None for region in regions]
+            sizes = entries["payload_bytes"][hits].tolist()
+            if payload_bytes:
+                scratch = fill_apart(regions, sizes, self._shared.arena)
+                payloads.land([r for r in regions if r is not None and len(r)])
+                await asyncio.wait_for(payloads.future, _ucx_share(deadline_s))
+            counters = self._shared.counters
+            counters.num_ucx_shards += len(sizes)
+            counters.num_landed_in_place += sum(in_place)
+            landed = [r for r in regions if r is not None]
+            answer = NodeAnswer(entries, landed, in_place, [scratch] if scratch else [])
+            scratch = None  # the answer owns it now
+            return answer
+        finally:
+            await _finish_despite_cancel(self._close(worker, (reply_tag, payload_tag), scratch))
+
+    @staticmethod
+    async def _close(worker: object, tags: tuple[int, int], scratch: Region | None) -> None:
+        """Cancel both receives (waiting for one in transfer), then free the scratch."""
+        for tag in tags:
+            await worker.cancel(tag)  # type: ignore[attr-defined]
+        if scratch is not None:
+            scratch.release()
+
+    async def _fall_back(
+        self,
+        keys: list[bytes],
+        wanted: Wanted,
+        outs: Sequence[memoryview | None],
+        deadline_s: float,
+    ) -> NodeAnswer:
+        """The request over gRPC; the node is read over gRPC for a while, and Health is
+        asked for its address (a restart changes it)."""
+        self._grpc_until_s = time.monotonic() + UCX_RETRY_S
+        self._shared.counters.num_fallbacks += 1
+        self._next_health_ask_s = 0.0
+        self._ask_health_later()
+        return await self.conn.read_batch(keys, wanted, outs, _left(deadline_s))
+
+    def _ask_health_later(self) -> None:
+        now_s = time.monotonic()
+        if now_s < self._next_health_ask_s:
+            return
+        self._next_health_ask_s = now_s + HEALTH_RETRY_S
+        self._shared.start_background(asyncio.ensure_future(self.observe()))
+
+
+def _left(deadline_s: float) -> float:
+    return max(deadline_s - time.monotonic(), 0.001)
+
+
+def _ucx_share(deadline_s: float) -> float:
+    """How long a UCX wait may take: half the time left, so a gRPC retry has the rest."""
+    return _left(deadline_s) * UCX_WAIT_SHARE
+
+
+async def _finish_despite_cancel(awaitable: object) -> None:
+    """Run ``awaitable`` to its end; a cancel of this task meanwhile is raised after that."""
+    future = asyncio.ensure_future(awaitable)  # type: ignore[arg-type]
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    future.result()
+    if cancelled is not None:
+        raise cancelled
