@@ -8,7 +8,6 @@ kvstore/proto/kvstore.proto)::
     GetShardsReply:  repeated ShardResult results = 1   -> tag 0x0A, varint length, message
     ShardResult:     ShardStatus status = 1              -> tag 0x08, varint
                      repeated bytes shards = 2           -> tag 0x12, varint length, bytes
-                     bytes ucx_header = 3                -> tag 0x1A (UCX reads, see below)
 
 Unknown fields are skipped (so the node may add fields); a truncated or malformed message
 raises ValueError. Pure code.
@@ -22,19 +21,13 @@ _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 _RESULTS_TAG = (1 << 3) | _WIRE_LEN
 _STATUS_TAG = (1 << 3) | _WIRE_VARINT
 _SHARDS_TAG = (2 << 3) | _WIRE_LEN
-_UCX_HEADER_TAG = (3 << 3) | _WIRE_LEN
 
 
 class ShardResultView(NamedTuple):
-    """One key's result: ``status`` as in kvstore_pb2.ShardStatus, shards newest first.
-
-    ``ucx_header`` is set when the newest version's payload travels over UCX: its 48-byte
-    header, while ``shards`` holds the older versions only (client/ucx_gets.py joins them).
-    """
+    """One key's result: ``status`` as in kvstore_pb2.ShardStatus, shards newest first."""
 
     status: int
     shards: list[memoryview]
-    ucx_header: memoryview | None = None
 
 
 def parse_get_shards_reply(data: bytes) -> list[ShardResultView]:
@@ -48,15 +41,13 @@ def parse_get_shards_reply(data: bytes) -> list[ShardResultView]:
 
 
 def _parse_result(view: memoryview) -> ShardResultView:
-    status, shards, ucx_header = 0, [], None
+    status, shards = 0, []
     for tag, value in _fields(view):
         if tag == _STATUS_TAG:
             status = value
         elif tag == _SHARDS_TAG:
             shards.append(value)
-        elif tag == _UCX_HEADER_TAG:
-            ucx_header = value
-    return ShardResultView(status, shards, ucx_header)
+    return ShardResultView(status, shards)
 
 
 def _fields(view: memoryview) -> list[tuple[int, memoryview | int]]:

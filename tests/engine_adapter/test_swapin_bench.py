@@ -36,5 +36,4 @@ def test_bench_swapin_measures_every_transport_and_verifies_bytes(tmp_path):
     if with_ucx:
         ucx = records["ucx"]["ucx_counters"]
         assert ucx is not None, "the connector did not pass store_transport='ucx' to its client"
-        # Blocks this small travel inside the nodes' UCX replies (kvstore/ucx_get.py).
         assert ucx.get("num_ucx_replies", 1) > 0, "no read was answered over UCX"
