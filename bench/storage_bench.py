@@ -3,25 +3,30 @@
 ::
 
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
-        [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--seconds S]
+        [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--batch 1,8] [--seconds S]
         [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx]
         [--encryption]
 
-One client process runs N concurrent asyncio tasks per setting, each issuing one request after
-another for ``--seconds``; systems run interleaved in ``--rounds`` (A B, B A, ...). Order: PUTs
-(fresh keys) for every block size and concurrency; then per GET setting: GETs of random written
-keys, the same GETs on kvstore with one node restarted with ``--inject-delay-ms``, and again
-after restarting it without the delay (the straggler runs only when the bench started the
-cluster itself). Each measurement starts with an unmeasured warm-up (a quarter of its first
-round), so the client has learned which node is slow, as it would have in steady state. GETs use
-``get_into`` with one preallocated buffer per task (the swap-in path). MB/s counts 10**6
-bytes of block data per second. The client process tunes glibc's malloc for multi-megabyte
-buffers first (``--malloc tuned``, see erasure/allocator.py). With ``--baseline redis`` the
-same workload runs through redis-py (hiredis) asyncio against a ``redis-server`` this bench
-starts with persistence off. With ``--encryption`` a second kvstore client whose tenant's
-blocks are sealed (AES-256-GCM, client/sealer.py) runs the same workload interleaved with the
-plain one (``kvstore/sealed``; ratio "sealed/plain MB/s"), and the report's ``seal_cost``
-gives the CPU-seconds per GB of sealing and opening alone, on one core.
+One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
+after another for ``--seconds``; ``--batch B`` makes each call carry B keys (``put_batch`` /
+``get_batch_into``; B = 1 is the single-key ``put`` / ``get_into``; Redis gets MSET / MGET),
+so N x B blocks are in flight. Systems run interleaved in ``--rounds`` (A B, B A, ...). Order:
+PUTs (fresh keys) for every setting; then per GET setting: GETs of random written keys, the
+same GETs on kvstore with one node restarted with ``--inject-delay-ms``, and again after
+restarting it without the delay (the straggler runs only when the bench started the cluster
+itself). Each measurement starts with an unmeasured warm-up (a quarter of its first round), so
+the client has learned which node is slow, as it would have in steady state. GETs land in
+preallocated buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per
+second. Every record gives the CPU seconds per GB of the client process and of the servers
+(the nodes together, or redis-server), which hold up where other work shares the cores. The
+client process tunes glibc's malloc for multi-megabyte buffers first (``--malloc tuned``, see
+erasure/allocator.py). With ``--baseline redis`` the same workload runs through redis-py
+asyncio against a ``redis-server`` this bench starts with persistence off; the JSON records
+redis-py's reply parser (``settings.redis_parser``: hiredis when it is installed). With
+``--encryption`` a second kvstore client whose tenant's blocks are sealed (AES-256-GCM,
+client/sealer.py) runs the same workload interleaved with the plain one (``kvstore/sealed``;
+ratio "sealed/plain MB/s"), and the report's ``seal_cost`` gives the CPU-seconds per GB of
+sealing and opening alone, on one core.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from bench.common import (
     NO_REDIS,
     bench_cluster,
     percentile_ms,
+    process_cpu_s,
     redis_binary,
     redis_server,
     run_load,
@@ -89,6 +95,9 @@ class Result:
     repeat: int = 0  # 1: the calm GETs measured again after the straggler phase
     load_avg_1m: float = 0.0  # the machine's 1-minute load average after the setting
     transport: str = ""  # kvstore's read transport ("grpc" or "ucx"); "" for redis
+    batch: int = 1  # keys per call (1: single-key calls)
+    client_cpu_s_per_gb: float = 0.0  # the client process's CPU seconds per GB moved
+    server_cpu_s_per_gb: float = 0.0  # the nodes' (or redis-server's) CPU seconds per GB
 
 
 @dataclass
@@ -98,17 +107,23 @@ class Workload:
     seconds: float
     straggler_ms: float
     rounds: int = 2
+    batches: list[int] = field(default_factory=lambda: [1])
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
 
+Setting = tuple[int, int, int]  # block bytes, concurrency, batch
+
+
 class Target(Protocol):
-    """One system under test: put, get into a buffer, clean up."""
+    """One system under test: put and get batches (one key: single-key calls), clean up."""
 
     name: str
 
-    async def put(self, key: bytes, data: bytes) -> None: ...
+    async def put(self, keys: list[bytes], blocks: list[bytes]) -> None: ...
 
-    async def get_into(self, key: bytes, out: bytearray) -> bool: ...
+    async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool: ...
+
+    def server_pids(self) -> list[int]: ...
 
     async def close(self) -> None: ...
 
@@ -117,16 +132,33 @@ class KVStoreTarget:
     """kvstore through one client; the first transport benched is "kvstore", others
     "kvstore/<transport>" (the ratios compare "kvstore")."""
 
-    def __init__(self, client: KVClient, transport: str, name: str = "kvstore") -> None:
+    def __init__(
+        self,
+        client: KVClient,
+        transport: str,
+        name: str = "kvstore",
+        cluster: LocalCluster | None = None,
+    ) -> None:
         self.client = client
         self.transport = transport
         self.name = name
+        self.cluster = cluster
 
-    async def put(self, key: bytes, data: bytes) -> None:
-        await self.client.put(key, data, traffic_class="chat")
+    async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
+        if len(keys) == 1:
+            await self.client.put(keys[0], blocks[0], traffic_class="chat")
+        else:
+            await self.client.put_batch(keys, blocks, traffic_class="chat")
 
-    async def get_into(self, key: bytes, out: bytearray) -> bool:
-        return await self.client.get_into(key, out)
+    async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool:
+        if len(keys) == 1:
+            return await self.client.get_into(keys[0], outs[0])
+        return all(await self.client.get_batch_into(keys, outs))
+
+    def server_pids(self) -> list[int]:
+        if self.cluster is None:
+            return []
+        return [proc.pid for proc in self.cluster.procs.values()]
 
     async def close(self) -> None:
         await self.client.close()
@@ -135,17 +167,25 @@ class KVStoreTarget:
 class RedisTarget:
     name = "redis"
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, pid: int) -> None:
         import redis.asyncio
 
         self.redis = redis.asyncio.Redis(host="127.0.0.1", port=port, max_connections=256)
+        self._pid = pid
 
-    async def put(self, key: bytes, data: bytes) -> None:
-        await self.redis.set(key, data)
+    async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
+        if len(keys) == 1:
+            await self.redis.set(keys[0], blocks[0])
+        else:
+            await self.redis.mset(dict(zip(keys, blocks, strict=True)))
 
-    async def get_into(self, key: bytes, out: bytearray) -> bool:
-        value = await self.redis.get(key)
-        return value is not None
+    async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool:
+        if len(keys) == 1:
+            return await self.redis.get(keys[0]) is not None
+        return all(value is not None for value in await self.redis.mget(keys))
+
+    def server_pids(self) -> list[int]:
+        return [self._pid]
 
     async def close(self) -> None:
         await self.redis.flushall()
@@ -161,30 +201,34 @@ class SystemUnderTest:
         self.size_to_keys: dict[int, list[bytes]] = {}
         self._key_numbers = itertools.count()
 
-    def request(
-        self, op: str, block_bytes: int, concurrency: int
-    ) -> Callable[[int], Awaitable[bool]]:
-        """What one task sends: a PUT of a fresh key, or a GET of a random written key."""
+    def request(self, op: str, setting: Setting) -> Callable[[int], Awaitable[bool]]:
+        """What one task sends: a PUT of ``batch`` fresh keys, or a GET of ``batch`` random
+        written keys; True if every key was stored or landed."""
+        block_bytes, concurrency, batch = setting
         keys = self.size_to_keys.setdefault(block_bytes, [])
         if op == "put":
             blocks = [np.random.default_rng(block_bytes + i).bytes(block_bytes) for i in range(4)]
 
             async def put(index: int) -> bool:
-                number = next(self._key_numbers)
-                key = xxhash.xxh3_128_digest(f"{self.target.name}/{block_bytes}/{number}".encode())
+                numbers = [next(self._key_numbers) for _ in range(batch)]
+                fresh = [
+                    xxhash.xxh3_128_digest(f"{self.target.name}/{block_bytes}/{n}".encode())
+                    for n in numbers
+                ]
                 try:
-                    await self.target.put(key, blocks[number % len(blocks)])
+                    await self.target.put(fresh, [blocks[n % len(blocks)] for n in numbers])
                 except KVStoreError as exc:
                     log.warning("%s put failed: %s", self.target.name, exc)
                     return False
-                keys.append(key)
+                keys.extend(fresh)
                 return True
 
             return put
-        buffers = [bytearray(block_bytes) for _ in range(concurrency)]
+        buffers = [[bytearray(block_bytes) for _ in range(batch)] for _ in range(concurrency)]
 
         async def get(index: int) -> bool:
-            return await self.target.get_into(self.rng.choice(keys), buffers[index])
+            wanted = [self.rng.choice(keys) for _ in range(batch)]
+            return await self.target.get_into(wanted, buffers[index])
 
         return get
 
@@ -197,82 +241,111 @@ class Bench:
         self.progress = progress
         self.results: list[Result] = []
 
-    def settings(self) -> list[tuple[int, int]]:
-        """(block_bytes, concurrency) pairs in the order they run."""
+    def settings(self) -> list[Setting]:
+        """(block_bytes, concurrency, batch) in the order they run."""
         workload = self.workload
-        return [(b, c) for b in workload.block_sizes for c in workload.concurrencies]
+        return [
+            (b, c, n)
+            for b in workload.block_sizes
+            for n in workload.batches
+            for c in workload.concurrencies
+        ]
 
     async def measure(
         self,
         op: str,
-        setting: tuple[int, int],
+        setting: Setting,
         systems: list[SystemUnderTest],
         straggler_ms: float = 0.0,
         repeat: int = 0,
     ) -> None:
         """One setting of ``op`` on ``systems``, with progress."""
-        block_bytes, concurrency = setting
-        label = f"{op} {size_label(block_bytes)} x{concurrency}"
+        block_bytes, concurrency, batch = setting
+        label = f"{op} {size_label(block_bytes)} x{concurrency} batch {batch}"
         if straggler_ms:
             label += f" (+{straggler_ms:g} ms straggler)"
         self.progress.update(description=label)
-        await self._measure(op, block_bytes, concurrency, systems, straggler_ms, repeat)
+        await self._measure(op, setting, systems, straggler_ms, repeat)
         self.progress.advance()
 
     async def _measure(
         self,
         op: str,
-        block_bytes: int,
-        concurrency: int,
+        setting: Setting,
         systems: list[SystemUnderTest],
         straggler_ms: float,
         repeat: int,
     ) -> None:
         rounds = self.workload.rounds
         round_s = self.workload.seconds / rounds
-        name_to_samples: dict[str, tuple[list[float], list[int], list[float]]] = {
-            s.target.name: ([], [], []) for s in systems
-        }
-        name_to_transport = {s.target.name: getattr(s.target, "transport", "") for s in systems}
+        name_to_samples = {s.target.name: _Samples() for s in systems}
         for round_index in range(rounds):
             for system in systems if round_index % 2 == 0 else systems[::-1]:
-                request = system.request(op, block_bytes, concurrency)
+                request = system.request(op, setting)
                 if round_index == 0:
-                    await run_load(request, concurrency, round_s / 4)  # warm-up
-                latencies_s, num_false, elapsed_s = await run_load(request, concurrency, round_s)
+                    await run_load(request, setting[1], round_s / 4)  # warm-up
+                pids = system.target.server_pids()
+                cpu_before = time.process_time(), sum(process_cpu_s(p) for p in pids)
+                latencies_s, num_false, elapsed_s = await run_load(request, setting[1], round_s)
                 samples = name_to_samples[system.target.name]
-                samples[0].extend(latencies_s)
-                samples[1].append(num_false)
-                samples[2].append(elapsed_s)
-        for name, (latencies_s, num_false, elapsed_s) in name_to_samples.items():
+                samples.add(latencies_s, num_false, elapsed_s)
+                samples.client_cpu_s += time.process_time() - cpu_before[0]
+                samples.server_cpu_s += sum(process_cpu_s(p) for p in pids) - cpu_before[1]
+        for system in systems:
+            name = system.target.name
+            transport = getattr(system.target, "transport", "")
             self.results.append(
-                Result(
-                    system=name,
-                    op=op,
-                    block_bytes=block_bytes,
-                    concurrency=concurrency,
-                    straggler_ms=straggler_ms,
-                    mb_per_s=(len(latencies_s) - sum(num_false))
-                    * block_bytes
-                    / sum(elapsed_s)
-                    / 1e6,
-                    p50_ms=percentile_ms(latencies_s, 50),
-                    p99_ms=percentile_ms(latencies_s, 99),
-                    p999_ms=percentile_ms(latencies_s, 99.9),
-                    num_ops=len(latencies_s),
-                    seconds=sum(elapsed_s),
-                    num_failed=sum(num_false),
-                    repeat=repeat,
-                    load_avg_1m=os.getloadavg()[0],
-                    transport=name_to_transport[name],
-                )
+                name_to_samples[name].result(name, op, setting, straggler_ms, repeat, transport)
             )
+
+
+@dataclass
+class _Samples:
+    """What the rounds of one system in one setting measured."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    num_false: int = 0
+    elapsed_s: float = 0.0
+    client_cpu_s: float = 0.0
+    server_cpu_s: float = 0.0
+
+    def add(self, latencies_s: list[float], num_false: int, elapsed_s: float) -> None:
+        self.latencies_s += latencies_s
+        self.num_false += num_false
+        self.elapsed_s += elapsed_s
+
+    def result(
+        self, name: str, op: str, setting: Setting, straggler_ms: float, repeat: int, transport: str
+    ) -> Result:
+        block_bytes, concurrency, batch = setting
+        moved_bytes = (len(self.latencies_s) - self.num_false) * batch * block_bytes
+        gb = max(moved_bytes / 1e9, 1e-12)
+        return Result(
+            system=name,
+            op=op,
+            block_bytes=block_bytes,
+            concurrency=concurrency,
+            straggler_ms=straggler_ms,
+            mb_per_s=moved_bytes / self.elapsed_s / 1e6 if self.elapsed_s else 0.0,
+            p50_ms=percentile_ms(self.latencies_s, 50),
+            p99_ms=percentile_ms(self.latencies_s, 99),
+            p999_ms=percentile_ms(self.latencies_s, 99.9),
+            num_ops=len(self.latencies_s),
+            seconds=self.elapsed_s,
+            num_failed=self.num_false,
+            repeat=repeat,
+            load_avg_1m=os.getloadavg()[0],
+            transport=transport,
+            batch=batch,
+            client_cpu_s_per_gb=round(self.client_cpu_s / gb, 3),
+            server_cpu_s_per_gb=round(self.server_cpu_s / gb, 3),
+        )
 
 
 def results_table(results: list[Result]) -> Table:
     table = Table(title="storage benchmark")
-    columns = ("system", "op", "block", "conc", "straggler", "MB/s", "p50 ms", "p99 ms")
-    for column in (*columns, "p999 ms", "ops", "failed", "load"):
+    columns = ("system", "op", "block", "conc", "batch", "straggler", "MB/s", "p50 ms", "p99 ms")
+    for column in (*columns, "p999 ms", "ops", "failed", "client s/GB", "server s/GB", "load"):
         table.add_column(column, justify="left" if column in ("system", "op") else "right")
     for r in results:
         table.add_row(
@@ -280,6 +353,7 @@ def results_table(results: list[Result]) -> Table:
             r.op,
             size_label(r.block_bytes),
             str(r.concurrency),
+            str(r.batch),
             f"{r.straggler_ms:g} ms" if r.straggler_ms else ("- (again)" if r.repeat else "-"),
             f"{r.mb_per_s:,.0f}",
             f"{r.p50_ms:.2f}",
@@ -287,13 +361,16 @@ def results_table(results: list[Result]) -> Table:
             f"{r.p999_ms:.2f}",
             str(r.num_ops),
             str(r.num_failed),
+            f"{r.client_cpu_s_per_gb:.2f}",
+            f"{r.server_cpu_s_per_gb:.2f}",
             f"{r.load_avg_1m:.1f}",
         )
     return table
 
 
 def ratios(results: list[Result]) -> list[dict[str, Any]]:
-    """kvstore/redis MB/s per setting; straggler p99 / calm p99 per GET setting.
+    """kvstore/redis MB/s per setting and kvstore transport; straggler p99 / calm p99 per GET
+    setting (the first transport's).
 
     The calm p99 is the mean of the calm runs before and after the straggler phase, so a
     drift in machine load between phases does not pass for a straggler effect.
@@ -301,25 +378,25 @@ def ratios(results: list[Result]) -> list[dict[str, Any]]:
     setting_to_calm: dict[tuple, list[Result]] = {}
     for r in results:
         if not r.straggler_ms:
-            key = (r.system, r.op, r.block_bytes, r.concurrency)
+            key = (r.system, r.op, r.block_bytes, r.concurrency, r.batch)
             setting_to_calm.setdefault(key, []).append(r)
     rows = []
     for ours in results:
-        if ours.system != "kvstore" or ours.repeat:
+        if not ours.system.startswith("kvstore") or ours.repeat:
             continue
-        setting = (ours.op, ours.block_bytes, ours.concurrency)
+        setting = (ours.op, ours.block_bytes, ours.concurrency, ours.batch)
         if ours.straggler_ms:
-            calm = setting_to_calm.get(("kvstore", *setting), [])
+            calm = setting_to_calm.get((ours.system, *setting), [])
             calm_p99_ms = sum(c.p99_ms for c in calm) / len(calm) if calm else 0.0
             if calm_p99_ms:
                 rows.append(_ratio_row("straggler/calm p99", ours, ours.p99_ms / calm_p99_ms))
             continue
         redis_runs = setting_to_calm.get(("redis", *setting))
-        if redis_runs:
+        if redis_runs and redis_runs[0].mb_per_s:
             ratio = ours.mb_per_s / redis_runs[0].mb_per_s
-            rows.append(_ratio_row("kvstore/redis MB/s", ours, ratio))
+            rows.append(_ratio_row(f"{ours.system}/redis MB/s", ours, ratio))
         sealed_runs = setting_to_calm.get(("kvstore/sealed", *setting))
-        if sealed_runs and ours.mb_per_s:
+        if ours.system == "kvstore" and sealed_runs and ours.mb_per_s:
             ratio = sealed_runs[0].mb_per_s / ours.mb_per_s
             rows.append(_ratio_row("sealed/plain MB/s", ours, ratio))
     return rows
@@ -331,13 +408,18 @@ def _ratio_row(kind: str, result: Result, ratio: float) -> dict[str, Any]:
         "op": result.op,
         "block_bytes": result.block_bytes,
         "concurrency": result.concurrency,
+        "batch": result.batch,
+        "transport": result.transport,
         "ratio": ratio,
     }
 
 
 def ratios_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="ratios (targets: kvstore/redis GET >= 1.0, straggler/calm p99 <= 1.1)")
-    for column in ("ratio", "op", "block", "conc", "value"):
+    table = Table(
+        title="ratios (targets: kvstore/redis GET >= 1.0 over gRPC, >= 2.0 over UCX, PUT >= 1.0; "
+        "straggler/calm p99 <= 1.1)"
+    )
+    for column in ("ratio", "op", "block", "conc", "batch", "value"):
         table.add_column(column, justify="left" if column in ("ratio", "op") else "right")
     for row in rows:
         table.add_row(
@@ -345,6 +427,7 @@ def ratios_table(rows: list[dict[str, Any]]) -> Table:
             row["op"],
             size_label(row["block_bytes"]),
             str(row["concurrency"]),
+            str(row["batch"]),
             f"{row['ratio']:.2f}",
         )
     return table
@@ -381,14 +464,16 @@ async def run_phases(
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload(
-        args.block_sizes, args.concurrency, args.seconds, args.straggler_ms, args.rounds
+        args.block_sizes, args.concurrency, args.seconds, args.straggler_ms, args.rounds, args.batch
     )
     with_redis = args.baseline == "redis" and redis_binary() is not None
     notes = [] if with_redis or args.baseline == "none" else [NO_REDIS]
-    num_settings = len(workload.block_sizes) * len(workload.concurrencies)
+    num_settings = len(workload.block_sizes) * len(workload.concurrencies) * len(workload.batches)
     with bench_cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
         systems = [
-            SystemUnderTest(await _kvstore_target(cluster_toml, transport, i), workload.rng)
+            SystemUnderTest(
+                await _kvstore_target(cluster_toml, transport, i, cluster), workload.rng
+            )
             for i, transport in enumerate(args.transport)
         ]
         client = systems[0].target.client
@@ -398,7 +483,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             systems.insert(1, SystemUnderTest(sealed, workload.rng))
         if with_redis:
             port = stack.enter_context(redis_server())
-            systems.append(SystemUnderTest(RedisTarget(port), workload.rng))
+            systems.append(SystemUnderTest(RedisTarget(port, _redis_pid(port)), workload.rng))
         try:
             with ProgressReporter("storage", num_settings * 4) as progress:
                 runner = Bench(workload, progress)
@@ -416,22 +501,40 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "block_sizes": workload.block_sizes,
             "concurrency": workload.concurrencies,
+            "batch": workload.batches,
             "seconds": workload.seconds,
             "rounds": workload.rounds,
             "straggler_ms": workload.straggler_ms,
             "straggler_node": STRAGGLER_NODE,
             "local_cluster": _local_cluster_note(args),
-            "get_api": "get_into (preallocated buffer per task)",
+            "get_api": "get_into (batch 1) or get_batch_into, preallocated buffers per task",
+            "redis_parser": _redis_parser() if with_redis else "",
             "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
             "cpus": os.cpu_count(),
         },
     }
 
 
-async def _kvstore_target(cluster_toml: Path, transport: str, position: int) -> KVStoreTarget:
+async def _kvstore_target(
+    cluster_toml: Path, transport: str, position: int, cluster: LocalCluster | None
+) -> KVStoreTarget:
     """A client forced onto ``transport`` (Unavailable if UCX cannot work here)."""
     client = await KVClient.connect(cluster_toml, tenant="bench", transport=transport)
-    return KVStoreTarget(client, transport, "kvstore" if position == 0 else f"kvstore/{transport}")
+    name = "kvstore" if position == 0 else f"kvstore/{transport}"
+    return KVStoreTarget(client, transport, name, cluster)
+
+
+def _redis_pid(port: int) -> int:
+    import redis
+
+    return int(redis.Redis(host="127.0.0.1", port=port).info("server")["process_id"])
+
+
+def _redis_parser() -> str:
+    """Which reply parser redis-py uses: hiredis (C) when it is installed, else Python's."""
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return "hiredis" if HIREDIS_AVAILABLE else "python"
 
 
 async def _sealed_target(cluster_toml: Path, keys_dir: Path) -> KVStoreTarget:
@@ -501,6 +604,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=list_arg(int),
         default=[1, 8, 32],
         help="requests in flight (asyncio tasks), comma-separated",
+    )
+    parser.add_argument(
+        "--batch",
+        type=list_arg(int),
+        default=[1],
+        help="keys per call, comma-separated (1: single-key calls; B: get_batch_into and "
+        "put_batch of B keys, Redis MGET/MSET)",
     )
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per setting")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting")

@@ -71,7 +71,7 @@ import grpc
 import numpy as np
 from rich.table import Table
 
-from bench.common import percentile_ms, run_load
+from bench.common import percentile_ms, process_cpu_s, run_load
 from client.buffer_pool import BufferPool
 from client.ucx.transport import UcxTransport
 from erasure.allocator import tune_glibc_malloc
@@ -119,12 +119,6 @@ class Round:
     num_bytes: int
     client_cpu_s: float
     server_cpu_s: float
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def source_buffer() -> np.ndarray:

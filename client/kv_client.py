@@ -423,9 +423,9 @@ class KVClient:
             return
         self._closed = True
         await asyncio.gather(*self._background, return_exceptions=True)
-        await asyncio.gather(*(conn.close() for conn in self.conns.values()))
         if self.ucx is not None:
-            await self.ucx.close()
+            await self.ucx.close()  # its background Health asks use the channels
+        await asyncio.gather(*(conn.close() for conn in self.conns.values()))
 
 
 def _byte_view(buffer: object, what: str) -> memoryview:

@@ -2,17 +2,18 @@
 
 One batch read from one node::
 
-    expect reply frame (tag_base + 0)     allocated at its size on arrival
-    expect payloads    (tag_base + 1)     a scatter receive; regions named later
+    expect reply frame (tag_base + 0)       allocated at its size on arrival
+    expect payloads    (tag_base + 1 + i)   one group receive; regions named later
     request(keys, worker address, tag_base) --UCX-->  node
     reply: the answer's table (kvstore/batch_answer.py)
         -> each HIT payload's region (client/landing.py): its place in the caller's block,
            or one scratch region of the client's arena for the rest
-    land(regions): UCX writes every payload there (over shared memory the node writes them
-        with CMA, once this receive matched its message)
+    land(regions): payload i is received straight into region i (over shared memory one
+        CMA read by this process; payloads that arrived earlier were held unread)
 
-Python work per node per batch is constant: two receives, one send, one table decode (numpy),
-whatever the number of shards. The shards are then verified like any other
+Per node per batch: one request, one reply, one group receive and one future, whatever the
+number of shards; per shard only a few native calls in the worker (kvstore/ucx/worker.py says
+why not one message per node). The shards are then verified like any other
 (client/batch_read.py), so a UCX fault can lose a node's answer but never return wrong bytes.
 
 Fallbacks. No reply in time (node restarted, UCX failing), or no payloads in time: the whole
@@ -43,7 +44,7 @@ from kvstore.byte_arena import ByteArena, Region
 from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.ucx import frames
-from kvstore.ucx.worker import batch_tag
+from kvstore.ucx.worker import GroupReceive, UcxWorker, batch_tag
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,6 @@ class UcxReader:
         worker = transport.worker
         tag_base = transport.next_tag_base()
         reply_tag = batch_tag(tag_base, frames.REPLY_INDEX)
-        payload_tag = batch_tag(tag_base, frames.PAYLOAD_INDEX)
         reply_box: list[memoryview] = []
 
         def allocate(num_bytes: int) -> memoryview:
@@ -162,7 +162,7 @@ class UcxReader:
             return reply_box[0]
 
         reply = worker.receive(reply_tag, allocate, MAX_REPLY_BYTES)
-        payloads = worker.receive_scatter(payload_tag, self.conn.max_batch_bytes)
+        payloads = worker.receive_group(tag_base, frames.FIRST_PAYLOAD_INDEX)
         scratch: Region | None = None
         try:
             delivery = pb.UcxDelivery(worker_address=transport.address, tag_base=tag_base)
@@ -179,10 +179,9 @@ class UcxReader:
             regions = landing_regions(entries, wanted, outs, self.conn.k)
             in_place = [region is not None for region in regions]
             sizes = entries["payload_bytes"][hits].tolist()
-            if payload_bytes:
-                scratch = fill_apart(regions, sizes, self._shared.arena)
-                payloads.land([r for r in regions if r is not None and len(r)])
-                await asyncio.wait_for(payloads.future, _ucx_share(deadline_s))
+            scratch = fill_apart(regions, sizes, self._shared.arena) if payload_bytes else None
+            payloads.land(regions)
+            await asyncio.wait_for(payloads.future, _ucx_share(deadline_s))
             counters = self._shared.counters
             counters.num_ucx_shards += len(sizes)
             counters.num_landed_in_place += sum(in_place)
@@ -191,13 +190,15 @@ class UcxReader:
             scratch = None  # the answer owns it now
             return answer
         finally:
-            await _finish_despite_cancel(self._close(worker, (reply_tag, payload_tag), scratch))
+            await _finish_despite_cancel(self._close(worker, reply_tag, payloads, scratch))
 
     @staticmethod
-    async def _close(worker: object, tags: tuple[int, int], scratch: Region | None) -> None:
-        """Cancel both receives (waiting for one in transfer), then free the scratch."""
-        for tag in tags:
-            await worker.cancel(tag)  # type: ignore[attr-defined]
+    async def _close(
+        worker: UcxWorker, reply_tag: int, payloads: GroupReceive, scratch: Region | None
+    ) -> None:
+        """Cancel both receives (waiting for transfers in progress), then free the scratch."""
+        await worker.cancel(reply_tag)
+        await worker.cancel_group(payloads)
         if scratch is not None:
             scratch.release()
 

@@ -6,20 +6,20 @@ the node's UCX worker address)::
 
     client                                              node (listening on REQUEST_TAG)
     expects: reply frame -> tag_base + REPLY_INDEX,
-             payloads    -> tag_base + PAYLOAD_INDEX
+             payload i   -> tag_base + FIRST_PAYLOAD_INDEX + i
     request frame -------- UCX tag REQUEST_TAG ------>  check token; in the executor: one
                                                         index snapshot, one preadv per shard
                                                         into staging (kvstore/shard_reader.py)
     <------ tag_base + 0: reply frame (the table) ----
-    lands each payload where it belongs (from the
-    table's headers): a scatter receive (IOV)
-    <------ tag_base + 1: every payload, one message -  the staging region, sent whole;
-                                                        released once the client took it
+    knows from the table where each payload belongs
+    (its place in the caller's block, or scratch)
+    <------ tag_base + 1 + i: HIT payload i ----------  sent from the staging region, which
+    each received straight into its place                is released once the client took all
 
 Request frame: ``b"KVRQ"``, the token's length (u16 LE), the token (UTF-8, may be empty), then
 a serialized ``GetShardsRequest`` whose ``ucx`` field names the client's worker address and
 tag base. Reply frame: ``0x00`` and the batch answer's table (kvstore/batch_answer.py; the
-payload message is its payload stream, absent when it is empty); or ``0x01``, a gRPC status
+payload messages are its HIT payloads, in table order); or ``0x01``, a gRPC status
 code (u8) and a UTF-8 message, for a request the node refuses (bad token, malformed request).
 A node that cannot reach the client's worker answers nothing: the client's wait times out and
 it reads over gRPC instead.
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # How long a node keeps a posted payload for a client that does not take it.
 UCX_SEND_TIMEOUT_S = 30.0
 MAX_REQUEST_BYTES = 1 << 20  # a request holds keys only; larger frames are discarded
-REPLY_INDEX, PAYLOAD_INDEX = 0, 1  # message indexes in a batch's tag range
+REPLY_INDEX, FIRST_PAYLOAD_INDEX = 0, 1  # message indexes in a batch's tag range
 _REQUEST_MAGIC = b"KVRQ"
 _REQUEST_HEAD = struct.Struct("<4sH")  # magic, token length
 _REPLY_OK, _REPLY_ERROR = 0, 1
@@ -102,16 +102,20 @@ def decode_reply(frame: bytes | memoryview) -> memoryview:
 
 
 def answer(server: UcxServer, delivery: pb.UcxDelivery, read: BatchRead) -> asyncio.Future[bool]:
-    """Post the reply frame (the table) and the payload message to the client.
+    """Post the reply frame (the table), then each HIT payload as a message of its own.
 
     Raises InvalidArgument or Unavailable if the client's worker cannot be reached; the
     client then times out and reads over gRPC. The payloads are read in place from the
     staging: keep ``read`` until the returned future is done, then release it.
     """
     reply = bytes((_REPLY_OK,)) + batch_answer.encode_table(read.entries)
-    payloads = read.payloads if read.payload_bytes else None
+    stream, payloads, start = read.payloads, [], 0
+    for entry in read.entries:
+        if entry.payload_bytes:
+            payloads.append(stream[start : start + entry.payload_bytes])
+            start += entry.payload_bytes
     return server.post(
-        delivery.worker_address, delivery.tag_base, [reply, payloads], UCX_SEND_TIMEOUT_S
+        delivery.worker_address, delivery.tag_base, [reply, *payloads], UCX_SEND_TIMEOUT_S
     )
 
 

@@ -5,29 +5,34 @@ buffer pool; gRPC stays the control plane (kvstore/ucx/server.py, client/ucx/tra
 This module owns what both ends share: the UCX context and worker, endpoints, tagged sends,
 tagged receives into caller-owned buffers, their cancellation, and progress.
 
-Why one scatter message per node per batch (not one message per shard, not RMA)
+Why one message per shard, received straight into its place (not one message per node)
     A batch read asks each node once; the node answers with a small reply frame (one 64-byte
-    entry per shard: status and shard header) and one payload message, every payload of the
-    batch back to back (kvstore/ucx/frames.py). The client receives that message into an IOV
-    (kvstore/ucx/ucp.py) whose regions are the places the payloads belong: each data shard's
-    place in the caller's block, scratch for parity. Measured with scratch scripts on the
-    2-core machine, 8 shards of 410 KiB per request, 4 requests in flight, one server
-    (CPU-seconds per GB, client / server; quiet machine): a message per shard 0.19 / 0.18, one
-    gathered message received contiguously and copied into place 0.27 / 0.42, one gathered
-    message received into an IOV 0.26 / 0.27 with the copy done by the sender. The per-shard
-    messages cost least on one server, but the client pays for each one in Python (a probe,
-    a receive and a completion per shard, blocks x nodes per batch); with the IOV the client
-    does one probe and one receive per node per batch, and over shared memory UCX makes the
-    sender write each region (a CMA write, the RDMA-write style of 3FS's storage servers)
-    into memory the receiver matched first, so a straggler can never write late.
-    One-sided RMA writes with the client's rkey (the same bytes moved, no receive at all)
-    were not chosen: a hedged read stops waiting for its slowest node, and that node's write
-    could then land in a buffer the caller already owns again; a tagged message lands only
-    once the receiver matched it. RMA gets would need the node to keep its staging alive
-    until a "done" message (segments are freed by expiry) and a ctypes call per shard.
-    Sending an IOV (gathering the payloads from the node's memory) is not used: with UCX 1.21
-    an IOV send on an endpoint whose wire-up has not yet seen a rendezvous message stalls the
-    endpoint for good; the node gathers with one ``preadv`` per shard into its staging.
+    entry per shard: status and shard header) and then each HIT payload as a message of its
+    own, sent from its staging (kvstore/ucx/frames.py). The client knows every payload's
+    place from the table before the payloads arrive, so each message is received straight
+    into it: the data shard's place in the caller's block, or scratch for parity. Over shared
+    memory each receive is one CMA read by the client (over RDMA, one RDMA read), and the
+    node's worker does nothing per byte. The per-shard Python work on the client is a few
+    ctypes calls in the worker's dispatch loop (probe, receive, and a status poll when the
+    transfer is not done at once): one :class:`GroupReceive` and one future per node per
+    batch, never one per shard.
+    Measured alternatives (scratch scripts on the 2-core machine, 8 x 410 KiB per request):
+    - one message per node received into an IOV (UCX's scatter datatype, through
+      kvstore/ucx/ucp.py): UCX then picks a protocol where the *sender* writes each region
+      (CMA writes after the receiver's ready-to-receive), and the sender's worker cannot sleep
+      while such a transfer is open (``ucp_worker_arm`` reports busy): 15,000 progress turns
+      for 20 requests against 90 for contiguous receives; in the 12-node cluster the nodes
+      spent 5-7 CPU-seconds per GB against 1.1-1.8 over gRPC. Forcing
+      ``RNDV_SCHEME=get_zcopy`` did not change it;
+    - one gathered message received contiguously and copied into place: 0.27 / 0.42 CPU
+      seconds per GB (client / server) against 0.19 / 0.18 for a message per shard, one
+      server, 4 requests in flight;
+    - one-sided RMA writes with the client's rkey: a hedged read stops waiting for its
+      slowest node, and that node's write could then land in a buffer the caller already
+      owns again; a tagged message lands only once the receiver matched it. RMA gets would
+      need the node to keep its staging alive until a "done" message;
+    - sending an IOV (gathering from the node's memory) stalls an endpoint for good with
+      UCX 1.21 when its wire-up has not yet seen a rendezvous message.
 
 UCX over TCP (``transports="tcp"``; the only transport this wheel has between hosts without a
 system UCX built for RDMA) moved 0.4-0.5 GB/s at 4 MiB, below gRPC: pick UCX for a peer only
@@ -45,7 +50,7 @@ Why receives are matched on arrival (probe, then receive) rather than pre-posted
     A pre-posted receive cannot be cancelled safely: a receive already matched keeps writing
     into its buffer. So :meth:`UcxWorker.receive` only *registers* the slot; when a message
     arrives the progress loop probes it, reads its length and receives it into the exact slot
-    (or holds it until :meth:`ScatterReceive.land` names its regions). A message
+    (or, for a :class:`GroupReceive`, holds it until its regions are named). A message
     whose tag nobody expects (cancelled, timed out, or too long for its slot) is received into
     a 1-byte tombstone: the truncated receive completes the sender's send without reading
     the payload. :meth:`UcxWorker.cancel` returns only once no UCX operation can still write
@@ -111,8 +116,7 @@ def ucx_available() -> bool:
 
 # Where a receive lands: host memory, a CUDA array (``__cuda_array_interface__``, e.g. a torch
 # CUDA tensor; UCX's CUDA transports copy into it), a function called on arrival with the
-# message's length that returns host memory for it (a buffer of exactly the right size), or
-# None: regions named later (:class:`ScatterReceive`).
+# message's length that returns host memory for it (a buffer of exactly the right size).
 Destination = Any
 
 
@@ -124,7 +128,6 @@ class _Receive:
     capacity: int  # the most bytes the destination takes
     future: asyncio.Future[int]
     posted: ucp.Receive | None = None
-    message: tuple[int, int] | None = None  # (handle, length) of an arrival held for land()
     num_bytes: int = 0
     released: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -144,21 +147,33 @@ class _Send:
     array: Any  # keeps the source buffer alive until UCX is done with it
 
 
-class ScatterReceive:
-    """A receive whose regions are named after its message may already have arrived.
+class GroupReceive:
+    """Messages ``tag_base + first`` onwards of one batch, each received into its own region,
+    the regions named (:meth:`land`) once the caller knows them; messages that arrive
+    earlier are held unread. ``future`` gives the total bytes once all of them landed.
 
-    Register it (:meth:`UcxWorker.receive_scatter`) before the peer sends; :meth:`land`
-    names the regions, in order, that the message fills exactly (their sizes must add up to
-    its length). Until then an arrived message is held, unread.
+    One object and one future for the whole group: the per-message work is a few native
+    calls in the worker's dispatch loop (see "Why one message per shard" above).
     """
 
-    def __init__(self, worker: UcxWorker, tag: int, future: asyncio.Future[int]) -> None:
-        self.tag = tag
+    def __init__(
+        self, worker: UcxWorker, tag_base: int, first: int, future: asyncio.Future[int]
+    ) -> None:
+        self.tag_base = tag_base
+        self.first = first
         self.future = future
+        self.regions: list[Any] | None = None
+        self.held: dict[int, tuple[int, int]] = {}  # index -> (message handle, length)
+        self.posted: dict[int, ucp.Receive] = {}  # index -> receive in transfer
+        self.num_landed = 0
+        self.num_bytes = 0
+        self.cancelled = False
+        self.released = asyncio.Event()
         self._worker = worker
 
-    def land(self, regions: Sequence[memoryview]) -> None:
-        self._worker._land(self.tag, list(regions))
+    def land(self, regions: Sequence[Any]) -> None:
+        """Name the regions: message ``first + i`` lands in ``regions[i]`` (exactly its size)."""
+        self._worker._land_group(self, list(regions))
 
 
 class UcxWorker:
@@ -190,6 +205,7 @@ class UcxWorker:
         self._grace_s = grace_s  # how long a cancelled tag's late message is still drained
         self._expected: dict[int, _Receive] = {}
         self._matched: dict[int, _Receive] = {}
+        self._groups: dict[int, GroupReceive] = {}  # tag base -> its group receive
         self._abandoned: dict[int, float] = {}  # tag -> monotonic deadline
         self._sends: dict[asyncio.Future[None], _Send] = {}
         self._listeners: dict[int, _Listener] = {}
@@ -251,10 +267,17 @@ class UcxWorker:
         destination, capacity = _destination(out, max_bytes)
         return self._expect(tag, destination, capacity)
 
-    def receive_scatter(self, tag: int, max_bytes: int) -> ScatterReceive:
-        """Expect the message tagged ``tag`` (at most ``max_bytes``); name its regions later
-        with :meth:`ScatterReceive.land`. The future gives its length."""
-        return ScatterReceive(self, tag, self._expect(tag, None, max_bytes))
+    def receive_group(self, tag_base: int, first: int) -> GroupReceive:
+        """Expect messages ``tag_base + first`` onwards (``tag_base`` as :func:`batch_tag`
+        takes it); name their regions later with :meth:`GroupReceive.land`."""
+        self._check_open()
+        batch_tag(tag_base, first)
+        if tag_base in self._groups:
+            raise InvalidArgument(f"tag base {tag_base:#x} already has a group receive")
+        group = GroupReceive(self, tag_base, first, asyncio.get_running_loop().create_future())
+        self._groups[tag_base] = group
+        self._wake()
+        return group
 
     def _expect(self, tag: int, destination: Destination, capacity: int) -> asyncio.Future[int]:
         self._check_open()
@@ -267,15 +290,67 @@ class UcxWorker:
         self._wake()
         return future
 
-    def _land(self, tag: int, regions: list[memoryview]) -> None:
-        receive = self._expected.get(tag)
-        if receive is None or receive.destination is not None:
-            return  # cancelled, failed, or landed already
-        ucp.check_regions(regions)
-        receive.destination = regions
-        if receive.message is not None:
-            del self._expected[tag]
-            self._post(tag, receive, *receive.message)
+    def _land_group(self, group: GroupReceive, regions: list[Any]) -> None:
+        if group.cancelled or group.regions is not None or group.future.done():
+            return
+        group.regions = regions
+        for index, (message, num_bytes) in sorted(group.held.items()):
+            self._post_group(group, index, message, num_bytes)
+        group.held.clear()
+        self._settle_group(group)
+
+    def _arrive_group(self, group: GroupReceive, index: int, message: int, num_bytes: int) -> None:
+        if group.regions is None:
+            group.held[index] = (message, num_bytes)
+        else:
+            self._post_group(group, index, message, num_bytes)
+            self._settle_group(group)
+
+    def _post_group(self, group: GroupReceive, index: int, message: int, num_bytes: int) -> None:
+        assert group.regions is not None
+        position = index - group.first
+        region = group.regions[position] if 0 <= position < len(group.regions) else None
+        if group.future.done() or region is None or region.nbytes != num_bytes:
+            if not group.future.done():
+                group.future.set_exception(
+                    InvalidArgument(
+                        f"message {index} of batch {group.tag_base:#x} is {num_bytes} bytes, "
+                        "not the size of its region (or has none)"
+                    )
+                )
+            self._discard(message, num_bytes)
+            return
+        posted = self._receive(message, [region])
+        group.num_bytes += num_bytes
+        if posted.status() == ucp.UCS_INPROGRESS:
+            group.posted[index] = posted
+        else:
+            self._landed_group(group, posted.status())
+
+    def _landed_group(self, group: GroupReceive, status: int) -> None:
+        if status != ucp.UCS_OK and not group.future.done():
+            group.future.set_exception(Unavailable(f"UCX receive failed with status {status}"))
+        group.num_landed += 1
+
+    def _settle_group(self, group: GroupReceive) -> None:
+        """Resolve a group whose every message landed; forget one that is over."""
+        complete = group.regions is not None and group.num_landed == len(group.regions)
+        if complete and not group.future.done():
+            group.future.set_result(group.num_bytes)
+        if (complete or group.cancelled or group.future.done()) and not group.posted:
+            self._groups.pop(group.tag_base, None)
+            group.released.set()
+
+    async def cancel_group(self, group: GroupReceive) -> None:
+        """Stop a group receive; return once nothing can write into its regions any more."""
+        group.cancelled = True
+        if not group.future.done():
+            group.future.cancel()
+        for message, num_bytes in group.held.values():
+            self._discard(message, num_bytes)
+        group.held.clear()
+        self._settle_group(group)
+        await group.released.wait()
 
     def listen(self, tag: int, handler: Callable[[memoryview], None], max_bytes: int) -> None:
         """Receive every message tagged ``tag`` (up to ``max_bytes``; longer ones are
@@ -299,10 +374,7 @@ class UcxWorker:
         if receive is not None:
             receive.future.cancel()
             receive.released.set()
-            if receive.message is not None:
-                self._discard(*receive.message)  # arrived, held unread: release its sender
-            else:
-                self._abandoned[tag] = time.monotonic() + self._grace_s
+            self._abandoned[tag] = time.monotonic() + self._grace_s
             return
         receive = self._matched.get(tag)
         if receive is not None:
@@ -318,6 +390,7 @@ class UcxWorker:
             + len(self._matched)
             + len(self._incoming)
             + len(self._tombstones)
+            + sum(len(g.posted) for g in self._groups.values())
         )
 
     async def close(self) -> None:
@@ -326,6 +399,9 @@ class UcxWorker:
             return
         for tag in list(self._expected):
             await self.cancel(tag)
+        for group in list(self._groups.values()):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cancel_group(group), self._idle_wait_s * 10)
         for tag in list(self._matched):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.cancel(tag), self._idle_wait_s * 10)
@@ -375,6 +451,7 @@ class UcxWorker:
             or self._tombstones
             or self._abandoned
             or self._listeners
+            or self._groups
         )
 
     async def _progress_loop(self) -> None:
@@ -390,7 +467,7 @@ class UcxWorker:
         """The hot path: progress, match arrivals, resolve completions, yield; sleep if idle."""
         last_active_s = time.monotonic()
         while self._busy() and not self._closed:
-            active = self._worker.progress_once()
+            active = self._progress()
             active = self._dispatch() or active
             active = self._reap() or active
             now_s = time.monotonic()
@@ -401,6 +478,17 @@ class UcxWorker:
                 await asyncio.sleep(0)
             else:
                 await self._wait_for_event()
+
+    def _progress(self) -> bool:
+        """Progress until UCX has nothing more to do now; True if it did anything.
+
+        One ``progress_once`` per turn leaves events behind, and then ``arm`` refuses to
+        sleep: the loop spun at 25,000 turns a second on every node of a 12-node cluster.
+        """
+        active = False
+        while self._worker.progress_once():
+            active = True
+        return active
 
     async def _wait_for_event(self) -> None:
         """Sleep until the worker's epoll fd fires, new work arrives, or idle_wait_s passes."""
@@ -433,6 +521,14 @@ class UcxWorker:
             self._incoming.append((self._receive(message, [buffer]), buffer, listener))
             return
         receive = self._expected.get(tag)
+        if receive is None:
+            group = self._groups.get(tag - tag % MAX_BATCH_MESSAGES)
+            if group is not None and tag % MAX_BATCH_MESSAGES >= group.first:
+                if group.cancelled:
+                    self._discard(message, num_bytes)
+                else:
+                    self._arrive_group(group, tag % MAX_BATCH_MESSAGES, message, num_bytes)
+                return
         if receive is not None and num_bytes > receive.capacity:
             self._fail(
                 tag, receive, f"is {num_bytes} bytes but its receive holds {receive.capacity}"
@@ -441,9 +537,6 @@ class UcxWorker:
         if receive is None:
             self._abandoned.pop(tag, None)
             self._discard(message, num_bytes)
-            return
-        if receive.destination is None:  # a scatter receive whose regions are not named yet
-            receive.message = (message, num_bytes)
             return
         del self._expected[tag]
         self._post(tag, receive, message, num_bytes)
@@ -478,9 +571,16 @@ class UcxWorker:
 
     def _reap(self) -> bool:
         """Resolve the futures of completed requests; True if any completed."""
-        if not (self._matched or self._sends or self._tombstones or self._incoming):
+        if not (self._matched or self._sends or self._tombstones or self._incoming or self._groups):
             return False
         num_before = self.num_pending
+        for group in list(self._groups.values()):
+            for index, posted in list(group.posted.items()):
+                status = posted.status()
+                if status != ucp.UCS_INPROGRESS:
+                    del group.posted[index]
+                    self._landed_group(group, status)
+            self._settle_group(group)
         if self._incoming:
             self._deliver_incoming()
         for tag, receive in list(self._matched.items()):
@@ -598,13 +698,6 @@ def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, 
 def _regions(receive: _Receive, num_bytes: int) -> list[Any]:
     """The regions a matched message of ``num_bytes`` is received into, in order."""
     destination = receive.destination
-    if isinstance(destination, list):
-        if sum(region.nbytes for region in destination) != num_bytes:
-            raise InvalidArgument(
-                f"is {num_bytes} bytes but its scatter regions add up to "
-                f"{sum(region.nbytes for region in destination)}"
-            )
-        return destination
     if isinstance(destination, memoryview):
         return [destination[:num_bytes]]
     if isinstance(destination, _CudaRegion):

@@ -13,14 +13,15 @@ import pytest
 pytestmark = pytest.mark.timeout(180)
 
 FIELDS = {"system", "op", "block_bytes", "concurrency", "straggler_ms", "mb_per_s"}
-FIELDS |= {"p50_ms", "p99_ms", "p999_ms"}
+FIELDS |= {"p50_ms", "p99_ms", "p999_ms", "batch", "client_cpu_s_per_gb", "server_cpu_s_per_gb"}
 
 
 def test_bench_storage_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     baseline = "redis" if shutil.which("redis-server") else "none"
     command = [sys.executable, "-m", "kvstore.cli", "bench", "storage", "--json", str(out)]
-    command += ["--block-sizes", "64KiB", "--concurrency", "1,4", "--seconds", "0.2"]
+    command += ["--block-sizes", "64KiB", "--concurrency", "1,4", "--batch", "1,3"]
+    command += ["--seconds", "0.2"]
     command += ["--straggler-ms", "20", "--baseline", baseline, "--no-fsync", "--encryption"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
@@ -29,10 +30,12 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     results = report["results"]
     assert all(set(r) >= FIELDS for r in results), "a result record lacks a required field"
     ours = [r for r in results if r["system"] == "kvstore"]
-    settings = {(r["op"], r["concurrency"], r["straggler_ms"]) for r in ours}
-    expected = {("put", 1, 0), ("put", 4, 0), ("get", 1, 0), ("get", 4, 0)}
-    assert settings == expected | {("get", 1, 20), ("get", 4, 20)}, settings
+    settings = {(r["op"], r["concurrency"], r["batch"], r["straggler_ms"]) for r in ours}
+    calm = {(op, c, b, 0) for op in ("put", "get") for c in (1, 4) for b in (1, 3)}
+    assert settings == calm | {("get", c, b, 20) for c in (1, 4) for b in (1, 3)}, settings
     assert all(r["mb_per_s"] > 0 and r["num_failed"] == 0 for r in ours), "requests failed"
+    assert all(r["client_cpu_s_per_gb"] > 0 for r in ours), "client CPU per GB not measured"
+    assert all(r["server_cpu_s_per_gb"] > 0 for r in ours), "node CPU per GB not measured"
     sealed = [r for r in results if r["system"] == "kvstore/sealed"]
     assert sealed and all(r["mb_per_s"] > 0 and r["num_failed"] == 0 for r in sealed)
     assert any(row["kind"] == "sealed/plain MB/s" for row in report["ratios"])
@@ -40,3 +43,4 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     if baseline == "redis":
         assert {r["system"] for r in results} == {"kvstore", "kvstore/sealed", "redis"}
         assert any(row["kind"] == "kvstore/redis MB/s" for row in report["ratios"])
+        assert report["settings"]["redis_parser"] in ("hiredis", "python")

@@ -257,34 +257,39 @@ async def test_cancel_returns_only_once_no_transfer_can_write_into_the_buffer() 
         await client.close()
 
 
-async def test_a_scatter_receive_holds_its_message_until_it_lands_or_is_cancelled() -> None:
-    """Over TCP (in one process shared memory needs a second process, test_ucx_processes)."""
-    server = UcxServer(transports="tcp")
-    client = UcxTransport(transports="tcp", seed=5)
+@pytest.mark.parametrize("transports", [None, "tcp"], ids=["default", "tcp"])
+async def test_a_group_receive_holds_early_messages_until_it_lands_or_is_cancelled(
+    transports: str | None,
+) -> None:
+    server = UcxServer(transports=transports)
+    client = UcxTransport(transports=transports, seed=5)
     try:
-        payload = _payloads([300_000])[0]
+        payloads = _payloads([300_000, 1000, 200_000])
         tag_base = client.next_tag_base()
-        held = client.worker.receive_scatter(batch_tag(tag_base, 0), 1 << 20)
-        sent = server.post(client.address, tag_base, [payload], 5.0)
+        group = client.worker.receive_group(tag_base, 1)
+        sent = server.post(client.address, tag_base, [None, *payloads], 5.0)
         await asyncio.sleep(0.2)
-        assert not held.future.done(), "a scatter receive completed before its regions existed"
-        parts = [bytearray(100_000), bytearray(200_000)]
-        held.land([memoryview(p) for p in parts])
-        assert await asyncio.wait_for(held.future, 5) == len(payload)
-        assert b"".join(parts) == payload, "scatter regions hold the wrong bytes"
+        assert not group.future.done(), "a group receive completed before its regions existed"
+        regions = [bytearray(len(p)) for p in payloads]
+        group.land([memoryview(r) for r in regions])
+        assert await asyncio.wait_for(group.future, 5) == sum(map(len, payloads))
+        assert [bytes(r) for r in regions] == payloads, "messages landed in the wrong regions"
         assert await sent
+        assert client.worker.num_pending == 0, "a landed group left receives behind"
+
         dropped_base = client.next_tag_base()
-        dropped = client.worker.receive_scatter(batch_tag(dropped_base, 0), 1 << 20)
-        sent = server.post(client.address, dropped_base, [payload], 5.0)
+        dropped = client.worker.receive_group(dropped_base, 1)
+        sent = server.post(client.address, dropped_base, [None, *payloads], 5.0)
         await asyncio.sleep(0.2)
-        await client.worker.cancel(batch_tag(dropped_base, 0))
-        assert await asyncio.wait_for(sent, 5), "a cancelled held message kept its sender waiting"
+        await client.worker.cancel_group(dropped)
+        assert await asyncio.wait_for(sent, 5), "cancelled held messages kept their sender waiting"
         assert dropped.future.cancelled()
+
         wrong_base = client.next_tag_base()
-        wrong = client.worker.receive_scatter(batch_tag(wrong_base, 0), 1 << 20)
-        wrong.land([memoryview(bytearray(10))])
-        server.post(client.address, wrong_base, [payload], 5.0)
-        with pytest.raises(InvalidArgument, match="scatter regions"):
+        wrong = client.worker.receive_group(wrong_base, 1)
+        wrong.land([memoryview(bytearray(10))] * len(payloads))
+        server.post(client.address, wrong_base, [None, *payloads], 5.0)
+        with pytest.raises(InvalidArgument, match="not the size of its region"):
             await asyncio.wait_for(wrong.future, 5)
     finally:
         await client.close()
