@@ -34,10 +34,13 @@ ALIGN_BYTES = 4096
 class Region:
     """A writable span of an arena (or a fallback buffer); ``release()`` it when done."""
 
-    def __init__(self, arena: ByteArena | None, offset: int, view: memoryview) -> None:
+    def __init__(
+        self, arena: ByteArena | None, offset: int, view: memoryview, span_bytes: int = 0
+    ) -> None:
         self._arena = arena
         self.offset = offset
         self.view = view  # exactly the bytes asked for
+        self._span_bytes = span_bytes  # what the arena set aside (rounded up, at least 1)
         self._released = False
 
     def release(self) -> None:
@@ -46,7 +49,7 @@ class Region:
             return
         self._released = True
         if self._arena is not None:
-            self._arena._free(self.offset, _rounded(len(self.view)))
+            self._arena._free(self.offset, self._span_bytes)
 
 
 class ByteArena:
@@ -76,7 +79,7 @@ class ByteArena:
                     else:
                         self._free_starts[i] += needed
                         self._free_lengths[i] -= needed
-                    return Region(self, start, self._memory[start : start + num_bytes])
+                    return Region(self, start, self._memory[start : start + num_bytes], needed)
             self.num_fallbacks += 1
         return Region(None, 0, memoryview(bytearray(num_bytes)))
 

@@ -1,41 +1,32 @@
-"""The few libucp calls ucxx's Python API lacks, through ctypes: probe and scatter receives.
+"""The few libucp calls the data path makes through ctypes: probe, and receive by handle.
 
-ucxx exposes tagged sends and receives of one contiguous buffer. A batch read needs a receive
-that scatters one message over many places (each shard payload straight to its place in the
-caller's block: UCX's IOV datatype), so the data path probes and receives through libucp's own
-C API, on the handles of the ucxx worker (the same libucp instance ucxx loaded)::
+ucxx's Python API receives a probed message only through its own request objects (one Python
+object, with its own bookkeeping, per message). A batch read receives one message per shard
+straight into its place, so the worker probes and receives through libucp's C API, on the
+handles of the ucxx worker (the same libucp instance ucxx loaded)::
 
-    ucp_tag_probe_nb(worker, tag, mask, remove=1, &info) -> message handle (or NULL)
-    ucp_tag_msg_recv_nbx(worker, buffer | iov[], count, message, &param) -> request
+    ucp_tag_probe_nb(worker, tag=0, mask=0, remove=1, &info) -> message handle (or NULL)
+    ucp_tag_msg_recv_nbx(worker, buffer, length, message, &param) -> NULL (done) or request
     ucp_request_check_status(request) -> UCS_INPROGRESS, UCS_OK or an error; then free it
 
-Over shared memory a receive into an IOV makes UCX pick "rendezvous data fetch into iov":
-the sender writes each region with CMA (process_vm_writev) once the receiver has matched the
-message, so the bytes move once, by the sender, into memory the receiver chose; a contiguous
-receive is a CMA read by the receiver. Either way nothing lands before the receiver matched
-the message, which is what lets a read stop waiting for a straggler safely (kvstore/ucx/worker.py).
-
-Requests are polled, not called back: a batch has one or two receives per node, and polling
-their status after each progress call costs less than a ctypes callback into Python.
+Over shared memory a receive of a rendezvous message is one CMA read by the receiver, done
+inside ``ucp_tag_msg_recv_nbx``: the receive is usually complete when the call returns.
+Requests are polled, not called back: a ctypes callback into Python costs more than a poll.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from erasure.isal_backend import buffer_address
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import Unavailable
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
 UCS_ERR_MESSAGE_TRUNCATED = -9
 _FIRST_ERROR_POINTER = (1 << 64) - 100  # UCS_PTR_IS_ERR: statuses -100..-1 cast to pointers
-_OP_ATTR_FIELD_DATATYPE = 1 << 3
-_DATATYPE_IOV = 2  # ucp_dt_make_iov()
-_ALL_TAG_BITS = (1 << 64) - 1
 
 
 class _RecvInfo(ctypes.Structure):  # ucp_tag_recv_info_t
@@ -57,12 +48,8 @@ class _RequestParam(ctypes.Structure):  # ucp_request_param_t (UCX 1.21 ucp.h)
     ]
 
 
-class _Iov(ctypes.Structure):  # ucp_dt_iov_t
-    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
 class Ucp:
-    """libucp's probe, scatter-receive and request calls (one instance per process)."""
+    """libucp's probe, receive and request calls (one instance per process)."""
 
     def __init__(self, lib_path: Path) -> None:
         lib = ctypes.CDLL(str(lib_path))  # already loaded by ucxx: the same library instance
@@ -88,7 +75,6 @@ class Ucp:
         self._lib = lib
         self._info = _RecvInfo()
         self._contig = _RequestParam()
-        self._iov = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_DATATYPE, datatype=_DATATYPE_IOV)
 
     def probe(self, worker: int) -> tuple[int, int, int] | None:
         """(message handle, tag, length) of the oldest unexpected message, taken off the
@@ -98,27 +84,14 @@ class Ucp:
             return None
         return handle, self._info.sender_tag, self._info.length
 
-    def receive(self, worker: int, message: int, regions: Sequence[Any]) -> Receive:
-        """Receive a probed message into ``regions`` in order (one region: contiguous).
-
-        A region is a writable memoryview, or device memory given as an object with
-        ``address`` and ``nbytes`` (kvstore/ucx/worker.py wraps CUDA arrays so).
-        """
-        if len(regions) == 1:
-            (region,) = regions
-            keep: object = region
-            status = self._lib.ucp_tag_msg_recv_nbx(
-                worker, _address(region), region.nbytes, message, ctypes.byref(self._contig)
-            )
-        else:
-            iov = (_Iov * len(regions))()
-            for entry, region in zip(iov, regions, strict=True):
-                entry.buffer, entry.length = _address(region), region.nbytes
-            keep = (iov, regions)
-            status = self._lib.ucp_tag_msg_recv_nbx(
-                worker, ctypes.addressof(iov), len(regions), message, ctypes.byref(self._iov)
-            )
-        return Receive(self, status, keep)
+    def receive(self, worker: int, message: int, region: Any) -> Receive:
+        """Receive a probed message into ``region``: a writable memoryview, or device memory
+        as an object with ``address`` and ``nbytes`` (kvstore/ucx/worker.py wraps CUDA
+        arrays so)."""
+        status = self._lib.ucp_tag_msg_recv_nbx(
+            worker, _address(region), region.nbytes, message, ctypes.byref(self._contig)
+        )
+        return Receive(self, status, region)
 
     def check(self, request: int) -> int:
         """The status of a request in flight; a finished request is freed."""
@@ -133,7 +106,7 @@ class Receive:
 
     def __init__(self, ucp: Ucp, status_pointer: int | None, keep: object) -> None:
         self._ucp = ucp
-        self._keep = keep  # the IOV array and the regions, alive while UCX may write there
+        self._keep = keep  # the region, alive while UCX may write there
         self._request: int | None = None
         self._status = UCS_OK
         if status_pointer is not None and status_pointer >= _FIRST_ERROR_POINTER:
@@ -162,10 +135,3 @@ def load(libucx_dir: Path | None) -> Ucp | None:
     if not path.exists():
         raise Unavailable(f"libucp not found at {path}; reinstall the ucx extra")
     return Ucp(path)
-
-
-def check_regions(regions: Sequence[memoryview]) -> None:
-    """Every region must be writable host memory: UCX writes there."""
-    for region in regions:
-        if region.readonly or not region.contiguous:
-            raise InvalidArgument("UCX receive regions must be writable contiguous host memory")

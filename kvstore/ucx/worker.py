@@ -320,7 +320,7 @@ class UcxWorker:
                 )
             self._discard(message, num_bytes)
             return
-        posted = self._receive(message, [region])
+        posted = self._receive(message, region)
         group.num_bytes += num_bytes
         if posted.status() == ucp.UCS_INPROGRESS:
             group.posted[index] = posted
@@ -518,7 +518,7 @@ class UcxWorker:
         listener = self._listeners.get(tag)
         if listener is not None and num_bytes <= listener.max_bytes:
             buffer = memoryview(bytearray(num_bytes))
-            self._incoming.append((self._receive(message, [buffer]), buffer, listener))
+            self._incoming.append((self._receive(message, buffer), buffer, listener))
             return
         receive = self._expected.get(tag)
         if receive is None:
@@ -544,13 +544,13 @@ class UcxWorker:
     def _post(self, tag: int, receive: _Receive, message: int, num_bytes: int) -> None:
         """Receive a probed message into its slot (which must take exactly its bytes)."""
         try:
-            regions = _regions(receive, num_bytes)
+            region = _region(receive, num_bytes)
         except InvalidArgument as exc:
             self._fail(tag, receive, str(exc))
             self._discard(message, num_bytes)
             return
         receive.num_bytes = num_bytes
-        receive.posted = self._receive(message, regions)
+        receive.posted = self._receive(message, region)
         self._matched[tag] = receive
 
     def _fail(self, tag: int, receive: _Receive, why: str) -> None:
@@ -562,12 +562,12 @@ class UcxWorker:
         )
         receive.released.set()
 
-    def _receive(self, message: int, regions: Sequence[Any]) -> ucp.Receive:
-        return self._ucp.receive(self._handle, message, regions)
+    def _receive(self, message: int, region: Any) -> ucp.Receive:
+        return self._ucp.receive(self._handle, message, region)
 
     def _discard(self, message: int, num_bytes: int) -> None:
         """Receive an unwanted message into the tombstone: truncated, its bytes never read."""
-        self._tombstones.append(self._receive(message, [self._tombstone]))
+        self._tombstones.append(self._receive(message, self._tombstone))
 
     def _reap(self) -> bool:
         """Resolve the futures of completed requests; True if any completed."""
@@ -695,18 +695,18 @@ def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, 
     return view, len(view)
 
 
-def _regions(receive: _Receive, num_bytes: int) -> list[Any]:
-    """The regions a matched message of ``num_bytes`` is received into, in order."""
+def _region(receive: _Receive, num_bytes: int) -> Any:
+    """Where a matched message of ``num_bytes`` is received."""
     destination = receive.destination
     if isinstance(destination, memoryview):
-        return [destination[:num_bytes]]
+        return destination[:num_bytes]
     if isinstance(destination, _CudaRegion):
-        return [destination]  # a longer buffer takes a shorter message
+        return destination  # a longer buffer takes a shorter message
     view = memoryview(destination(num_bytes)).cast("B")
     if view.readonly or len(view) < num_bytes:
         raise InvalidArgument(f"got no writable buffer of {num_bytes} bytes from its allocator")
     receive.destination = view
-    return [view[:num_bytes]]
+    return view[:num_bytes]
 
 
 def _set_once(future: asyncio.Future[None]) -> None:

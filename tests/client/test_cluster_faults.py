@@ -160,6 +160,10 @@ async def test_three_dead_nodes_give_clean_misses_then_restart_heals(
             assert await kv.contains(list(sample)) == [False] * len(sample)
             with pytest.raises(QuorumError, match="write quorum"):
                 await kv.put(b"q" * 16, b"x" * 1000)
+            batch = [bytes([7, i]) * 8 for i in range(5)]
+            with pytest.raises(QuorumError, match="5 of 5 blocks") as failed:
+                await kv.put_batch(batch, [b"y" * 5000] * 5, traffic_class="chat")
+            assert failed.value.keys == batch, "QuorumError must name every key below quorum"
         finally:
             for node_id in victims:
                 cluster.restart_node(node_id)
@@ -190,8 +194,16 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
                     assert await kv.get_into(key, key_to_out[key]), "a miss with a straggler"
                     assert key_to_out[key] == block, "wrong bytes in get_into with a straggler"
                 slowest_s = max(slowest_s, time.monotonic() - start_s)
+            keys = list(sample)
+            outs = [bytearray(len(sample[k])) for k in keys]
+            start_s = time.monotonic()
+            assert all(await kv.get_batch_into(keys, outs)), "a batch missed with a straggler"
+            batch_s = time.monotonic() - start_s
+            assert [bytes(o) for o in outs] == list(sample.values()), "wrong bytes in a batch"
+            key_to_out.update({f"batch {i}".encode(): o for i, o in enumerate(outs)})
             start_s = time.monotonic()
             await kv.put(b"s" * 16, b"y" * 100_000)
+            await kv.put_batch([b"t" * 16, b"u" * 16], [b"z" * 70_000] * 2, traffic_class="chat")
             put_s = time.monotonic() - start_s
             assert kv.counters()["num_hedged"] > 0, "no read finished before all asked nodes"
         delay_s = STRAGGLER_DELAY_MS / 1000
@@ -199,10 +211,12 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
             f"slowest read took {slowest_s:.2f} s with a {delay_s} s straggler: "
             "the read waited for the slow node instead of finishing at k shards"
         )
-        assert put_s < delay_s / 2, f"put took {put_s:.2f} s: it waited past the write quorum"
+        assert batch_s < delay_s / 2, f"a batch took {batch_s:.2f} s: it waited for the straggler"
+        assert put_s < delay_s / 2, f"puts took {put_s:.2f} s: they waited past the write quorum"
         # The straggler's payloads arrive after the reads returned: none may land in `out`.
         await asyncio.sleep(delay_s + 0.5)
-        changed = [k for k, out in key_to_out.items() if out != sample[k]]
+        expected = {**sample, **{f"batch {i}".encode(): sample[k] for i, k in enumerate(keys)}}
+        changed = [k for k, out in key_to_out.items() if out != expected[k]]
         assert not changed, f"{len(changed)} get_into buffers were written after get_into returned"
     finally:
         cluster.restart_node(straggler)
@@ -298,17 +312,65 @@ async def test_concurrent_writers_never_mix(cluster: LocalCluster, transport: st
         KVClient.connect(cluster.cluster_toml, tenant="acme") as writer_b,
         KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as reader,
     ):
-        reads_during = asyncio.gather(*(reader.get(k) for k in keys))
-        await asyncio.gather(
-            *(writer_a.put(k, a[k]) for k in keys), *(writer_b.put(k, b[k]) for k in keys)
+        reads_during = asyncio.gather(
+            *(reader.get(k) for k in keys),
+            *(reader.get_batch(keys[i : i + 16]) for i in range(0, len(keys), 16)),
         )
-        during = await reads_during
-        after = await asyncio.gather(*(reader.get(k) for k in keys))
-    for key, value in zip(keys * 2, during + after, strict=True):
+        half = len(keys) // 2
+        await asyncio.gather(
+            *(writer_a.put(k, a[k]) for k in keys[:half]),
+            writer_a.put_batch(keys[half:], [a[k] for k in keys[half:]], traffic_class="chat"),
+            writer_b.put_batch(keys[:half], [b[k] for k in keys[:half]], traffic_class="chat"),
+            *(writer_b.put(k, b[k]) for k in keys[half:]),
+        )
+        gathered = await reads_during
+        during = list(gathered[: len(keys)]) + [v for batch in gathered[len(keys) :] for v in batch]
+        after = await reader.get_batch(keys)
+    for key, value in zip(keys * 3, during + after, strict=True):
         assert value in (a[key], b[key], None), "a read returned a MIX of two writers' bytes"
     assert all(value in (a[k], b[k]) for k, value in zip(keys, after, strict=True)), (
         "after both writes finished every key must read as one writer's bytes"
     )
+
+
+async def test_batches_mix_hits_misses_repeats_and_sizes(
+    cluster: LocalCluster, stored: dict, transport: str
+) -> None:
+    hits = list(stored)[150:170]
+    missing = block_keys(list(range(3 * 4)), 4, "never-written", "salt")
+    keys = [*hits[:10], missing[0], hits[3], *missing[1:], *hits[10:]]  # hits[3] twice
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
+        sizes = [len(stored[k]) if k in stored else 100 for k in keys]
+        outs = [bytearray(size) for size in sizes]
+        before = kv.read_counters.num_node_requests
+        landed = await kv.get_batch_into(keys, outs)
+        assert landed == [k in stored for k in keys], "hits and misses mixed up in a batch"
+        assert all(bytes(o) == stored[k] for k, o, ok in zip(keys, outs, landed, strict=True) if ok)
+        assert kv.read_counters.num_node_requests - before <= 12 + 12, (
+            "a batch sent more than one request per node (plus reserve asks for its misses)"
+        )
+        assert await kv.get_batch(keys) == [stored.get(k) for k in keys]
+        assert await kv.get_batch([]) == [] and await kv.get_batch_into([], []) == []
+        _assert_transport_used(kv, transport)
+
+
+async def test_batch_misuse_raises_before_anything_lands(cluster: LocalCluster) -> None:
+    keys = block_keys(list(range(4 * 4)), 4, "batch-misuse", "salt")
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        await kv.put_batch(keys, [b"m" * 3000] * 4, traffic_class="chat")
+        with pytest.raises(InvalidArgument, match="one buffer per key"):
+            await kv.get_batch_into(keys, [bytearray(3000)] * 3)
+        with pytest.raises(InvalidArgument, match="one block per key"):
+            await kv.put_batch(keys, [b"x"], traffic_class="chat")
+        with pytest.raises(InvalidArgument, match="read-only"):
+            await kv.get_batch_into(keys[:1], [bytes(3000)])
+        with pytest.raises(InvalidArgument, match="3000 bytes"):
+            await kv.get_batch_into(keys[:2], [bytearray(3000), bytearray(2999)])
+        with pytest.raises(InvalidArgument, match="16 bytes"):
+            await kv.put_batch([keys[0], b"short"], [b"a", b"b"], traffic_class="chat")
+        with pytest.raises(UnknownTrafficClass):
+            await kv.put_batch(keys, [b"a"] * 4, traffic_class="bulk")
+        assert await kv.get_batch(keys) == [b"m" * 3000] * 4, "misuse damaged stored blocks"
 
 
 async def test_bad_input_raises_clear_errors(cluster: LocalCluster) -> None:
