@@ -4,7 +4,8 @@
 
     kvstore bench swapin [--json PATH] [--transport grpc,ucx] [--cluster DIR/cluster.toml]
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
-        [--num-blocks 64] [--concurrency 16] [--rounds 5] [--device cpu|cuda[:N]]
+        [--num-blocks 64] [--concurrency 64] [--chunk-blocks 16] [--rounds 5]
+        [--device cpu|cuda[:N]]
         [--nodes 12] [--no-fsync]
 
 It measures the engine's own fetch path, with no model forward around it. Per transport one
@@ -15,9 +16,10 @@ fp32 at 64 tokens). ``--num-blocks`` blocks of seeded random bytes are put once 
 keys the engine derives for a prompt. Then every round runs each transport once, the order
 alternating between rounds so that drift from other load hits both alike (after one unmeasured
 warm-up each: connections, UCX endpoints). One measurement is ``connector.fetch_prefix``:
-``match_prefix``, then ``get_into`` of every block into a slot of the connector's
-``HostBlockPool`` (the client's ``BufferPool``; pinned on CUDA), ``--concurrency`` in flight,
-each block's host-to-device copy starting on the swap-in side stream as it lands (CUDA);
+``match_prefix``, then ``get_batch_into`` of the blocks in chunks of ``--chunk-blocks`` into
+slots of the connector's ``HostBlockPool`` (the client's ``BufferPool``; pinned on CUDA),
+``--concurrency`` blocks in flight, each block's host-to-device copy starting on the swap-in
+side stream as soon as its chunk landed (CUDA);
 then the swap-in into the paged KV cache runs to its end (CUDA: synchronize; CPU: every layer
 placed, as compute would place it).
 
@@ -25,8 +27,8 @@ placed, as compute would place it).
   not counted), median over rounds. 10**9 bytes per GB.
 - ``cache_gb_per_s``: fetched bytes / time until the blocks are in the paged KV cache (device
   memory on CUDA), the lookup not counted; median over rounds.
-- ``p50_ms``/``p99_ms``: each block's ``get_into`` time, all rounds pooled; ``lookup_ms``:
-  median ``match_prefix`` time.
+- ``p50_ms``/``p99_ms``: the ``get_batch_into`` time of each block's chunk, all rounds
+  pooled; ``lookup_ms``: median ``match_prefix`` time.
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
 - ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto).
@@ -83,7 +85,7 @@ class Record:
     rounds: int
     gb_per_s: float  # into the host buffer pool
     cache_gb_per_s: float  # through to the paged KV cache (device memory on CUDA)
-    p50_ms: float  # per-block get_into
+    p50_ms: float  # per block: its chunk's get_batch_into
     p99_ms: float
     lookup_ms: float
     gb_per_s_rounds: list[float]
@@ -139,6 +141,7 @@ class Bench:
             fetch_policy="always",
             fetch_deadline_s=self.args.deadline_s,
             fetch_concurrency=self.args.concurrency,
+            fetch_chunk_blocks=self.args.chunk_blocks,
             write_back=False,
             store_transport=transport,
         )
@@ -385,7 +388,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="KV dtype (default: float32 on CPU, bfloat16 on CUDA)"
     )
     parser.add_argument("--num-blocks", type=_positive, default=64, help="blocks per fetch")
-    parser.add_argument("--concurrency", type=_positive, default=16, help="get_into in flight")
+    parser.add_argument(
+        "--concurrency", type=_positive, default=64, help="blocks in flight per fetch"
+    )
+    parser.add_argument(
+        "--chunk-blocks", type=_positive, default=16, help="blocks per get_batch_into call"
+    )
     parser.add_argument("--rounds", type=_positive, default=5, help="measured fetches each")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="fetch deadline")

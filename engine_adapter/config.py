@@ -118,7 +118,9 @@ class EngineConfig:
     fetch_policy: str = "cost"  # "cost": fetch when the cost model says it is faster; "always"
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
     fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
-    fetch_concurrency: int = 16  # get_into calls in flight per fetch
+    fetch_concurrency: int = 64  # blocks in flight per fetch (in get_batch_into chunks)
+    fetch_chunk_blocks: int = 16  # blocks per get_batch_into call: the H2D copy of a chunk
+    # starts as soon as it landed, while later chunks are still on their way
     # How fetched blocks travel (KVClient.connect's transport): "grpc", "auto" (UCX to the
     # nodes that shared memory or RDMA reach) or "ucx" (README, "UCX data path").
     store_transport: str = "grpc"
@@ -148,6 +150,8 @@ class EngineConfig:
             )
         if self.fetch_concurrency <= 0 or self.write_concurrency <= 0:
             raise ValueError("fetch_concurrency and write_concurrency must be > 0")
+        if self.fetch_chunk_blocks <= 0:
+            raise ValueError(f"fetch_chunk_blocks must be > 0, got {self.fetch_chunk_blocks}")
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -5,8 +5,10 @@ Per prefill::
     keys = block_keys(prompt, block_tokens, namespace, salt=tenant)   full blocks only
     num_matched = match_prefix(keys[:num_usable])   num_usable leaves >= 1 token to compute
     plan = cost_model.plan(num_matched)             fetch all or none, and a deadline
-    get_into(key_i, host slot i), concurrently      each block lands in a reusable slot;
-        -> SwapIn.block_arrived(i)                  on CUDA its H2D copy starts at once
+    get_batch_into(chunk of keys, host slots)       a few chunks in flight (one request per
+        -> SwapIn.block_arrived(i) per block         node per chunk); each block lands in a
+                                                    reusable slot and, on CUDA, its H2D copy
+                                                    starts as soon as its chunk landed
     at the deadline: keep the leading run of blocks that arrived, compute the rest
 
 Nothing on this path raises: a store that is down, a miss between lookup and fetch, a slow
@@ -16,8 +18,9 @@ keeps other models' blocks out, so a fetched block is this model's KV of these t
 The number of blocks used is rounded down to whole prefill chunks (see ``EngineConfig``).
 
 After prefill the new full blocks are copied to host write slots (after the first token,
-off the request's critical path) and put in the background with the request's traffic
-class; ``drain()`` waits for those puts. Blocks that find no free write slot are skipped.
+off the request's critical path) and stored in the background with one ``put_batch`` (the
+request's traffic class); ``drain()`` waits for those writes. Blocks that find no free write
+slot are skipped.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from engine_adapter.host_buffers import HostBlockPool, HostSlot
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.swap_in import SwapIn
 from kvstore.config import ClusterConfig
-from kvstore.errors import ERRORS
+from kvstore.errors import ERRORS, QuorumError
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +78,8 @@ class FetchOutcome:
     # "miss" (gone since the lookup), "error" or "no_buffer"; None otherwise.
     fallback: str | None
     slots: list[HostSlot] = field(default_factory=list)
-    # get_into time of each block that arrived, not counting the wait for a fetch_concurrency
-    # turn (benchmarks read its tail)
+    # get_batch_into time of the chunk each arrived block came in, not counting the wait for
+    # a fetch_concurrency turn (benchmarks read its tail)
     block_fetch_s: list[float] = field(default_factory=list)
 
 
@@ -174,10 +177,10 @@ class StoreConnector:
         if not slots:
             return
         await asyncio.to_thread(self._snapshot, table, indexes[: len(slots)], slots)
-        for index, slot in zip(indexes, slots, strict=False):
-            task = asyncio.create_task(self._put(keys[index], slot, tenant, traffic_class))
-            self._pending_writes.add(task)
-            task.add_done_callback(self._pending_writes.discard)
+        batch = [keys[index] for index in indexes[: len(slots)]]
+        task = asyncio.create_task(self._put(batch, slots, tenant, traffic_class))
+        self._pending_writes.add(task)
+        task.add_done_callback(self._pending_writes.discard)
 
     async def drain(self) -> None:
         """Wait until every background write-back has finished."""
@@ -222,34 +225,39 @@ class StoreConnector:
         tenant: str,
         deadline_s: float,
     ) -> tuple[int, str | None, list[float]]:
-        """get_into each slot by the deadline: (leading blocks that arrived, why not all,
-        each arrived block's get_into seconds)."""
+        """get_batch_into the slots, chunk by chunk, by the deadline: (leading blocks that
+        arrived, why not all, the get_batch_into seconds of each arrived block's chunk)."""
         if not slots:
             return 0, None, []
         kv = await self.client(tenant)
         deadline = time.perf_counter() + deadline_s
-        gate = asyncio.Semaphore(self.config.fetch_concurrency)
+        chunk = self.config.fetch_chunk_blocks
+        gate = asyncio.Semaphore(max(1, self.config.fetch_concurrency // chunk))
         block_fetch_s: list[float] = []
 
-        async def fetch_one(index: int) -> bool:
+        async def fetch_chunk(start: int, end: int) -> list[bool]:
             async with gate:
                 started = time.perf_counter()
                 remaining_s = deadline - started
                 if remaining_s <= 0:
-                    return False
-                if not await kv.get_into(keys[index], slots[index].view, timeout_s=remaining_s):
-                    return False
-                block_fetch_s.append(time.perf_counter() - started)
-            swap_in.block_arrived(index)
-            return True
+                    return [False] * (end - start)
+                views = [slot.view for slot in slots[start:end]]
+                landed = await kv.get_batch_into(keys[start:end], views, timeout_s=remaining_s)
+                elapsed_s = time.perf_counter() - started
+            for index, ok in enumerate(landed, start):
+                if ok:
+                    block_fetch_s.append(elapsed_s)
+                    swap_in.block_arrived(index)
+            return landed
 
-        tasks = [asyncio.create_task(fetch_one(i)) for i in range(len(slots))]
+        spans = [(start, min(start + chunk, len(slots))) for start in range(0, len(slots), chunk)]
+        tasks = [asyncio.create_task(fetch_chunk(start, end)) for start, end in spans]
         _, pending = await asyncio.wait(tasks, timeout=max(deadline - time.perf_counter(), 0.0))
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         deadline_passed = bool(pending) or time.perf_counter() >= deadline
-        num_arrived, reason = _leading_run(tasks, deadline_passed)
+        num_arrived, reason = _leading_run(tasks, [start for start, _ in spans], deadline_passed)
         return num_arrived, reason, block_fetch_s
 
     def _record(
@@ -276,28 +284,42 @@ class StoreConnector:
         if stream is not None:
             stream.synchronize()
 
-    async def _put(self, key: bytes, slot: HostSlot, tenant: str, traffic_class: str) -> None:
+    async def _put(
+        self, keys: list[bytes], slots: list[HostSlot], tenant: str, traffic_class: str
+    ) -> None:
+        """One put_batch of the written-back blocks (best effort: a block not stored is just
+        not cached)."""
         try:
             async with self._write_gate:
                 kv = await self.client(tenant)
-                await kv.put(key, slot.view, traffic_class=traffic_class)
-            self.stats.num_written_blocks += 1
-        except StoreFailure as exc:  # write-back is best effort: the block is just not cached
-            self.stats.num_write_errors += 1
-            log.warning("write-back of a KV block failed: %s", exc)
+                views = [slot.view for slot in slots]
+                await kv.put_batch(keys, views, traffic_class=traffic_class)
+            self.stats.num_written_blocks += len(keys)
+        except QuorumError as exc:
+            failed = len(getattr(exc, "keys", keys))
+            self.stats.num_written_blocks += len(keys) - failed
+            self.stats.num_write_errors += failed
+            log.warning("write-back of %d KV blocks failed: %s", failed, exc)
+        except StoreFailure as exc:
+            self.stats.num_write_errors += len(keys)
+            log.warning("write-back of %d KV blocks failed: %s", len(keys), exc)
         finally:
-            slot.release()
+            for slot in slots:
+                slot.release()
 
 
-def _leading_run(tasks: list[asyncio.Task[bool]], deadline_passed: bool) -> tuple[int, str | None]:
-    """How many leading fetches succeeded, and why the first failure failed (or None)."""
-    for index, task in enumerate(tasks):
+def _leading_run(
+    tasks: list[asyncio.Task[list[bool]]], starts: list[int], deadline_passed: bool
+) -> tuple[int, str | None]:
+    """How many leading blocks arrived, and why the first that did not failed (or None)."""
+    for task, start in zip(tasks, starts, strict=True):
         if task.cancelled():
-            return index, "deadline"
+            return start, "deadline"
         error = task.exception()
         if error is not None:
-            log.warning("fetching a cached KV block failed, computing instead", exc_info=error)
-            return index, "error"
-        if not task.result():
-            return index, "deadline" if deadline_passed else "miss"
-    return len(tasks), None
+            log.warning("fetching cached KV blocks failed, computing instead", exc_info=error)
+            return start, "error"
+        landed = task.result()
+        if not all(landed):
+            return start + landed.index(False), "deadline" if deadline_passed else "miss"
+    return sum(len(task.result()) for task in tasks), None
