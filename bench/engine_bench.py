@@ -21,10 +21,12 @@ ids; capped at the model's context length):
 - ``ttft_s``: cache-backed prefill of the whole prompt (lookup, fetch, swap-in, compute of
   the rest, first token), write-back off so repeats see the same cache. ``--fetch-policy
   always`` (the default) swaps in whatever is cached; ``cost`` lets the cost model choose.
-- Runs are interleaved round by round (see ``Bench``) and reported as medians; the 1-minute
-  load average before and after goes into the JSON, since other processes skew wall time.
+- One untimed round warms up first; then runs are interleaved round by round (see ``Bench``)
+  and reported as medians, with every run (``ttft_cold_s_runs``, ``ttft_s_runs``) and the
+  spread of each, (max - min) / median; the 1-minute load average before and after goes into
+  the JSON, since other processes skew wall time.
 - ``speedup = ttft_cold_s / ttft_s``; ``ideal_speedup = ttft_cold_s / (suffix_compute_s +
-  fetch_s)`` with the fetch time (``get_into`` of the blocks) of the cached runs, i.e. what
+  fetch_s)`` with the fetch time (``get_batch_into`` of the blocks) of the cached runs, i.e. what
   a cache that costs nothing beyond the transfer would give (1 when nothing is cached);
   ``ratio_to_ideal = speedup / ideal_speedup`` (target >= 0.8 at 90% cached). The lookup
   (``match_prefix``), key hashing, swap-in copies and thread hand-offs count against it.
@@ -84,6 +86,11 @@ class Row:
     same_first_token: bool
     fallback: str | None
     repeats: int
+    # Every timed run, and (max - min) / median of each: the spread of the repeats.
+    ttft_cold_s_runs: list[float] = field(default_factory=list)
+    ttft_s_runs: list[float] = field(default_factory=list)
+    ttft_cold_spread: float = 0.0
+    ttft_spread: float = 0.0
 
 
 @dataclass
@@ -100,9 +107,11 @@ class Setup:
 class Bench:
     """One engine, one store, the measurements of one run.
 
-    Timed runs are interleaved (a cold prefill, then every fraction's suffix compute and
-    cached prefill, repeated ``repeats`` times) so that load from other processes hits every
-    measurement alike; each figure is the median of its repeats.
+    First one untimed round warms everything up (kernels, allocator, store connections and
+    UCX endpoints, the cost model); then timed runs are interleaved (a cold prefill, then every
+    fraction's suffix compute and cached prefill, repeated ``repeats`` times) so that load from
+    other processes hits every measurement alike; each figure is the median of its repeats,
+    and each row gives every run and their spread.
     """
 
     def __init__(self, engine: Engine, repeats: int, progress: ProgressReporter) -> None:
@@ -112,6 +121,10 @@ class Bench:
 
     async def prompt_rows(self, prompt: list[int], fractions: list[float]) -> list[Row]:
         setups = [await self._seed(prompt, fraction) for fraction in fractions]
+        await self._prefill(prompt, use_cache=False)  # warm-up, untimed
+        for setup in setups:
+            await self._suffix_compute_s(setup, prompt, None)
+            await self._prefill(prompt, tenant=setup.tenant, write_back=False)
         cold: list[PrefillResult] = []
         for _ in range(self.repeats):
             cold.append(await self._prefill(prompt, use_cache=False))
@@ -139,11 +152,11 @@ class Bench:
         return Setup(fraction, tenant, seeded.sequence)
 
     async def _suffix_compute_s(
-        self, setup: Setup, prompt: list[int], cold: PrefillResult
+        self, setup: Setup, prompt: list[int], cold: PrefillResult | None
     ) -> float:
         """Time to compute the uncached rest with the prefix already in the KV cache."""
         if setup.prefix is None:  # nothing cached: the rest is the whole prompt
-            return cold.ttft_s
+            return cold.ttft_s if cold is not None else 0.0
         num_prefix = len(setup.prefix.token_ids)
         started = time.perf_counter()
         await self.engine.extend(setup.prefix, prompt[num_prefix:])
@@ -195,12 +208,23 @@ def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine:
         same_first_token=all(r.first_token_id == cold[0].first_token_id for r in cached),
         fallback=next((r.fallback for r in cached if r.fallback), None),
         repeats=len(cached),
+        ttft_cold_s_runs=[r.ttft_s for r in cold],
+        ttft_s_runs=[r.ttft_s for r in cached],
+        ttft_cold_spread=_spread([r.ttft_s for r in cold]),
+        ttft_spread=_spread([r.ttft_s for r in cached]),
     )
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the repeats of one figure were."""
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median else 0.0
 
 
 def results_table(rows: list[Row], title: str) -> Table:
     table = Table(title=title)
-    columns = ["prompt", "cached", "TTFT cold s", "TTFT s", "speedup", "ideal", "of ideal"]
+    columns = ["prompt", "cached", "TTFT cold s", "TTFT s", "spread", "speedup", "ideal"]
+    columns.append("of ideal")
     for name in [*columns, "fetch GB/s", "compute tok/s", "same 1st"]:
         table.add_column(name, justify="right")
     for row in rows:
@@ -209,6 +233,7 @@ def results_table(rows: list[Row], title: str) -> Table:
             f"{row.cached_fraction:.0%} ({row.cached_tokens})",
             f"{row.ttft_cold_s:.3f}",
             f"{row.ttft_s:.3f}",
+            f"{row.ttft_cold_spread:.0%} / {row.ttft_spread:.0%}",
             f"{row.speedup:.2f}x",
             f"{row.ideal_speedup:.2f}x",
             f"{row.ratio_to_ideal:.2f}",
