@@ -42,6 +42,7 @@ from kvstore.errors import CodecError, InvalidArgument, KVStoreError, Permission
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_REQUEST = 64  # keys of one request to one node (more: several requests)
+DATA_GRACE = 0.1  # of a batch's time, waited for data shards once every key has k shards
 
 
 @dataclass
@@ -199,12 +200,40 @@ class _State:
         return codec.payload_bytes(len(out) if out is not None else codec.max_block_bytes)
 
     async def gather(self) -> None:
-        """Absorb answers until every key is decided or every request finished."""
+        """Absorb answers until every key is decided or every request finished; then give
+        requests that still owe data shards a short grace (see :meth:`_wait_for_data`)."""
+        started_s = asyncio.get_running_loop().time()
         while self.tasks and self.num_undecided:
             done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 self._absorb(task, self.tasks.pop(task))
             self._ask_reserves()
+        await self._wait_for_data(asyncio.get_running_loop().time() - started_s)
+
+    async def _wait_for_data(self, elapsed_s: float) -> None:
+        """Wait up to DATA_GRACE of the batch's time for requests owing data shards.
+
+        A batch ends when every key has k shards, and the last node to answer is usually a
+        data node of most keys: those keys would then be rebuilt from parity, a matrix decode
+        that costs more CPU than the whole transfer (erasure/codec.py). A healthy node answers
+        within a fraction of the batch's time; a known-slow node is not asked at all
+        (client/read_plan.py), and one that turns slow costs the batch DATA_GRACE at most.
+        """
+        owing = [
+            task
+            for task, request in self.tasks.items()
+            if any(
+                index < self.k and self.complete[position] is not None
+                for position, index in zip(
+                    request.wanted.positions, request.wanted.shard_indexes, strict=True
+                )
+            )
+        ]
+        if not owing:
+            return
+        done, _ = await asyncio.wait(owing, timeout=max(elapsed_s * DATA_GRACE, 0.0005))
+        for task in done:
+            self._absorb(task, self.tasks.pop(task))
 
     def _absorb(self, task: asyncio.Task[NodeAnswer], request: _Request) -> None:
         try:
@@ -235,14 +264,15 @@ class _State:
         key_indexes = entries["key_index"].tolist()
         positions = request.wanted.positions
         header_start = batch_answer.ENTRY_BYTES - 48
-        for row, payload in zip(hit_rows, answer.payloads, strict=True):
+        rows = zip(hit_rows, answer.payloads, answer.in_place, strict=True)
+        for row, payload, in_place in rows:
             position = positions[key_indexes[row]]
-            if self.decided[position]:
-                continue
+            if self.decided[position] and not in_place:
+                continue  # a late parity or misplaced shard: not worth a checksum pass
             start = row * batch_answer.ENTRY_BYTES + header_start
             shard = SplitShard(raw[start : start + 48], payload)
             version = self.collectors[position].add(shard)  # verifies the shard checksum
-            if version is not None:
+            if version is not None and not self.decided[position]:
                 self.complete[position] = version
                 self._decide(position)
 
