@@ -15,12 +15,6 @@ A server process holds a 64 MiB buffer of random bytes and serves GETs of (offse
   sends the bytes over UCX from the buffer itself (kvstore/ucx/server.py). ``ucx`` lets UCX
   pick transports (shared memory and CMA on one host), ``ucx-tcp`` forces UCX_TLS=tcp.
 
-- ``ucx-rma``: the alternative we did not choose, kept to re-measure the choice: the server
-  registers its buffer once (``ucp_mem_map``, rkey sent once); per GET the client asks the
-  server over gRPC where the block is, then reads it with a one-sided ``ucp_get_nbx``.
-  ucxx's Python API has no RMA calls, so :class:`UcpRma` reaches libucp's C API through
-  ctypes (shared memory and CMA only).
-
 So every UCX GET also pays one gRPC round trip, as a storage read will.
 
 ``--destination`` says where the client's bytes end up (each client task owns one slot):
@@ -28,7 +22,7 @@ So every UCX GET also pays one gRPC round trip, as a storage read will.
 - ``host`` (the default): a slot of one host buffer pool, as above.
 - ``cuda``: a slice of one preallocated torch CUDA uint8 tensor; ``ucx`` receives into it
   directly (UCX's cuda_copy transport moves the bytes; ``UcxWorker.receive`` takes any
-  ``__cuda_array_interface__`` array). Only ``ucx`` lands there: gRPC and ``ucx-rma`` cannot,
+  ``__cuda_array_interface__`` array). Only ``ucx`` lands there: gRPC cannot,
   and ``ucx-tcp``'s UCX_TLS=tcp leaves out the CUDA transports.
 - ``cuda-pinned``: what the engine does: the bytes land in a slice of one pinned (page-locked)
   host tensor, then a ``non_blocking`` H2D copy moves them into the same CUDA slice; a GET
@@ -54,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import statistics
@@ -83,14 +76,10 @@ from ttl.units import size_label
 
 SOURCE_BYTES = 64 << 20
 UCX_TRANSPORTS = {"ucx": None, "ucx-tcp": "tcp"}  # bench name -> UCX_TLS (None: UCX's choice)
-RMA = "ucx-rma"
 HOST, CUDA, CUDA_PINNED = "host", "cuda", "cuda-pinned"  # where a client task's bytes end up
 DESTINATIONS = (HOST, CUDA, CUDA_PINNED)
 _GET = "/ucxbench.Bench/Get"
 _UCX_GET = "/ucxbench.Bench/UcxGet"
-_RMA_INFO = "/ucxbench.Bench/RmaInfo"
-_RMA_GET = "/ucxbench.Bench/RmaGet"
-_RMA_INFO_REPLY = struct.Struct("<QI")  # remote base address, rkey length; rkey, worker address
 _GET_REQUEST = struct.Struct("<QI")  # offset, size
 _UCX_REQUEST = struct.Struct("<QQIB")  # tag_base, offset, size, index into UCX_TRANSPORTS
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 2 * SOURCE_BYTES)]
@@ -130,109 +119,6 @@ def block_offset(index: int, size: int) -> int:
     return (index * 4099 * 4096) % (SOURCE_BYTES - size)
 
 
-# --- one-sided gets through libucp's C API (the alternative we measure against) ------------
-
-UCS_INPROGRESS = 1
-_FIRST_ERROR_POINTER = (1 << 64) - 100  # UCS_PTR_IS_ERR: statuses -100..-1 cast to pointers
-_MEM_MAP_ADDRESS_AND_LENGTH = 0b11  # UCP_MEM_MAP_PARAM_FIELD_ADDRESS | _LENGTH
-
-
-class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t (UCX 1.21)
-    _fields_ = [
-        ("field_mask", ctypes.c_uint64),
-        ("address", ctypes.c_void_p),
-        ("length", ctypes.c_size_t),
-        ("flags", ctypes.c_uint),
-        ("prot", ctypes.c_uint),
-        ("memory_type", ctypes.c_int),
-        ("exported_memh_buffer", ctypes.c_void_p),
-    ]
-
-
-class _RequestParam(ctypes.Structure):  # ucp_request_param_t (UCX 1.21), all fields unused
-    _fields_ = [
-        ("op_attr_mask", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("request", ctypes.c_void_p),
-        ("cb", ctypes.c_void_p),
-        ("datatype", ctypes.c_uint64),
-        ("user_data", ctypes.c_void_p),
-        ("reply_buffer", ctypes.c_void_p),
-        ("memory_type", ctypes.c_int),
-        ("recv_info", ctypes.c_void_p),
-        ("memh", ctypes.c_void_p),
-    ]
-
-
-class UcpRma:
-    """A ucxx worker with RMA enabled, plus the few libucp C calls one-sided gets need."""
-
-    def __init__(self) -> None:
-        import libucx
-        import ucxx._lib.libucxx as ucx_api
-
-        self._api = ucx_api
-        self._lib = ctypes.CDLL(str(Path(libucx.__file__).parent / "lib" / "libucp.so.0"))
-        self._lib.ucp_get_nbx.restype = ctypes.c_void_p
-        features = (ucx_api.Feature.TAG, ucx_api.Feature.RMA, ucx_api.Feature.WAKEUP)
-        self.context = ucx_api.UCXContext({}, features)
-        self.worker = ucx_api.UCXWorker(self.context)
-        self.address = self.worker.address.tobytes()
-        self._endpoint: Any = None
-        self._rkey = ctypes.c_void_p()
-        self._param = _RequestParam()
-
-    def expose(self, buffer: np.ndarray) -> bytes:
-        """Register ``buffer`` for remote reads; returns its packed remote key."""
-        params = _MemMapParams(_MEM_MAP_ADDRESS_AND_LENGTH, buffer.ctypes.data, buffer.nbytes)
-        self._memh = ctypes.c_void_p()
-        handle = ctypes.c_void_p(self.context.handle)
-        _ok(self._lib.ucp_mem_map(handle, ctypes.byref(params), ctypes.byref(self._memh)))
-        packed, size = ctypes.c_void_p(), ctypes.c_size_t()
-        _ok(self._lib.ucp_rkey_pack(handle, self._memh, ctypes.byref(packed), ctypes.byref(size)))
-        rkey = ctypes.string_at(packed, size.value)
-        self._lib.ucp_rkey_buffer_release(packed)
-        return rkey
-
-    def connect(self, address: bytes, rkey: bytes) -> None:
-        remote = self._api.UCXAddress.create_from_buffer(address)
-        self._endpoint = self._api.UCXEndpoint.create_from_worker_address(
-            self.worker, remote, False
-        )
-        ep = ctypes.c_void_p(self._endpoint.handle)
-        _ok(self._lib.ucp_ep_rkey_unpack(ep, rkey, ctypes.byref(self._rkey)))
-
-    async def get(self, out: memoryview, remote_address: int) -> None:
-        """Read ``len(out)`` bytes at ``remote_address`` into ``out``, polling until done."""
-        local = ctypes.addressof(ctypes.c_char.from_buffer(out))
-        ep = ctypes.c_void_p(self._endpoint.handle)
-        request = self._lib.ucp_get_nbx(
-            ep, ctypes.c_void_p(local), ctypes.c_size_t(len(out)),
-            ctypes.c_uint64(remote_address), self._rkey, ctypes.byref(self._param),
-        )  # fmt: skip
-        if request is not None and request >= _FIRST_ERROR_POINTER:
-            _ok(request - (1 << 64))
-        while request:  # NULL: done at once; else a request to progress
-            self.worker.progress()
-            status = self._lib.ucp_request_check_status(ctypes.c_void_p(request))
-            if status != UCS_INPROGRESS:
-                self._lib.ucp_request_free(ctypes.c_void_p(request))
-                _ok(status)
-                return
-            await asyncio.sleep(0)
-
-    def close(self) -> None:
-        if self._endpoint is not None:
-            self._lib.ucp_rkey_destroy(self._rkey)
-            self._endpoint.close()
-            self._endpoint = None
-
-
-def _ok(status: int) -> None:
-    if status != 0:
-        raise RuntimeError(f"libucp call failed with ucs_status_t {status}")
-
-
 # --- server process ---------------------------------------------------------------------
 
 
@@ -245,8 +131,6 @@ class BenchServer:
         tls_options = UCX_TRANSPORTS.values() if ucx_available() else []
         self.senders = [UcxServer(UcxWorker(tls, spin_s=spin_s)) for tls in tls_options]
         self._posts: set[asyncio.Future[bool]] = set()
-        self.rma = UcpRma() if ucx_available() else None
-        self._rkey = self.rma.expose(self._array) if self.rma else b""
 
     def get(self, request: bytes, context: Any) -> bytes:
         offset, size = _GET_REQUEST.unpack(request)
@@ -262,23 +146,10 @@ class BenchServer:
         post.add_done_callback(self._posts.discard)
         return b""
 
-    def rma_info(self, request: bytes, context: Any) -> bytes:
-        """Where the source buffer lives, its remote key and the RMA worker's address."""
-        header = _RMA_INFO_REPLY.pack(self._array.ctypes.data, len(self._rkey))
-        return header + self._rkey + self.rma.address
-
-    def rma_get(self, request: bytes, context: Any) -> bytes:
-        """The lookup a one-sided read still needs: the address of (offset, size)."""
-        offset, _ = _GET_REQUEST.unpack(request)
-        self.rma.worker.progress()  # wire-up messages from new endpoints
-        return struct.pack("<Q", self._array.ctypes.data + offset)
-
     def handler(self) -> grpc.GenericRpcHandler:
         methods = {
             "Get": self.get,
             "UcxGet": self.ucx_get,
-            "RmaInfo": self.rma_info,
-            "RmaGet": self.rma_get,
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(_as_async(fn)) for name, fn in methods.items()
@@ -356,9 +227,6 @@ class BenchClient:
     ) -> None:
         self._get = channel.unary_unary(_GET)
         self._ucx_get = channel.unary_unary(_UCX_GET)
-        self._rma_info = channel.unary_unary(_RMA_INFO)
-        self._rma_get = channel.unary_unary(_RMA_GET)
-        self.rma: UcpRma | None = None
         self.pool = BufferPool(max_bytes, concurrency)
         self.slots = [self.pool.try_acquire() for _ in range(concurrency)]
         self.cuda = cuda
@@ -375,8 +243,6 @@ class BenchClient:
     ) -> Callable[[int], Awaitable[bool]]:
         if transport == "grpc":
             return lambda task: self.grpc_get(task, size, destination)
-        if transport == RMA:
-            return lambda task: self.rma_get(task, size, destination)
         index = list(UCX_TRANSPORTS).index(transport)
         return lambda task: self.ucx_get(index, task, size, destination)
 
@@ -421,21 +287,6 @@ class BenchClient:
         await self._landed(destination, task, size)
         return num_bytes == size
 
-    async def connect_rma(self) -> None:
-        """Fetch the server's RMA details once, as a client would per node."""
-        reply = await self._rma_info(b"")
-        _, rkey_bytes = _RMA_INFO_REPLY.unpack_from(reply)
-        rkey = reply[_RMA_INFO_REPLY.size :][:rkey_bytes]
-        self.rma = UcpRma()
-        self.rma.connect(reply[_RMA_INFO_REPLY.size + rkey_bytes :], rkey)
-
-    async def rma_get(self, task: int, size: int, destination: str) -> bool:
-        reply = await self._rma_get(_GET_REQUEST.pack(self._next_offset(task, size), size))
-        (remote_address,) = struct.unpack("<Q", reply)
-        await self.rma.get(self._landing(destination, task, size), remote_address)
-        await self._landed(destination, task, size)
-        return True
-
     async def check(
         self, transport: str, destination: str, size: int, concurrency: int, source: np.ndarray
     ) -> None:
@@ -453,8 +304,6 @@ class BenchClient:
     async def close(self) -> None:
         for receiver in self.receivers:
             await receiver.close()
-        if self.rma is not None:
-            self.rma.close()
 
 
 async def measure(
@@ -581,8 +430,6 @@ async def bench(args: argparse.Namespace, pairs: list[tuple[str, str]], torch: A
             cuda = None if torch is None else CudaSlots(torch, slot_bytes, num_slots)
             client = BenchClient(ch, slot_bytes, num_slots, args.spin_us / 1e6, cuda)
             client.server_pid = proc.pid
-            if any(transport == RMA for transport, _ in pairs):
-                await client.connect_rma()
             source = source_buffer()
             for size in args.sizes:
                 for concurrency in args.concurrency:
@@ -643,7 +490,7 @@ def results_table(results: list[Result]) -> Table:
 
 def _transport_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = set(names) - {"grpc", *UCX_TRANSPORTS, RMA}
+    unknown = set(names) - {"grpc", *UCX_TRANSPORTS}
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown transports {sorted(unknown)}")
     return names
