@@ -30,6 +30,7 @@ from kvstore.errors import BadReply, KVStoreError
 from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
+from kvstore.protowire import field_head
 from kvstore.tls import aio_channel
 
 CHANNEL_OPTIONS = (
@@ -184,27 +185,14 @@ def encode_put_request(
     ]
     for key, pieces in items:
         shard_bytes = sum(len(p) for p in pieces)
-        body = len(_field_head(1, len(key))) + len(key) + len(_field_head(2, shard_bytes))
-        parts += (_field_head(3, body + shard_bytes), _field(1, key), _field_head(2, shard_bytes))
+        body = len(field_head(1, len(key))) + len(key) + len(field_head(2, shard_bytes))
+        parts += (field_head(3, body + shard_bytes), _field(1, key), field_head(2, shard_bytes))
         parts += pieces
     return b"".join(parts)
 
 
 def _field(number: int, value: bytes) -> bytes:
-    return _field_head(number, len(value)) + value
-
-
-def _field_head(number: int, size: int) -> bytes:
-    return bytes((number << 3 | 2,)) + _varint(size)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return field_head(number, len(value)) + value
 
 
 def consume_result(task: asyncio.Future[Any]) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvstore.protowire import decode_varint
+
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 _RESULTS_TAG = (1 << 3) | _WIRE_LEN
 _STATUS_TAG = (1 << 3) | _WIRE_VARINT
@@ -55,14 +57,14 @@ def _fields(view: memoryview) -> list[tuple[int, memoryview | int]]:
     fields: list[tuple[int, memoryview | int]] = []
     position, end = 0, len(view)
     while position < end:
-        tag, position = _varint(view, position)
+        tag, position = decode_varint(view, position)
         wire_type = tag & 7
         if wire_type == _WIRE_VARINT:
-            value, position = _varint(view, position)
+            value, position = decode_varint(view, position)
             fields.append((tag, value))
             continue
         if wire_type == _WIRE_LEN:
-            size, position = _varint(view, position)
+            size, position = decode_varint(view, position)
         elif wire_type in (_WIRE_FIXED64, _WIRE_FIXED32):
             size = 8 if wire_type == _WIRE_FIXED64 else 4
         else:
@@ -72,16 +74,3 @@ def _fields(view: memoryview) -> list[tuple[int, memoryview | int]]:
         fields.append((tag, view[position : position + size]))
         position += size
     return fields
-
-
-def _varint(view: memoryview, position: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if position >= len(view) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = view[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, position
-        shift += 7

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from erasure.shard import HEADER_BYTES
+from kvstore.protowire import decode_varint, field_head
 
 ENTRY_BYTES = 64
 TABLE_HEAD = struct.Struct("<II")  # num_entries, payload_bytes
@@ -43,7 +44,7 @@ _ENTRY = struct.Struct("<IB3xI4x")  # key index, status, payload bytes (then the
 assert _ENTRY.size + HEADER_BYTES == ENTRY_BYTES
 MISS, HIT, CORRUPT = 0, 1, 2
 CHUNK_BYTES = 4 << 20
-_CHUNK_TAG = 0x0A  # ReadBatchChunk.data: field 1, length-delimited
+_CHUNK_FIELD = 1  # ReadBatchChunk.data
 
 # The entry layout as numpy sees it, shard header fields included (erasure/shard.py).
 ENTRY_DTYPE = np.dtype(
@@ -141,32 +142,15 @@ def encode_chunks(
 
 def _chunk(parts: list[memoryview]) -> bytes:
     size = sum(len(p) for p in parts)
-    return b"".join([bytes((_CHUNK_TAG,)), _varint(size), *parts])
+    return b"".join([field_head(_CHUNK_FIELD, size), *parts])
 
 
 def chunk_data(message: bytes) -> memoryview:
     """The answer bytes a serialized ReadBatchChunk carries (a view, no copy)."""
     view = memoryview(message)
-    if not len(view) or view[0] != _CHUNK_TAG:
+    if not len(view) or view[0] != field_head(_CHUNK_FIELD, 0)[0]:
         raise ValueError("not a ReadBatchChunk message")
-    size, start = 0, 1
-    for shift in range(0, 64, 7):
-        if start >= len(view):
-            raise ValueError("ReadBatchChunk cut short")
-        byte = view[start]
-        start += 1
-        size |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            break
+    size, start = decode_varint(view, 1)
     if start + size != len(view):
         raise ValueError(f"ReadBatchChunk says {size} bytes but holds {len(view) - start}")
     return view[start:]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)

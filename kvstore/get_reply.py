@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.protowire import encode_varint
 from kvstore.shard_reader import GetResult
 
 _RESULT_TAG, _STATUS_TAG, _SHARD_TAG = b"\x0a", b"\x08", b"\x12"
@@ -20,17 +21,8 @@ def encode_get_shards_reply(results: Sequence[GetResult]) -> bytes:
     """A serialized GetShardsReply."""
     parts: list[bytes] = []
     for result in results:
-        fields = [_STATUS_TAG + _varint(int(result.status))] if result.status else []
+        fields = [_STATUS_TAG + encode_varint(int(result.status))] if result.status else []
         for shard in result.shards:
-            fields += (_SHARD_TAG + _varint(len(shard)), shard)
-        parts += (_RESULT_TAG + _varint(sum(map(len, fields))), *fields)
+            fields += (_SHARD_TAG + encode_varint(len(shard)), shard)
+        parts += (_RESULT_TAG + encode_varint(sum(map(len, fields))), *fields)
     return b"".join(parts)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
