@@ -50,7 +50,7 @@ bench-erasure: install
 	$(VENV)/bin/kvstore bench erasure --json out/bench_erasure.json
 
 bench-storage: install system-packages
-	$(VENV)/bin/kvstore bench storage --baseline redis --json out/bench_storage.json
+	$(VENV)/bin/kvstore bench storage --baseline redis --batch 1,8 --transport grpc,ucx --json out/bench_storage.json
 
 bench-engine: install
 	$(VENV)/bin/kvstore bench engine --json out/bench_engine.json
