@@ -10,9 +10,10 @@ where its payload goes (:func:`landing_regions`)::
       anything else (parity, the zero-padded last data shard, -> None: it lands apart (scratch
       another version of the same length, plain get)            or the received chunk)
 
-Over UCX the regions become one scatter receive; over gRPC :class:`StreamLander` copies each
-chunk's bytes into them as chunks arrive. With every data shard present the block is then
-complete without a copy by the decoder (erasure/codec.py skips payloads already in place).
+Over UCX each payload is received into its region (one group receive per node); over
+gRPC :class:`StreamLander` copies each chunk's bytes into them as chunks arrive. With every
+data shard present the block is then complete without a copy by the decoder
+(erasure/codec.py skips payloads already in place).
 The decision is made from the header before any byte lands, so a payload is never written
 into a block it does not belong to; the shard checksum is still verified once it landed.
 """
@@ -91,7 +92,7 @@ class NodeAnswer:
 
 
 def fill_apart(regions: list[memoryview | None], sizes: list[int], arena: ByteArena) -> Region:
-    """Give every None region a place in one scratch region (for a scatter receive)."""
+    """Give every None region a place in one scratch region (for the UCX receives)."""
     scratch = arena.take(
         sum(size for region, size in zip(regions, sizes, strict=True) if region is None)
     )

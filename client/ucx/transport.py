@@ -4,7 +4,7 @@ A batch read from one node registers where the node's messages must land, then s
 request over UCX with a fresh tag base (client/ucx/reader.py; kvstore/ucx/frames.py has the
 exchange). :class:`UcxReceiveBatch` registers one contiguous slot per message, for the UCX
 microbenchmark (bench/ucx_bench.py) and tests; the read path receives its payloads with one
-scatter receive per node instead.
+group receive per node instead (kvstore/ucx/worker.py).
 
 Tags are made here and are unique per client worker: a random 44-bit request counter in the
 high bits and the message index in the low 20 bits (kvstore.ucx.worker.batch_tag).

@@ -1,20 +1,21 @@
 """Node side of the UCX data path: send shard bytes from the memory that holds them.
 
-A node's UCX worker listens for read requests (kvstore/ucx/frames.py has the frames and the
-exchange) and answers each with messages to the asking client's worker::
+A node's UCX worker listens for batch read requests (kvstore/ucx/frames.py has the frames and
+the exchange) and answers each with messages to the asking client's worker::
 
     client                                     node
     ------                                     ----
-    batch = transport.new_batch(slots)         (slot i: where key i's payload must land)
+    expects the reply (tag_base) and payload
+    i (tag_base + 1 + i), regions named later
     request(keys, worker_address, tag_base)
-                          ----- UCX ------>    look up the shards, then
+                          ----- UCX ------>    read the batch into staging, then
                                                UcxServer.post(worker_address, tag_base,
-                                               [payloads..., reply]) sends payload i with
-                          <---- UCX -------    tag_base + i, straight from the bytes it read,
-    batch.wait(...) -> byte counts             and the reply (headers) after them; over shared
-    verify shard checksums, decode             memory the client pulls each payload with a CMA
-                                               read; once the client took every message the
-                                               post's future is done and the bytes are freed
+                                               [reply, payload 0, payload 1, ...]) sends
+                          <---- UCX -------    message i with tag tag_base + i, straight from
+    each payload received into its place,      the staging; over shared memory the client
+    verify shard checksums, decode             pulls each payload with a CMA read; once it
+                                               took every message the post's future is done
+                                               and the staging is released
 
 A MISS or a segment freed by expiry is reported in the reply and nothing is sent for it; the
 node keeps what it sends from alive until the post's future is done. Endpoints to clients
