@@ -246,6 +246,30 @@ async def test_get_into_over_ucx_lands_payloads_in_place(cluster: LocalCluster) 
             assert await kv.get(key) == block, "get over UCX (buffers of their own) failed"
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+async def test_a_node_whose_ucx_address_went_stale_is_read_over_grpc(
+    cluster: LocalCluster, stored: dict
+) -> None:
+    """n02 restarts (a new UCX worker address) while n01 is down, so every batch needs n02:
+    the UCX request to its old address gets no reply, and the read falls back to gRPC."""
+    sample = dict(list(stored.items())[150:170])
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport="ucx") as kv:
+        assert await kv.get_batch(list(sample)) == list(sample.values())
+        try:
+            cluster.kill_node("n01")
+            cluster.restart_node("n02")
+            outs = [bytearray(len(b)) for b in sample.values()]
+            landed = await kv.get_batch_into(list(sample), outs, timeout_s=20)
+            assert all(landed), "a batch missed although 11 of 12 nodes were up"
+            assert [bytes(o) for o in outs] == list(sample.values()), "wrong bytes after fallback"
+            assert kv.ucx is not None and kv.ucx.counters.num_fallbacks > 0, (
+                "the stale node was never read over gRPC: no fallback happened"
+            )
+        finally:
+            cluster.restart_node("n01")
+
+
 def _flip_bytes(paths: list[Path], rng: random.Random) -> list[tuple[Path, int, int]]:
     """Flip one byte every ~2 KiB of each file; return (path, offset, original) to undo it."""
     undo = []
