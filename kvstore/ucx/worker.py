@@ -190,6 +190,7 @@ class UcxWorker:
         *,
         spin_s: float = DEFAULT_SPIN_S,
         idle_wait_s: float = 0.05,
+        busy_wait_s: float = 0.0005,
         grace_s: float = 10.0,
     ) -> None:
         if ucx_api is None or _UCP is None:
@@ -202,6 +203,7 @@ class UcxWorker:
         self.address: bytes = self._worker.address.tobytes()
         self._spin_s = spin_s
         self._idle_wait_s = idle_wait_s
+        self._busy_wait_s = busy_wait_s
         self._grace_s = grace_s  # how long a cancelled tag's late message is still drained
         self._expected: dict[int, _Receive] = {}
         self._matched: dict[int, _Receive] = {}
@@ -493,7 +495,13 @@ class UcxWorker:
     async def _wait_for_event(self) -> None:
         """Sleep until the worker's epoll fd fires, new work arrives, or idle_wait_s passes."""
         if not self._worker.arm():
-            return  # events are already pending: progress again
+            # UCX reports work pending but had none to do this turn: typically sends waiting
+            # for their receiver to pull (rendezvous), whose completion raises no event. Do
+            # not spin on them: the receiver's pull needs no progress here, and a short sleep
+            # delays only our own bookkeeping (a node spun about 4,000 turns a second per
+            # pending batch, 1.2-4.7 CPU-seconds per GB over the 12 nodes).
+            await asyncio.sleep(self._busy_wait_s)
+            return
         loop = asyncio.get_running_loop()
         wakeup = self._wakeup = loop.create_future()
         fd = self._worker.epoll_file_descriptor
