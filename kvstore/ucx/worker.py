@@ -61,9 +61,13 @@ Progress
     registered), yielding to the loop between calls; after ``spin_s`` without activity it arms
     the worker and sleeps on its epoll file descriptor (and wakes when new work is submitted).
     An idle worker costs no CPU, which matters with a dozen nodes and clients sharing two
-    cores. ``spin_s`` defaults to 0: polling 200 us before sleeping cost 4 MiB reads over UCX
-    about a third of their throughput on the 2-core machine (12 nodes polling), and on a
-    16-core H200 host it won at some settings and lost at others, within 20%.
+    cores. UCX refuses to arm while rendezvous sends wait for their receiver's pull, and those
+    raise no event: then the loop sleeps ``busy_wait_s`` (0.5 ms) between turns instead of
+    spinning (on the H200 host this cut the 12 nodes' CPU per GB by about a third at the same
+    throughput; docs/i18/README.md, run 4). ``spin_s`` defaults to 0: polling 200 us before
+    sleeping cost 4 MiB reads over UCX about a third of their throughput on the 2-core
+    machine (12 nodes polling), and on a 16-core H200 host it won at some settings and lost
+    at others, within 20%.
 """
 
 from __future__ import annotations
