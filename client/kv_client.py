@@ -177,7 +177,10 @@ class KVClient:
         readers = [self.ucx.reader(conn) for conn in self._conn_list]
         self.readers = list(readers)
         if forced:
-            await asyncio.gather(*(reader.observe() for reader in readers))
+            # The client's own timeout, not the background asks' 2 s: a loaded machine answers
+            # a first Health on a fresh channel slowly, and "ucx" then fails to connect.
+            timeout_s = self.config.client.timeout_s
+            await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
             if not any(reader.usable() for reader in readers):
                 raise Unavailable(
                     "transport='ucx' but no node answered with a UCX address this client "

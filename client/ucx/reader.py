@@ -111,10 +111,10 @@ class UcxReader:
             return False
         return transport.reachable(self.node_id)
 
-    async def observe(self) -> None:
+    async def observe(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         """Ask the node's Health for its UCX address and record it (errors: unknown)."""
         try:
-            reply = await self.conn.call("Health", pb.HealthRequest(), HEALTH_TIMEOUT_S)
+            reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
         except KVStoreError as exc:
             log.debug("node %s: no Health reply for its UCX address: %s", self.node_id, exc)
             return
