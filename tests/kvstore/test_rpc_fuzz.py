@@ -12,17 +12,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import ucx_get
 from kvstore.auth import Role, add_principal
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.ucx import frames as ucx_frames
 from tests.kvstore.node_harness import make_shard, write_config
 
 pytestmark = pytest.mark.timeout(300)
 RPCS = (
     "PutShards",
     "GetShards",
-    "GetShardsStream",
+    "ReadBatch",
     "Contains",
     "Delete",
     "Purge",
@@ -62,7 +62,7 @@ def messages(draw: st.DrawFn, rpc: str) -> bytes:
             traffic_class=draw(st.sampled_from(["chat", "agent", "", "nope"])),
             shards=[pb.ShardPut(key=k, shard=s) for k, s in items],
         )
-    elif rpc in ("GetShards", "GetShardsStream"):
+    elif rpc in ("GetShards", "ReadBatch"):
         message = pb.GetShardsRequest(
             tenant=draw(tenants), keys=draw(keys), version=draw(st.binary(max_size=20))
         )
@@ -84,11 +84,8 @@ def messages(draw: st.DrawFn, rpc: str) -> bytes:
 def _call(channel: grpc.Channel, rpc: str, raw: bytes, metadata) -> grpc.StatusCode:
     method = f"/kvstore.v1.ShardStore/{rpc}"
     try:
-        if rpc == "GetShardsStream":
-            replies = channel.stream_stream(method)(
-                iter([raw, raw]), timeout=CALL_TIMEOUT_S, metadata=metadata
-            )
-            list(replies)
+        if rpc == "ReadBatch":
+            list(channel.unary_stream(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata))
         else:
             channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata)
     except grpc.RpcError as exc:
@@ -147,7 +144,7 @@ def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
 def test_ucx_request_frames_parse_or_are_refused(frame: bytes) -> None:
     """The UCX read request's parser (reached by anyone who can send to the node's worker)."""
     try:
-        token, request = ucx_get.decode_request(frame)
+        token, request = ucx_frames.decode_request(frame)
     except InvalidArgument:
         return
     assert isinstance(token, str) and request.HasField("ucx")
