@@ -150,10 +150,11 @@ async def test_purge_reports_per_node_and_reaches_a_returning_node(
     by_node = {n["node_id"]: n for n in report["nodes"]}
     assert not by_node[down]["done"] and by_node[down]["error"]
     done = [n for n in report["nodes"] if n["done"]]
-    # Every node of the one 12-node group holds one shard of each of the tenant's two blocks
-    # (but for a background shard put that timed out under load).
+    # Every node of the one 12-node group holds one shard of each of the tenant's two blocks,
+    # but for background shard puts that timed out under load (a CI run saw one node hold
+    # neither), so a node may report 0; the total below still needs 10 per block.
     counts = {n["node_id"]: n["num_deleted"] for n in done}
-    assert len(done) == 11 and all(1 <= c <= 2 for c in counts.values()), str(
+    assert len(done) == 11 and all(0 <= c <= 2 for c in counts.values()), str(
         sorted(counts.items())
     )
     assert sum(n["num_deleted"] for n in done) >= 2 * 10, report
