@@ -16,35 +16,24 @@ Why one message per shard, received straight into its place (not one message per
     ctypes calls in the worker's dispatch loop (probe, receive, and a status poll when the
     transfer is not done at once): one :class:`GroupReceive` and one future per node per
     batch, never one per shard.
-    Measured alternatives (scratch scripts on the 2-core machine, 8 x 410 KiB per request):
-    - one message per node received into an IOV (UCX's scatter datatype, through
-      kvstore/ucx/ucp.py): UCX then picks a protocol where the *sender* writes each region
-      (CMA writes after the receiver's ready-to-receive), and the sender's worker cannot sleep
-      while such a transfer is open (``ucp_worker_arm`` reports busy): 15,000 progress turns
-      for 20 requests against 90 for contiguous receives; in the 12-node cluster the nodes
-      spent 5-7 CPU-seconds per GB against 1.1-1.8 over gRPC. Forcing
-      ``RNDV_SCHEME=get_zcopy`` did not change it;
-    - one gathered message received contiguously and copied into place: 0.27 / 0.42 CPU
-      seconds per GB (client / server) against 0.19 / 0.18 for a message per shard, one
-      server, 4 requests in flight;
-    - one-sided RMA writes with the client's rkey: a hedged read stops waiting for its
-      slowest node, and that node's write could then land in a buffer the caller already
-      owns again; a tagged message lands only once the receiver matched it. RMA gets would
-      need the node to keep its staging alive until a "done" message;
-    - sending an IOV (gathering from the node's memory) stalls an endpoint for good with
-      UCX 1.21 when its wire-up has not yet seen a rendezvous message.
+    The alternatives we measured and dropped (one message per node into an IOV, one
+    gathered message copied into place, one-sided RMA writes, sending an IOV) are in
+    docs/ucx-measurements.md with their figures; in short, each either kept the node's
+    worker busy per byte, cost more CPU per GB, or could write into a buffer after its read
+    stopped guarding it.
 
 UCX over TCP (``transports="tcp"``; the only transport this wheel has between hosts without a
-system UCX built for RDMA) moved 0.4-0.5 GB/s at 4 MiB, below gRPC: pick UCX for a peer only
-when a worker with ``transports="^tcp"`` can reach it (shared memory, CMA, RDMA).
+system UCX built for RDMA) moves less than gRPC (docs/ucx-measurements.md): pick UCX for a
+peer only when a worker with ``transports="^tcp"`` can reach it (shared memory, CMA, RDMA).
 
 Why endpoints from worker addresses, with peer error handling off
     Endpoints made from worker addresses (exchanged over gRPC) with error handling off use
-    shared memory (about 20 GB/s at 4 MiB); with error handling on, UCX drops the shared-memory
-    transports and falls back to TCP (0.7-1.6 GB/s). Without UCX's peer failure detection we
-    detect failures ourselves: every wait has a timeout, gRPC tells us a node is down or
-    restarted, and over TCP a dead peer still surfaces as a connection-reset error. A sender
-    survives a dead receiver (measured: its send just never completes, or fails over TCP).
+    shared memory; with error handling on, UCX drops the shared-memory transports and falls
+    back to TCP, an order of magnitude slower (docs/ucx-measurements.md). Without UCX's peer
+    failure detection we detect failures ourselves: every wait has a timeout, gRPC tells us a
+    node is down or restarted, and over TCP a dead peer still surfaces as a connection-reset
+    error. A sender survives a dead receiver (its send just never completes, or fails over
+    TCP).
 
 Why receives are matched on arrival (probe, then receive) rather than pre-posted
     A pre-posted receive cannot be cancelled safely: a receive already matched keeps writing
@@ -63,11 +52,9 @@ Progress
     An idle worker costs no CPU, which matters with a dozen nodes and clients sharing two
     cores. UCX refuses to arm while rendezvous sends wait for their receiver's pull, and those
     raise no event: then the loop sleeps ``busy_wait_s`` (0.5 ms) between turns instead of
-    spinning (on the H200 host this cut the 12 nodes' CPU per GB by about a third at the same
-    throughput; docs/i18/README.md, run 4). ``spin_s`` defaults to 0: polling 200 us before
-    sleeping cost 4 MiB reads over UCX about a third of their throughput on the 2-core
-    machine (12 nodes polling), and on a 16-core H200 host it won at some settings and lost
-    at others, within 20%.
+    spinning, which cut the nodes' CPU per GB at the same throughput. ``spin_s`` defaults to
+    0: polling before sleeping cost throughput on the 2-core machine, where a dozen nodes
+    poll, and was a wash on a 16-core host (figures in docs/ucx-measurements.md).
 """
 
 from __future__ import annotations
@@ -502,8 +489,8 @@ class UcxWorker:
             # UCX reports work pending but had none to do this turn: typically sends waiting
             # for their receiver to pull (rendezvous), whose completion raises no event. Do
             # not spin on them: the receiver's pull needs no progress here, and a short sleep
-            # delays only our own bookkeeping (a node spun about 4,000 turns a second per
-            # pending batch, 1.2-4.7 CPU-seconds per GB over the 12 nodes).
+            # delays only our own bookkeeping (spinning cost the nodes CPU per GB for nothing:
+            # docs/ucx-measurements.md).
             await asyncio.sleep(self._busy_wait_s)
             return
         loop = asyncio.get_running_loop()
