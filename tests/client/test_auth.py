@@ -18,8 +18,8 @@ from client import KVClient
 from deploy.local_cluster import LocalCluster
 from kvstore.auth import Role
 from kvstore.errors import InvalidArgument, PermissionDenied
-from kvstore.proto import kvstore_pb2 as pb
 from kvstore.ucx.worker import ucx_available
+from tests.client.secure_cluster import wait_for_token
 
 pytestmark = pytest.mark.timeout(180)
 KEY = bytes(range(16))
@@ -45,17 +45,7 @@ def tokens(cluster: LocalCluster) -> dict[str, str]:
 
 
 async def _wait_for_reload(cluster: LocalCluster, token: str) -> None:
-    """Nodes re-read the credentials file within a second of a change: wait until every node
-    accepts ``token`` (``contains`` alone returns once k nodes answered, and a put needs 11)."""
-    async with KVClient.connect(cluster.cluster_toml, tenant="acme", token=token) as kv:
-        request = pb.ContainsRequest(tenant="acme", keys=[KEY])
-        for _ in range(50):
-            calls = (conn.call("Contains", request, 5.0) for conn in kv.conns.values())
-            replies = await asyncio.gather(*calls, return_exceptions=True)
-            if not any(isinstance(reply, PermissionDenied) for reply in replies):
-                return
-            await asyncio.sleep(0.1)
-    raise AssertionError("nodes never accepted a token added to the credentials file")
+    await wait_for_token(cluster, "acme", token)
 
 
 def _record_loop_errors() -> list[dict[str, Any]]:

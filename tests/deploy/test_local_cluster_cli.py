@@ -98,10 +98,16 @@ def test_up_with_auth_and_tls_add_tenant_status_and_caps(tmp_path: Path) -> None
         assert added.returncode == 0, added.stderr
         token = added.stdout.strip()
         assert token.startswith("kvst_") and token not in (root / "credentials.toml").read_text()
-        time.sleep(1.5)  # nodes re-read the credentials file; the next tick applies the caps
-        status = _kvstore("cluster", "status", "--dir", str(root), "--json")
-        assert status.returncode == 0, f"status with the admin token failed:\n{status.stderr}"
-        document = json.loads(status.stdout)
+        # Nodes re-read the credentials file within a second (later under load); the next
+        # tick applies the caps.
+        deadline_s = time.monotonic() + 30.0
+        while True:
+            status = _kvstore("cluster", "status", "--dir", str(root), "--json")
+            assert status.returncode == 0, f"status with the admin token failed:\n{status.stderr}"
+            document = json.loads(status.stdout)
+            if document["retention_caps"] or time.monotonic() > deadline_s:
+                break
+            time.sleep(0.2)
         assert document["auth"] and document["tls"]
         assert document["retention_caps"] == [
             {"tenant": "acme", "traffic_class": "chat", "max_ttl_s": 86400.0}
