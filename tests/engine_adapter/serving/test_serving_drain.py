@@ -9,9 +9,11 @@ import asyncio
 import os
 import random
 import signal
+import time
 
 import pytest
 
+from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.router import Router
 from engine_adapter.serving.serve import WorkerPool
 from tests.engine_adapter.serving.conftest import reference_generate
@@ -26,6 +28,14 @@ SLOW_MS = "150"  # per token on the drained worker: it is mid-request when the d
 def _prompt(seed: int, num_tokens: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1024) for _ in range(num_tokens)]
+
+
+async def _wait_active(router: Router, worker_id: str, timeout_s: float = 60.0) -> None:
+    worker = next(w for w in router.endpoints if w.worker_id == worker_id)
+    deadline_s = time.monotonic() + timeout_s
+    while (await worker.stub.Health(pb.HealthRequest(), timeout=5.0)).num_active == 0:
+        assert time.monotonic() < deadline_s, f"{worker_id} was never given a request"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -54,7 +64,10 @@ async def test_drained_decode_worker_hands_requests_on_unchanged(
                 )
                 for p in prompts
             ]
-            await asyncio.sleep(2.0)  # d1 decodes one and has one queued; d0 runs the others
+            # d1 decodes one and has one queued; d0 runs the others. On a loaded machine the
+            # prefills take longer: wait for d1 to hold a request too.
+            await asyncio.sleep(2.0)
+            await _wait_active(router, "d1")
             if how == "rpc":
                 assert await router.drain("d1", grace_s=0.8) >= 1, "d1 held no request"
             else:

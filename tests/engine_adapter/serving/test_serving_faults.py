@@ -91,7 +91,11 @@ async def test_decode_worker_killed_fails_cleanly_then_recovers(worker_pool: Wor
             assert time.monotonic() - start_s < 5, "the router was slow to see d0 die"
             assert worker_pool.restart_dead() == ["d0"]  # what `kvstore serve` does each second
             worker_pool.wait_ready()
-            await asyncio.sleep(1.5)  # the router's probe finds d0 again
+            d0 = next(w for w in router.endpoints if w.worker_id == "d0")
+            deadline_s = time.monotonic() + 30
+            while not d0.healthy:  # the router's probe (about every second) finds d0 again
+                assert time.monotonic() < deadline_s, "the router never saw d0 come back"
+                await asyncio.sleep(0.1)
             again = await router.generate(token_ids=prompt, tenant="faults", max_new_tokens=4)
     finally:
         if not worker_pool.workers["d0"].alive:
