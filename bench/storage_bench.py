@@ -5,7 +5,7 @@
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--batch 1,8] [--seconds S]
         [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx]
-        [--encryption]
+        [--encryption] [--secure]
 
 One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
 after another for ``--seconds``; ``--batch B`` makes each call carry B keys (``put_batch`` /
@@ -26,7 +26,10 @@ redis-py's reply parser (``settings.redis_parser``: hiredis when it is installed
 ``--encryption`` a second kvstore client whose tenant's blocks are sealed (AES-256-GCM,
 client/sealer.py) runs the same workload interleaved with the plain one (``kvstore/sealed``;
 ratio "sealed/plain MB/s"), and the report's ``seal_cost`` gives the CPU-seconds per GB of
-sealing and opening alone, on one core.
+sealing and opening alone, on one core. With ``--secure`` the bench also starts a second local
+cluster with tokens and mutual TLS on every channel (``cluster up --auth --mtls``) and runs the
+same workload on it, interleaved with the plain cluster (``kvstore/secure``; ratio
+"secure/plain MB/s"): what authentication and TLS cost the data plane.
 """
 
 from __future__ import annotations
@@ -63,11 +66,11 @@ from bench.common import (
 from client import KVClient
 from client.keyring import Keyring, MasterKeyFile, new_master_key
 from client.sealer import BlockSealer
-from deploy.local_cluster import LocalCluster
+from deploy.local_cluster import LocalCluster, local_client_cert
 from erasure.allocator import tune_glibc_malloc
 from kvstore.cli import list_arg, size_arg
 from kvstore.config import EncryptionConfig, load_cluster
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.progress import ProgressReporter
 from kvstore.tables import make_console, print_fitted
 from ttl.units import size_label
@@ -395,10 +398,11 @@ def ratios(results: list[Result]) -> list[dict[str, Any]]:
         if redis_runs and redis_runs[0].mb_per_s:
             ratio = ours.mb_per_s / redis_runs[0].mb_per_s
             rows.append(_ratio_row(f"{ours.system}/redis MB/s", ours, ratio))
-        sealed_runs = setting_to_calm.get(("kvstore/sealed", *setting))
-        if ours.system == "kvstore" and sealed_runs and ours.mb_per_s:
-            ratio = sealed_runs[0].mb_per_s / ours.mb_per_s
-            rows.append(_ratio_row("sealed/plain MB/s", ours, ratio))
+        for variant in ("sealed", "secure"):
+            runs = setting_to_calm.get((f"kvstore/{variant}", *setting))
+            if ours.system == "kvstore" and runs and ours.mb_per_s:
+                ratio = runs[0].mb_per_s / ours.mb_per_s
+                rows.append(_ratio_row(f"{variant}/plain MB/s", ours, ratio))
     return rows
 
 
@@ -481,6 +485,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             keys_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kv-keys-")))
             sealed = await _sealed_target(cluster_toml, keys_dir)
             systems.insert(1, SystemUnderTest(sealed, workload.rng))
+        if args.secure:
+            secure = await _secure_target(stack, args)
+            systems.insert(1, SystemUnderTest(secure, workload.rng))
         if with_redis:
             port = stack.enter_context(redis_server())
             systems.append(SystemUnderTest(RedisTarget(port, _redis_pid(port)), workload.rng))
@@ -544,6 +551,33 @@ async def _sealed_target(cluster_toml: Path, keys_dir: Path) -> KVStoreTarget:
     encryption = EncryptionConfig((SEALED_TENANT,), str(keys_dir / "keyring.json"), str(master))
     client = await KVClient.connect(replace(config, encryption=encryption), tenant=SEALED_TENANT)
     return KVStoreTarget(client, "grpc", "kvstore/sealed")
+
+
+async def _secure_target(stack: contextlib.ExitStack, args: argparse.Namespace) -> KVStoreTarget:
+    """A tenant's client of a second local cluster with tokens and mutual TLS (stopped by
+    ``stack``), its nodes set up as the plain cluster's."""
+    if args.cluster is not None:
+        raise InvalidArgument(
+            "--secure starts a secured cluster of its own beside the local one; drop --cluster "
+            "(to bench a secured cluster of yours, point --cluster at it and set KVSTORE_TOKEN "
+            "and KVSTORE_TLS_CERT/KVSTORE_TLS_KEY)"
+        )
+    root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-bench-tls-")))
+    overrides: dict[str, Any] = {"scrub_bytes_per_s": 0}
+    if args.no_fsync:
+        overrides["fsync"] = False
+    cluster = stack.enter_context(
+        LocalCluster.start(
+            root, num_nodes=args.nodes, backend=args.backend, auth=True, mtls=True, **overrides
+        )
+    )
+    token = cluster.add_tenant("bench")
+    cert, key = local_client_cert(root, cluster.config)
+    client = await KVClient.connect(
+        cluster.cluster_toml, tenant="bench", token=token, tls_cert_file=cert, tls_key_file=key
+    )
+    await client.wait_until_accepted()
+    return KVStoreTarget(client, "grpc", "kvstore/secure")
 
 
 def seal_cost(block_sizes: list[int], min_s: float = 0.5) -> list[dict[str, Any]]:
@@ -637,6 +671,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--encryption",
         action="store_true",
         help="also bench a tenant whose blocks are sealed (AES-GCM), interleaved with plain",
+    )
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="also bench a second local cluster with tokens and mutual TLS, interleaved",
     )
     parser.add_argument(
         "--malloc",

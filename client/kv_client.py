@@ -416,6 +416,32 @@ class KVClient:
             for node_id, reply in zip(self.conns, replies, strict=True)
         }
 
+    async def wait_until_accepted(self, timeout_s: float = 30.0) -> None:
+        """Return once every node accepts this client's token; Unavailable after ``timeout_s``.
+
+        Nodes re-read the credentials file about once a second (later on a loaded machine),
+        so a token just added (``kvstore cluster add-tenant``) is refused for a while; reads
+        that return at k nodes hide that, a put that needs 11 does not."""
+        request = pb.ContainsRequest(tenant=self.tenant, keys=[bytes(16)])
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+        while True:
+            calls = (conn.call("Contains", request, 5.0) for conn in self.conns.values())
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+            refused = [
+                n
+                for n, r in zip(self.conns, replies, strict=True)
+                if isinstance(r, PermissionDenied)
+            ]
+            if not refused:
+                return
+            if loop.time() > deadline_s:
+                raise Unavailable(
+                    f"nodes {', '.join(refused)} still refuse this client's token after "
+                    f"{timeout_s:g} s: is it in their credentials file?"
+                )
+            await asyncio.sleep(0.1)
+
     def counters(self) -> dict[str, int]:
         """This client's read and write counters (ReadCounters and WriteCounters fields)."""
         return {**dataclasses.asdict(self.read_counters), **dataclasses.asdict(self.write_counters)}

@@ -17,7 +17,7 @@ import pytest
 from client import KVClient
 from deploy.local_cluster import LocalCluster
 from kvstore.auth import Role
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.ucx.worker import ucx_available
 from tests.client.secure_cluster import wait_for_token
 
@@ -95,6 +95,14 @@ async def test_impostor_fails_for_every_call(cluster: LocalCluster, tokens: dict
     gc.collect()
     await asyncio.sleep(0.05)
     assert not errors, f"refused calls left asyncio errors behind: {errors[:3]}"
+
+
+async def test_waiting_for_a_token_no_node_knows_fails_and_names_the_nodes(
+    cluster: LocalCluster,
+) -> None:
+    async with KVClient.connect(cluster.cluster_toml, "acme", "kvst_never-added") as kv:
+        with pytest.raises(Unavailable, match=r"n00.*still refuse this client's token"):
+            await kv.wait_until_accepted(timeout_s=0.5)
 
 
 async def test_service_acts_only_for_its_allow_list(cluster: LocalCluster, tokens: dict) -> None:
