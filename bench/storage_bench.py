@@ -483,7 +483,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         client = systems[0].target.client
         if args.encryption:
             keys_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kv-keys-")))
-            sealed = await _sealed_target(cluster_toml, keys_dir)
+            sealed = await _sealed_target(cluster_toml, keys_dir, cluster)
             systems.insert(1, SystemUnderTest(sealed, workload.rng))
         if args.secure:
             secure = await _secure_target(stack, args)
@@ -544,13 +544,15 @@ def _redis_parser() -> str:
     return "hiredis" if HIREDIS_AVAILABLE else "python"
 
 
-async def _sealed_target(cluster_toml: Path, keys_dir: Path) -> KVStoreTarget:
+async def _sealed_target(
+    cluster_toml: Path, keys_dir: Path, cluster: LocalCluster | None
+) -> KVStoreTarget:
     """A client of a tenant whose blocks are sealed, keys under ``keys_dir``."""
     config = await asyncio.to_thread(load_cluster, cluster_toml)
     master = new_master_key(keys_dir / "master.key")
     encryption = EncryptionConfig((SEALED_TENANT,), str(keys_dir / "keyring.json"), str(master))
     client = await KVClient.connect(replace(config, encryption=encryption), tenant=SEALED_TENANT)
-    return KVStoreTarget(client, "grpc", "kvstore/sealed")
+    return KVStoreTarget(client, "grpc", "kvstore/sealed", cluster)
 
 
 async def _secure_target(stack: contextlib.ExitStack, args: argparse.Namespace) -> KVStoreTarget:
@@ -577,7 +579,7 @@ async def _secure_target(stack: contextlib.ExitStack, args: argparse.Namespace) 
         cluster.cluster_toml, tenant="bench", token=token, tls_cert_file=cert, tls_key_file=key
     )
     await client.wait_until_accepted()
-    return KVStoreTarget(client, "grpc", "kvstore/secure")
+    return KVStoreTarget(client, "grpc", "kvstore/secure", cluster)
 
 
 def seal_cost(block_sizes: list[int], min_s: float = 0.5) -> list[dict[str, Any]]:
