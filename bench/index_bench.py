@@ -8,7 +8,8 @@ Puts ``--entries`` shard entries with random keys (the order puts arrive in) thr
 ``kvstore.index.IndexWriter`` into a fresh ``LmdbBackend``, in transactions of 1,000 as the
 node's group commit does, and divides by the entries both the pages the B-trees use and the
 file's size (which also holds the pages lmdb's copy-on-write keeps free for reuse). Each entry
-has a chat-class TTL, so it carries all four keys (entries, expiry, access, by-segment). The
+has a chat-class TTL, so it carries all five keys (entries, expiry, access, by-segment,
+by-group). The
 file figure is ``ttl.plan.DEFAULT_INDEX_BYTES_PER_SHARD``, the index line of ``kvstore plan``.
 """
 

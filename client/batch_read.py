@@ -9,12 +9,17 @@ block, every checksum verified.
     their place in the caller's blocks, the rest apart (client/landing.py)
          -> every HIT shard verified (codec.verify), tallied per key by version
          -> a key is decided when one version has k shards, or when the requests still
-            pending for it cannot give k: then its group's reserve nodes are asked, once
+            pending for it cannot give k: then its group's reserve nodes are asked, once;
+            keys still undecided hedge_delay_s after the start ask their reserves too
     every key decided -> cancel the requests still out (their transports stop writing first)
          -> decode each complete key into its buffer (data shards already there: no copy)
+         -> per hit, in the background (client/follow_ups.py): touch the block's shard on
+            the group's nodes not heard from (so no shard of a read block expires early),
+            and hint repair if a node answered without the version's shard
 
 A slow or dead node never holds the batch: each key needs any k of the 11 asked, so the
-batch ends when the other ten have answered, and the slow node's request is cancelled. The
+batch ends when the other ten have answered, and the slow node's request is cancelled. Two
+hung nodes among the 11 cost the hedge delay: then the 12th is asked. The
 client's Python work per batch is per node (a request, an answer, a table decoded with numpy)
 plus a short loop per shard (one checksum call, one tally update); it never creates a future
 or a message per shard.
@@ -29,6 +34,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from client.landing import NodeAnswer, Wanted
 from client.node_conn import NodeConn, NodeReader, consume_result
@@ -60,6 +66,14 @@ class ReadCounters:
     num_decode_failures: int = 0  # versions whose k shards did not rebuild a valid block
 
 
+class FollowUpSink(Protocol):
+    """Where a read's follow-ups go (client/follow_ups.py FollowUps)."""
+
+    def touch(self, node_ids: Sequence[str], key: bytes, version: bytes) -> None: ...
+
+    def hint_repair(self, group: int, key: bytes) -> None: ...
+
+
 @dataclass
 class _Request:
     """One request to one node: which batch keys, and which shard of each it holds."""
@@ -81,6 +95,8 @@ class BatchRead:
         fanout: int,
         max_batch_bytes: int,
         counters: ReadCounters,
+        hedge_delay_s: float = 0.0,
+        follow_ups: FollowUpSink | None = None,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -89,6 +105,8 @@ class BatchRead:
         self.fanout = fanout
         self.max_batch_bytes = max_batch_bytes
         self.counters = counters
+        self.hedge_delay_s = hedge_delay_s  # 0 = ask reserves only for hopeless keys
+        self.follow_ups = follow_ups
 
     async def run(
         self,
@@ -110,9 +128,12 @@ class BatchRead:
         finally:
             await state.stop()
         try:
-            return state.decode()
+            blocks = state.decode()
         finally:
             state.release()
+        if self.follow_ups is not None:
+            state.follow_up(blocks, self.follow_ups)
+        return blocks
 
 
 class _State:
@@ -140,6 +161,9 @@ class _State:
         self.asked_nodes: set[int] = set()
         self.reserve: dict[int, tuple[int, ...]] = {}  # group -> shard positions in reserve
         self.reserve_asked = [False] * len(keys)
+        # Shard indexes whose node answered for each key: with a HIT, or without one.
+        self.heard_hit: list[set[int]] = [set() for _ in keys]
+        self.heard_miss: list[set[int]] = [set() for _ in keys]
         self.k = k
         self._plan()
 
@@ -202,13 +226,21 @@ class _State:
     async def gather(self) -> None:
         """Absorb answers until every key is decided or every request finished; then give
         requests that still owe data shards a short grace (see :meth:`_wait_for_data`)."""
-        started_s = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started_s = loop.time()
+        hedge_at_s = started_s + self.read.hedge_delay_s if self.read.hedge_delay_s else None
         while self.tasks and self.num_undecided:
-            done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+            timeout_s = None if hedge_at_s is None else max(0.0, hedge_at_s - loop.time())
+            done, _ = await asyncio.wait(
+                self.tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
             for task in done:
                 self._absorb(task, self.tasks.pop(task))
-            self._ask_reserves()
-        await self._wait_for_data(asyncio.get_running_loop().time() - started_s)
+            hedged = hedge_at_s is not None and loop.time() >= hedge_at_s
+            if hedged:
+                hedge_at_s = None  # once: nodes that have not answered in time are skipped
+            self._ask_reserves(every_undecided=hedged)
+        await self._wait_for_data(loop.time() - started_s)
 
     async def _wait_for_data(self, elapsed_s: float) -> None:
         """Wait up to DATA_GRACE of the batch's time for requests owing data shards.
@@ -247,10 +279,20 @@ class _State:
             answer = None
         if answer is not None:
             self.answers.append(answer)
+            self._note_heard(answer, request)
             self._tally(answer, request)
         for position in request.wanted.positions:
             self.pending[position] -= 1
             self._decide_if_hopeless(position)
+
+    def _note_heard(self, answer: NodeAnswer, request: _Request) -> None:
+        """Which shard indexes answered each key, with a HIT or without (for follow-ups)."""
+        wanted = request.wanted
+        entries = answer.entries
+        rows = zip(entries["key_index"].tolist(), entries["status"].tolist(), strict=True)
+        for key_index, status in rows:
+            heard = self.heard_hit if status == batch_answer.HIT else self.heard_miss
+            heard[wanted.positions[key_index]].add(wanted.shard_indexes[key_index])
 
     def _tally(self, answer: NodeAnswer, request: _Request) -> None:
         """Verify and count every HIT shard of one node's answer (the per-shard loop)."""
@@ -291,11 +333,13 @@ class _State:
         self.decided[position] = True
         self.num_undecided -= 1
 
-    def _ask_reserves(self) -> None:
-        """Ask the reserve nodes for the keys that can no longer complete otherwise (once)."""
+    def _ask_reserves(self, *, every_undecided: bool = False) -> None:
+        """Ask the reserve nodes for the keys that can no longer complete otherwise, or for
+        every undecided key at the hedge (once per key)."""
         group_to_positions: dict[int, list[int]] = {}
         for position in range(len(self.keys)):
-            if self._hopeless(position) and not self.reserve_asked[position]:
+            wanted = self._hopeless(position) or (every_undecided and not self.decided[position])
+            if wanted and not self.reserve_asked[position]:
                 self.reserve_asked[position] = True
                 group_to_positions.setdefault(self.groups[position], []).append(position)
         for group, positions in group_to_positions.items():
@@ -356,6 +400,36 @@ class _State:
             log.warning("dropping version %s: %s", version.hex(), exc)
             self.read.counters.num_decode_failures += 1
             return None
+
+    def follow_up(self, blocks: list[bytes | memoryview | None], sink: FollowUpSink) -> None:
+        """Per hit: touch the version's shard on the group's nodes not heard from for the key
+        (reserves not asked, requests cancelled or failed; the nodes that served it refreshed
+        it already), and hint repair when a node answered without the version's shard (a
+        miss, a corrupt shard, an older version) so the group's leader rebuilds it."""
+        for position, block in enumerate(blocks):
+            version = self.complete[position]
+            if block is None or version is None:
+                continue
+            group = self.groups[position]
+            members = self.read.group_members[group]
+            key = self.keys[position]
+            heard = self.heard_hit[position] | self.heard_miss[position]
+            unheard = [
+                self.read.conns[node].node_id
+                for index, node in enumerate(members)
+                if index not in heard and not self.read.conns[node].is_suspect()
+            ]
+            if unheard:
+                sink.touch(unheard, key, version)
+            has_version = self.collectors[position].version_to_shards.get(version, {})
+            other_versions = {
+                index
+                for v, shards in self.collectors[position].version_to_shards.items()
+                if v != version
+                for index in shards
+            }
+            if self.heard_miss[position] or other_versions - set(has_version):
+                sink.hint_repair(group, key)
 
     def release(self) -> None:
         """Free the scratch of every answer (after decoding: parity shards live there)."""

@@ -4,7 +4,7 @@
 
     kv = await KVClient.connect("DIR/cluster.toml", tenant="acme", token=None)
     async with KVClient.connect(...) as kv: ...          # or: async with await ...connect(...)
-    await kv.put(key, data, traffic_class="chat")        # QuorumError below the write quorum
+    await kv.put(key, data, traffic_class="chat")        # QuorumError below k shards stored
     await kv.get(key) -> bytes | None                    # None is a miss
     await kv.get_into(key, out) -> bool                  # decodes straight into ``out``
     await kv.contains(keys) -> list[bool]
@@ -23,7 +23,13 @@ What a caller sees: ``get`` returns the exact bytes some ``put`` of that key sto
 two writers' bytes and never bytes that fail the block checksum. Misuse (a key that is not 16
 bytes, an oversized block, an unknown traffic class, a ``get_into`` buffer of the wrong size, a
 bad token) raises a kvstore.errors exception. ``contains`` and ``match_prefix`` send one
-batched RPC per node per call and do not refresh TTLs; a ``get`` hit does.
+batched RPC per node per call and do not refresh TTLs; a ``get`` hit does, on every shard of
+the block (the nodes that did not serve it get a batched touch, client/follow_ups.py).
+
+Writes return at ``write_quorum`` (11) shards, or ``hedge_delay_s`` after ``min_write_shards``
+(k) were stored: a put with two nodes of the group down succeeds, and the group's repair
+leader is told to rebuild the missing shards (kvstore/repair_service.py). Every shard carries
+the client's write time, by which the nodes keep a key's newest version only.
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from client.batch_read import BatchRead, ReadCounters
+from client.follow_ups import FollowUps
 from client.keyring import open_keyring
 from client.node_conn import NodeConn, NodeReader, consume_result
 from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally
 from client.ucx.reader import UcxReads
 from client.ucx.transport import UcxTransport
-from client.write_path import BatchWrite, WriteCounters
+from client.write_path import BatchWrite, WriteCounters, WritePolicy
 from erasure.codec import byte_view, make_codec
 from kvstore.auth import client_token
 from kvstore.byte_arena import ByteArena
@@ -102,6 +109,8 @@ class KVClient:
         self._group_members = [[node_index[n] for n in group] for group in config.groups]
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
+        # Touches after read hits, repair hints after short reads and writes (background).
+        self.follow_ups = FollowUps(self.conns, config.groups, tenant, config.client.timeout_s)
         self._write_spare = ByteArena(WRITE_SPARE_BYTES)
         self._background: set[asyncio.Task[Any]] = set()
         self.ucx: UcxReads | None = None  # the UCX read path, when connect() enabled it
@@ -205,7 +214,7 @@ class KVClient:
         *,
         timeout_s: float | None = None,
     ) -> None:
-        """Store ``data`` under ``key``; QuorumError if fewer than write_quorum shards land."""
+        """Store ``data`` under ``key``; QuorumError if fewer than min_write_shards (k) land."""
         await self.put_batch([key], [data], traffic_class=traffic_class, timeout_s=timeout_s)
 
     async def put_batch(
@@ -219,8 +228,9 @@ class KVClient:
         """Store ``blocks[i]`` under ``keys[i]``: one PutShards per node for the whole batch.
 
         Stores every block it can. Raises QuorumError naming the keys (also as its ``keys``
-        attribute) whose blocks reached fewer than write_quorum nodes; the other blocks are
-        stored. Misuse (bad key, unknown class, oversized block) raises before anything is sent.
+        attribute) whose blocks reached fewer than min_write_shards nodes; the other blocks
+        are stored. Misuse (bad key, unknown class, oversized block) raises before anything
+        is sent. A block stored with fewer than k+m shards is hinted to repair.
         """
         if len(keys) != len(blocks):
             raise InvalidArgument(
@@ -234,17 +244,34 @@ class KVClient:
             views = [memoryview(self.sealer.seal(k, v)) for k, v in zip(keys, views, strict=True)]
         if not keys:
             return
+        groups = [self.placement.group_index(key) for key in keys]
+
+        def on_short(positions: list[int]) -> None:
+            for position in positions:
+                self.follow_ups.hint_repair(groups[position], keys[position])
+
         write = BatchWrite(
             self.codec,
             self._conn_list,
             self._group_members,
-            self.config.client.write_quorum,
+            self._write_policy(),
             self._write_spare,
             self.write_counters,
             self._background,
+            on_short,
         )
-        groups = [self.placement.group_index(key) for key in keys]
-        await write.run(keys, groups, views, traffic_class, self._timeout_s(timeout_s))
+        await write.run(
+            keys, groups, views, traffic_class, self._timeout_s(timeout_s), self.clock.now()
+        )
+
+    def _write_policy(self) -> WritePolicy:
+        client = self.config.client
+        return WritePolicy(
+            quorum=client.write_quorum,
+            min_shards=self.config.min_write_shards,
+            hedge_delay_s=client.hedge_delay_s,
+            k=self.config.codec.k,
+        )
 
     def _block_view(self, data: Buffer) -> memoryview:
         view = _byte_view(data, "put data")
@@ -313,6 +340,8 @@ class KVClient:
             self.config.client.read_fanout,
             min(n.max_batch_bytes for n in self.config.nodes),
             self.read_counters,
+            self.config.client.hedge_delay_s,
+            self.follow_ups,
         )
         groups = [self.placement.group_index(key) for key in keys]
         if self.sealer is None:
@@ -443,8 +472,13 @@ class KVClient:
             await asyncio.sleep(0.1)
 
     def counters(self) -> dict[str, int]:
-        """This client's read and write counters (ReadCounters and WriteCounters fields)."""
-        return {**dataclasses.asdict(self.read_counters), **dataclasses.asdict(self.write_counters)}
+        """This client's read, write and follow-up counters (ReadCounters, WriteCounters and
+        FollowUpCounters fields)."""
+        return {
+            **dataclasses.asdict(self.read_counters),
+            **dataclasses.asdict(self.write_counters),
+            **dataclasses.asdict(self.follow_ups.counters),
+        }
 
     async def close(self) -> None:
         """Let background shard puts finish (bounded by their deadline), then close channels."""
@@ -452,6 +486,7 @@ class KVClient:
             return
         self._closed = True
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.follow_ups.close()  # touches and hints still pending go out first
         if self.ucx is not None:
             await self.ucx.close()  # its background Health asks use the channels
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))

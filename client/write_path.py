@@ -1,26 +1,45 @@
-"""The batch write: every block encoded, one PutShards per node per batch, done at the quorum.
+"""The batch write: every block encoded, one PutShards per node per batch, done per key at the
+write quorum, or degraded at min_write_shards.
 
 ::
 
     blocks -> encode_into (data payloads view the caller's blocks; parity and padded tails
               in one reused arena region) -> per node ONE request with the shard it holds of
-              every key of the batch (encoded with one copy of each shard, client/node_conn.py)
-           -> all nodes at once, each request retried on transient errors until the deadline
-           -> every key reaches write_quorum successes -> return; stragglers finish in the
-              background;  some keys cannot -> wait for the rest, raise QuorumError naming them
+              every key of the batch (encoded with one copy of each shard and the batch's
+              write time, client/node_conn.py)
+           -> every node of each key's group at once, each request retried on transient
+              errors until the deadline
+           -> a key is decided when it has write_quorum (11) shards stored; or when it has
+              min_write_shards (10, = k) and hedge_delay_s passed since every key of the
+              batch had that many, or only nodes that just failed are still pending for it
+              (degraded: the missing shards are hinted to repair); or when it cannot reach
+              min_write_shards any more (QuorumError names it)
+           -> every key decided -> return; the requests still in flight finish in the
+              background (bounded by the deadline), and one that fails hints its keys too
+
+Every put goes to all k+m nodes, a node that failed recently too: a restarted node takes the
+next write as soon as it answers, and a dead one fails fast (a hung one costs the hedge delay).
+
+Degraded writes, not hinted handoff (README, "Repair"): with two nodes of a group down a put
+succeeds with k shards on the k nodes that are up, and the group's leader rebuilds the two
+missing shards on their owners once they are back. Handing the shards to other nodes instead
+would keep 12 shards, but in a group that spans every node (12 nodes, groups of 12) the only
+other nodes already hold a shard of the block, so a node holding two would make its loss cost
+two shards: no redundancy gained for the extra bookkeeping, reads of misplaced shards, and
+the move back.
 
 A node stores its request all or nothing (one index transaction), so a key counts one shard
-stored per node whose request succeeded. Shards stored for a key below the quorum stay on
-their nodes: they carry the block's version, so a reader never combines them with another
-version's shards, and with fewer than k of them the block reads as a miss. The node commits
-concurrent requests together (kvstore/group_commit.py).
+stored per node whose request succeeded. A key that fails stored fewer than k shards, so it is
+never readable: the error says how many landed where, and that the nodes that stored one
+retired the key's older version. The node commits concurrent requests together
+(kvstore/group_commit.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +56,7 @@ from kvstore.errors import (
 
 PUT_ATTEMPTS = 3
 FIRST_BACKOFF_S = 0.01  # then x4 per attempt
+_VERSION = slice(20, 36)  # the block checksum in a shard header (erasure/shard.py)
 
 
 @dataclass
@@ -45,13 +65,18 @@ class WriteCounters:
     num_put_batches: int = 0
     num_put_requests: int = 0  # PutShards sent (one per node per batch, usually)
     num_put_retries: int = 0  # requests retried after a transient error
-    num_quorum_failures: int = 0  # blocks that missed the write quorum
+    num_quorum_failures: int = 0  # blocks below min_write_shards
+    num_degraded_puts: int = 0  # blocks left with fewer than k+m shards (repair hinted)
 
 
-def write_targets(suspect: Sequence[bool], quorum: int) -> list[int]:
-    """Group positions to send shards to: skip suspect nodes unless the quorum needs them."""
-    healthy = [i for i, is_suspect in enumerate(suspect) if not is_suspect]
-    return healthy if len(healthy) >= quorum else list(range(len(suspect)))
+@dataclass(frozen=True)
+class WritePolicy:
+    """When a write returns (kvstore/config.py ClientConfig)."""
+
+    quorum: int  # write_quorum: return at once with this many shards of a key stored
+    min_shards: int  # min_write_shards: below it a key fails
+    hedge_delay_s: float  # how long keys at min_shards wait for more
+    k: int  # shards a read needs
 
 
 async def put_with_retries(
@@ -73,25 +98,34 @@ async def put_with_retries(
 
 
 class BatchWrite:
-    """One batch write (see module doc). Use once: ``await run()``."""
+    """One batch write (see module doc). Use once: ``await run()``.
+
+    ``on_short(positions)`` is called (now, or when a request left running in the background
+    fails) with the batch positions of keys that were stored but with fewer than k+m shards:
+    the caller hints their repair. Each position is reported at most once.
+    """
 
     def __init__(
         self,
         codec: Codec,
         conns: Sequence[NodeConn],
         group_members: Sequence[Sequence[int]],
-        quorum: int,
+        policy: WritePolicy,
         arena: ByteArena,
         counters: WriteCounters,
         background: set[asyncio.Task[Any]],
+        on_short: Callable[[list[int]], None] = lambda positions: None,
     ) -> None:
         self.codec = codec
         self.conns = conns
         self.group_members = group_members
-        self.quorum = quorum
+        self.policy = policy
         self.arena = arena
         self.counters = counters
         self.background = background
+        self._on_short = on_short
+        self._reported: set[int] = set()
+        self._versions: list[bytes] = []
 
     async def run(
         self,
@@ -100,11 +134,12 @@ class BatchWrite:
         blocks: Sequence[memoryview],
         traffic_class: str,
         timeout_s: float,
+        written_at_s: float = 0.0,
     ) -> None:
         deadline_s = time.monotonic() + timeout_s
         self.counters.num_put_batches += 1
         self.counters.num_puts += len(keys)
-        requests = self._requests(keys, groups, blocks, traffic_class)
+        requests = self._requests(keys, groups, blocks, traffic_class, written_at_s)
         tasks = {
             asyncio.ensure_future(
                 put_with_retries(self.conns[node], request, deadline_s, self.counters)
@@ -120,6 +155,7 @@ class BatchWrite:
         groups: Sequence[int],
         blocks: Sequence[memoryview],
         traffic_class: str,
+        written_at_s: float,
     ) -> list[tuple[int, bytes, list[int]]]:
         """(node, its encoded PutShards request, the batch positions it stores) per request:
         one per node, more where a node's shards pass half its max_batch_bytes.
@@ -137,10 +173,8 @@ class BatchWrite:
                 size = codec.spare_bytes(len(block))
                 shards = codec.encode_into(block, spare.view[start : start + size])
                 start += size
-                members = self.group_members[group]
-                suspect = [self.conns[n].is_suspect() for n in members]
-                for shard_index in write_targets(suspect, self.quorum):
-                    node = members[shard_index]
+                self._versions.append(bytes(memoryview(shards[0][0])[_VERSION]))
+                for shard_index, node in enumerate(self.group_members[group]):
                     node_to_items.setdefault(node, []).append((key, shards[shard_index]))
                     node_to_positions.setdefault(node, []).append(position)
             requests = []
@@ -148,7 +182,9 @@ class BatchWrite:
                 conn = self.conns[node]
                 positions = node_to_positions[node]
                 for start, end in _spans([len(h) + len(p) for _, (h, p) in items], conn):
-                    request = encode_put_request(conn.tenant, traffic_class, items[start:end])
+                    request = encode_put_request(
+                        conn.tenant, traffic_class, items[start:end], written_at_s
+                    )
                     requests.append((node, request, positions[start:end]))
             return requests
         finally:
@@ -157,59 +193,130 @@ class BatchWrite:
     async def _until_decided(
         self, keys: Sequence[bytes], tasks: dict[asyncio.Future[None], tuple[int, list[int]]]
     ) -> None:
-        """Wait until every key reached the quorum or cannot; raise for those that cannot."""
-        num_targets = [0] * len(keys)
-        for _, positions in tasks.values():
+        """Wait until every key is decided (module docstring); raise for those that failed."""
+        policy = self.policy
+        state = _KeyStates(len(keys))
+        for node, positions in tasks.values():
             for position in positions:
-                num_targets[position] += 1
-        num_stored, num_failed = [0] * len(keys), [0] * len(keys)
+                state.pending[position].add(node)
+        hedge_at_s: float | None = None
         errors: dict[int, BaseException] = {}
-
-        def undecided() -> bool:
-            return any(
-                stored < self.quorum <= targets - failed
-                for stored, failed, targets in zip(num_stored, num_failed, num_targets, strict=True)
+        while tasks and not state.all_decided(policy, hedge_at_s, self._is_suspect):
+            timeout_s = None if hedge_at_s is None else max(0.0, hedge_at_s - time.monotonic())
+            done, _ = await asyncio.wait(
+                tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
-
-        while tasks and undecided():
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 node, positions = tasks.pop(task)
-                counts = num_stored if task.exception() is None else num_failed
-                if task.exception() is not None:
-                    errors[node] = task.exception()  # type: ignore[assignment]
-                for position in positions:
-                    counts[position] += 1
-        for task in tasks:  # the quorum is decided for every key: the rest in the background
+                if (exc := task.exception()) is not None:
+                    errors[node] = exc
+                state.record(node, positions, exc is None)
+            if hedge_at_s is None and state.all_at_min(policy):
+                hedge_at_s = time.monotonic() + policy.hedge_delay_s
+        failed = [i for i, nodes in enumerate(state.stored) if len(nodes) < policy.min_shards]
+        failed_set = set(failed)
+        short = [i for i in range(len(keys)) if state.failed[i] and i not in failed_set]
+        self._report_short(short)
+        for task, (_, positions) in tasks.items():  # decided: the rest in the background
             self.background.add(task)
             task.add_done_callback(self.background.discard)
             task.add_done_callback(consume_result)
-        failed = [i for i, stored in enumerate(num_stored) if stored < self.quorum]
+            kept = [p for p in positions if p not in failed_set]
+            task.add_done_callback(lambda t, kept=kept: self._on_background_done(t, kept))
         if failed:
             self.counters.num_quorum_failures += len(failed)
-            raise self._quorum_error(keys, failed, num_stored, errors)
+            raise self._quorum_error(keys, failed, state, errors)
+
+    def _is_suspect(self, node: int) -> bool:
+        return self.conns[node].is_suspect()
+
+    def _on_background_done(self, task: asyncio.Future[None], positions: list[int]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self._report_short(positions)
+
+    def _report_short(self, positions: list[int]) -> None:
+        new = [p for p in positions if p not in self._reported]
+        if new:
+            self._reported.update(new)
+            self.counters.num_degraded_puts += len(new)
+            self._on_short(new)
 
     def _quorum_error(
         self,
         keys: Sequence[bytes],
         failed: list[int],
-        num_stored: list[int],
+        state: _KeyStates,
         errors: dict[int, BaseException],
     ) -> KVStoreError:
-        """Misuse (bad argument, bad token) surfaces as itself; anything else is a QuorumError."""
+        """Misuse (bad argument, bad token) surfaces as itself; anything else is a QuorumError
+        that says exactly what each failed key left behind."""
         for exc in errors.values():
             if isinstance(exc, InvalidArgument | PermissionDenied):
                 return exc
-        named = ", ".join(f"{keys[i].hex()} ({num_stored[i]} stored)" for i in failed[:8])
-        more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+        k = self.policy.k
+        details = []
+        for i in failed[:4]:
+            stored = state.stored[i]
+            num_shards = len(stored) + len(state.failed[i]) + len(state.pending[i])
+            on = ", ".join(sorted(self.conns[n].node_id for n in stored)) or "no node"
+            if len(stored) >= k:
+                readable = f"{k} or more, so it IS readable (repair completes it)"
+            else:
+                readable = (
+                    f"fewer than the {k} a read needs, so it is not readable unless "
+                    f"{k - len(stored)} of the {len(state.pending[i])} puts still in flight land"
+                )
+            details.append(
+                f"key {keys[i].hex()} stored {len(stored)} of {num_shards} shards of version "
+                f"{self._versions[i].hex()} (on {on}): {readable}"
+            )
+        more = f"; and {len(failed) - 4} more" if len(failed) > 4 else ""
         causes = "; ".join(f"{self.conns[n].node_id}: {e}" for n, e in list(errors.items())[:4])
         error = QuorumError(
-            f"{len(failed)} of {len(keys)} blocks are below the write quorum of {self.quorum} "
-            f"shards: {named}{more}. Failed nodes: {causes or 'none'}. Those blocks are not "
-            "stored (the others are); retry them when the nodes are back"
+            f"{len(failed)} of {len(keys)} blocks are below min_write_shards "
+            f"{self.policy.min_shards}: {'; '.join(details)}{more}. The stored shards stay "
+            "until their TTL, and each node that stored one retired the key's older version "
+            f"there. Failed nodes: {causes or 'none'}. Those blocks are not stored (the others "
+            "are); retry them when the nodes are back"
         )
         error.keys = [keys[i] for i in failed]  # type: ignore[attr-defined]
         return error
+
+
+class _KeyStates:
+    """Per batch position: the nodes that stored its shard, failed it, or are still pending."""
+
+    def __init__(self, num_keys: int) -> None:
+        self.stored: list[set[int]] = [set() for _ in range(num_keys)]
+        self.failed: list[set[int]] = [set() for _ in range(num_keys)]
+        self.pending: list[set[int]] = [set() for _ in range(num_keys)]
+
+    def record(self, node: int, positions: list[int], ok: bool) -> None:
+        outcome = self.stored if ok else self.failed
+        for position in positions:
+            self.pending[position].discard(node)
+            outcome[position].add(node)
+
+    def all_at_min(self, policy: WritePolicy) -> bool:
+        """Every key has min_shards stored or can no longer get them (the hedge starts)."""
+        return all(
+            len(stored) >= policy.min_shards or len(stored) + len(pending) < policy.min_shards
+            for stored, pending in zip(self.stored, self.pending, strict=True)
+        )
+
+    def all_decided(
+        self, policy: WritePolicy, hedge_at_s: float | None, is_suspect: Callable[[int], bool]
+    ) -> bool:
+        hedged = hedge_at_s is not None and time.monotonic() >= hedge_at_s
+        for stored, pending in zip(self.stored, self.pending, strict=True):
+            if len(stored) >= policy.quorum or not pending:
+                continue
+            if len(stored) + len(pending) < policy.min_shards:
+                continue  # fails: no need to wait for it
+            if len(stored) >= policy.min_shards and (hedged or all(map(is_suspect, pending))):
+                continue  # degraded: waiting on nodes that just failed buys nothing
+            return False
+        return True
 
 
 def _spans(shard_bytes: list[int], conn: NodeConn) -> list[tuple[int, int]]:

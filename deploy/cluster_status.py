@@ -3,13 +3,21 @@
 The JSON (``--json``)::
 
     {"cluster_toml": ..., "epoch": 1, "tls": true, "auth": true,
+     "repair_backlog_shards": 0,
      "retention_caps": [{"tenant", "traffic_class", "max_ttl_s"}],
      "nodes": [{"id", "address", "failure_domain", "pid", "up", "shards", "bytes",
-                "used_bytes", "capacity_bytes", "corrupt_shards", "segments", "hits",
-                "misses", "last_tombstone_seq", "classes": [{"traffic_class", "shards",
-                "bytes", "hits", "misses", "expired", "evicted", "youngest_evicted_age_s"}]}]}
+                "used_bytes", "index_bytes", "capacity_bytes", "quarantined_bytes",
+                "corrupt_shards", "segments", "hits", "misses", "retired_versions",
+                "last_tombstone_seq",
+                "repair": {"backlog_shards", "rebuilt_shards", "rebuilt_bytes", "read_bytes",
+                           "skipped_expiring", "unrecoverable", "fenced", "queued_hints",
+                           "passes", "led_groups"},
+                "classes": [{"traffic_class", "shards", "bytes", "hits", "misses",
+                             "expired", "evicted", "youngest_evicted_age_s"}]}]}
 
 A node that does not answer (or refuses the credential) has ``"up": false`` and no figures.
+``repair_backlog_shards`` is the sum of every answering node's repair backlog: the shards its
+led groups are known to miss (kvstore/repair_service.py); 0 once repair has caught up.
 Stats needs an admin credential when the nodes require auth: the token `cluster up --auth`
 wrote in DIR/admin.token, else ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``. The retention
 caps are the nodes' own (from their credentials file), as the first node that answered
@@ -68,13 +76,14 @@ def _result(future: grpc.Future) -> pb.StatsReply | None:
 
 def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Table:
     table = Table(title=f"kvstore cluster, epoch {config.epoch}")
-    for column in ("node", "address", "pid", "up", "shards", "bytes", "capacity", "corrupt"):
+    columns = ("node", "address", "pid", "up", "shards", "bytes", "capacity", "corrupt", "backlog")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("node", "address") else "right")
     for node in config.nodes:
         reply = stats[node.id]
         pid = str(pids.get(node.id, "-"))
         if reply is None:
-            table.add_row(node.id, node.address, pid, "[red]down[/red]", *["-"] * 4)
+            table.add_row(node.id, node.address, pid, "[red]down[/red]", *["-"] * 5)
             continue
         capacity = format_bytes(reply.capacity_bytes) if reply.capacity_bytes else "-"
         table.add_row(
@@ -86,6 +95,7 @@ def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Tabl
             format_bytes(reply.bytes),
             capacity,
             str(reply.corrupt_shards),
+            str(reply.repair.backlog_shards),
         )
     return table
 
@@ -137,6 +147,7 @@ def status_document(
         "epoch": config.epoch,
         "tls": config.tls_enabled,
         "auth": any(n.credentials_file for n in config.nodes),
+        "repair_backlog_shards": sum(r.repair.backlog_shards for r in stats.values() if r),
         "retention_caps": retention_caps(stats),
         "nodes": [_node_record(node, pids.get(node.id), stats[node.id]) for node in config.nodes],
     }
@@ -156,15 +167,28 @@ def _node_record(node: NodeConfig, pid: int | None, reply: pb.StatsReply | None)
         shards=reply.shards,
         bytes=reply.bytes,
         used_bytes=reply.used_bytes,
+        index_bytes=reply.index_bytes,
         capacity_bytes=reply.capacity_bytes,
+        quarantined_bytes=reply.quarantined_bytes,
         corrupt_shards=reply.corrupt_shards,
         segments=reply.segments,
         hits=reply.hits,
         misses=reply.misses,
+        retired_versions=reply.retired_versions,
         last_tombstone_seq=reply.last_tombstone_seq,
+        repair=_repair_record(reply.repair),
         classes=[_class_record(c) for c in reply.classes],
     )
     return record
+
+
+def _repair_record(repair: pb.RepairStats) -> dict[str, Any]:
+    figures = ("backlog_shards", "rebuilt_shards", "rebuilt_bytes", "read_bytes")
+    figures += ("skipped_expiring", "unrecoverable", "fenced", "queued_hints", "passes")
+    return {
+        **{name: getattr(repair, name) for name in figures},
+        "led_groups": list(repair.led_groups),
+    }
 
 
 def _class_record(c: pb.ClassStats) -> dict[str, Any]:

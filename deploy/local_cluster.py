@@ -86,7 +86,8 @@ MASTER_KEY_FILE = "master.key"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
 PORT_ATTEMPTS = 3
-_PORT_TAKEN = "Address already in use"
+# What a node says when it cannot bind its port: gRPC's own error, or kvstore/node.py's.
+_PORT_TAKEN = ("Address already in use", "the port is taken")
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 _HEALTH_OPTIONS = (
@@ -422,7 +423,8 @@ class LocalCluster:
                 cluster.stop()
                 # Free ports are only free when chosen: another process may bind one before a
                 # node does. With ports of our own choosing, choose again.
-                if base_port is not None or _PORT_TAKEN not in str(exc) or attempt == PORT_ATTEMPTS:
+                taken = any(text in str(exc) for text in _PORT_TAKEN)
+                if base_port is not None or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 log.warning("a port was taken meanwhile; starting again on other ports")
                 config = dataclasses.replace(config, nodes=_new_ports(config.nodes))

@@ -128,6 +128,14 @@ class Principal:
             "service credential"
         )
 
+    def tenant_for_repair(self, claimed: str) -> str:
+        """As :meth:`tenant_for`, and a node principal may act for any tenant: a peer's repair
+        service reads survivors' shards and writes rebuilt ones (kvstore/repair_service.py),
+        and a node holds every tenant's shards on its own disk anyway."""
+        if self.role is Role.NODE:
+            return claimed
+        return self.tenant_for(claimed)
+
     def require(self, *roles: Role) -> None:
         """Raise PermissionDenied unless this principal has one of ``roles`` (or auth is off)."""
         if self.role is not Role.OPEN and self.role not in roles:

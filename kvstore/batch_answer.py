@@ -20,11 +20,13 @@ Over gRPC the answer is cut into chunks of at most ``CHUNK_BYTES``, each one ``R
 message (``0x0A``, a varint length, the bytes): the node copies its staging into them once,
 and the client lands each chunk's bytes where they belong as it arrives.
 
-Every requested key has at least one entry: one MISS or CORRUPT entry, or one HIT entry per
-version the node holds, newest first. A client learns from the table, before any payload
-lands, where each payload will go and which bytes it must be (the header names the shard
-index, the block length and the version), so a payload is never written anywhere it does
-not belong; it still verifies every shard checksum once the payloads are in place.
+Every requested key has at least one entry: one MISS or CORRUPT entry, or one HIT entry
+for the newest version the node holds (or the version asked for; a node keeps one version
+per key, kvstore/group_commit.py). A key named twice in a request has its entry twice. A
+client learns from the table, before any payload lands, where each payload will go and which
+bytes it must be (the header names the shard index, the block length and the version), so a
+payload is never written anywhere it does not belong; it still verifies every shard checksum
+once the payloads are in place.
 """
 
 from __future__ import annotations

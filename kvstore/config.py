@@ -10,7 +10,9 @@
     max_block_bytes = 16777216
     [client]
     read_fanout = 11               # nodes asked per read (k <= fanout <= k+m)
-    write_quorum = 11              # shards that must be stored for a put to succeed
+    write_quorum = 11              # shards a put waits for before it returns
+    min_write_shards = 0           # a put fails below this many (0 = k): degraded writes
+    hedge_delay_s = 0.1            # a node this late is routed around (reads and puts)
     timeout_s = 5.0
     [ttl]
     time_scale = 1.0               # virtual seconds per real second
@@ -48,7 +50,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from collections.abc import Mapping
+import typing
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,7 @@ from ttl.policy import (
 from ttl.units import parse_duration_s, parse_size_bytes
 
 KEY_BYTES = 16  # block keys are xxh3-128 digests
+MAX_PORT = 65535
 MiB = 1 << 20
 
 
@@ -74,13 +78,28 @@ READ_TRANSPORTS = ("grpc", "auto", "ucx")
 
 @dataclass(frozen=True)
 class ClientConfig:
+    """How clients read and write.
+
+    A put returns once ``write_quorum`` shards are stored, or ``hedge_delay_s`` after
+    ``min_write_shards`` (0 = k) were: a down or hung node costs a put at most the hedge delay,
+    and its shards are queued for repair. A read asks ``read_fanout`` nodes and, if they have
+    not given k shards after ``hedge_delay_s``, the rest too.
+    """
+
     read_fanout: int = 11
     write_quorum: int = 11
+    min_write_shards: int = 0
+    hedge_delay_s: float = 0.1
     timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"client timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.hedge_delay_s < self.timeout_s:
+            raise ValueError(
+                f"client hedge_delay_s must be >= 0 and below timeout_s ({self.timeout_s}), "
+                f"got {self.hedge_delay_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -136,13 +155,24 @@ class NodeConfig:
     scrub_bytes_per_s: int = 64 * MiB  # background re-read and verify of records; 0 = no scrub
     scrub_pass_interval_s: float = 3600.0  # a full scrub pass starts at most this often
     ucx: str = "auto"  # UCX data path for reads: "auto" = on when ucxx imports, "off"
+    index_reserve_bytes: int = 0  # disk kept allocated ahead for the index; 0 = 1/32 of the limit
+    repair_bytes_per_s: int = 32 * MiB  # repair reads + writes; 0 disables the repair service
+    repair_scan_interval_s: float = 600.0  # a listing pass over the led groups this often
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("node id must not be empty")
         host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"node {self.id}: address {self.address!r} must be 'host:port'")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
+            raise ValueError(
+                f"node {self.id}: address {self.address!r} must be 'host:port' with a port in "
+                f"1..{MAX_PORT}"
+            )
+        if not 0 <= self.metrics_port <= MAX_PORT:
+            raise ValueError(
+                f"node {self.id}: metrics_port {self.metrics_port} must be in 1..{MAX_PORT} "
+                "(0 turns metrics off)"
+            )
         if not 0 < self.low_watermark < self.high_watermark <= 1.0:
             raise ValueError(f"node {self.id}: need 0 < low_watermark < high_watermark <= 1")
         if self.max_bytes < 0 or self.inject_delay_ms < 0:
@@ -158,6 +188,18 @@ class NodeConfig:
         if self.tombstone_retention_s <= 0 or self.tombstone_sync_interval_s <= 0:
             raise ValueError(
                 f"node {self.id}: tombstone_retention_s and tombstone_sync_interval_s must be > 0"
+            )
+
+        if self.index_reserve_bytes < 0:
+            raise ValueError(
+                f"node {self.id}: need index_reserve_bytes >= 0 (0 = automatic), got "
+                f"{self.index_reserve_bytes}"
+            )
+        if self.repair_bytes_per_s < 0 or self.repair_scan_interval_s <= 0:
+            raise ValueError(
+                f"node {self.id}: need repair_bytes_per_s >= 0 (0 disables repair) and "
+                f"repair_scan_interval_s > 0, got {self.repair_bytes_per_s} and "
+                f"{self.repair_scan_interval_s}"
             )
 
     @property
@@ -252,7 +294,20 @@ class ClusterConfig:
             raise ValueError(f"read_fanout {self.client.read_fanout} must be in [k={k}, k+m={n}]")
         if not k <= self.client.write_quorum <= n:
             raise ValueError(f"write_quorum {self.client.write_quorum} must be in [{k}, {n}]")
+        if self.client.min_write_shards and not k <= self.client.min_write_shards <= (
+            self.client.write_quorum
+        ):
+            raise ValueError(
+                f"min_write_shards {self.client.min_write_shards} must be 0 (= k) or in "
+                f"[k={k}, write_quorum={self.client.write_quorum}]: fewer than k shards are "
+                "never readable"
+            )
         self._check_tls()
+
+    @property
+    def min_write_shards(self) -> int:
+        """Shards below which a put fails (``[client] min_write_shards``, 0 = k)."""
+        return self.client.min_write_shards or self.codec.k
 
     def _check_tls(self) -> None:
         remote = [n.id for n in self.nodes if n.host not in LOOPBACK_HOSTS]
@@ -314,14 +369,88 @@ def with_units(raw: Mapping[str, Any]) -> dict[str, Any]:
     return parsed
 
 
-def _ttl_from_toml(raw: Mapping[str, Any]) -> TTLConfig:
-    raw_classes = raw.get("classes", DEFAULT_CLASS_TO_TTL_S)
+_SECTIONS = (
+    "epoch",
+    "codec",
+    "client",
+    "ttl",
+    "tls",
+    "encryption",
+    "node_defaults",
+    "nodes",
+    "groups",
+)
+_NODE_REQUIRED = ("id", "address", "metrics_port", "failure_domain", "data_dir")
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def checked_fields(
+    section: str, raw: object, cls: type, *, allowed: Collection[str] | None = None
+) -> dict[str, Any]:
+    """The keys of one ``cluster.toml`` table checked against ``cls``'s fields: a table, only
+    known keys (``allowed``, default every field), each value of its field's type (sizes and
+    durations may carry units). ValueError names the section, the key and what was expected."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{section} must be a table of key = value lines, got {raw!r}")
+    known = set(allowed if allowed is not None else (f.name for f in dataclasses.fields(cls)))
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown key {', '.join(map(repr, unknown))} in {section}; known keys: "
+            f"{', '.join(sorted(known))}"
+        )
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        try:
+            values[key] = with_units({key: value})[key]
+        except ValueError as exc:
+            raise ValueError(f"{section} {key}: {exc}") from None
+    return {key: _typed(section, key, value, hints.get(key)) for key, value in values.items()}
+
+
+def _typed(section: str, key: str, value: Any, hint: object) -> Any:
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {bool: isinstance(value, bool), int: is_int, float: isinstance(value, float)}
+    ok[str] = isinstance(value, str)
+    if hint in ok and not ok[hint]:  # type: ignore[index]
+        raise ValueError(
+            f"{section} {key} must be {_TYPE_WORDS[hint]}, got {value!r} "  # type: ignore[index]
+            f"({type(value).__name__})"
+        )
+    return value
+
+
+def _ttl_from_toml(raw: object) -> TTLConfig:
+    section = "[ttl]"
+    fields = checked_fields(section, raw, TTLConfig)
+    raw_classes = fields.pop("classes", DEFAULT_CLASS_TO_TTL_S)
+    if not isinstance(raw_classes, Mapping):
+        raise ValueError(f"[ttl.classes] must be a table of class = duration, got {raw_classes!r}")
     classes = TrafficClasses({name: parse_duration_s(v) for name, v in raw_classes.items()})
-    rest = {
-        k: float(v) for k, v in with_units(raw).items() if k not in ("classes", "eviction_order")
-    }
-    eviction_order = str(raw.get("eviction_order", DEFAULT_EVICTION_ORDER.value))
-    return TTLConfig(classes=classes, eviction_order=eviction_order, **rest)
+    return TTLConfig(classes=classes, **fields)
+
+
+def _node_from_toml(position: int, raw: object, defaults: Mapping[str, Any]) -> NodeConfig:
+    name = raw.get("id", position) if isinstance(raw, Mapping) else position
+    section = f"[[nodes]] entry {position} ({name})"
+    fields = {**defaults, **checked_fields(section, raw, NodeConfig)}
+    missing = [key for key in _NODE_REQUIRED if key not in fields]
+    if missing:
+        raise ValueError(f"{section} lacks {', '.join(missing)}; every node needs them")
+    return NodeConfig(**fields)
+
+
+def _group_from_toml(position: int, raw: object) -> tuple[str, ...]:
+    section = f"[[groups]] entry {position}"
+    if not isinstance(raw, Mapping) or set(raw) != {"nodes"}:
+        raise ValueError(f"{section} must hold one key, nodes = [node ids], got {raw!r}")
+    members = raw["nodes"]
+    if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+        raise ValueError(f"{section} nodes must be a list of node ids, got {members!r}")
+    return tuple(members)
 
 
 def _check_removed(fields: Mapping[str, Any]) -> None:
@@ -331,25 +460,37 @@ def _check_removed(fields: Mapping[str, Any]) -> None:
 
 
 def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
-    defaults = with_units(raw.get("node_defaults", {}))
-    for fields in (defaults, *raw.get("nodes", [])):
-        _check_removed(fields)
-    unknown = set(defaults) - _NODE_DEFAULTS
+    """The cluster map from parsed TOML, every section checked (see :func:`checked_fields`)."""
+    unknown = sorted(set(raw) - set(_SECTIONS))
     if unknown:
         raise ValueError(
-            f"unknown [node_defaults] keys {sorted(unknown)}; known: {sorted(_NODE_DEFAULTS)}"
+            f"unknown section or key {', '.join(map(repr, unknown))} at the top of the cluster "
+            f"map; known: {', '.join(_SECTIONS)}"
         )
+    epoch = raw.get("epoch", 1)
+    if not isinstance(epoch, int) or isinstance(epoch, bool):
+        raise ValueError(f"epoch must be an integer, got {epoch!r}")
+    nodes, groups = raw.get("nodes", []), raw.get("groups", [])
+    if not isinstance(nodes, list) or not isinstance(groups, list):
+        raise ValueError("nodes and groups must be arrays of tables ([[nodes]], [[groups]])")
+    for fields in (raw.get("node_defaults", {}), *nodes):
+        if isinstance(fields, Mapping):
+            _check_removed(fields)
+    defaults = checked_fields(
+        "[node_defaults]", raw.get("node_defaults", {}), NodeConfig, allowed=_NODE_DEFAULTS
+    )
+    encryption = checked_fields("[encryption]", raw.get("encryption", {}), EncryptionConfig)
+    if "tenants" in encryption:
+        encryption["tenants"] = tuple(encryption["tenants"])
     return ClusterConfig(
-        epoch=int(raw.get("epoch", 1)),
-        nodes=tuple(NodeConfig(**{**defaults, **with_units(n)}) for n in raw.get("nodes", [])),
-        groups=tuple(tuple(g["nodes"]) for g in raw.get("groups", [])),
-        codec=CodecConfig(**with_units(raw.get("codec", {}))),
-        client=ClientConfig(**with_units(raw.get("client", {}))),
+        epoch=epoch,
+        nodes=tuple(_node_from_toml(i, n, defaults) for i, n in enumerate(nodes)),
+        groups=tuple(_group_from_toml(i, g) for i, g in enumerate(groups)),
+        codec=CodecConfig(**checked_fields("[codec]", raw.get("codec", {}), CodecConfig)),
+        client=ClientConfig(**checked_fields("[client]", raw.get("client", {}), ClientConfig)),
         ttl=_ttl_from_toml(raw.get("ttl", {})),
-        tls=TLSConfig(**raw.get("tls", {})),
-        encryption=EncryptionConfig(
-            **{k: tuple(v) if k == "tenants" else v for k, v in raw.get("encryption", {}).items()}
-        ),
+        tls=TLSConfig(**checked_fields("[tls]", raw.get("tls", {}), TLSConfig)),
+        encryption=EncryptionConfig(**encryption),
     )
 
 

@@ -18,7 +18,9 @@ its peers' tombstones (kvstore/tombstones.py) and applies them here. A tombstone
 versions created at or before its time, so a block written again after the delete survives.
 The rule for repair: a repair must never resurrect a deleted block. A node applies its
 peers' tombstones before it serves as a repair source, and a repaired shard is written with
-the created time of its source; one older than a tombstone the target holds is dropped.
+the created time of its source; one older than a tombstone the target holds is dropped
+(kvstore/group_commit.py: every local delete, purge and applied tombstone is also noted by
+key, in ``deleted``, for as long as the delete log keeps it).
 
 Single writer: callers hold the store's write lock.
 """
@@ -82,7 +84,8 @@ class Deleter:
     def apply(self, tombstones: Iterable[Tombstone]) -> Erased:
         """Apply peers' tombstones: delete versions created at or before each one's time.
 
-        Not logged again: every node pulls from every peer of its groups itself.
+        Not logged again: every node pulls from every peer of its groups itself. Noted by key,
+        though, so this node refuses a repair's shard of such a version too.
         """
         victims: list[Entry] = []
         with self._index.write() as w:
@@ -91,6 +94,7 @@ class Deleter:
                 doomed = [e for e in held if e.created_s <= t.at_s]
                 _remove(w, doomed)
                 victims += doomed
+                w.note_deleted(t.tenant, t.key, t.at_s)
         self.erase_queued()
         return _erased(victims)
 

@@ -12,7 +12,9 @@ and integrity failures (a shard that fails its checksum)::
       CapacityExhausted                 the node cannot store more bytes
         QueueFull                       the serving tier's queue is full
       Unavailable                       a node, or too many nodes, could not be reached
-        QuorumError                     a write reached fewer nodes than the write quorum
+        QuorumError                     a write stored too few shards to be readable
+        IndexUnusable                   a node's index is damaged: it rebuilds it
+        NotServing                      a node is up but still opening or rebuilding its store
       DeadlineExceeded
       BadReply                          a node answered with a malformed message
     erasure.errors.ErasureError         the codec (the bottom layer raises its own)
@@ -47,10 +49,12 @@ __all__ = [
     "ContextTooLong",
     "DeadlineExceeded",
     "ErasureError",
+    "IndexUnusable",
     "InvalidArgument",
     "InvalidCodecInput",
     "KVStoreError",
     "MixedVersions",
+    "NotServing",
     "PermissionDenied",
     "QueueFull",
     "QuorumError",
@@ -84,7 +88,16 @@ class Unavailable(KVStoreError):
 
 
 class QuorumError(Unavailable):
-    """A write reached fewer nodes than the write quorum; the block is not stored."""
+    """A write stored too few shards to be readable; the message says what it left where."""
+
+
+class IndexUnusable(Unavailable):
+    """A node's index cannot be read (damaged or lost): the node rebuilds it from its segment
+    records and serves nothing meanwhile (Health says NOT_SERVING)."""
+
+
+class NotServing(Unavailable):
+    """The node is up but not serving data yet (recovering or rebuilding its index)."""
 
 
 class ContextTooLong(InvalidArgument):

@@ -1,9 +1,12 @@
 """Capacity: the byte limit, eviction in the configured order, and compaction of dead bytes.
 
-The byte limit is ``NodeConfig.max_bytes`` or, if 0, the disk's free space plus what the
-segments already use. When a put would pass ``high_watermark`` of it, the store expires, then
-evicts entries in the configured order (``[ttl] eviction_order``, ttl/policy.py) until usage is
-under ``low_watermark``:
+The byte limit is the smaller of ``NodeConfig.max_bytes`` (0 = none) and the disk's free space
+plus what the node already uses, so a disk that fills up (other data, a misjudged limit) makes
+the node evict rather than fail. The index's allocated files (kvstore/index.py keeps a reserve
+allocated for it) count inside the limit: segment data may use the limit less the index, and
+the watermarks apply to that. When a put would pass ``high_watermark`` of it, the store
+expires, then evicts entries in the configured order (``[ttl] eviction_order``,
+ttl/policy.py) until usage is under ``low_watermark``:
 
     lru      least recently accessed first, whatever the class (the default: the simulator
              showed earliest expiry first starves short-TTL traffic; ttl/policy.py has figures)
@@ -16,7 +19,9 @@ evicted to make room for that put's own group commit: the touch is an access.
 
 Evicting an entry leaves dead bytes in its segment; segments with no live entry are deleted,
 and segments holding dead bytes are compacted (live records carried forward, most dead bytes
-first) until usage is under the target. Entries of classes with an infinite TTL are never
+first) until usage is under the target. Compaction writes; on a disk too full for that, the
+segment with the most dead bytes is evicted whole instead (its live entries go, the file is
+freed), which only ever deletes. Entries of classes with an infinite TTL are never
 evicted in either order (they are pinned on purpose, and LRU gives no reason to drop them
 before data that can expire): a put fails with CapacityExhausted only when the space is held by
 them or by the request itself.
@@ -26,6 +31,8 @@ Single writer: callers hold the store's write lock.
 
 from __future__ import annotations
 
+import logging
+import math
 import shutil
 from collections.abc import Collection
 
@@ -35,6 +42,8 @@ from kvstore.index import Entry, Index, IndexView, IndexWriter, SegmentMeta, cla
 from kvstore.reclaimer import Reclaimer
 from kvstore.segments import SegmentFiles
 from ttl.policy import EvictionOrder
+
+log = logging.getLogger(__name__)
 
 _EVICT_BATCH = 64
 
@@ -67,11 +76,13 @@ class Evictor:
         self._order = order
 
     def capacity_bytes(self) -> int:
-        """The byte limit: configured, or the disk's free space plus what segments use."""
-        if self._node.max_bytes > 0:
-            return self._node.max_bytes
+        """Bytes segment data may use: the byte limit (configured if set, and at most the disk's
+        free space plus what the node holds) less the index's allocated files."""
+        index_bytes = self._index.backend.allocated_bytes()
         free = shutil.disk_usage(self._files.directory).free
-        return free + self.used_bytes()
+        configured = self._node.max_bytes if self._node.max_bytes > 0 else math.inf
+        total = min(configured, free + self.used_bytes() + index_bytes)
+        return int(max(0, total - index_bytes))
 
     def used_bytes(self) -> int:
         """Bytes of segment files, live and dead records."""
@@ -105,7 +116,7 @@ class Evictor:
         """Expire, then evict by the eviction order until usage is under ``target_bytes``."""
         self._reclaimer.expire(now)
         while True:
-            self._free_dead_space(target_bytes)
+            self._free_dead_space(target_bytes, now)
             used = self.used_bytes()
             if used <= target_bytes or not self._evict_entries(used - target_bytes, now, keep):
                 return
@@ -127,15 +138,39 @@ class Evictor:
                         break
         return num_evicted
 
-    def _free_dead_space(self, target_bytes: float) -> None:
-        """Delete empty segments, then compact those with most dead bytes until under target."""
+    def _free_dead_space(self, target_bytes: float, now: float) -> None:
+        """Delete empty segments, then compact those with most dead bytes until under target
+        (or, when the disk is too full to copy, evict them whole)."""
         self._reclaimer.free_empty_segments()
         while self.used_bytes() > target_bytes:
             with self._index.read() as view:
-                candidates = [m for m in view.segments() if m.dead_bytes > 0]
-            if not candidates:
+                candidates = sorted(
+                    (m for m in view.segments() if m.dead_bytes > 0), key=_dead_bytes, reverse=True
+                )
+            if not any(self._free_segment(m.segment_id, now) for m in candidates):
                 return
-            self._reclaimer.move_out([max(candidates, key=_dead_bytes).segment_id])
+
+    def _free_segment(self, segment_id: int, now: float) -> bool:
+        """Compact one segment, or evict it whole if the disk cannot take the copy; False if
+        neither worked."""
+        try:
+            self._reclaimer.move_out([segment_id])
+            return True
+        except CapacityExhausted as exc:
+            log.warning("compacting segment %d failed (%s): evicting it whole", segment_id, exc)
+            return self.evict_segment(segment_id, now)
+
+    def evict_segment(self, segment_id: int, now: float) -> bool:
+        """Evict every live entry of one segment and free its file (deletes only); False if
+        it holds entries that are never evicted (infinite TTL), which stay."""
+        with self._index.write() as w:
+            entries = w.in_segment(segment_id, 1 << 40)
+            if any(math.isinf(e.expires_at_s) for e in entries):
+                return False
+            for entry in entries:
+                _evict_one(w, entry, now)
+        self._reclaimer.free_empty_segments()
+        return True
 
 
 def _evict_one(w: IndexWriter, entry: Entry, now: float) -> None:

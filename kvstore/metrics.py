@@ -16,6 +16,10 @@ series that has no value yet is absent (never a -1)::
     kvstore_class_youngest_evicted_age_seconds{traffic_class}      (once something was evicted)
     kvstore_scrubbed_bytes_total  kvstore_scrub_passes_total        (since the node started)
     kvstore_scrub_last_full_pass_timestamp_seconds                  (once a pass finished)
+    kvstore_index_bytes  kvstore_quarantined_bytes  kvstore_retired_versions_total
+    kvstore_repair_backlog_shards  kvstore_repair_queued_hints      (the repair service,
+    kvstore_repair_{rebuilt_shards,rebuilt_bytes,read_bytes}_total   kvstore/repair_service.py;
+    kvstore_repair_{skipped_expiring,unrecoverable,fenced,passes}_total  since the node started)
     kvstore_build_info{version,python}  process_*  python_info     (standard collectors)
 
 HTTP: ``/metrics`` serves the metrics and ``/healthz`` answers 200 "ok" while the node serves
@@ -46,6 +50,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.repair_service import RepairStats
 from kvstore.shard_store import StoreStats
 
 # Loopback RPCs take ~100 us; 4 MiB batches and fsyncs take ms; stragglers take seconds.
@@ -56,6 +61,8 @@ _NODE_GAUGES = {
     "used_bytes": ("used_bytes", "bytes of segment files, live and dead records"),
     "capacity_bytes": ("capacity_bytes", "effective byte limit (configured or disk)"),
     "segments": ("num_segments", "segment files"),
+    "index_bytes": ("index_bytes", "disk bytes of the index files (inside the byte limit)"),
+    "quarantined_bytes": ("quarantined_bytes", "segment bytes moved to quarantine/"),
 }
 _NODE_COUNTERS = {
     "hits": ("hits", "keys served"),
@@ -63,6 +70,20 @@ _NODE_COUNTERS = {
     "corrupt_shards": ("corrupt_shards", "shards that failed a checksum (never served)"),
     "scrubbed_bytes": ("scrubbed_bytes", "record bytes re-read and verified by the scrub"),
     "scrub_passes": ("num_scrub_passes", "full scrub passes finished"),
+    "retired_versions": ("retired_versions", "older versions dropped by newer writes"),
+}
+_REPAIR_GAUGES = {
+    "backlog_shards": "shards known missing in the groups this node leads",
+    "queued_hints": "read-repair and degraded-write hints waiting",
+}
+_REPAIR_COUNTERS = {
+    "rebuilt_shards": "shards rebuilt and stored on their nodes",
+    "rebuilt_bytes": "bytes of the shards rebuilt",
+    "read_bytes": "survivor shard bytes read to rebuild",
+    "skipped_expiring": "blocks not rebuilt: they expire before the rebuild would finish",
+    "unrecoverable": "blocks with fewer than k shards of any version",
+    "fenced": "rebuilt shards refused: the key was deleted after the repair read it",
+    "passes": "full repair passes over the led groups",
 }
 # Metric suffix -> ClassStats field (the store counts shards per class in ``blocks``).
 _CLASS_GAUGES = {"shards": "blocks", "shard_bytes": "bytes"}
@@ -77,8 +98,9 @@ def _version() -> str:
 
 
 class _StoreCollector(Collector):
-    def __init__(self, stats: Callable[[], StoreStats]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats], repair: Callable[[], RepairStats]) -> None:
         self._stats = stats
+        self._repair = repair
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -93,6 +115,11 @@ class _StoreCollector(Collector):
                 value=stats.last_full_pass_unix_s,
             )
         yield from _class_metrics(stats)
+        repair = self._repair()
+        for name, doc in _REPAIR_GAUGES.items():
+            yield GaugeMetricFamily(f"kvstore_repair_{name}", doc, value=getattr(repair, name))
+        for name, doc in _REPAIR_COUNTERS.items():
+            yield CounterMetricFamily(f"kvstore_repair_{name}", doc, value=getattr(repair, name))
 
 
 def _class_metrics(stats: StoreStats) -> Iterator[Metric]:
@@ -133,7 +160,11 @@ class _QuietHandler(WSGIRequestHandler):
 class NodeMetrics:
     """The metrics of one node; ``serve(host, port, is_serving)`` exposes them over HTTP."""
 
-    def __init__(self, stats: Callable[[], StoreStats]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], StoreStats],
+        repair: Callable[[], RepairStats] = RepairStats,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvstore_requests", "RPCs by method and status", ["rpc", "code"], registry=self.registry
@@ -147,7 +178,7 @@ class NodeMetrics:
         )
         self.put_shards = Counter("kvstore_put_shards", "new shards stored", registry=self.registry)
         self.get_keys = Counter("kvstore_get_keys", "keys asked for", registry=self.registry)
-        self.registry.register(_StoreCollector(stats))
+        self.registry.register(_StoreCollector(stats, repair))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         Info("kvstore_build", "kvstore version", registry=self.registry).info(

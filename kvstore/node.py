@@ -1,10 +1,17 @@
 """One storage node: the grpc.aio server over a :class:`~kvstore.shard_store.ShardStore`.
 
 ``kvstore node --config DIR/cluster.toml --id ID [--inject-delay-ms MS]`` runs it in the
-foreground: it recovers the store, runs one expiry pass, serves gRPC on ``NodeConfig.address``
-and Prometheus on ``metrics_port`` (0 = off), prints ``node <id> serving on <address>`` when
-ready, and on SIGTERM or SIGINT finishes in-flight requests, persists pending TTL refreshes and
-closes the index. In the background it runs upkeep ticks and the scrub (kvstore/scrub.py).
+foreground: it binds ``NodeConfig.address`` (refusing a port another process holds: no
+SO_REUSEPORT, and the bind's result is checked) and answers Health with ``serving = false``
+while it recovers the store (rebuilding a lost or damaged index from the segments,
+kvstore/index_rebuild.py, or migrating an old one). Then it runs one expiry pass, serves every
+RPC, Prometheus on ``metrics_port`` (0 = off), prints ``node <id> serving on <address>``, and
+on SIGTERM or SIGINT finishes in-flight requests, persists pending TTL refreshes and closes the
+index. In the background it runs upkeep ticks, the scrub (kvstore/scrub.py), the pull of its
+peers' delete logs (kvstore/tombstones.py) and the repair service (kvstore/repair_service.py).
+An index that fails while serving (lmdb pages that no longer read) takes the node back to
+``serving = false`` while it rebuilds; data RPCs get UNAVAILABLE meanwhile, which clients treat
+like a node that is down.
 
 The servicer is a thin shell: it finds the caller's principal from its credential (a bearer
 token or a verified mTLS client certificate, kvstore/auth.py; every RPC but Health, which
@@ -12,8 +19,12 @@ tells only the node's id, epoch and clock, so health checkers need no secret), d
 tenant from it (a request naming another tenant is PERMISSION_DENIED before the store is
 touched), injects the straggler delay, runs the store call in the node's one thread pool
 (reads overlap, writes serialize inside the store) and maps kvstore errors to gRPC status
-codes through :func:`kvstore.grpc_errors.to_grpc_status` only. In the background it pulls its
-peers' delete logs (kvstore/tombstones.py) and applies the tenants' retention caps.
+codes through :func:`kvstore.grpc_errors.to_grpc_status` only. A node principal (a peer's
+repair service) may read any tenant's shards and write repair puts, as it holds those tenants'
+shards on its own disk anyway; it may not write ordinary puts, delete or purge. A node takes
+repair puts only once it has pulled its peers' delete logs since it started, so a repair
+cannot bring back a block deleted while this node was away. In the background the node also
+applies the tenants' retention caps.
 
 One exception to "blocking work runs in the pool": a get of at most ``INLINE_GET_MAX_KEYS``
 keys runs on the event loop. It is an lmdb read snapshot and a ``pread`` per shard (tens of
@@ -26,8 +37,9 @@ protobuf's two.
 Message sizes: gRPC's send and receive limits are ``max_batch_bytes`` plus 1 MiB of slack for
 framing. A put whose shards add up to more than ``max_batch_bytes`` but fit the slack gets
 INVALID_ARGUMENT from the store; a larger message is refused by gRPC itself with
-RESOURCE_EXHAUSTED before it reaches the node. A get whose reply would pass ``max_batch_bytes``
-gets INVALID_ARGUMENT (ask for fewer keys per request).
+RESOURCE_EXHAUSTED before it reaches the node. A get or batch read whose reply would pass
+``max_batch_bytes`` gets INVALID_ARGUMENT (ask for fewer keys per request), decided from the
+index before any byte is read; a key named twice in one request is read once.
 
 Batch reads. ``ReadBatch`` (gRPC) and the UCX request (kvstore/ucx/frames.py) serve the
 client's data plane: one request per node per batch. The store reads the whole batch in the
@@ -35,7 +47,7 @@ executor (one index snapshot, one ``preadv`` per shard into a staging region of
 ``ByteArena``), and the answer (kvstore/batch_answer.py) goes back as a stream of chunks of at
 most 4 MiB (gRPC) or as one reply frame plus one message per payload that the client
 receives straight into its buffers (UCX). Unary ``GetShards`` stays for tools that want
-protobuf replies.
+protobuf replies, and for the repair service's reads of single shards.
 """
 
 from __future__ import annotations
@@ -48,7 +60,9 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -58,19 +72,29 @@ from kvstore import batch_answer
 from kvstore.auth import Authenticator, Principal, Role, bearer_token
 from kvstore.byte_arena import ByteArena
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import IndexUnusable, InvalidArgument, KVStoreError, NotServing, Unavailable
 from kvstore.get_reply import encode_get_shards_reply
 from kvstore.grpc_errors import status_code, to_grpc_status
 from kvstore.metrics import NodeMetrics
+from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.scrub import scrub_forever
-from kvstore.shard_store import BatchRead, GetResult, ShardStore, StoreStats
+from kvstore.recovery import move_index_aside
+from kvstore.repair_service import RepairService, RepairStats
+from kvstore.scrub import ScrubStep, scrub_forever
+from kvstore.shard_store import (
+    BatchRead,
+    GetResult,
+    PutOptions,
+    ShardStore,
+    StoreStats,
+    empty_stats,
+)
 from kvstore.tls import peer_identity, server_credentials
 from kvstore.tombstones import MAX_TOMBSTONES_PER_REPLY, TombstoneSync, sync_forever
 from kvstore.ucx import frames as ucx_frames
 from kvstore.ucx.server import UcxServer
 from kvstore.ucx.worker import REQUEST_TAG, ucx_available
-from ttl.clock import make_clock
+from ttl.clock import Clock, make_clock
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +105,88 @@ INLINE_GET_MAX_KEYS = 4
 NUM_WORKER_THREADS = 8
 STOP_GRACE_S = 5.0
 SERVICE_NAME = "kvstore.v1.ShardStore"
+MAX_LIST_PAGE = 4096
 
 
 def upkeep_period_s(time_scale: float, expiry_window_s: float) -> float:
     """Real seconds between upkeep ticks: a quarter window, at least once a second, >= 50 ms."""
     return min(1.0, max(0.05, expiry_window_s / 4 / time_scale))
+
+
+def open_store(cluster: ClusterConfig, node: NodeConfig, clock: Clock) -> ShardStore:
+    """The node's store, placed in the cluster: entries filed by placement group, and puts
+    whose shards do not fit the cluster's code or this node's place refused."""
+    placement = Placement(cluster)
+    group_to_position = {g: m.index(node.id) for g, m in enumerate(cluster.groups) if node.id in m}
+
+    def shard_index_of(key: bytes) -> int | None:
+        return group_to_position.get(placement.group_index(key))
+
+    return ShardStore(
+        node,
+        cluster.ttl,
+        clock,
+        group_of=placement.group_index,
+        shard_index_of=shard_index_of,
+        codec=cluster.codec,
+    )
+
+
+class StoreHolder:
+    """The node's store, absent while it is opened or rebuilt (Health says which)."""
+
+    def __init__(self, open_: Callable[[], ShardStore], node: NodeConfig, executor: Executor):
+        self._open = open_
+        self._node = node
+        self._executor = executor
+        self.store: ShardStore | None = None
+        self.state = "recovering"
+        self._rebuild: asyncio.Task[None] | None = None
+
+    def require(self) -> ShardStore:
+        """The store, or NotServing (UNAVAILABLE) while there is none."""
+        if self.store is None:
+            raise NotServing(f"node {self._node.id} is not serving yet: {self.state}")
+        return self.store
+
+    def stats(self) -> StoreStats:
+        return self.store.stats() if self.store is not None else empty_stats()
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        store = await loop.run_in_executor(self._executor, self._open)
+        await loop.run_in_executor(self._executor, store.tick)  # expiry continues
+        self.store, self.state = store, "serving"
+
+    def rebuild_after(self, exc: IndexUnusable) -> None:
+        """Stop serving and rebuild the index from the segments (once, however many RPCs
+        saw the failure)."""
+        if self._rebuild is None or self._rebuild.done():
+            log.error("node %s: %s; rebuilding its index", self._node.id, exc)
+            store, self.store, self.state = self.store, None, "rebuilding index"
+            self._rebuild = asyncio.ensure_future(self._rebuild_index(store, str(exc)))
+
+    async def _rebuild_index(self, store: ShardStore | None, why: str) -> None:
+        loop = asyncio.get_running_loop()
+        if store is not None:
+            await loop.run_in_executor(self._executor, _close_quietly, store)
+        index_dir = Path(self._node.data_dir) / "index"
+        await loop.run_in_executor(self._executor, move_index_aside, index_dir, why)
+        await self.open()
+
+    async def close(self) -> None:
+        if self._rebuild is not None:
+            await asyncio.gather(self._rebuild, return_exceptions=True)
+        if self.store is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
+            self.store = None
+
+
+def _close_quietly(store: ShardStore) -> None:
+    try:
+        store.close()
+    except Exception:
+        log.exception("closing the store with the damaged index failed")
 
 
 Handler = Callable[[Any, Principal], Message | bytes]
@@ -101,15 +202,20 @@ class NodeServicer:
 
     def __init__(
         self,
-        store: ShardStore,
+        holder: StoreHolder,
         node: NodeConfig,
         epoch: int,
         metrics: NodeMetrics,
         executor: ThreadPoolExecutor,
         ucx: UcxServer | None = None,
         auth: Authenticator | None = None,
+        repair: RepairService | None = None,
+        deletes_synced: Callable[[], bool] = lambda: True,
     ) -> None:
-        self._store = store
+        self._holder = holder
+        self._repair = repair
+        self._deletes_synced = deletes_synced
+        self._incarnation = time.time_ns()
         self._auth = auth or Authenticator(None)
         self._ucx = ucx
         self._node = node
@@ -132,6 +238,9 @@ class NodeServicer:
             "ListTombstones": (pb.ListTombstonesRequest, self._list_tombstones, False),
             "Stats": (pb.StatsRequest, self._stats, False),
             "Health": (pb.HealthRequest, self._health, False),
+            "TouchShards": (pb.TouchShardsRequest, self._touch, True),
+            "ListShards": (pb.ListShardsRequest, self._list, False),
+            "QueueRepair": (pb.QueueRepairRequest, self._queue_repair, False),
         }
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -184,6 +293,8 @@ class NodeServicer:
                 await asyncio.sleep(self._delay_s)
             reply = await self._run(request_type, handler, raw, principal)
         except Exception as exc:
+            if isinstance(exc, IndexUnusable):
+                self._holder.rebuild_after(exc)
             code, details = to_grpc_status(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", rpc)
@@ -218,33 +329,53 @@ class NodeServicer:
         return self._auth.authenticate(bearer_token(metadata), peer_identity(context))
 
     def _put(self, request: pb.PutShardsRequest, principal: Principal) -> pb.PutShardsReply:
-        tenant = principal.tenant_for(request.tenant)
+        if request.repair:
+            tenant = principal.tenant_for_repair(request.tenant)
+            self._require_deletes_synced("takes repair writes")
+        else:
+            tenant = principal.tenant_for(request.tenant)
         items = [(s.key, s.shard) for s in request.shards]
-        num_stored = self._store.put(tenant, request.traffic_class, items)
-        self._metrics.put_shards.inc(num_stored)
-        return pb.PutShardsReply(num_stored=num_stored)
+        options = PutOptions(
+            written_at_s=[s.written_at_s for s in request.shards],
+            expires_at_s=request.expires_at_s,
+            repair=request.repair,
+        )
+        result = self._holder.require().put(tenant, request.traffic_class, items, options)
+        self._metrics.put_shards.inc(result.num_stored)
+        return pb.PutShardsReply(
+            num_stored=result.num_stored,
+            num_superseded=result.num_superseded,
+            num_fenced=result.num_fenced,
+        )
+
+    def _require_deletes_synced(self, what: str) -> None:
+        """Unavailable until the node has pulled its peers' delete logs (a repair must not
+        copy, or be handed, a block deleted while this node was away)."""
+        if not self._deletes_synced():
+            raise Unavailable(
+                f"node {self._node.id} {what} once it has pulled its peers' delete logs; "
+                "retry shortly"
+            )
 
     def _get(self, request: pb.GetShardsRequest, principal: Principal) -> bytes:
         """The serialized GetShardsReply (encoded here: one copy of each shard)."""
-        return encode_get_shards_reply(self._lookup(request, principal.tenant_for(request.tenant)))
+        tenant = principal.tenant_for_repair(request.tenant)
+        return encode_get_shards_reply(self._lookup(request, tenant))
 
     def _read_batch(self, request: pb.GetShardsRequest, tenant: str) -> BatchRead:
         """The batch answer, payloads in a staging region (release it once sent)."""
         self._metrics.get_keys.inc(len(request.keys))
-        read = self._store.read_batch(
-            tenant, list(request.keys), request.version, self._staging.take
+        return self._holder.require().read_batch(
+            tenant,
+            list(request.keys),
+            request.version,
+            self._staging.take,
+            max_reply_bytes=self._node.max_batch_bytes,
         )
-        if read.payload_bytes > self._node.max_batch_bytes:
-            read.release()
-            raise InvalidArgument(
-                f"answer of {read.payload_bytes} bytes for {len(request.keys)} keys exceeds "
-                f"max_batch_bytes {self._node.max_batch_bytes}; ask for fewer keys per request"
-            )
-        return read
 
     def _read_batch_chunks(self, request: pb.GetShardsRequest, principal: Principal) -> list[bytes]:
         """ReadBatch's answer as ReadBatchChunk messages (one copy of the staging)."""
-        read = self._read_batch(request, principal.tenant_for(request.tenant))
+        read = self._read_batch(request, principal.tenant_for_repair(request.tenant))
         try:
             return batch_answer.encode_chunks(
                 batch_answer.encode_table(read.entries), read.payloads
@@ -329,26 +460,64 @@ class NodeServicer:
 
     def _lookup(self, request: pb.GetShardsRequest, tenant: str) -> list[GetResult]:
         self._metrics.get_keys.inc(len(request.keys))
-        results = self._store.get(tenant, list(request.keys), request.version)
-        reply_bytes = sum(len(s) for r in results for s in r.shards)
-        if reply_bytes > self._node.max_batch_bytes:
-            raise InvalidArgument(
-                f"reply of {reply_bytes} bytes for {len(request.keys)} keys exceeds "
-                f"max_batch_bytes {self._node.max_batch_bytes}; ask for fewer keys per request"
-            )
-        return results
+        return self._holder.require().get(
+            tenant,
+            list(request.keys),
+            request.version,
+            max_reply_bytes=self._node.max_batch_bytes,
+        )
 
     def _contains(self, request: pb.ContainsRequest, principal: Principal) -> pb.ContainsReply:
-        found = self._store.contains(principal.tenant_for(request.tenant), list(request.keys))
+        store = self._holder.require()
+        found = store.contains(principal.tenant_for(request.tenant), list(request.keys))
         return pb.ContainsReply(results=[pb.KeyVersions(versions=v) for v in found])
 
     def _delete(self, request: pb.DeleteRequest, principal: Principal) -> pb.DeleteReply:
         tenant = principal.tenant_for(request.tenant)
-        return pb.DeleteReply(num_deleted=self._store.delete(tenant, list(request.keys)))
+        num_deleted = self._holder.require().delete(tenant, list(request.keys))
+        return pb.DeleteReply(num_deleted=num_deleted)
+
+    def _touch(self, request: pb.TouchShardsRequest, principal: Principal) -> pb.TouchShardsReply:
+        tenant = principal.tenant_for(request.tenant)
+        store = self._holder.require()
+        num = store.touch(tenant, list(request.keys), list(request.versions))
+        return pb.TouchShardsReply(num_touched=num)
+
+    def _list(self, request: pb.ListShardsRequest, principal: Principal) -> pb.ListShardsReply:
+        principal.require(Role.NODE, Role.ADMIN)
+        self._require_deletes_synced("lists its shards for repair")
+        limit = max(1, min(request.limit or MAX_LIST_PAGE, MAX_LIST_PAGE))
+        entries, next_after = self._holder.require().list_group(
+            request.group, request.start_after, limit
+        )
+        shards = [
+            pb.ListedShard(
+                tenant=e.tenant,
+                key=e.key,
+                version=e.version,
+                shard_index=e.shard_index,
+                written_at_s=e.created_s,
+                expires_at_s=e.expires_at_s,
+                traffic_class=e.traffic_class,
+                shard_bytes=e.shard_bytes,
+            )
+            for e in entries
+        ]
+        return pb.ListShardsReply(shards=shards, next_after=next_after)
+
+    def _queue_repair(
+        self, request: pb.QueueRepairRequest, principal: Principal
+    ) -> pb.QueueRepairReply:
+        """Hints from clients (read-repair, degraded writes): each for a tenant the caller
+        may act for."""
+        if self._repair is None:
+            raise Unavailable(f"node {self._node.id} runs no repair service")
+        hints = [(principal.tenant_for_repair(h.tenant), h.key, h.group) for h in request.hints]
+        return pb.QueueRepairReply(num_queued=self._repair.queue(hints))
 
     def _purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:
         principal.require(Role.ADMIN)
-        erased = self._store.purge(request.tenant)
+        erased = self._holder.require().purge(request.tenant)
         log.info(
             "purged tenant %r: %d shards, %d bytes",
             request.tenant,
@@ -364,7 +533,7 @@ class NodeServicer:
     ) -> pb.ListTombstonesReply:
         principal.require(Role.NODE, Role.ADMIN)
         limit = min(request.limit or MAX_TOMBSTONES_PER_REPLY, MAX_TOMBSTONES_PER_REPLY)
-        records, last_seq = self._store.tombstones(request.after_seq, limit)
+        records, last_seq = self._holder.require().tombstones(request.after_seq, limit)
         return pb.ListTombstonesReply(
             tombstones=[
                 pb.Tombstone(seq=t.seq, tenant=t.tenant, key=t.key, at_s=t.at_s) for t in records
@@ -374,22 +543,30 @@ class NodeServicer:
 
     def _stats(self, request: pb.StatsRequest, principal: Principal) -> pb.StatsReply:
         principal.require(Role.ADMIN, Role.NODE)
-        reply = stats_reply(self._node.id, self._epoch, self._store.stats())
-        for tenant, caps in sorted(self._store.retention.tenant_to_max_ttl_s.items()):
+        repair = self._repair.stats if self._repair is not None else RepairStats()
+        reply = stats_reply(self._node.id, self._epoch, self._holder.stats(), repair)
+        store = self._holder.store
+        if store is None:
+            return reply
+        for tenant, caps in sorted(store.retention.tenant_to_max_ttl_s.items()):
             for traffic_class, cap_s in sorted(caps.items()):
                 reply.retention_caps.add(
                     tenant=tenant, traffic_class=traffic_class, max_ttl_s=cap_s
                 )
-        _, reply.last_tombstone_seq = self._store.tombstones(0, 0)
+        _, reply.last_tombstone_seq = store.tombstones(0, 0)
         return reply
 
     def _health(self, request: pb.HealthRequest, principal: Principal | None) -> pb.HealthReply:
+        store = self._holder.store
         return pb.HealthReply(
             node_id=self._node.id,
             epoch=self._epoch,
-            serving=True,
-            now_s=self._store.clock.now(),
+            serving=store is not None,
+            now_s=store.clock.now() if store is not None else 0.0,
             ucx_worker_address=self._ucx.address if self._ucx is not None else b"",
+            state=self._holder.state,
+            incarnation=self._incarnation,
+            repair_ready=store is not None and self._deletes_synced(),
         )
 
 
@@ -413,8 +590,11 @@ def _parse_and_call(
     return handler(_parse(request_type, raw), principal)
 
 
-def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:
-    """The wire form of a store's stats."""
+def stats_reply(
+    node_id: str, epoch: int, stats: StoreStats, repair: RepairStats | None = None
+) -> pb.StatsReply:
+    """The wire form of a store's (and its repair service's) stats."""
+    repair = repair or RepairStats()
     classes = [
         pb.ClassStats(
             traffic_class=c.traffic_class,
@@ -440,77 +620,161 @@ def stats_reply(node_id: str, epoch: int, stats: StoreStats) -> pb.StatsReply:
         hits=stats.hits,
         misses=stats.misses,
         used_bytes=stats.used_bytes,
+        index_bytes=stats.index_bytes,
+        quarantined_bytes=stats.quarantined_bytes,
+        retired_versions=stats.retired_versions,
+        repair=pb.RepairStats(
+            backlog_shards=repair.backlog_shards,
+            rebuilt_shards=repair.rebuilt_shards,
+            rebuilt_bytes=repair.rebuilt_bytes,
+            read_bytes=repair.read_bytes,
+            skipped_expiring=repair.skipped_expiring,
+            unrecoverable=repair.unrecoverable,
+            fenced=repair.fenced,
+            queued_hints=repair.queued_hints,
+            passes=repair.passes,
+            led_groups=repair.led_groups,
+        ),
     )
 
 
 async def _upkeep(
-    store: ShardStore, auth: Authenticator, period_s: float, executor: ThreadPoolExecutor
+    holder: StoreHolder, auth: Authenticator, period_s: float, executor: ThreadPoolExecutor
 ) -> None:
     """Retention caps from the (re-read) credentials file, expiry, refresh persistence,
     capacity checks and queued erases, forever; errors are logged, not fatal."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period_s)
+        store = holder.store
+        if store is None:
+            continue
         try:
             caps = auth.current().tenant_to_max_ttl_s
             await loop.run_in_executor(executor, store.set_retention_caps, caps)
             await loop.run_in_executor(executor, store.tick)
+        except IndexUnusable as exc:
+            holder.rebuild_after(exc)
         except Exception:
             log.exception("upkeep tick failed; retrying next period")
 
 
 def _server_options(node: NodeConfig) -> list[tuple[str, int]]:
     limit = node.max_batch_bytes + MESSAGE_SLACK_BYTES
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # A second process must not share our port (gRPC sets SO_REUSEPORT by default, and
+        # the kernel then splits the connections between the two processes).
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Listen on ``address`` (TLS when ``credentials`` are given); Unavailable if the port is
+    taken (gRPC either raises or returns port 0 for that, depending on its version)."""
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise Unavailable(
+            f"cannot listen on {address}: the port is taken (another node or program holds "
+            "it) or the host is not an address of this machine; free the port or change "
+            "address in cluster.toml"
+        )
+    return port
+
+
+def _open(
+    cluster: ClusterConfig, node: NodeConfig, clock: Clock, auth: Authenticator
+) -> ShardStore:
+    store = open_store(cluster, node, clock)
+    try:
+        store.set_retention_caps(auth.current().tenant_to_max_ttl_s)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -> None:
     """Run one node until ``stop`` is set, then shut down cleanly."""
-    loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(NUM_WORKER_THREADS, thread_name_prefix=f"node-{node.id}")
     clock = make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
     auth = Authenticator(node.credentials_file or None)
     credentials = server_credentials(cluster, node)
-    store = await loop.run_in_executor(executor, ShardStore, node, cluster.ttl, clock)
-    metrics = NodeMetrics(store.stats)
+    holder = StoreHolder(partial(_open, cluster, node, clock, auth), node, executor)
+    sync = TombstoneSync(cluster, node, lambda: holder.store, executor)
+    repair = RepairService(cluster, node, clock)
+    metrics = NodeMetrics(holder.stats, lambda: repair.stats)
+    server = grpc.aio.server(options=_server_options(node))
+    ucx = _start_ucx(node)
+    servicer = NodeServicer(
+        holder, node, cluster.epoch, metrics, executor, ucx, auth, repair, lambda: sync.synced
+    )
+    servicer.register(server)
+    tasks: list[asyncio.Task[None]] = []
     try:
-        await loop.run_in_executor(
-            executor, store.set_retention_caps, auth.current().tenant_to_max_ttl_s
-        )
-        await loop.run_in_executor(executor, store.tick)  # expiry continues after a restart
-        sync = TombstoneSync(cluster, node, store, executor)
-        server = grpc.aio.server(options=_server_options(node))
-        ucx = _start_ucx(node)
-        servicer = NodeServicer(store, node, cluster.epoch, metrics, executor, ucx, auth)
-        servicer.register(server)
-        if credentials is None:
-            server.add_insecure_port(node.address)
-        else:
-            server.add_secure_port(node.address, credentials)
-        await server.start()
+        bind(server, node.address, credentials)
+        await server.start()  # Health answers (serving = false) while the store opens
         if node.metrics_port:
-            metrics.serve(node.host, node.metrics_port, authorize=_metrics_authorizer(node, auth))
+            _serve_metrics(metrics, node, auth, lambda: holder.store is not None)
+        await holder.open()
         period_s = upkeep_period_s(cluster.ttl.time_scale, cluster.ttl.expiry_window_s)
-        background = [
-            asyncio.create_task(_upkeep(store, auth, period_s, executor)),
-            asyncio.create_task(scrub_forever(store.scrub, node, executor)),
+        tasks = [
+            asyncio.create_task(_upkeep(holder, auth, period_s, executor)),
+            asyncio.create_task(scrub_forever(partial(_scrub, holder), node, executor)),
             asyncio.create_task(sync_forever(sync, node.tombstone_sync_interval_s)),
+            asyncio.create_task(repair.run()),
         ]
         log.info("node %s serving on %s", node.id, node.address)
         print(f"node {node.id} serving on {node.address}", flush=True)
         await stop.wait()
-        for task in background:
+    finally:
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            await sync.close()  # sync_forever closes it otherwise
         await server.stop(STOP_GRACE_S)
         if ucx is not None:
             await ucx.close()  # no more UCX requests come in
             await servicer.cancel_ucx_requests()  # before the store closes under them
-    finally:
+        await repair.close()
         metrics.close()
-        await loop.run_in_executor(executor, store.close)
+        await holder.close()
         executor.shutdown()
     log.info("node %s stopped", node.id)
+
+
+def _serve_metrics(
+    metrics: NodeMetrics, node: NodeConfig, auth: Authenticator, is_serving: Callable[[], bool]
+) -> None:
+    """Metrics and /healthz on ``metrics_port`` (answering 503 while the store opens)."""
+    try:
+        metrics.serve(
+            node.host,
+            node.metrics_port,
+            is_serving,
+            authorize=_metrics_authorizer(node, auth),
+        )
+    except OSError as exc:
+        raise Unavailable(
+            f"cannot listen on {node.host}:{node.metrics_port} (metrics_port): the port is "
+            f"taken ({exc}); free it or change metrics_port in cluster.toml"
+        ) from None
+
+
+def _scrub(holder: StoreHolder, max_bytes: int) -> ScrubStep:
+    """One scrub step of the current store (none while it is rebuilt)."""
+    store = holder.store
+    return store.scrub(max_bytes) if store is not None else ScrubStep(0, pass_done=True)
 
 
 def _metrics_authorizer(node: NodeConfig, auth: Authenticator) -> Callable[[str], bool] | None:

@@ -69,6 +69,12 @@ class ReadState:
                 self._refreshed[entry.index_key] = (entry, now)
             self._counts[class_counter(served[0].traffic_class, "hits")] += 1
 
+    def record_touch(self, touched_entries: Sequence[Entry], now: float) -> None:
+        """Refresh entries a client touched (its read hit was served by other nodes)."""
+        with self._lock:
+            for entry in touched_entries:
+                self._refreshed[entry.index_key] = (entry, now)
+
     def record_miss(self, class_names: Iterable[str]) -> None:
         """Count one miss for the node and one for each class the key had entries of."""
         with self._lock:

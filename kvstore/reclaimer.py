@@ -72,15 +72,25 @@ class Reclaimer:
             self.move_out(passed)
 
     def free_empty_segments(self) -> None:
-        """Delete segments without a live entry (the whole file goes at once)."""
+        """Delete segments without a live entry (the whole file goes at once); a segment that
+        holds bytes no entry accounts for moves to quarantine/ instead (kvstore/index_rebuild.py).
+        """
         with self._index.read() as view:
             empty = [m.segment_id for m in view.segments() if m.num_live == 0]
+            quarantined = view.quarantined()
+        if not empty:
+            return
         self._appender.seal(empty)
         with self._index.write() as w:
             for segment_id in empty:
                 w.delete_segment(segment_id)
+                if segment_id in quarantined:
+                    w.unmark_quarantined(segment_id)
         for segment_id in empty:
-            self._files.remove(segment_id)
+            if segment_id in quarantined:
+                self._files.quarantine(segment_id, quarantined[segment_id])
+            else:
+                self._files.remove(segment_id)
 
     def move_out(self, segment_ids: Sequence[int]) -> None:
         """Copy the live records of these segments into open segments, then delete them."""

@@ -1,6 +1,11 @@
-"""Start-up: lock the data directory, then make the segment files agree with the index.
+"""Start-up: lock the data directory, open (or rebuild) the index, make the files agree with it.
 
-The index is the commit point, so at start-up it is the truth and the files are fixed to it:
+Opening the index (:func:`open_index`): lmdb files that cannot be opened or read (every page is
+read once, every entry decoded) are moved aside to ``index.damaged-<time>/`` and a blank index
+takes their place. A blank index next to segment files means the index was lost: it is rebuilt
+from the segment records (kvstore/index_rebuild.py). An index of an older format is migrated
+(kvstore/migration.py). Then the index is the commit point, so it is the truth and the files
+are fixed to it:
 
     file longer than committed   a torn tail (crash mid-append, or a put that failed before its
                                  commit): truncated back to the committed end
@@ -8,7 +13,6 @@ The index is the commit point, so at start-up it is the truth and the files are 
                                  and counted as corrupt shards (a repair can store them again)
     file not in the index        an orphan (crash after creating it, before its commit): removed
 
-An index written before the last-access order existed gets it here, once (kvstore/index.py).
 """
 
 from __future__ import annotations
@@ -16,12 +20,17 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.errors import InvalidArgument
-from kvstore.index import Index, IndexWriter, SegmentMeta
+from kvstore.errors import IndexUnusable, InvalidArgument
+from kvstore.index import Backend, Index, IndexWriter, LmdbBackend, SegmentMeta
+from kvstore.index_rebuild import rebuild_index
+from kvstore.migration import migrate_index
 from kvstore.segments import SegmentFiles
 from kvstore.store_stats import CORRUPT_SHARDS
+from ttl.policy import TrafficClasses
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +54,66 @@ def lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
-def recover(index: Index, files: SegmentFiles) -> int:
-    """Check every segment against the index; return the next unused segment id."""
+def open_index(
+    path: Path,
+    *,
+    sync: bool,
+    reserve_bytes: int,
+    group_of: Callable[[bytes], int],
+    backend: Backend | None = None,
+) -> Index:
+    """The index at ``path`` (or over ``backend``); damaged lmdb files are moved aside and a
+    blank index opened in their place (:func:`recover` then rebuilds it)."""
+    if backend is not None:
+        return Index(backend, group_of)
+    try:
+        index = Index(LmdbBackend(path, sync=sync, reserve_bytes=reserve_bytes), group_of)
+    except IndexUnusable as exc:
+        move_index_aside(path, str(exc))
+    else:
+        try:
+            index.backend.verify()
+            return index
+        except IndexUnusable as exc:
+            index.close()
+            move_index_aside(path, str(exc))
+    return Index(LmdbBackend(path, sync=sync, reserve_bytes=reserve_bytes), group_of)
+
+
+def move_index_aside(path: Path, why: str) -> Path:
+    """Rename a damaged index directory (kept for inspection, never reused)."""
+    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    log.error("the index is unusable (%s): moved it to %s; rebuilding from segments", why, aside)
+    return aside
+
+
+def recover(
+    index: Index,
+    files: SegmentFiles,
+    classes: TrafficClasses,
+    expiry_window_s: float,
+    now: float,
+) -> int:
+    """Rebuild, migrate, then check every segment against the index; return the next unused
+    segment id."""
+    with index.read() as view:
+        lost = view.is_blank() and bool(files.ids_on_disk())
+    if lost:
+        rebuild_index(index, files, classes, expiry_window_s, now)
+    else:
+        migrate_index(index, files)
+    index.verify()
     with index.write() as w:
-        if num_indexed := w.index_access_order():
-            log.info("indexed %d entries by last access (an older index)", num_indexed)
         metas = w.segments()
         for meta in metas:
             _recover_segment(w, files, meta)
         next_segment_id = max([w.next_segment_id(), *(sid + 1 for sid in files.ids_on_disk())])
     orphans = files.ids_on_disk() - {m.segment_id for m in metas}
     for segment_id in sorted(orphans):
-        log.warning("removing segment %d: never committed (crash during a put)", segment_id)
+        # The index is intact, so an unregistered file is a put that never committed (crash
+        # during an append) or a freed segment whose unlink a crash interrupted.
+        log.warning("removing segment %d: not in the index (never committed, or freed)", segment_id)
         files.remove(segment_id)
     with index.read() as view:
         log.info("recovered %d segments, %d bytes", len(metas), view.used_bytes())

@@ -6,12 +6,17 @@ expected, what came and how to fix it, and changes nothing: a put is validated w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from erasure.shard import HEADER_BYTES, VERSION_BYTES, verify_shard
+from erasure.config import CodecConfig
+from erasure.shard import HEADER_BYTES, VERSION_BYTES, ShardHeader, verify_shard
 from kvstore.config import KEY_BYTES, NodeConfig
 from kvstore.errors import CodecError, InvalidArgument
 from ttl.policy import TrafficClasses
+
+# The shard index a node holds for a key (its position in the key's group), None if the node
+# is not in that group.
+ShardIndexOf = Callable[[bytes], int | None]
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_TENANT_CHARS = 256
@@ -54,26 +59,37 @@ def check_put(
     classes: TrafficClasses,
     tenant: str,
     traffic_class: str,
-    shards: Sequence[tuple[bytes, bytes]],
-) -> list[tuple[bytes, bytes, bytes]]:
-    """(key, version, shard) of a whole put request, checked and deduplicated."""
+    shards: Sequence[tuple[bytes, bytes, float]],
+    codec: CodecConfig | None = None,
+    shard_index_of: ShardIndexOf | None = None,
+) -> list[tuple[bytes, ShardHeader, bytes, float]]:
+    """(key, shard header, shard, written_at_s) of a whole put request, checked and
+    deduplicated; ``shards`` are (key, shard, written_at_s).
+
+    With ``codec`` every shard header must fit the cluster's code (k, m, backend); with
+    ``shard_index_of`` every shard must be the one this node holds for its key. A mismatch
+    means the client and the node read different cluster maps: INVALID_ARGUMENT, nothing
+    stored.
+    """
     check_tenant(tenant)
     classes.check(traffic_class)
-    check_keys([key for key, _ in shards])
-    total_bytes = sum(len(shard) for _, shard in shards)
+    check_keys([key for key, _, _ in shards])
+    total_bytes = sum(len(shard) for _, shard, _ in shards)
     if total_bytes > node.max_batch_bytes:
         raise InvalidArgument(
             f"put of {total_bytes} bytes exceeds max_batch_bytes "
             f"{node.max_batch_bytes}; split it into smaller requests"
         )
-    unique: dict[tuple[bytes, bytes], bytes] = {}
-    for key, shard in shards:
-        unique[(bytes(key), _check_shard(node, key, shard))] = shard
-    return [(key, version, shard) for (key, version), shard in unique.items()]
+    unique: dict[tuple[bytes, bytes], tuple[ShardHeader, bytes, float]] = {}
+    for key, shard, written_at_s in shards:
+        header = _check_shard(node, key, shard)
+        _check_fits(node, key, header, codec, shard_index_of)
+        unique[(bytes(key), header.block_checksum)] = (header, shard, written_at_s)
+    return [(key, *value) for (key, _), value in unique.items()]
 
 
-def _check_shard(node: NodeConfig, key: bytes, shard: bytes) -> bytes:
-    """The shard's version; InvalidArgument if oversized or malformed."""
+def _check_shard(node: NodeConfig, key: bytes, shard: bytes) -> ShardHeader:
+    """The shard's header; InvalidArgument if oversized or malformed."""
     limit = node.max_shard_bytes + HEADER_BYTES
     if len(shard) > limit:
         raise InvalidArgument(
@@ -81,6 +97,32 @@ def _check_shard(node: NodeConfig, key: bytes, shard: bytes) -> bytes:
             f"{limit} (max_shard_bytes + header); use a larger k or smaller blocks"
         )
     try:
-        return verify_shard(shard).block_checksum
+        return verify_shard(shard)
     except CodecError as exc:
         raise InvalidArgument(f"malformed shard for key {key.hex()}: {exc}") from None
+
+
+def _check_fits(
+    node: NodeConfig,
+    key: bytes,
+    header: ShardHeader,
+    codec: CodecConfig | None,
+    shard_index_of: ShardIndexOf | None,
+) -> None:
+    if codec is not None and (header.k, header.m, header.backend) != (
+        codec.k,
+        codec.m,
+        codec.backend,
+    ):
+        raise InvalidArgument(
+            f"shard of key {key.hex()} is coded {header.k}+{header.m} with {header.backend}, but "
+            f"this cluster codes {codec.k}+{codec.m} with {codec.backend}; the client read "
+            "another cluster.toml than node " + node.id
+        )
+    expected = None if shard_index_of is None else shard_index_of(key)
+    if shard_index_of is not None and expected != header.index:
+        holds = "no shard" if expected is None else f"shard {expected}"
+        raise InvalidArgument(
+            f"node {node.id} holds {holds} of key {key.hex()} in its placement group, not shard "
+            f"{header.index}; the client read another cluster.toml (groups) than the node"
+        )

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvstore.index import Entry, Index, IndexWriter, tenant_hash
-from kvstore.segments import SegmentFiles, pack_record_header, record_bytes
+from kvstore.segments import RECORD_FORMAT, SegmentFiles, pack_record_header
 
 INF_WINDOW = 1 << 62  # window of shards that never expire: never retired
 
@@ -104,14 +104,25 @@ class SegmentAppender:
             self._files.close_writer(segment_id)
 
     def _append_one(self, plan: _AppendPlan, entry: Entry, shard: bytes) -> Entry:
+        """Append one record (always in the current record format); the entry pointing at it."""
+        entry = replace(entry, record_format=RECORD_FORMAT, shard_bytes=len(shard))
         window = window_id(entry.expires_at_s, self._expiry_window_s)
-        size = record_bytes(len(shard))
+        size = entry.record_bytes
         segment_id, end = plan.window_to_open.get(window, (0, 0))
         if segment_id == 0 or (end > 0 and end + size > self._segment_max_bytes):
             segment_id, end = self._next_segment_id, 0
             self._next_segment_id += 1
             plan.new_segment_to_window[segment_id] = window
-        header = pack_record_header(entry.key, tenant_hash(entry.tenant), len(shard))
+        header = pack_record_header(
+            entry.key,
+            tenant_hash(entry.tenant),
+            len(shard),
+            tenant=entry.tenant,
+            traffic_class=entry.traffic_class,
+            shard_index=entry.shard_index,
+            written_at_s=entry.created_s,
+            expires_at_s=entry.expires_at_s,
+        )
         self._files.append(segment_id, end, [header, shard])
         plan.window_to_open[window] = (segment_id, end + size)
         plan.segment_to_end[segment_id] = end + size

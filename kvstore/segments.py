@@ -8,18 +8,32 @@ A node's data directory::
         000000000001.seg  one append-only file per (expiry window, fill): records back to back
         000000000002.seg
         ...
+      quarantine/         segment files holding bytes no index entry accounts for (never deleted
+                          by the node: kvstore/index_rebuild.py)
 
 One record per stored shard; the shard bytes are exactly what the client sent (erasure/shard.py
-header + payload), so a read returns them with one ``pread`` and no re-encoding::
+header + payload), so a read returns them with one ``pread`` and no re-encoding. Record format 2
+(``KVR2``) describes itself, so a lost index can be rebuilt from the segments alone::
 
-    offset size  field                                   (little-endian)
-    ------ ----  ----------------------------------------------------------
-         0    4  magic b"KVR1"
-         4    4  shard length in bytes (n)
-         8   16  block key
-        24    8  tenant hash (first 8 bytes of the index key, see kvstore/index.py)
-        32    8  record checksum: xxh3-64 of bytes [0, 32)
-        40    n  shard: 48-byte shard header + payload (carries its own xxh3-64)
+    offset  size  field                                   (little-endian)
+    ------  ----  ----------------------------------------------------------
+         0     4  magic b"KVR2"
+         4     4  shard length in bytes (n)
+         8    16  block key
+        24     8  tenant hash (first 8 bytes of the index key, see kvstore/index.py)
+        32     8  written_at_s (f64): when the block version was written (newest wins)
+        40     8  expires_at_s (f64, inf = never) when this record was written
+        48     1  traffic class length (c)
+        49     1  shard index
+        50     2  tenant length in utf-8 bytes (t)
+        52     c  traffic class (ascii)
+      52+c     t  tenant (utf-8)
+    52+c+t     8  record checksum: xxh3-64 of bytes [0, 52+c+t)
+    60+c+t     n  shard: 48-byte shard header + payload (carries its own xxh3-64)
+
+Format 1 (``KVR1``, written before the format bump) has no times, class, shard index or tenant
+name; it is still read (its 40-byte header is magic, n, key, tenant hash, checksum of the
+first 32 bytes), and start-up rewrites such records as format 2 (kvstore/migration.py).
 
 Why a record header when the shard checks itself: a shard proves only that its own bytes are
 intact. The record header proves the bytes at this offset belong to *this* key and tenant, so a
@@ -41,21 +55,28 @@ import errno
 import logging
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
+from erasure.shard import HEADER_BYTES as SHARD_HEADER_BYTES
 from kvstore.errors import CapacityExhausted, ChecksumMismatch
 
 log = logging.getLogger(__name__)
 
-RECORD_MAGIC = b"KVR1"
-RECORD_HEADER_BYTES = 40
-_RECORD = struct.Struct("<4sI16s8s")  # bytes [0, 32)
+RECORD_MAGIC = b"KVR2"
+RECORD_FORMAT = 2
+LEGACY_MAGIC = b"KVR1"
+LEGACY_HEADER_BYTES = 40
+_FIXED = struct.Struct("<4sI16s8sddBBH")  # bytes [0, 52) of a format-2 header
+_LEGACY = struct.Struct("<4sI16s8s")  # bytes [0, 32) of a format-1 header
 _CHECKSUM = struct.Struct("<Q")
-assert _RECORD.size + _CHECKSUM.size == RECORD_HEADER_BYTES
+MIN_HEADER_BYTES = _FIXED.size + _CHECKSUM.size
+assert _LEGACY.size + _CHECKSUM.size == LEGACY_HEADER_BYTES
 _SUFFIX = ".seg"
+_SCAN_CHUNK_BYTES = 1 << 20
 # fallocate(2) modes: deallocate a byte range, keep the file's size (reads there give zeros).
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -95,26 +116,135 @@ def overwrite_with_zeros(fd: int, offset: int, length: int) -> None:
         offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
 
 
-def pack_record_header(key: bytes, tenant_hash: bytes, shard_bytes: int) -> bytes:
-    """The 40-byte header written in front of a shard of ``shard_bytes`` bytes."""
-    fields = _RECORD.pack(RECORD_MAGIC, shard_bytes, key, tenant_hash)
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """A parsed record header (format 1 headers leave the fields they lack at their defaults)."""
+
+    key: bytes
+    tenant_hash: bytes
+    shard_bytes: int
+    header_bytes: int
+    record_format: int = RECORD_FORMAT
+    tenant: str = ""
+    traffic_class: str = ""
+    shard_index: int = 0
+    written_at_s: float = 0.0
+    expires_at_s: float = 0.0
+
+    @property
+    def record_bytes(self) -> int:
+        return self.header_bytes + self.shard_bytes
+
+
+def header_bytes(tenant: str, traffic_class: str, record_format: int = RECORD_FORMAT) -> int:
+    """Bytes of the record header in front of a shard of this tenant and class."""
+    if record_format == 1:
+        return LEGACY_HEADER_BYTES
+    return MIN_HEADER_BYTES + len(traffic_class.encode()) + len(tenant.encode())
+
+
+def record_bytes(shard_bytes: int, tenant: str, traffic_class: str) -> int:
+    """Bytes a shard of ``shard_bytes`` takes in a segment (format-2 record)."""
+    return header_bytes(tenant, traffic_class) + shard_bytes
+
+
+def pack_record_header(
+    key: bytes,
+    tenant_hash: bytes,
+    shard_bytes: int,
+    *,
+    tenant: str,
+    traffic_class: str,
+    shard_index: int,
+    written_at_s: float,
+    expires_at_s: float,
+) -> bytes:
+    """The format-2 header written in front of a shard of ``shard_bytes`` bytes."""
+    cls, name = traffic_class.encode(), tenant.encode()
+    fields = _FIXED.pack(
+        RECORD_MAGIC,
+        shard_bytes,
+        key,
+        tenant_hash,
+        written_at_s,
+        expires_at_s,
+        len(cls),
+        shard_index,
+        len(name),
+    )
+    fields += cls + name
     return fields + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
 
 
-def check_record_header(header: bytes, key: bytes, tenant_hash: bytes, shard_bytes: int) -> None:
-    """Raise ChecksumMismatch unless ``header`` is intact and describes this key's shard."""
-    if len(header) != RECORD_HEADER_BYTES:
-        raise ChecksumMismatch(f"record header cut short: {len(header)} of 40 bytes on disk")
-    (stored,) = _CHECKSUM.unpack_from(header, _RECORD.size)
-    if xxhash.xxh3_64_intdigest(header[: _RECORD.size]) != stored:
+def parse_record_header(buffer: bytes | memoryview) -> RecordHeader:
+    """The header at the start of ``buffer`` (which may hold more); ChecksumMismatch if it is
+    not an intact record header of either format."""
+    view = memoryview(buffer)
+    magic = bytes(view[:4])
+    if magic == LEGACY_MAGIC and len(view) >= LEGACY_HEADER_BYTES:
+        _, shard_bytes, key, th = _LEGACY.unpack_from(view)
+        _check_sum(view, _LEGACY.size)
+        return RecordHeader(key, th, shard_bytes, LEGACY_HEADER_BYTES, record_format=1)
+    if magic != RECORD_MAGIC or len(view) < MIN_HEADER_BYTES:
+        raise ChecksumMismatch(f"no record header here (magic {magic!r}, {len(view)} bytes)")
+    _, shard_bytes, key, th, written_at_s, expires_at_s, cls_len, index, name_len = (
+        _FIXED.unpack_from(view)
+    )
+    end = _FIXED.size + cls_len + name_len
+    if len(view) < end + _CHECKSUM.size:
+        raise ChecksumMismatch(f"record header cut short: {len(view)} of {end + 8} bytes")
+    _check_sum(view, end)
+    try:
+        traffic_class = bytes(view[_FIXED.size : _FIXED.size + cls_len]).decode()
+        tenant = bytes(view[_FIXED.size + cls_len : end]).decode()
+    except UnicodeDecodeError as exc:
+        raise ChecksumMismatch(f"record header names no valid class or tenant: {exc}") from None
+    return RecordHeader(
+        key,
+        th,
+        shard_bytes,
+        end + _CHECKSUM.size,
+        tenant=tenant,
+        traffic_class=traffic_class,
+        shard_index=index,
+        written_at_s=written_at_s,
+        expires_at_s=expires_at_s,
+    )
+
+
+def _check_sum(view: memoryview, end: int) -> None:
+    (stored,) = _CHECKSUM.unpack_from(view, end)
+    if xxhash.xxh3_64_intdigest(view[:end]) != stored:
         raise ChecksumMismatch("segment record header fails its checksum")
-    if header[: _RECORD.size] != _RECORD.pack(RECORD_MAGIC, shard_bytes, key, tenant_hash):
+
+
+def check_record_header(
+    header: bytes | memoryview, key: bytes, tenant_hash: bytes, tenant: str, shard_bytes: int
+) -> RecordHeader:
+    """Raise ChecksumMismatch unless ``header`` is intact and describes this key's shard."""
+    parsed = parse_record_header(header)
+    if parsed.header_bytes != len(header):
+        raise ChecksumMismatch(f"record header is {parsed.header_bytes} bytes, not {len(header)}")
+    same = (parsed.key, parsed.tenant_hash, parsed.shard_bytes) == (key, tenant_hash, shard_bytes)
+    if not same or (parsed.record_format > 1 and parsed.tenant != tenant):
         raise ChecksumMismatch(f"segment record does not hold key {key.hex()} as indexed")
+    return parsed
 
 
-def record_bytes(shard_bytes: int) -> int:
-    """Bytes a shard of ``shard_bytes`` takes in a segment."""
-    return RECORD_HEADER_BYTES + shard_bytes
+@dataclass(frozen=True, slots=True)
+class ScannedRecord:
+    """A record found by :meth:`SegmentFiles.scan`: where it is and what its header says."""
+
+    offset: int
+    header: RecordHeader
+
+
+@dataclass(frozen=True, slots=True)
+class UnaccountedBytes:
+    """Bytes of a segment that are no intact record (torn, overwritten, or of another file)."""
+
+    offset: int
+    num_bytes: int
 
 
 class SegmentFiles:
@@ -133,6 +263,10 @@ class SegmentFiles:
     def path(self, segment_id: int) -> Path:
         return self.directory / f"{segment_id:012d}{_SUFFIX}"
 
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.directory.parent / "quarantine"
+
     def ids_on_disk(self) -> set[int]:
         """Segment ids of every ``*.seg`` file present (committed or orphaned)."""
         return {int(p.stem) for p in self.directory.glob(f"*{_SUFFIX}") if p.stem.isdigit()}
@@ -145,7 +279,11 @@ class SegmentFiles:
             return None
 
     def append(self, segment_id: int, offset: int, chunks: Sequence[bytes | memoryview]) -> None:
-        """Write ``chunks`` at ``offset`` (the segment's end); ENOSPC -> CapacityExhausted."""
+        """Write ``chunks`` at ``offset`` (the segment's end).
+
+        A full disk (ENOSPC, EDQUOT, or a short write, which is how a filesystem that ran out
+        of space mid-write answers) raises CapacityExhausted.
+        """
         fd = self._write_fd(segment_id)
         try:
             written = os.pwritev(fd, chunks, offset)
@@ -157,7 +295,10 @@ class SegmentFiles:
             raise
         expected = sum(len(c) for c in chunks)
         if written != expected:
-            raise OSError(f"short write to segment {segment_id}: {written} of {expected} bytes")
+            raise CapacityExhausted(
+                f"disk full while appending to segment {segment_id}: wrote {written} of "
+                f"{expected} bytes"
+            )
 
     def sync(self, segment_ids: Iterable[int]) -> None:
         """fsync each segment once (per request, not per record), if fsync is configured."""
@@ -166,12 +307,16 @@ class SegmentFiles:
         for segment_id in segment_ids:
             os.fdatasync(self._write_fd(segment_id))
         if self._dir_dirty:
-            dir_fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            self.sync_directory(self.directory)
             self._dir_dirty = False
+
+    @staticmethod
+    def sync_directory(directory: Path) -> None:
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def truncate(self, segment_id: int, length: int) -> None:
         """Cut the file back to ``length`` bytes: drops a torn or uncommitted tail."""
@@ -203,6 +348,23 @@ class SegmentFiles:
         with contextlib.suppress(FileNotFoundError):
             self.path(segment_id).unlink()
 
+    def quarantine(self, segment_id: int, reason: str) -> Path:
+        """Move a segment file into ``quarantine/`` (kept, out of the store's way)."""
+        self.close_writer(segment_id)
+        self.quarantine_dir.mkdir(exist_ok=True)
+        target = self.quarantine_dir / f"{self.path(segment_id).name}.{reason}"
+        os.replace(self.path(segment_id), target)
+        if self.fsync:
+            self.sync_directory(self.quarantine_dir)
+            self.sync_directory(self.directory)
+        return target
+
+    def quarantined_bytes(self) -> int:
+        """Bytes of the files in ``quarantine/``."""
+        if not self.quarantine_dir.exists():
+            return 0
+        return sum(p.stat().st_size for p in self.quarantine_dir.iterdir() if p.is_file())
+
     def close_writer(self, segment_id: int) -> None:
         fd = self._write_fds.pop(segment_id, None)
         if fd is not None:
@@ -213,7 +375,14 @@ class SegmentFiles:
             self.close_writer(segment_id)
 
     def read_shard(
-        self, segment_id: int, offset: int, shard_bytes: int, key: bytes, tenant_hash: bytes
+        self,
+        segment_id: int,
+        offset: int,
+        header_bytes: int,
+        shard_bytes: int,
+        key: bytes,
+        tenant: str,
+        tenant_hash: bytes,
     ) -> bytes:
         """The shard bytes of the record at ``offset``, after checking its record header.
 
@@ -222,9 +391,9 @@ class SegmentFiles:
         """
         fd = os.open(self.path(segment_id), os.O_RDONLY)
         try:
-            header = os.pread(fd, RECORD_HEADER_BYTES, offset)
-            check_record_header(header, key, tenant_hash, shard_bytes)
-            shard = os.pread(fd, shard_bytes, offset + RECORD_HEADER_BYTES)
+            header = os.pread(fd, header_bytes, offset)
+            check_record_header(header, key, tenant_hash, tenant, shard_bytes)
+            shard = os.pread(fd, shard_bytes, offset + header_bytes)
         finally:
             os.close(fd)
         if len(shard) != shard_bytes:
@@ -240,23 +409,89 @@ class SegmentFiles:
     def read_into(
         fd: int,
         offset: int,
+        header_bytes: int,
         payload: memoryview,
         key: bytes,
         tenant_hash: bytes,
+        tenant: str,
         head: bytearray,
     ) -> memoryview:
-        """Read the record at ``offset`` with one ``preadv``: record and shard headers into
-        ``head`` (``RECORD_HEADER_BYTES + 48`` bytes), the payload straight into ``payload``.
+        """Read the record at ``offset`` with one ``preadv``: its ``header_bytes`` of record
+        header (they vary with the tenant and class names, :func:`header_bytes`) and the
+        48-byte shard header into ``head`` (at least ``header_bytes + 48`` bytes), the
+        payload straight into ``payload``.
 
         Returns the 48-byte shard header (a view of ``head``) once the record header proved
-        the bytes are this key's; the shard checksum is the caller's to verify.
+        the bytes are this key's and this tenant's; the shard checksum is the caller's to
+        verify.
         """
-        num_read = os.preadv(fd, [head, payload], offset)
-        if num_read != len(head) + len(payload):
+        heads = memoryview(head)[: header_bytes + SHARD_HEADER_BYTES]
+        num_read = os.preadv(fd, [heads, payload], offset)
+        if num_read != len(heads) + len(payload):
             raise ChecksumMismatch(f"segment ends inside the record at {offset}")
-        shard_bytes = len(head) - RECORD_HEADER_BYTES + len(payload)
-        check_record_header(bytes(head[:RECORD_HEADER_BYTES]), key, tenant_hash, shard_bytes)
-        return memoryview(head)[RECORD_HEADER_BYTES:]
+        shard_bytes = SHARD_HEADER_BYTES + len(payload)
+        check_record_header(heads[:header_bytes], key, tenant_hash, tenant, shard_bytes)
+        return heads[header_bytes:]
+
+    def read_at(self, segment_id: int, offset: int, num_bytes: int) -> bytes:
+        """Raw bytes of a segment (FileNotFoundError if it is gone)."""
+        fd = os.open(self.path(segment_id), os.O_RDONLY)
+        try:
+            return os.pread(fd, num_bytes, offset)
+        finally:
+            os.close(fd)
+
+    def scan(self, segment_id: int) -> Iterator[ScannedRecord | UnaccountedBytes]:
+        """Every record of a segment in file order, and the runs of bytes between them that are
+        no intact record header (after such a run the scan resumes at the next magic whose
+        header verifies). A record whose shard runs past the end of the file is unaccounted;
+        a run of zeros is not (a deleted record erased in place, :meth:`erase`). Shard bytes
+        are not verified here: the caller reads and checks them."""
+        size = self.size(segment_id) or 0
+        offset, gap_start = 0, None
+        while offset < size:
+            header = self._header_at(segment_id, offset)
+            if header is not None and offset + header.record_bytes <= size:
+                if gap_start is not None:
+                    yield from self._gap(segment_id, gap_start, offset)
+                    gap_start = None
+                yield ScannedRecord(offset, header)
+                offset += header.record_bytes
+                continue
+            if gap_start is None:
+                gap_start = offset
+            offset = self._next_magic(segment_id, offset + 1, size)
+        if gap_start is not None:
+            yield from self._gap(segment_id, gap_start, size)
+
+    def _gap(self, segment_id: int, start: int, end: int) -> Iterator[UnaccountedBytes]:
+        """The run ``[start, end)`` as unaccounted bytes, unless it is all zeros (erased)."""
+        for offset in range(start, end, _SCAN_CHUNK_BYTES):
+            chunk = self.read_at(segment_id, offset, min(_SCAN_CHUNK_BYTES, end - offset))
+            if chunk.count(0) != len(chunk):
+                yield UnaccountedBytes(start, end - start)
+                return
+
+    def _header_at(self, segment_id: int, offset: int) -> RecordHeader | None:
+        head = self.read_at(segment_id, offset, MIN_HEADER_BYTES)
+        if head[:4] == RECORD_MAGIC and len(head) == MIN_HEADER_BYTES:
+            cls_len, _, name_len = struct.unpack_from("<BBH", head, 48)
+            head = self.read_at(segment_id, offset, MIN_HEADER_BYTES + cls_len + name_len)
+        try:
+            return parse_record_header(head)
+        except ChecksumMismatch:
+            return None
+
+    def _next_magic(self, segment_id: int, start: int, size: int) -> int:
+        """Offset of the next ``KVR2``/``KVR1`` at or after ``start`` (``size`` if none)."""
+        offset = start
+        while offset < size:
+            chunk = self.read_at(segment_id, offset, _SCAN_CHUNK_BYTES + 3)
+            hits = [i for i in (chunk.find(RECORD_MAGIC), chunk.find(LEGACY_MAGIC)) if i >= 0]
+            if hits:
+                return offset + min(hits)
+            offset += _SCAN_CHUNK_BYTES
+        return size
 
     def _write_fd(self, segment_id: int) -> int:
         fd = self._write_fds.get(segment_id)

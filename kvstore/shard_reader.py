@@ -2,9 +2,12 @@
 
 Reads run concurrently: each takes an lmdb read snapshot and one ``pread`` per shard. Integrity:
 every read checks the record header (right key and tenant at that offset, kvstore/segments.py),
-the shard checksum and the version against the index. :meth:`ShardReader.read_batch` serves a
-whole batch read: one index snapshot for every key, one descriptor per segment, one ``preadv``
-per shard straight into the caller's staging (the payload stream of kvstore/batch_answer.py).
+the shard checksum and the version against the index. A key's read is planned from the index
+first (its newest live version only, or the one asked for: :meth:`ShardReader.plan`), so a
+request's reply size is known, and refused when too large, before any byte is read; a key
+named twice in one request is read once. :meth:`ShardReader.read_batch` serves a whole batch
+read: one index snapshot for every key, one descriptor per segment, one ``preadv`` per shard
+straight into the caller's staging (the payload stream of kvstore/batch_answer.py).
 A shard that fails is reported CORRUPT, counted, never served, and removed from the index by
 the next write (kvstore/read_state.py) so a repair can store it again.
 :meth:`ShardReader.read_batch` and :meth:`ShardReader.read_verified` are the hot paths.
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 from erasure.shard import HEADER_BYTES, SplitShard, verify_shard
 from kvstore import batch_answer
 from kvstore.byte_arena import Region
-from kvstore.errors import ChecksumMismatch, CodecError
+from kvstore.errors import ChecksumMismatch, CodecError, InvalidArgument
 from kvstore.index import Entry, Index, tenant_hash
 from kvstore.read_state import ReadState
-from kvstore.segments import RECORD_HEADER_BYTES, SegmentFiles
+from kvstore.segments import SegmentFiles
 from ttl.policy import is_expired
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,19 @@ class Status(enum.IntEnum):
 @dataclass(frozen=True)
 class GetResult:
     status: Status
-    shards: tuple[bytes, ...] = ()  # one per version held, newest first (HIT only)
+    shards: tuple[bytes, ...] = ()  # the newest version's shard (HIT only)
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """What a get will read for one key, decided from the index before any byte is read."""
+
+    to_read: tuple[Entry, ...]  # the newest live version (or the one asked for)
+    unserved: tuple[Entry, ...]  # entries of the key that cannot be served (expired)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(e.shard_bytes for e in self.to_read)
 
 
 @dataclass
@@ -74,16 +89,27 @@ class ShardReader:
         self._files = files
         self._reads = reads
 
-    def get_one(self, tenant: str, key: bytes, version: bytes, now: float) -> GetResult:
-        """Every live version of ``key`` (or only ``version``), counted as one hit or miss."""
-        try:
-            found = self._read_live(tenant, key, version, now)
-        except FileNotFoundError:  # a segment moved or was deleted under us: look once more
+    def plan(self, tenant: str, key: bytes, version: bytes, now: float) -> KeyPlan:
+        """Which entry a get of ``key`` reads: only the newest live version (or ``version``).
+
+        Older versions are retired when a newer one commits (kvstore/group_commit.py), so a
+        node normally holds one; reading only the newest keeps a key's read cost one shard.
+        """
+        live, expired = self.live_entries(tenant, key, now)
+        if version:
+            live = [e for e in live if e.version == version]
+        return KeyPlan(tuple(live[:1]), tuple(live[1:] + expired))
+
+    def read(self, tenant: str, key: bytes, version: bytes, plan: KeyPlan, now: float) -> GetResult:
+        """Read ``plan``'s shard, counted as one hit or miss; the plan is made again once if a
+        segment moved or was deleted since it was made."""
+        for attempt in range(2):
             try:
-                found = self._read_live(tenant, key, version, now)
+                return self._record_get(plan, [self.read_verified(e) for e in plan.to_read], now)
             except FileNotFoundError:
-                found = ([], [], [])
-        return self._record_get(*found, now)
+                if attempt == 0:
+                    plan = self.plan(tenant, key, version, now)
+        return self._record_get(KeyPlan((), plan.unserved), [], now)
 
     def read_batch(
         self,
@@ -92,41 +118,66 @@ class ShardReader:
         version: bytes,
         now: float,
         take: Callable[[int], Region],
+        max_payload_bytes: int | None = None,
     ) -> BatchRead:
-        """Every live version of each key (or only ``version``), payloads read into one
-        staging region from ``take``, each key counted as one hit or miss.
+        """The newest live version of each key (or ``version``), payloads read into one
+        staging region from ``take``, each distinct key read once and counted as one hit or
+        miss (a key named again gets a copy of the same answer).
 
-        This is the node's hot path for batch reads: one index snapshot, then per shard one
-        ``preadv`` and one checksum pass; Python work per shard is a few calls. A segment
-        gone under us (moved or expired) makes its keys be looked up once more, as in
-        :meth:`get_one`.
+        The payload bytes are summed from the index first: above ``max_payload_bytes`` the
+        request gets InvalidArgument having read nothing. This is the node's hot path for
+        batch reads: one index snapshot, then per shard one ``preadv`` and one checksum
+        pass. A segment gone under us (moved or expired) makes its keys be looked up once
+        more, as in :meth:`read`.
         """
-        live = self._live_batch(tenant, keys, version, now)
-        staging = take(sum(e.shard_bytes - HEADER_BYTES for found in live for e in found[0]))
-        out = _BatchOut(staging)
-        retry = self._read_entries(tenant, live, range(len(keys)), out)
+        positions: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            positions.setdefault(bytes(key), []).append(i)
+        distinct = list(positions)
+        live = self._live_batch(tenant, distinct, version, now)
+        payload_bytes = sum(
+            (e.shard_bytes - HEADER_BYTES) * len(positions[key])
+            for key, found in zip(distinct, live, strict=True)
+            for e in found[0]
+        )
+        if max_payload_bytes is not None and payload_bytes > max_payload_bytes:
+            raise InvalidArgument(
+                f"reply of {payload_bytes} bytes for {len(keys)} keys ({len(distinct)} "
+                f"distinct) exceeds max_batch_bytes {max_payload_bytes}; ask for fewer keys "
+                "per request"
+            )
+        out = _BatchOut(take(payload_bytes))
+        retry = self._read_entries(tenant, live, range(len(distinct)), out)
         if retry:
-            fresh = self._live_batch(tenant, [keys[i] for i in retry], version, now)
-            for i, found in zip(retry, fresh, strict=True):
-                live[i] = found
-            out.grow(sum(e.shard_bytes - HEADER_BYTES for i in retry for e in live[i][0]))
-            for i in self._read_entries(tenant, live, retry, out):
-                live[i] = ([], [], live[i][2])  # gone twice: a miss
-        for i, (found, _, expired) in enumerate(live):
-            served = out.served.get(i, [])
+            fresh = self._live_batch(tenant, [distinct[d] for d in retry], version, now)
+            for d, found in zip(retry, fresh, strict=True):
+                live[d] = found
+            out.grow(
+                sum(
+                    (e.shard_bytes - HEADER_BYTES) * len(positions[distinct[d]])
+                    for d in retry
+                    for e in live[d][0]
+                )
+            )
+            for d in self._read_entries(tenant, live, retry, out):
+                live[d] = ([], [], live[d][2])  # gone twice: a miss
+        for d, (found, _, expired) in enumerate(live):
+            served = out.served.get(d, [])
             if served:
                 self._reads.record_hit(served, now)
             else:
                 self._reads.record_miss({e.traffic_class for e in found + expired})
                 status = Status.CORRUPT if found else Status.MISS
-                out.entries.append(batch_answer.Entry(i, int(status), b"", 0))
+                out.entries.append(batch_answer.Entry(d, int(status), b"", 0))
+        out.spread_to_positions([positions[key] for key in distinct])
         return BatchRead(out.entries, out.staging, out.position)
 
     def _live_batch(
         self, tenant: str, keys: Sequence[bytes], version: bytes, now: float
     ) -> list[tuple[list[Entry], list[Entry], list[Entry]]]:
-        """Per key: (live entries newest first, [], expired entries), in one snapshot; keys
-        that look expired are looked up again on a fresh one (see :meth:`live_entries`)."""
+        """Per key: ([the newest live entry, or ``version``'s], [], expired entries), in one
+        snapshot; keys that look expired are looked up again on a fresh one (see
+        :meth:`live_entries`)."""
         with self._index.read() as view:
             per_key = [
                 [self._reads.with_refresh(e) for e in view.versions(tenant, k)] for k in keys
@@ -136,8 +187,9 @@ class ShardReader:
             if any(is_expired(e.expires_at_s, now) for e in entries):
                 live, expired = self.live_entries(tenant, key, now)
             else:
-                live, expired = sorted(entries, key=lambda e: e.created_s, reverse=True), []
-            found.append(([e for e in live if not version or e.version == version], [], expired))
+                live, expired = sorted(entries, key=lambda e: e.order, reverse=True), []
+            wanted = [e for e in live if not version or e.version == version]
+            found.append((wanted[:1], [], expired))
         return found
 
     def _read_entries(
@@ -151,13 +203,14 @@ class ShardReader:
         whose segment was gone (to look up again)."""
         retry: list[int] = []
         fds: dict[int, int] = {}
-        head = bytearray(RECORD_HEADER_BYTES + HEADER_BYTES)
+        longest = max((e.header_bytes for i in positions for e in live[i][0]), default=0)
+        head = bytearray(longest + HEADER_BYTES)
         owner = tenant_hash(tenant)
         try:
             for i in positions:
                 try:
                     for entry in live[i][0]:
-                        self._read_one(entry, i, owner, fds, head, out)
+                        self._read_one(entry, i, tenant, owner, fds, head, out)
                 except FileNotFoundError:
                     out.served.pop(i, None)
                     out.drop_key(i)
@@ -171,6 +224,7 @@ class ShardReader:
         self,
         entry: Entry,
         position: int,
+        tenant: str,
         owner: bytes,
         fds: dict[int, int],
         head: bytearray,
@@ -181,7 +235,9 @@ class ShardReader:
             fd = fds[entry.segment_id] = self._files.open_reader(entry.segment_id)
         payload = out.next_payload(entry.shard_bytes - HEADER_BYTES)
         try:
-            header = SegmentFiles.read_into(fd, entry.offset, payload, entry.key, owner, head)
+            header = SegmentFiles.read_into(
+                fd, entry.offset, entry.header_bytes, payload, entry.key, owner, tenant, head
+            )
             if verify_shard(SplitShard(header, payload)).block_checksum != entry.version:
                 raise ChecksumMismatch("shard version differs from the indexed version")
         except CodecError as exc:
@@ -203,7 +259,7 @@ class ShardReader:
             if not expired:
                 break
         live = [e for e in entries if not is_expired(e.expires_at_s, now)]
-        live.sort(key=lambda e: e.created_s, reverse=True)
+        live.sort(key=lambda e: e.order, reverse=True)
         return live, expired
 
     def read_verified(self, entry: Entry) -> bytes | None:
@@ -215,8 +271,10 @@ class ShardReader:
             shard = self._files.read_shard(
                 entry.segment_id,
                 entry.offset,
+                entry.header_bytes,
                 entry.shard_bytes,
                 entry.key,
+                entry.tenant,
                 tenant_hash(entry.tenant),
             )
             if verify_shard(shard).block_checksum != entry.version:
@@ -227,23 +285,13 @@ class ShardReader:
             return None
         return shard
 
-    def _read_live(
-        self, tenant: str, key: bytes, version: bytes, now: float
-    ) -> tuple[list[Entry], list[bytes | None], list[Entry]]:
-        """(live entries, their shard bytes or None if corrupt, expired entries)."""
-        live, expired = self.live_entries(tenant, key, now)
-        live = [e for e in live if not version or e.version == version]
-        return live, [self.read_verified(e) for e in live], expired
-
-    def _record_get(
-        self, live: list[Entry], shards: list[bytes | None], expired: list[Entry], now: float
-    ) -> GetResult:
-        hits = [(e, s) for e, s in zip(live, shards, strict=True) if s is not None]
+    def _record_get(self, plan: KeyPlan, shards: list[bytes | None], now: float) -> GetResult:
+        hits = [(e, s) for e, s in zip(plan.to_read, shards, strict=True) if s is not None]
         if hits:
             self._reads.record_hit([e for e, _ in hits], now)
             return GetResult(Status.HIT, tuple(s for _, s in hits))
-        self._reads.record_miss({e.traffic_class for e in live + expired})
-        return GetResult(Status.CORRUPT if live else Status.MISS)
+        self._reads.record_miss({e.traffic_class for e in plan.to_read + plan.unserved})
+        return GetResult(Status.CORRUPT if plan.to_read else Status.MISS)
 
 
 class _BatchOut:
@@ -288,6 +336,24 @@ class _BatchOut:
         bigger.view[: self.position] = self.staging.view[: self.position]
         self.staging.release()
         self.staging = bigger
+
+    def spread_to_positions(self, positions: Sequence[Sequence[int]]) -> None:
+        """Entries were filed by distinct key (``positions[d]``: where key d stands in the
+        request): file each under the key's first position, and copy it, payload included,
+        for every later position (the staging has room: the reply size counted them)."""
+        self.grow(sum(e.payload_bytes * (len(positions[e.key_index]) - 1) for e in self.entries))
+        kept = list(zip(self.entries, self._offsets(), strict=True))
+        self.entries = []
+        for entry, _ in kept:
+            self.entries.append(entry._replace(key_index=positions[entry.key_index][0]))
+        for entry, start in kept:
+            for position in positions[entry.key_index][1:]:
+                end = self.position + entry.payload_bytes
+                self.staging.view[self.position : end] = self.staging.view[
+                    start : start + entry.payload_bytes
+                ]
+                self.entries.append(entry._replace(key_index=position))
+                self.position = end
 
     def _offsets(self) -> list[int]:
         offsets, start = [], 0

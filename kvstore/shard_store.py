@@ -17,39 +17,70 @@ read snapshot and a ``pread`` per shard), writes serialize on one lock (lmdb has
                                  the delete log (tombstones) and peers' tombstones applied
     kvstore/eviction.py          the byte limit, eviction in the configured order (LRU by
                                  default, or earliest expiry), compaction
-    kvstore/recovery.py          start-up: data_dir lock, segment files checked against the index
+    kvstore/recovery.py          start-up: data_dir lock, the index opened (damaged: moved
+                                 aside), rebuilt from segment records if lost
+                                 (kvstore/index_rebuild.py) or migrated (kvstore/migration.py),
+                                 segment files checked against it
     kvstore/store_stats.py       figures per node and per traffic class, and how they count
     kvstore/scrub.py             background scrub: every record re-read and verified, paced
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from erasure.config import CodecConfig
 from kvstore.byte_arena import Region
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.deletion import Deleter, Erased
-from kvstore.errors import UnknownTrafficClass
+from kvstore.errors import CapacityExhausted, IndexUnusable, InvalidArgument, UnknownTrafficClass
 from kvstore.eviction import Evictor
 from kvstore.group_commit import GroupCommit, PutRequest
-from kvstore.index import LAST_TOMBSTONE_SEQ, Backend, Entry, Index, LmdbBackend, Tombstone
+from kvstore.index import (
+    DEFAULT_RESERVE_BYTES,
+    LAST_TOMBSTONE_SEQ,
+    RETIRED_VERSIONS,
+    Backend,
+    Entry,
+    Index,
+    Tombstone,
+)
+from kvstore.migration import rewrite_legacy_segments
 from kvstore.read_state import ReadState
 from kvstore.reclaimer import Reclaimer
-from kvstore.recovery import lock_data_dir, recover
-from kvstore.request_checks import check_keys, check_put, check_tenant, check_version
+from kvstore.recovery import lock_data_dir, move_index_aside, open_index, recover
+from kvstore.request_checks import (
+    ShardIndexOf,
+    check_keys,
+    check_put,
+    check_tenant,
+    check_version,
+)
 from kvstore.scrub import Scrubber, ScrubStep
 from kvstore.segment_appender import INF_WINDOW, SegmentAppender, window_end_s, window_id
 from kvstore.segments import SegmentFiles
 from kvstore.shard_reader import BatchRead, GetResult, ShardReader, Status
-from kvstore.store_stats import ClassStats, StoreStats, store_stats
+from kvstore.store_stats import ClassStats, StoreStats, empty_stats, store_stats
 from ttl.clock import Clock
 from ttl.policy import Retention
+
+log = logging.getLogger(__name__)
+
+MIN_RESERVE_BYTES = 64 << 10
+LEGACY_SEGMENTS_PER_TICK = 2
+# How far (real seconds) a put's version write time may run ahead of this node's clock. A time
+# further ahead would order the version above every later overwrite and outlive deletes made
+# before it (a tombstone deletes the versions written at or before it); NTP keeps clocks far
+# closer than this.
+MAX_WRITE_AHEAD_S = 60.0
 
 __all__ = [
     "INF_WINDOW",
@@ -61,24 +92,78 @@ __all__ = [
     "Status",
     "StoreStats",
     "Tombstone",
+    "empty_stats",
     "window_end_s",
     "window_id",
 ]
 
 
+@dataclass(frozen=True)
+class PutResult:
+    """What a put did: shards stored new, and shards left out on purpose."""
+
+    num_stored: int
+    num_superseded: int = 0  # a newer version of the key is held: the shard is not needed
+    num_fenced: int = 0  # a repair's shard of a key deleted after its version was written
+
+
+@dataclass(frozen=True)
+class PutOptions:
+    """How a put stores its shards (clients set ``written_at_s``; repairs set all three).
+
+    ``written_at_s``: each shard's version write time, which orders versions (one per shard,
+    0 = the node's now; empty = all now). ``expires_at_s``: keep this expiry instead of a fresh
+    TTL (0 = the class TTL from now). ``repair``: a repair's write, whose shards are refused for
+    keys this node deleted at or after their version was written (kvstore/deletion.py).
+    """
+
+    written_at_s: Sequence[float] = ()
+    expires_at_s: float = 0.0
+    repair: bool = False
+
+
+def reserve_bytes_for(node: NodeConfig, data_dir: Path) -> int:
+    """The index's reserved space: ``index_reserve_bytes``, or 1/32 of the node's limit (the
+    configured one, else the disk), between 64 KiB and 32 MiB."""
+    if node.index_reserve_bytes:
+        return node.index_reserve_bytes
+    data_dir.mkdir(parents=True, exist_ok=True)
+    limit = node.max_bytes or shutil.disk_usage(data_dir).total
+    return max(MIN_RESERVE_BYTES, min(DEFAULT_RESERVE_BYTES, limit // 32))
+
+
 class ShardStore:
-    """Durable shard storage of one node (see the module docstring)."""
+    """Durable shard storage of one node (see the module docstring).
+
+    ``group_of`` (key -> placement group) files entries for the repair's listing;
+    ``shard_index_of`` (key -> the shard index this node holds, None if none) and ``codec``
+    make puts that do not fit the cluster's map or code fail with INVALID_ARGUMENT.
+    """
 
     def __init__(
-        self, node: NodeConfig, ttl: TTLConfig, clock: Clock, backend: Backend | None = None
+        self,
+        node: NodeConfig,
+        ttl: TTLConfig,
+        clock: Clock,
+        backend: Backend | None = None,
+        *,
+        group_of: Callable[[bytes], int] | None = None,
+        shard_index_of: ShardIndexOf | None = None,
+        codec: CodecConfig | None = None,
     ) -> None:
         data_dir = Path(node.data_dir)
         self.node = node
         self.ttl = ttl
         self.clock = clock
+        self._codec = codec
+        self._shard_index_of = shard_index_of
         self._lock_fd = lock_data_dir(data_dir)
-        self._index = Index(backend or LmdbBackend(data_dir / "index", sync=node.fsync))
         self._files = SegmentFiles(data_dir / "segments", fsync=node.fsync)
+        try:
+            self._index, next_segment_id = self._open_index(data_dir, backend, group_of)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._write_lock = threading.Lock()
         self.retention = Retention(ttl.classes)
         self._reads = ReadState(lambda: self.retention)
@@ -88,7 +173,7 @@ class ShardStore:
             self._files,
             expiry_window_s=ttl.expiry_window_s,
             segment_max_bytes=node.segment_max_bytes,
-            next_segment_id=recover(self._index, self._files),
+            next_segment_id=next_segment_id,
         )
         self._reclaimer = Reclaimer(
             self._index, self._files, self._appender, self._reader, self._reads, ttl.expiry_window_s
@@ -102,55 +187,179 @@ class ShardStore:
         with self._write_lock:
             self._deleter.erase_queued()  # deletes committed before a crash reach the bytes
 
-    def put(self, tenant: str, traffic_class: str, shards: Sequence[tuple[bytes, bytes]]) -> int:
-        """Store ``(key, shard)`` pairs durably, all or nothing; return how many were new.
+    def _open_index(
+        self,
+        data_dir: Path,
+        backend: Backend | None,
+        group_of: Callable[[bytes], int] | None,
+    ) -> tuple[Index, int]:
+        """The recovered index and the next segment id (kvstore/recovery.py); an index that
+        opens but fails to decode is moved aside and rebuilt."""
+        path = data_dir / "index"
+        options = {
+            "sync": self.node.fsync,
+            "reserve_bytes": reserve_bytes_for(self.node, data_dir),
+            "group_of": group_of or (lambda key: 0),
+        }
+        for attempt in range(2):
+            index = open_index(path, backend=backend, **options)
+            try:
+                return index, self._recover(index)
+            except IndexUnusable as exc:
+                index.close()
+                if backend is not None or attempt:
+                    raise
+                move_index_aside(path, str(exc))
+        raise AssertionError("unreachable")
 
-        Re-putting a key and version already held refreshes its TTL and is not counted.
+    def _recover(self, index: Index) -> int:
+        return recover(
+            index, self._files, self.ttl.classes, self.ttl.expiry_window_s, self.clock.now()
+        )
+
+    def put(
+        self,
+        tenant: str,
+        traffic_class: str,
+        shards: Sequence[tuple[bytes, bytes]],
+        options: PutOptions = PutOptions(),
+    ) -> PutResult:
+        """Store ``(key, shard)`` pairs durably, all or nothing (see :class:`PutResult`).
+
+        Re-putting a key and version already held refreshes its TTL and is not counted; a
+        new version retires the key's older versions in the same commit.
         """
-        items = check_put(self.node, self.ttl.classes, tenant, traffic_class, shards)
-        request = PutRequest(tenant, traffic_class, items, self.clock.now())
+        written_at_s = options.written_at_s or [0.0] * len(shards)
+        if len(written_at_s) != len(shards):
+            raise InvalidArgument(
+                f"{len(written_at_s)} write times for {len(shards)} shards; give one per shard"
+            )
+        ahead_s = max(written_at_s, default=0.0) - self.clock.now()
+        if ahead_s > MAX_WRITE_AHEAD_S * self.ttl.time_scale:
+            raise InvalidArgument(
+                f"a shard's written_at_s is {ahead_s / self.ttl.time_scale:.0f} s ahead of node "
+                f"{self.node.id}'s clock (at most {MAX_WRITE_AHEAD_S:.0f} s); sync the clocks "
+                "(NTP)"
+            )
+        items = check_put(
+            self.node,
+            self.ttl.classes,
+            tenant,
+            traffic_class,
+            [(key, shard, at) for (key, shard), at in zip(shards, written_at_s, strict=True)],
+            self._codec,
+            self._shard_index_of,
+        )
+        request = PutRequest(
+            tenant,
+            traffic_class,
+            items,
+            self.clock.now(),
+            expires_at_s=options.expires_at_s,
+            repair=options.repair,
+        )
         self._puts.enqueue(request)
         with self._write_lock:
             if not request.done:  # else an earlier lock holder committed it with its own
                 self._puts.commit_queued()
         if request.error is not None:
             raise request.error
-        return request.num_stored
+        return PutResult(request.num_stored, request.num_superseded, request.num_fenced)
 
-    def get(self, tenant: str, keys: Sequence[bytes], version: bytes = b"") -> list[GetResult]:
-        """Shards of each key (every live version, newest first, or only ``version``).
+    def get(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        version: bytes = b"",
+        *,
+        max_reply_bytes: int | None = None,
+    ) -> list[GetResult]:
+        """The newest live version's shard of each key (or ``version``'s), one result per key.
 
-        A hit refreshes the TTL of each returned shard; a corrupt shard is never returned.
+        A key asked for several times is looked up and read once. The bytes to read are known
+        from the index before any is read: a request whose reply would pass
+        ``max_reply_bytes`` gets InvalidArgument having read nothing. A hit refreshes the TTL
+        of the returned shard; a corrupt shard is never returned.
         """
         check_tenant(tenant)
         check_keys(keys)
         check_version(version)
+        keys = [bytes(key) for key in keys]
         now = self.clock.now()
-        return [self._reader.get_one(tenant, key, version, now) for key in keys]
+        key_to_plan = {key: self._reader.plan(tenant, key, version, now) for key in set(keys)}
+        reply_bytes = sum(key_to_plan[key].read_bytes for key in keys)
+        if max_reply_bytes is not None and reply_bytes > max_reply_bytes:
+            raise InvalidArgument(
+                f"reply of {reply_bytes} bytes for {len(keys)} keys ({len(key_to_plan)} "
+                f"distinct) exceeds max_batch_bytes {max_reply_bytes}; ask for fewer keys per "
+                "request"
+            )
+        key_to_result = {
+            key: self._reader.read(tenant, key, version, plan, now)
+            for key, plan in key_to_plan.items()
+        }
+        return [key_to_result[key] for key in keys]
 
     def read_batch(
-        self, tenant: str, keys: Sequence[bytes], version: bytes, take: Callable[[int], Region]
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        version: bytes,
+        take: Callable[[int], Region],
+        *,
+        max_reply_bytes: int | None = None,
     ) -> BatchRead:
         """:meth:`get` for a batch read: the answer's table entries, payloads read into one
-        region from ``take`` (kvstore/batch_answer.py has the layout). Same semantics: a hit
-        refreshes the TTL of each shard served; a corrupt shard is never served."""
+        region from ``take`` (kvstore/batch_answer.py has the layout). Same semantics: the
+        newest version only, a key named twice read once, the reply size checked against
+        ``max_reply_bytes`` before any byte is read; a hit refreshes the TTL of the shard
+        served; a corrupt shard is never served."""
         check_tenant(tenant)
         check_keys(keys)
         check_version(version)
-        return self._reader.read_batch(tenant, keys, version, self.clock.now(), take)
+        return self._reader.read_batch(
+            tenant, keys, version, self.clock.now(), take, max_reply_bytes
+        )
 
     def contains(self, tenant: str, keys: Sequence[bytes]) -> list[list[bytes]]:
         """Live versions of each key, newest first; reads no data and refreshes nothing."""
         check_tenant(tenant)
         check_keys(keys)
+        keys = [bytes(key) for key in keys]
         now = self.clock.now()
-        return [[e.version for e in self._reader.live_entries(tenant, key, now)[0]] for key in keys]
+        key_to_versions = {
+            key: [e.version for e in self._reader.live_entries(tenant, key, now)[0]]
+            for key in set(keys)
+        }
+        return [key_to_versions[key] for key in keys]
+
+    def touch(self, tenant: str, keys: Sequence[bytes], versions: Sequence[bytes] = ()) -> int:
+        """Refresh the TTL of each key's newest live version (or of ``versions[i]``, the one
+        the client read), as a read hit would, without reading bytes or counting a hit;
+        return how many entries were refreshed."""
+        check_tenant(tenant)
+        check_keys(keys)
+        if versions and len(versions) != len(keys):
+            raise InvalidArgument(
+                f"touch got {len(versions)} versions for {len(keys)} keys; send one per key or none"
+            )
+        for version in versions:
+            check_version(version)
+        now = self.clock.now()
+        wanted = {
+            bytes(k): bytes(v) for k, v in zip(keys, versions or [b""] * len(keys), strict=True)
+        }
+        plans = [self._reader.plan(tenant, k, v, now) for k, v in wanted.items()]
+        refreshed = [plan.to_read[0] for plan in plans if plan.to_read]
+        self._reads.record_touch(refreshed, now)
+        return len(refreshed)
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Remove every version of ``keys`` owned by ``tenant``; return the number removed.
 
         The records' bytes are destroyed on disk before this returns (kvstore/deletion.py),
-        and each key goes into the delete log that peers pull.
+        and each key goes into the delete log that peers pull; a repair's shard of a version
+        written before the delete is refused here from then on.
         """
         check_tenant(tenant)
         check_keys(keys)
@@ -217,6 +426,16 @@ class ShardStore:
         except UnknownTrafficClass:
             return entry.expires_at_s
 
+    def list_group(self, group: int, start_after: bytes, limit: int) -> tuple[list[Entry], bytes]:
+        """Up to ``limit`` entries of one placement group in key order after position
+        ``start_after`` (b"": from the first), expired ones included; and the position to
+        resume after (b"" once the group is done)."""
+        with self._index.read() as view:
+            start = start_after + b"\x00" if start_after else b""
+            batch = view.by_group(group, start, limit)
+        entries = [self._reads.with_refresh(e) for _, e in batch]
+        return entries, (batch[-1][0] if len(batch) == limit else b"")
+
     def expire(self) -> int:
         """Delete expired entries, retire passed windows, free empty segments; return #expired."""
         now = self.clock.now()
@@ -229,13 +448,16 @@ class ShardStore:
 
     def tick(self) -> int:
         """Periodic upkeep: persist refreshes, expire, evict if above the high watermark,
-        erase what a failed erase left queued, prune the delete log."""
+        erase what a failed erase left queued, prune the delete log, keep the index's reserve,
+        and rewrite a few segments of the old record format."""
         num_expired = self.expire()
         now = self.clock.now()
         with self._write_lock:
             self._evictor.evict_if_over_high_watermark(now)
             self._deleter.erase_queued()
             self._deleter.prune_log(now - self.node.tombstone_retention_s)
+            self._index.backend.ensure_reserve()
+            rewrite_legacy_segments(self._index, self._reclaimer, LEGACY_SEGMENTS_PER_TICK)
         return num_expired
 
     def flush(self) -> None:
@@ -267,13 +489,19 @@ class ShardStore:
             num_segments=num_segments,
             capacity_bytes=self.capacity_bytes(),
             scrub=self._scrubber.progress,
+            index_bytes=self._index.backend.allocated_bytes(),
+            quarantined_bytes=self._files.quarantined_bytes(),
+            retired_versions=int(counters[RETIRED_VERSIONS]),
         )
 
     def close(self) -> None:
-        """Persist pending state and close files and the index."""
+        """Persist pending state (if the disk still takes it) and close files and the index."""
         self._scrubber.close()
         with self._write_lock:
-            self._reads.flush(self._index)
+            try:
+                self._reads.flush(self._index)
+            except (CapacityExhausted, IndexUnusable) as exc:
+                log.error("read refreshes and counts not persisted at close: %s", exc)
             self._files.close()
             self._index.close()
             os.close(self._lock_fd)

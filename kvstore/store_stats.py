@@ -37,7 +37,7 @@ class StoreStats:
     num_shards: int
     shard_bytes: int  # bytes of live shards
     used_bytes: int  # bytes of segment files (live + dead records)
-    capacity_bytes: int
+    capacity_bytes: int  # what segment data may use: the byte limit less the index files
     num_segments: int
     corrupt_shards: int
     hits: int
@@ -47,6 +47,9 @@ class StoreStats:
     num_scrub_passes: int = 0  # full scrub passes finished since start-up
     last_full_pass_s: float | None = None  # store-clock time the last full pass ended
     last_full_pass_unix_s: float | None = None  # the same instant in real (Unix) time
+    index_bytes: int = 0  # disk bytes of the index files (inside used_bytes' limit)
+    quarantined_bytes: int = 0  # bytes of segment files moved to quarantine/
+    retired_versions: int = 0  # older versions dropped because a newer one committed
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ def store_stats(
     num_segments: int,
     capacity_bytes: int,
     scrub: ScrubProgress,
+    index_bytes: int = 0,
+    quarantined_bytes: int = 0,
+    retired_versions: int = 0,
 ) -> StoreStats:
     """Node and class figures from the counters (persisted plus pending ones)."""
     names = dict.fromkeys(class_names)
@@ -85,6 +91,9 @@ def store_stats(
         num_scrub_passes=scrub.num_passes,
         last_full_pass_s=scrub.last_full_pass_s,
         last_full_pass_unix_s=scrub.last_full_pass_unix_s,
+        index_bytes=index_bytes,
+        quarantined_bytes=quarantined_bytes,
+        retired_versions=retired_versions,
     )
 
 
@@ -107,3 +116,8 @@ def _class_stats(name: str, counters: Counter[str]) -> ClassStats:
         evicted=get("evicted"),
         youngest_evicted_age_s=counters.get(youngest),
     )
+
+
+def empty_stats() -> StoreStats:
+    """The figures of a node whose store is not open (yet): all zero."""
+    return store_stats(Counter(), (), num_segments=0, capacity_bytes=0, scrub=ScrubProgress())

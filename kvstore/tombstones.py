@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -48,16 +49,24 @@ def cursor_name(peer_id: str) -> str:
 
 
 class TombstoneSync:
-    """Pulls and applies the delete logs of one node's peers."""
+    """Pulls and applies the delete logs of one node's peers.
+
+    ``store`` gives the node's current store (None while it is opened or its index rebuilt:
+    nothing is pulled then). :attr:`synced` is true once a full pull (every peer answered or
+    was found down) reached the current store: the node takes repair writes only then
+    (kvstore/node.py), so a repair cannot bring back a block deleted while it was away, nor
+    after its index was rebuilt (which loses the cursors: the next pull starts from 0).
+    """
 
     def __init__(
         self,
         cluster: ClusterConfig,
         node: NodeConfig,
-        store: ShardStore,
+        store: Callable[[], ShardStore | None],
         executor: ThreadPoolExecutor,
     ) -> None:
-        self._store = store
+        self._current_store = store
+        self._synced_store: ShardStore | None = None
         self._executor = executor
         token = read_token_file(node.peer_token_file) if node.peer_token_file else None
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -68,17 +77,30 @@ class TombstoneSync:
     async def pull_all(self) -> int:
         """One pull from every peer; return the number of shards deleted here."""
         num_deleted = 0
+        store = self._current_store()
+        if store is None:
+            return 0
         for peer in self._peers:
             try:
                 num_deleted += await self.pull(peer.id)
             except grpc.aio.AioRpcError as exc:
                 log.debug("delete log of %s not pulled: %s", peer.id, exc.code().name)
+        self._synced_store = store
         return num_deleted
+
+    @property
+    def synced(self) -> bool:
+        """Whether the current store has had a full pull of the peers' logs."""
+        store = self._current_store()
+        return store is not None and store is self._synced_store
 
     async def pull(self, peer_id: str) -> int:
         loop = asyncio.get_running_loop()
+        store = self._current_store()
+        if store is None:
+            return 0
         stub = ShardStoreStub(self._channels[peer_id])
-        cursor = int(self._store.counter(cursor_name(peer_id)) or 0)
+        cursor = int(store.counter(cursor_name(peer_id)) or 0)
         num_deleted = 0
         while True:
             reply = await stub.ListTombstones(
@@ -91,13 +113,11 @@ class TombstoneSync:
                 continue
             records = [Tombstone(t.seq, t.tenant, t.key, t.at_s) for t in reply.tombstones]
             if records:
-                erased = await loop.run_in_executor(
-                    self._executor, self._store.apply_tombstones, records
-                )
+                erased = await loop.run_in_executor(self._executor, store.apply_tombstones, records)
                 num_deleted += erased.num_shards
                 cursor = records[-1].seq
                 await loop.run_in_executor(
-                    self._executor, self._store.set_counter, cursor_name(peer_id), cursor
+                    self._executor, store.set_counter, cursor_name(peer_id), cursor
                 )
             if len(records) < MAX_TOMBSTONES_PER_REPLY:
                 return num_deleted

@@ -9,12 +9,12 @@ and ``X`` the traffic scale (``--scale``: ``X`` independent copies of the trace'
 footprint, bandwidth and tokens saved scale by ``X``, hit ratios do not)::
 
     shard payload   s = ceil(B / k)                     (the codec pads the last data shard)
-    on disk/shard   s + shard header (48) + segment record header (40)
+    on disk/shard   s + shard header (48) + segment record header (72)
     logical         X P B                                the KV bytes the setting keeps
     + erasure       X P (k+m) s - logical                parity and padding (10+2: x1.2)
-    + headers       X P (k+m) (48 + 40)
+    + headers       X P (k+m) (48 + 72)
     + index         X P (k+m) index_bytes_per_shard       lmdb on the same drives
-    + expiry slack  X (expired blocks / s) W (k+m) (s + 88)   expired shards wait for their
+    + expiry slack  X (expired blocks / s) W (k+m) (s + 120)  expired shards wait for their
                                                          segment's window W to pass
     = stored        and then the watermark headroom:
     raw             stored / high_watermark  without a capacity limit (never reach eviction)
@@ -47,11 +47,13 @@ TB = 1e12  # drives are sold in decimal terabytes
 GB = 1e9
 DAY_S = 86_400.0
 SHARD_HEADER_BYTES = 48  # erasure.shard.HEADER_BYTES
-RECORD_HEADER_BYTES = 40  # kvstore.segments.RECORD_HEADER_BYTES
-# lmdb bytes per shard entry on a node: the entry and its expiry, access and by-segment keys in
-# B-tree pages, plus the pages lmdb's copy-on-write keeps free. `kvstore bench index` measures
-# it with the node's own index (docs/plan_index_bytes.json).
-DEFAULT_INDEX_BYTES_PER_SHARD = 460.0
+# kvstore/segments.py record format 2: 60 bytes plus the class and tenant names (72 for
+# "chat" and an 8-byte tenant; ttl may not import kvstore).
+RECORD_HEADER_BYTES = 72
+# lmdb bytes per shard entry on a node: the entry and its expiry, access, by-segment and
+# by-group keys in B-tree pages, plus the pages lmdb's copy-on-write keeps free. `kvstore bench
+# index` measures it with the node's own index (docs/plan_index_bytes.json).
+DEFAULT_INDEX_BYTES_PER_SHARD = 582.0
 
 # KV bytes per token of well-known models. DeepSeek V4.1-Flash: DeepSeek's published global KV
 # figure; the Llama-style layouts are 2 (K and V) x layers x KV heads x head dim x dtype bytes.

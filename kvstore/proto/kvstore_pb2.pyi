@@ -17,28 +17,38 @@ HIT: ShardStatus
 CORRUPT: ShardStatus
 
 class ShardPut(_message.Message):
-    __slots__ = ("key", "shard")
+    __slots__ = ("key", "shard", "written_at_s")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_AT_S_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     shard: bytes
-    def __init__(self, key: _Optional[bytes] = ..., shard: _Optional[bytes] = ...) -> None: ...
+    written_at_s: float
+    def __init__(self, key: _Optional[bytes] = ..., shard: _Optional[bytes] = ..., written_at_s: _Optional[float] = ...) -> None: ...
 
 class PutShardsRequest(_message.Message):
-    __slots__ = ("tenant", "traffic_class", "shards")
+    __slots__ = ("tenant", "traffic_class", "shards", "expires_at_s", "repair")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_S_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     traffic_class: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardPut]
-    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ...) -> None: ...
+    expires_at_s: float
+    repair: bool
+    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ..., expires_at_s: _Optional[float] = ..., repair: _Optional[bool] = ...) -> None: ...
 
 class PutShardsReply(_message.Message):
-    __slots__ = ("num_stored",)
+    __slots__ = ("num_stored", "num_superseded", "num_fenced")
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FENCED_FIELD_NUMBER: _ClassVar[int]
     num_stored: int
-    def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
+    num_superseded: int
+    num_fenced: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_superseded: _Optional[int] = ..., num_fenced: _Optional[int] = ...) -> None: ...
 
 class GetShardsRequest(_message.Message):
     __slots__ = ("tenant", "keys", "version", "ucx")
@@ -158,6 +168,82 @@ class ListTombstonesReply(_message.Message):
     last_seq: int
     def __init__(self, tombstones: _Optional[_Iterable[_Union[Tombstone, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
+class TouchShardsRequest(_message.Message):
+    __slots__ = ("tenant", "keys", "versions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    versions: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., versions: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class TouchShardsReply(_message.Message):
+    __slots__ = ("num_touched",)
+    NUM_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    num_touched: int
+    def __init__(self, num_touched: _Optional[int] = ...) -> None: ...
+
+class ListShardsRequest(_message.Message):
+    __slots__ = ("group", "start_after", "limit")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    start_after: bytes
+    limit: int
+    def __init__(self, group: _Optional[int] = ..., start_after: _Optional[bytes] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListedShard(_message.Message):
+    __slots__ = ("tenant", "key", "version", "shard_index", "written_at_s", "expires_at_s", "traffic_class", "shard_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_AT_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_S_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    key: bytes
+    version: bytes
+    shard_index: int
+    written_at_s: float
+    expires_at_s: float
+    traffic_class: str
+    shard_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., key: _Optional[bytes] = ..., version: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., written_at_s: _Optional[float] = ..., expires_at_s: _Optional[float] = ..., traffic_class: _Optional[str] = ..., shard_bytes: _Optional[int] = ...) -> None: ...
+
+class ListShardsReply(_message.Message):
+    __slots__ = ("shards", "next_after")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ListedShard]
+    next_after: bytes
+    def __init__(self, shards: _Optional[_Iterable[_Union[ListedShard, _Mapping]]] = ..., next_after: _Optional[bytes] = ...) -> None: ...
+
+class RepairHint(_message.Message):
+    __slots__ = ("tenant", "key", "group")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    key: bytes
+    group: int
+    def __init__(self, tenant: _Optional[str] = ..., key: _Optional[bytes] = ..., group: _Optional[int] = ...) -> None: ...
+
+class QueueRepairRequest(_message.Message):
+    __slots__ = ("hints",)
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    hints: _containers.RepeatedCompositeFieldContainer[RepairHint]
+    def __init__(self, hints: _Optional[_Iterable[_Union[RepairHint, _Mapping]]] = ...) -> None: ...
+
+class QueueRepairReply(_message.Message):
+    __slots__ = ("num_queued",)
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    num_queued: int
+    def __init__(self, num_queued: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -183,7 +269,7 @@ class ClassStats(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., youngest_evicted_age_s: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq")
+    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq", "index_bytes", "quarantined_bytes", "retired_versions", "repair")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +284,10 @@ class StatsReply(_message.Message):
     RETENTION_CAPS_FIELD_NUMBER: _ClassVar[int]
     ERASE_QUEUED_FIELD_NUMBER: _ClassVar[int]
     LAST_TOMBSTONE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     shards: int
@@ -212,7 +302,11 @@ class StatsReply(_message.Message):
     retention_caps: _containers.RepeatedCompositeFieldContainer[RetentionCap]
     erase_queued: int
     last_tombstone_seq: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ...) -> None: ...
+    index_bytes: int
+    quarantined_bytes: int
+    retired_versions: int
+    repair: RepairStats
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ..., index_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., retired_versions: _Optional[int] = ..., repair: _Optional[_Union[RepairStats, _Mapping]] = ...) -> None: ...
 
 class RetentionCap(_message.Message):
     __slots__ = ("tenant", "traffic_class", "max_ttl_s")
@@ -224,20 +318,50 @@ class RetentionCap(_message.Message):
     max_ttl_s: float
     def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., max_ttl_s: _Optional[float] = ...) -> None: ...
 
+class RepairStats(_message.Message):
+    __slots__ = ("backlog_shards", "rebuilt_shards", "rebuilt_bytes", "read_bytes", "skipped_expiring", "unrecoverable", "fenced", "queued_hints", "passes", "led_groups")
+    BACKLOG_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_EXPIRING_FIELD_NUMBER: _ClassVar[int]
+    UNRECOVERABLE_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_HINTS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    LED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    backlog_shards: int
+    rebuilt_shards: int
+    rebuilt_bytes: int
+    read_bytes: int
+    skipped_expiring: int
+    unrecoverable: int
+    fenced: int
+    queued_hints: int
+    passes: int
+    led_groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, backlog_shards: _Optional[int] = ..., rebuilt_shards: _Optional[int] = ..., rebuilt_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., skipped_expiring: _Optional[int] = ..., unrecoverable: _Optional[int] = ..., fenced: _Optional[int] = ..., queued_hints: _Optional[int] = ..., passes: _Optional[int] = ..., led_groups: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address")
+    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NOW_S_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_READY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     serving: bool
     now_s: float
     ucx_worker_address: bytes
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ...) -> None: ...
+    state: str
+    incarnation: int
+    repair_ready: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: _Optional[bool] = ...) -> None: ...

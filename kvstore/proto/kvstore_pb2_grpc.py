@@ -79,6 +79,21 @@ class ShardStoreStub:
                 request_serializer=kvstore__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.TouchShards = channel.unary_unary(
+                '/kvstore.v1.ShardStore/TouchShards',
+                request_serializer=kvstore__pb2.TouchShardsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.TouchShardsReply.FromString,
+                _registered_method=True)
+        self.ListShards = channel.unary_unary(
+                '/kvstore.v1.ShardStore/ListShards',
+                request_serializer=kvstore__pb2.ListShardsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ListShardsReply.FromString,
+                _registered_method=True)
+        self.QueueRepair = channel.unary_unary(
+                '/kvstore.v1.ShardStore/QueueRepair',
+                request_serializer=kvstore__pb2.QueueRepairRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.QueueRepairReply.FromString,
+                _registered_method=True)
 
 
 class ShardStoreServicer:
@@ -92,7 +107,9 @@ class ShardStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetShards(self, request, context):
-        """Fetch shards; a hit refreshes the shard's last-access time (its TTL restarts).
+        """Fetch the newest version's shard of each key; a hit refreshes its last-access time (its
+        TTL restarts). The bytes to read are known from the index first: a request whose reply
+        would pass the node's max_batch_bytes is refused before any byte is read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,6 +165,30 @@ class ShardStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TouchShards(self, request, context):
+        """Refresh TTLs as a read hit would, reading no bytes: a client's read served by other
+        nodes touches the shards it did not need, so every shard of a read block lives on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListShards(self, request, context):
+        """One page of the entries a node holds for one placement group, in key order, every
+        tenant: the repair service's listing (kvstore/repair.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueueRepair(self, request, context):
+        """Blocks a reader decoded around a missing or corrupt shard: the node that leads their
+        group queues them for repair (read-repair).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +236,21 @@ def add_ShardStoreServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvstore__pb2.HealthRequest.FromString,
                     response_serializer=kvstore__pb2.HealthReply.SerializeToString,
+            ),
+            'TouchShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.TouchShards,
+                    request_deserializer=kvstore__pb2.TouchShardsRequest.FromString,
+                    response_serializer=kvstore__pb2.TouchShardsReply.SerializeToString,
+            ),
+            'ListShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShards,
+                    request_deserializer=kvstore__pb2.ListShardsRequest.FromString,
+                    response_serializer=kvstore__pb2.ListShardsReply.SerializeToString,
+            ),
+            'QueueRepair': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueueRepair,
+                    request_deserializer=kvstore__pb2.QueueRepairRequest.FromString,
+                    response_serializer=kvstore__pb2.QueueRepairReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +496,87 @@ class ShardStore:
             '/kvstore.v1.ShardStore/Health',
             kvstore__pb2.HealthRequest.SerializeToString,
             kvstore__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TouchShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/TouchShards',
+            kvstore__pb2.TouchShardsRequest.SerializeToString,
+            kvstore__pb2.TouchShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/ListShards',
+            kvstore__pb2.ListShardsRequest.SerializeToString,
+            kvstore__pb2.ListShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueueRepair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/QueueRepair',
+            kvstore__pb2.QueueRepairRequest.SerializeToString,
+            kvstore__pb2.QueueRepairReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import xxhash
 
 from client.node_health import PROBE_EVERY, SUSPECT_MAX_S, NodeHealth
 from client.read_plan import plan_read
 from client.shard_tally import PresenceTally, ShardCollector
-from client.write_path import write_targets
 from erasure.codec import make_codec
 from erasure.config import CodecConfig
 from erasure.shard import HEADER_BYTES, ShardHeader, pack_header
@@ -121,17 +119,3 @@ def test_typical_lateness_does_not_look_slow() -> None:
         health.record_lateness(rng.random() < 1 / 11)
         flagged += health.is_slow
     assert flagged < 50, "a node late 1 read in 11 (the normal 11th) must not be flagged slow"
-
-
-@pytest.mark.parametrize(
-    ("suspect", "expected"),
-    [
-        ([False] * 12, list(range(12))),
-        ([i == 3 for i in range(12)], [i for i in range(12) if i != 3]),
-        ([i < 2 for i in range(12)], list(range(12))),
-    ],
-)
-def test_write_targets_skip_suspects_only_when_quorum_allows(
-    suspect: list[bool], expected: list[int]
-) -> None:
-    assert write_targets(suspect, quorum=11) == expected

@@ -15,7 +15,13 @@ from kvstore.config import NodeConfig, TTLConfig
 from kvstore.index import MemoryBackend
 from kvstore.shard_store import ShardStore
 from tests.kvstore.node_harness import NodeProcess
-from tests.kvstore.store_harness import CLASSES, T0, MakeStore
+from tests.kvstore.store_harness import (
+    CLASSES,
+    T0,
+    TEST_INDEX_RESERVE_BYTES,
+    MakeStore,
+    lmdb_index_bytes,
+)
 from ttl.clock import ManualClock
 
 
@@ -44,13 +50,22 @@ def make_store(
     request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock
 ) -> Iterator[MakeStore]:
     """``make_store(**fields)`` -> a store on ``tmp_path`` (closed at teardown); ``fields`` are
-    NodeConfig or TTLConfig fields (e.g. ``max_bytes=...``, ``eviction_order="expiry"``)."""
+    NodeConfig or TTLConfig fields (e.g. ``max_bytes=...``, ``eviction_order="expiry"``).
+
+    ``max_bytes`` is the limit for segment data: the lmdb variant adds its index's fixed
+    allocation, so both backends evict at the same point."""
     stores: list[ShardStore] = []
     ttl_names = {f.name for f in dataclasses.fields(TTLConfig)}
 
     def make(**fields: object) -> ShardStore:
         node_fields = {k: v for k, v in fields.items() if k not in ttl_names}
         ttl_fields = {k: v for k, v in fields.items() if k in ttl_names}
+        reserve_bytes = int(node_fields.setdefault("index_reserve_bytes", TEST_INDEX_RESERVE_BYTES))
+        if node_fields.get("max_bytes") and request.param == "lmdb":
+            probe = tmp_path / f"probe-{len(stores)}"
+            node_fields["max_bytes"] = int(node_fields["max_bytes"]) + lmdb_index_bytes(
+                probe, reserve_bytes
+            )
         node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False, **node_fields)
         ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0, **ttl_fields)
         backend = MemoryBackend() if request.param == "memory" else None

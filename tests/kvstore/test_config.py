@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,47 @@ def test_plaintext_to_remote_nodes_and_the_shared_token_are_refused() -> None:
     raw["node_defaults"]["auth_token"] = "s3cret"
     with pytest.raises(ValueError, match="credentials_file"):
         cluster_from_dict(raw)
+
+
+def _load(tmp_path: Path, toml: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(toml)
+    load_cluster(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (('address = "127.0.0.1:1"', 'address = "127.0.0.1:99999"'), "port in 1..65535"),
+        (("metrics_port = 0", "metrics_port = 70000"), "metrics_port 70000"),
+        (("epoch = 1", "epoch = 1\n[clinet]\nread_fanout = 1"), "unknown section or key 'clinet'"),
+        (("read_fanout = 1", "read_fanout = 1\nread_fan_out = 2"), "unknown key 'read_fan_out'"),
+        (('data_dir = "/tmp/unused"', 'data_dir = "/tmp/unused"\nfsync = "yes"'), "fsync"),
+        (("write_quorum = 1", 'write_quorum = "one"'), "write_quorum must be an integer"),
+        (("k = 1", "k = 1.5"), "[codec] k must be an integer"),
+        (("{ttl_line}", 'time_scale = "fast"'), "time_scale"),
+        (("{ttl_line}", 'expiry_window_s = "1 fortnight"'), "expiry_window_s"),
+        (('data_dir = "/tmp/unused"', 'data_dir = "/tmp/unused"\nmax_bytes = true'), "max_bytes"),
+        (('failure_domain = "d0"\n', ""), "lacks failure_domain"),
+        (('nodes = ["n0"]', 'nodes = "n0"'), "nodes must be a list of node ids"),
+    ],
+)
+def test_bad_config_is_refused_with_a_clear_message(
+    tmp_path: Path, change: tuple[str, str], message: str
+) -> None:
+    old, new = change
+    toml = _MINIMAL_TOML.replace(old, new).replace("{ttl_line}", "")
+    assert toml != _MINIMAL_TOML.replace("{ttl_line}", ""), "the change did not apply"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _load(tmp_path, toml)
+
+
+def test_sizes_and_durations_with_units_still_load(tmp_path: Path) -> None:
+    toml = _MINIMAL_TOML.replace("{ttl_line}", 'expiry_window_s = "1h"').replace(
+        'data_dir = "/tmp/unused"', 'data_dir = "/tmp/unused"\nmax_bytes = "30GiB"\nfsync = false'
+    )
+    path = tmp_path / "cluster.toml"
+    path.write_text(toml)
+    cluster = load_cluster(path)
+    assert cluster.nodes[0].max_bytes == 30 << 30 and cluster.nodes[0].fsync is False
+    assert cluster.ttl.expiry_window_s == 3600.0

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from kvstore.index import (
-    ACCESS_ORDER_INDEXED,
     USED_BYTES,
     Entry,
     Index,
@@ -60,7 +59,7 @@ def _with_segments(index: Index, *segment_ids: int) -> None:
     with index.write() as w:
         for segment_id in segment_ids:
             w.add_segment(segment_id, window_id=segment_id)
-            w.set_committed_bytes(segment_id, 10 * record_bytes(1000))
+            w.set_committed_bytes(segment_id, 10 * record_bytes(1000, "acme", "chat"))
 
 
 def test_entry_encoding_round_trip() -> None:
@@ -133,21 +132,55 @@ def test_access_order_follows_refreshes_and_deletes(index: Index) -> None:
         assert _keys(view.evictable_by_access(b"", 10)) == [1], "a deleted entry stays in LRU"
 
 
-def test_an_index_without_the_access_order_gets_it_once(index: Index) -> None:
+def test_by_group_lists_a_groups_entries_in_key_order_and_resumes() -> None:
+    idx = Index(MemoryBackend(), group_of=lambda key: key[0] % 3)
+    _with_segments(idx, 1)
+    with idx.write() as w:
+        for key in range(12):
+            w.put_entry(_entry(key))
+        w.delete_entry(_entry(3))
+    seen, position = [], b""
+    with idx.read() as view:
+        while batch := view.by_group(0, position, 2):
+            seen += [e.key[0] for _, e in batch]
+            position = batch[-1][0] + b"\x00"
+        assert [e.key[0] for _, e in view.by_group(1, b"", 10)] == [1, 4, 7, 10]
+    assert seen == [0, 6, 9], "a group's listing skipped, repeated or kept a deleted entry"
+
+
+def test_newest_version_and_retiring_older_ones(index: Index) -> None:
     _with_segments(index, 1)
     with index.write() as w:
-        for key, expires in [(1, 300.0), (2, math.inf), (3, 100.0)]:
-            w.put_entry(_entry(key, expires=expires))
-    with index.backend.begin(write=True) as txn:  # as an older version left it
-        for access_key, _ in txn.scan("access", b"", None, 100):
-            txn.delete("access", access_key)
-    with index.write() as w:
-        assert w.index_access_order(batch=1) == 2, "entries that can expire, across batches"
-    with index.write() as w:
-        assert w.index_access_order() == 0, "indexed twice"
+        for version in (1, 3, 2):
+            w.put_entry(_entry(5, version))
+        assert w.newest("acme", bytes([5]) * 16) == _entry(5, 3)
+        retired = w.retire_older(_entry(5, 3))
+    assert sorted(e.version[0] for e in retired) == [1, 2]
     with index.read() as view:
-        assert _keys(view.evictable_by_access(b"", 10)) == [3, 1]
-        assert view.counter(ACCESS_ORDER_INDEXED) == 1.0
+        assert [e.version[0] for e in view.versions("acme", bytes([5]) * 16)] == [3]
+        assert view.segment(1).num_live == 1, "retired versions still counted live"
+
+
+def test_deletes_are_noted_per_tenant_and_pruned_with_the_delete_log(index: Index) -> None:
+    key = bytes([7]) * 16
+    with index.write() as w:
+        w.note_deleted("acme", key, 10.0)
+        w.note_deleted("acme", key, 20.0)  # a second delete moves it
+        w.note_deleted("acme", key, 5.0)  # an older one (a peer's, pulled late) does not
+        w.note_deleted("globex", bytes([8]) * 16, 15.0)
+    with index.read() as view:
+        assert view.deleted_at("acme", key) == 20.0
+        assert view.deleted_at("globex", key) is None, "a delete leaked across tenants"
+    with index.write() as w:
+        w.note_deleted("globex", b"", 12.0)  # a purge of the whole tenant
+    with index.read() as view:
+        assert view.deleted_at("globex", key) == 12.0
+        assert view.deleted_at("globex", key, tenant_wide=False) is None
+    with index.write() as w:
+        w.prune_tombstones(before_s=18.0)
+    with index.read() as view:
+        assert view.deleted_at("globex", bytes([8]) * 16) is None
+        assert view.deleted_at("acme", key) == 20.0
 
 
 def test_by_segment_walks_every_entry_in_segment_order_and_resumes(index: Index) -> None:
@@ -175,7 +208,7 @@ def test_replace_and_delete_keep_derived_figures_exact(index: Index) -> None:
         assert [e.expires_at_s for e in view.by_expiry(math.inf, 10)] == [500.0]
         assert view.in_segment(1, 10) == [] and view.in_segment(2, 10) == [moved]
         assert (view.segment(1).num_live, view.segment(2).num_live) == (0, 1)
-        assert view.segment(2).live_bytes == record_bytes(1000)
+        assert view.segment(2).live_bytes == record_bytes(1000, "acme", "chat")
         assert view.counter(class_counter("chat", "blocks")) == 1
         assert view.counter(class_counter("chat", "bytes")) == 1000
     with index.write() as w:
@@ -185,7 +218,7 @@ def test_replace_and_delete_keep_derived_figures_exact(index: Index) -> None:
         assert view.by_expiry(math.inf, 10) == [] and view.in_segment(2, 10) == []
         assert view.counter(class_counter("chat", "blocks")) == 0
         assert [m.segment_id for m in view.segments()] == [2]
-        assert view.used_bytes() == 10 * record_bytes(1000)
+        assert view.used_bytes() == 10 * record_bytes(1000, "acme", "chat")
         assert view.next_segment_id() == 3
 
 
@@ -203,7 +236,9 @@ def test_a_failed_transaction_changes_nothing(index: Index) -> None:
         assert view.versions("acme", bytes([1]) * 16) == [_entry(1)]
         assert view.versions("acme", bytes([2]) * 16) == []
         assert view.segment(9) is None and view.counter("x") is None
-        assert view.segment(1).num_live == 1 and view.used_bytes() == 10 * record_bytes(1000)
+        assert view.segment(1).num_live == 1 and view.used_bytes() == 10 * record_bytes(
+            1000, "acme", "chat"
+        )
 
 
 def test_counters_add_and_min(index: Index) -> None:

@@ -13,9 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from erasure.shard import ShardHeader, pack_header
 from kvstore.auth import Role, add_principal
 from kvstore.config import load_cluster
-from kvstore.segments import RECORD_HEADER_BYTES
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.segments import MIN_HEADER_BYTES
 from tests.kvstore.node_harness import (
     DAY_S,
     NodeClient,
@@ -69,14 +71,17 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
         key, old = next(iter(key_to_payload.items()))
         new = old + b"v2"
         assert await client.put([(key, make_shard(new))]) == 1
-        [both] = await client.get([key])
-        assert [s[48:] for s in both.shards] == [new, old], "versions must come newest first"
-        [only_old] = await client.get([key], version=version_of(old))
-        assert [s[48:] for s in only_old.shards] == [old], "version filter ignored"
-        assert (await client.contains([key]))[0] == [version_of(new), version_of(old)]
+        [newest] = await client.get([key])
+        assert [s[48:] for s in newest.shards] == [new], "an overwrite must retire the old version"
+        [only_new] = await client.get([key], version=version_of(new))
+        assert [s[48:] for s in only_new.shards] == [new], "version filter ignored"
+        [retired] = await client.get([key], version=version_of(old))
+        assert retired.status == MISS, "the retired version is still served"
+        assert (await client.contains([key]))[0] == [version_of(new)]
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as reply:
             text = reply.read().decode()
-        assert "kvstore_shards 301.0" in text, "shard gauge missing from /metrics"
+        assert "kvstore_shards 300.0" in text, "shard gauge missing from /metrics"
+        assert "kvstore_retired_versions_total 1.0" in text
         assert 'kvstore_class_hits_total{traffic_class="chat"}' in text
         assert "kvstore_class_youngest_evicted_age_seconds{" not in text, "nothing was evicted"
         assert "process_resident_memory_bytes" in text and "kvstore_build_info{" in text
@@ -89,8 +94,8 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
         key_to_payload.pop(key)
         await _assert_all_hit(client, key_to_payload)
         stats = await client.stats()
-        assert stats.shards == 301 and class_stats(stats, "chat").hits >= 600, "stats not kept"
-        assert (stats.hits, stats.misses) == (class_stats(stats, "chat").hits, 1)
+        assert stats.shards == 300 and class_stats(stats, "chat").hits >= 600, "stats not kept"
+        assert (stats.hits, stats.misses) == (class_stats(stats, "chat").hits, 2)
         assert stats.used_bytes >= stats.bytes > 0
         more = {rng.randbytes(16): rng.randbytes(3000) for _ in range(20)}
         await client.put([(k, make_shard(p)) for k, p in more.items()])
@@ -113,7 +118,7 @@ async def test_torn_tail_and_truncated_record_recovery(tmp_path: Path, start_nod
     [segment] = _segment_files(config)
     committed_bytes = segment.stat().st_size
     with segment.open("ab") as f:  # a crash mid-append: half of an uncommitted record
-        f.write(os.urandom(RECORD_HEADER_BYTES + 2000))
+        f.write(os.urandom(MIN_HEADER_BYTES + 2000))
 
     node = start_node(config)
     assert segment.stat().st_size == committed_bytes, "torn tail not truncated at start-up"
@@ -334,3 +339,89 @@ async def test_metrics_can_require_an_admin_token_health_stays_open(
     assert await asyncio.to_thread(status, "/metrics", tenant) == 401, "a tenant read metrics"
     assert await asyncio.to_thread(status, "/metrics", admin) == 200
     assert await asyncio.to_thread(status, "/healthz", None) == 200, "health must stay open"
+
+
+async def test_a_second_process_on_a_taken_port_is_refused(tmp_path: Path, start_node) -> None:
+    config = write_config(tmp_path)
+    start_node(config)
+    address = _address(config)
+    intruder = write_config(tmp_path / "other")  # its own data dir, the same port
+    text = intruder.read_text().replace(_address(intruder), address)
+    intruder.write_text(text)
+    with pytest.raises(RuntimeError, match="the port is taken"):
+        start_node(intruder)
+    async with NodeClient(address) as client:  # every connection still reaches the first node
+        for i in range(20):
+            assert await client.put([(bytes([i]) * 16, make_shard(b"first"))]) == 1
+        assert (await client.stats()).shards == 20
+
+
+async def test_shards_that_do_not_fit_the_cluster_are_refused(tmp_path: Path, start_node) -> None:
+    config = write_config(tmp_path)  # k=1, m=0, zfec; the node holds shard 0 of every key
+    start_node(config)
+    payload = b"wrong code"
+    wrong_code = ShardHeader("isal", 10, 2, 0, len(payload), version_of(payload), len(payload))
+    async with NodeClient(_address(config)) as client:
+        shard = pack_header(wrong_code, payload) + payload
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        await _expect_code(client.put([(b"c" * 16, shard)]), bad, "coded 10+2")
+        await _expect_code(client.put([(b"c" * 16, make_shard(payload, index=1))]), bad)
+        assert await client.contains([b"c" * 16]) == [[]], "a refused shard was stored"
+        assert await client.put([(b"c" * 16, make_shard(payload))]) == 1
+
+
+async def test_duplicate_keys_are_read_once_and_the_read_cost_is_bounded_first(
+    tmp_path: Path, start_node
+) -> None:
+    config = write_config(tmp_path, max_batch_bytes=8 << 20)
+    start_node(config)
+    big, small = b"b" * 16, b"s" * 16
+    async with NodeClient(_address(config)) as client:
+        await client.put([(big, make_shard(bytes(420_000))), (small, make_shard(b"tiny"))])
+        before = await client.stats()
+        results = await client.get([small, small, small])
+        assert [r.shards[0][48:] for r in results] == [b"tiny"] * 3
+        assert (await client.stats()).hits == before.hits + 1, "duplicates were read 3 times"
+        start_s = time.monotonic()
+        await _expect_code(
+            client.get([big] * 3000), grpc.StatusCode.INVALID_ARGUMENT, "max_batch_bytes"
+        )
+        assert time.monotonic() - start_s < 2.0, "the refusal came after reading the bytes"
+        assert (await client.stats()).hits == before.hits + 1, "a refused request read shards"
+
+
+async def test_repair_rpcs_need_a_node_credential_and_deletes_fence_repair_writes(
+    tmp_path: Path, start_node
+) -> None:
+    credentials = tmp_path / "credentials.toml"
+    node_token = add_principal(credentials, "peers", Role.NODE)
+    acme_token = add_principal(credentials, "acme", Role.TENANT)
+    config = write_config(tmp_path, credentials_file=str(credentials))
+    start_node(config)
+    key, old, new = b"r" * 16, make_shard(b"old version"), make_shard(b"new version")
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    async with (
+        NodeClient(_address(config), token=acme_token) as acme,
+        NodeClient(_address(config), token=node_token) as peer,
+    ):
+        health = await peer.stub.Health(pb.HealthRequest(), timeout=10)
+        assert health.serving and health.repair_ready, "a node without peers is ready at once"
+        listing = pb.ListShardsRequest(group=0, limit=10)
+        await _expect_code(acme.stub.ListShards(listing, metadata=acme._metadata()), denied)
+        await _expect_code(peer.put([(key, old)]), denied, "role node")  # no ordinary puts
+        written_at_s = await acme.now_s() - 1.0
+        assert await acme.put([(key, old)]) == 1
+        assert await acme.delete([key]) == 1
+        repair = pb.PutShardsRequest(
+            tenant="acme", traffic_class="chat", expires_at_s=written_at_s + DAY_S, repair=True
+        )
+        repair.shards.add(key=key, shard=new, written_at_s=written_at_s)
+        reply = await peer.stub.PutShards(repair, metadata=peer._metadata(), timeout=10)
+        assert (reply.num_stored, reply.num_fenced) == (0, 1), "a repair undid a delete"
+        del repair.shards[:]
+        repair.shards.add(key=b"s" * 16, shard=new, written_at_s=written_at_s)
+        reply = await peer.stub.PutShards(repair, metadata=peer._metadata(), timeout=10)
+        assert reply.num_stored == 1, "a node credential must be able to write repairs"
+        listed = await peer.stub.ListShards(listing, metadata=peer._metadata(), timeout=10)
+        assert [(s.tenant, s.key) for s in listed.shards] == [("acme", b"s" * 16)]
+        assert [r.status for r in await peer.get([b"s" * 16])] == [HIT]

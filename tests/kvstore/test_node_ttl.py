@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvstore.config import load_cluster
 from tests.kvstore.node_harness import DAY_S, NodeClient, class_stats, make_shard, write_config
+from tests.kvstore.store_harness import lmdb_index_bytes
 from ttl.clock import Clock, make_clock
 
 HIT, MISS = 1, 0
@@ -106,6 +107,16 @@ async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) ->
         )
 
 
+# A byte limit that leaves 1 MiB for segment data: the index's files count inside max_bytes,
+# and with a reserve it does not outgrow here its allocation stays what a fresh index holds.
+_INDEX_RESERVE_BYTES = 1 << 20
+
+
+def _mib_of_data(tmp_path: Path) -> dict[str, int]:
+    index_bytes = lmdb_index_bytes(tmp_path / "probe", _INDEX_RESERVE_BYTES)
+    return {"max_bytes": (1 << 20) + index_bytes, "index_reserve_bytes": _INDEX_RESERVE_BYTES}
+
+
 async def _fill_past_the_byte_limit(
     client: NodeClient, rng: random.Random
 ) -> tuple[list[bytes], list[bytes], list[bytes]]:
@@ -126,7 +137,11 @@ async def _fill_past_the_byte_limit(
 
 async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> None:
     config = write_config(
-        tmp_path, eviction_order="expiry", max_bytes=1 << 20, high_watermark=0.9, low_watermark=0.5
+        tmp_path,
+        eviction_order="expiry",
+        high_watermark=0.9,
+        low_watermark=0.5,
+        **_mib_of_data(tmp_path),
     )
     start_node(config)
     address, _ = _node(config)
@@ -142,11 +157,11 @@ async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> 
         stats = await client.stats()
         assert class_stats(stats, "agent").evicted == 10
         assert class_stats(stats, "chat").evicted == num_evicted - 10
-        assert stats.capacity_bytes == 1 << 20
+        assert stats.capacity_bytes == 1 << 20, "the index's files must count inside max_bytes"
 
 
 async def test_lru_eviction_under_a_byte_limit(tmp_path: Path, start_node) -> None:
-    config = write_config(tmp_path, max_bytes=1 << 20, high_watermark=0.9, low_watermark=0.5)
+    config = write_config(tmp_path, high_watermark=0.9, low_watermark=0.5, **_mib_of_data(tmp_path))
     assert load_cluster(config).ttl.eviction_order == "lru", "LRU must be the default order"
     start_node(config)
     address, _ = _node(config)

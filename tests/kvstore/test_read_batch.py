@@ -10,6 +10,7 @@ import pytest
 
 from kvstore import batch_answer
 from kvstore.byte_arena import ByteArena
+from kvstore.errors import InvalidArgument
 from kvstore.segments import SegmentFiles
 from kvstore.shard_store import ShardStore
 from tests.kvstore.node_harness import DAY_S, make_shard, version_of
@@ -54,10 +55,27 @@ def test_batch_read_serves_what_get_serves(make_store: MakeStore) -> None:
     assert hits == expected, "read_batch served other bytes than were stored"
     assert [(i, s) for i, s, _ in rows if s != batch_answer.HIT] == [(40, batch_answer.MISS)]
     stats = store.stats()
-    assert (stats.hits, stats.misses) == (41, 1), "each key counts one hit or one miss"
+    assert (stats.hits, stats.misses) == (40, 1), "a key read once per request, counted once"
 
 
-def test_versions_come_newest_first_and_the_version_filter_holds(
+def test_the_reply_size_is_bounded_before_any_byte_is_read(make_store: MakeStore) -> None:
+    store = make_store()
+    store.put("acme", "chat", [(_key(1), make_shard(bytes(50_000)))])
+    arena = ByteArena(1 << 20)
+    with pytest.raises(InvalidArgument, match="max_batch_bytes"):
+        store.read_batch("acme", [_key(1)] * 1000, b"", arena.take, max_reply_bytes=1 << 20)
+    assert store.stats().hits == 0, "a refused request read shards"
+    assert arena.num_free_bytes == arena.capacity_bytes
+    read = store.read_batch("acme", [_key(1)] * 3, b"", arena.take, max_reply_bytes=1 << 20)
+    try:
+        assert [e.key_index for e in read.entries] == [0, 1, 2]
+        assert read.payload_bytes == 3 * 50_000
+    finally:
+        read.release()
+    assert store.stats().hits == 1
+
+
+def test_only_the_newest_version_is_served_and_the_version_filter_holds(
     make_store: MakeStore, clock: ManualClock
 ) -> None:
     store = make_store()
@@ -65,9 +83,11 @@ def test_versions_come_newest_first_and_the_version_filter_holds(
     clock.advance(10)
     store.put("acme", "chat", [(_key(1), make_shard(b"new" * 100))])
     rows = _answer(store, [_key(1)])
-    assert [shard[48:] for _, _, shard in rows] == [b"new" * 100, b"old" * 100]
-    only_old = _answer(store, [_key(1)], version_of(b"old" * 100))
-    assert [shard[48:] for _, _, shard in only_old] == [b"old" * 100], "version filter ignored"
+    assert [shard[48:] for _, _, shard in rows] == [b"new" * 100], "an old version was served"
+    only_new = _answer(store, [_key(1)], version_of(b"new" * 100))
+    assert [shard[48:] for _, _, shard in only_new] == [b"new" * 100], "version filter ignored"
+    retired = _answer(store, [_key(1)], version_of(b"old" * 100))
+    assert retired[0][1] == batch_answer.MISS, "the overwrite did not retire the old version"
     assert _answer(store, [_key(1)], version=b"\x07" * 16)[0][1] == batch_answer.MISS
     assert _answer(store, [_key(1)])[0][1] == batch_answer.HIT, "filter changed the store"
 

@@ -15,7 +15,7 @@ from kvstore.scrub import MIN_RECORD_COST_BYTES, ScrubStep, pause_s, scrub_forev
 from kvstore.segments import record_bytes
 from kvstore.shard_store import ShardStore, Status
 from tests.kvstore.node_harness import DAY_S, make_shard
-from tests.kvstore.store_harness import T0, MakeStore
+from tests.kvstore.store_harness import STRESS_INDEX_RESERVE_BYTES, T0, MakeStore
 from ttl.clock import ManualClock
 
 
@@ -63,7 +63,7 @@ def test_scrub_finds_bitrot_without_any_read(store: ShardStore, tmp_path: Path) 
     stats = store.stats()
     assert stats.corrupt_shards == 2, "the scrub missed a flipped bit"
     assert (stats.hits, stats.misses) == (0, 0), "a scrub must not count as a read"
-    total_bytes = sum(record_bytes(len(shard)) for _, shard in items)
+    total_bytes = sum(record_bytes(len(shard), "acme", "chat") for _, shard in items)
     assert stats.scrubbed_bytes == total_bytes, "the pass did not read every record once"
     assert (stats.num_scrub_passes, stats.last_full_pass_s) == (1, T0)
     assert len(steps) == 2 and steps[-1] == ScrubStep(0, pass_done=True)
@@ -72,7 +72,7 @@ def test_scrub_finds_bitrot_without_any_read(store: ShardStore, tmp_path: Path) 
     store.flush()
     assert store.contains("acme", [_key(7), _key(12)]) == [[], []], "corrupt entry kept"
     assert store.stats().corrupt_shards == 2, "quarantine counted a scrub finding again"
-    assert store.put("acme", "chat", [items[7], items[12]]) == 2, "repair refused"
+    assert store.put("acme", "chat", [items[7], items[12]]).num_stored == 2, "repair refused"
     results = store.get("acme", [k for k, _ in items])
     assert [r.shards for r in results] == [(s,) for _, s in items], "wrong bytes after repair"
 
@@ -80,7 +80,7 @@ def test_scrub_finds_bitrot_without_any_read(store: ShardStore, tmp_path: Path) 
 def test_scrub_steps_respect_the_budget(store: ShardStore) -> None:
     shard = make_shard(bytes(100_000))  # records above MIN_RECORD_COST_BYTES: cost = size
     store.put("acme", "chat", [(_key(i), shard) for i in range(10)])
-    cost_bytes = record_bytes(len(shard))
+    cost_bytes = record_bytes(len(shard), "acme", "chat")
     assert cost_bytes > MIN_RECORD_COST_BYTES
     steps = _full_pass(store, max_bytes=int(2.5 * cost_bytes))
     assert [s.cost_bytes for s in steps] == [2 * cost_bytes] * 5 + [0], "budget not applied"
@@ -98,14 +98,18 @@ def test_scrub_skips_expired_and_refreshes_nothing(store: ShardStore, clock: Man
     assert store.contains("acme", [_key(1)]) == [[]], "the scrub refreshed a TTL"
     before = store.stats().scrubbed_bytes
     _full_pass(store)
-    assert store.stats().scrubbed_bytes - before == record_bytes(len(make_shard(b"chat")))
+    assert store.stats().scrubbed_bytes - before == record_bytes(
+        len(make_shard(b"chat")), "acme", "chat"
+    )
     assert store.get("acme", [_key(2)])[0].status == Status.HIT
 
 
 def test_scrub_racing_moves_and_expiry_reports_no_false_corruption(
     make_store: MakeStore, clock: ManualClock
 ) -> None:
-    store = make_store(max_bytes=150_000, segment_max_bytes=40_000)
+    store = make_store(
+        max_bytes=150_000, segment_max_bytes=40_000, index_reserve_bytes=STRESS_INDEX_RESERVE_BYTES
+    )
     stop, num_steps, errors = threading.Event(), [0], []
 
     def scrub() -> None:

@@ -21,7 +21,12 @@ from kvstore.shard_store import (
     window_id,
 )
 from tests.kvstore.node_harness import DAY_S, make_shard, version_of
-from tests.kvstore.store_harness import CLASSES, MakeStore
+from tests.kvstore.store_harness import (
+    CLASSES,
+    STRESS_INDEX_RESERVE_BYTES,
+    MakeStore,
+    lmdb_index_bytes,
+)
 from ttl.clock import ManualClock
 
 
@@ -42,8 +47,8 @@ def test_window_math() -> None:
 def test_put_get_contains_delete(make_store: MakeStore) -> None:
     store = make_store()
     items = [(_key(i), make_shard(bytes([i]) * i)) for i in range(50)]
-    assert store.put("acme", "chat", items + items[:5]) == 50, "duplicates stored twice"
-    assert store.put("acme", "chat", items) == 0, "a re-put must be idempotent"
+    assert store.put("acme", "chat", items + items[:5]).num_stored == 50, "duplicates stored twice"
+    assert store.put("acme", "chat", items).num_stored == 0, "a re-put must be idempotent"
     results = store.get("acme", [k for k, _ in items] + [_key(999)])
     assert [r.shards for r in results[:50]] == [(s,) for _, s in items]
     assert results[50].status == Status.MISS
@@ -150,7 +155,7 @@ def test_eviction_order_is_earliest_expiry_first(make_store: MakeStore, clock: M
     store = make_store(
         eviction_order="expiry", max_bytes=100_000, high_watermark=0.9, low_watermark=0.5
     )
-    shard_of = {i: make_shard(bytes([i]) * 4_000) for i in range(40)}
+    shard_of = {i: make_shard(bytes([i]) * 3_972) for i in range(40)}  # records of ~4088 bytes
     for i in range(5):  # agents 0-4, chats 10-14, one second apart
         store.put("acme", "agent", [(_key(i), shard_of[i])])
         clock.advance(1)
@@ -206,7 +211,7 @@ def test_disk_full_mid_put_leaves_no_trace(
     assert store.contains("acme", [k for k, _ in items]) == [[]] * 5, "partial put visible"
     assert {i: store._files.size(i) for i in _segment_ids(tmp_path)} == size_before
     assert store.get("acme", [_key(0)])[0].status == Status.HIT
-    assert store.put("acme", "chat", items) == 5
+    assert store.put("acme", "chat", items).num_stored == 5
 
 
 def test_corrupt_shard_is_reported_then_dropped(make_store: MakeStore, tmp_path: Path) -> None:
@@ -261,8 +266,9 @@ def test_concurrent_reads_never_see_wrong_bytes(tmp_path: Path, clock: ManualClo
         "d0",
         str(tmp_path),
         fsync=False,
-        max_bytes=150_000,
+        max_bytes=150_000 + lmdb_index_bytes(tmp_path / "probe", STRESS_INDEX_RESERVE_BYTES),
         segment_max_bytes=40_000,
+        index_reserve_bytes=STRESS_INDEX_RESERVE_BYTES,
     )
     store = ShardStore(node, TTLConfig(classes=CLASSES, expiry_window_s=3600.0), clock)
     payload_of = {i: i.to_bytes(4, "big") * (100 + i % 500) for i in range(300)}
@@ -306,7 +312,7 @@ def test_concurrent_puts_group_commit_counts_each_shard_once(make_store: MakeSto
     def put_all(offset: int) -> None:
         for j in range(40):
             i = (j + offset) % 40  # every thread puts every key, in a different order
-            num_stored.append(store.put("acme", "chat", [(_key(i), shards[i])]))
+            num_stored.append(store.put("acme", "chat", [(_key(i), shards[i])]).num_stored)
 
     threads = [threading.Thread(target=put_all, args=(n * 5,)) for n in range(8)]
     for thread in threads:

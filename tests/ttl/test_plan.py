@@ -32,15 +32,15 @@ def _record(**changes) -> dict:
 
 
 def test_every_overhead_is_itemised_and_adds_up() -> None:
-    # 128 tokens x 10 B = 1280 B per block; 10+2 shards of 128 B, each 128 + 48 + 40 on disk
+    # 128 tokens x 10 B = 1280 B per block; 10+2 shards of 128 B, each 128 + 48 + 72 on disk
     plan = plan_record(_record(), bytes_per_token=10.0, tier=TIER, scale=1.0)
     tb = 1e12
     assert plan["logical_tb"] * tb == pytest.approx(1000 * 1280)
     assert plan["erasure_tb"] / plan["logical_tb"] == pytest.approx(0.2), "10+2 is x1.2"
-    assert plan["headers_tb"] * tb == pytest.approx(1000 * 12 * 88)
+    assert plan["headers_tb"] * tb == pytest.approx(1000 * 12 * 120)
     assert plan["index_tb"] * tb == pytest.approx(1000 * 12 * 460)
     # 3600 expired in 36000 s = 0.1/s, waiting up to the 3600 s window: 360 blocks on disk
-    assert plan["expiry_slack_tb"] * tb == pytest.approx(360 * 12 * 216)
+    assert plan["expiry_slack_tb"] * tb == pytest.approx(360 * 12 * 248)
     stored = sum(plan[k] for k in ("logical_tb", "erasure_tb", "headers_tb", "index_tb",
                                    "expiry_slack_tb"))  # fmt: skip
     assert plan["raw_tb"] == pytest.approx(stored / 0.95), "no capacity: high watermark"
@@ -53,12 +53,12 @@ def test_bandwidth_nodes_cost_and_tokens_saved() -> None:
     tier = TierConfig(node_read_bytes_per_s=100.0, node_write_bytes_per_s=100.0,
                       usd_per_tb_month=20.0)  # fmt: skip
     plan = plan_record(_record(), 10.0, tier, scale=1.0)
-    # a hit reads 11 shards of 216 B; a written block writes 12
-    assert plan["read_gb_per_s"] * 1e9 == pytest.approx(2.0 * 11 * 216), "peak reads"
-    assert plan["mean_read_gb_per_s"] * 1e9 == pytest.approx(0.2 * 11 * 216)
-    assert plan["write_gb_per_s"] * 1e9 == pytest.approx(1.0 * 12 * 216), "peak writes"
-    assert plan["mean_write_gb_per_s"] * 1e9 == pytest.approx(0.1 * 12 * 216)
-    assert plan["nodes_for_read"] == math.ceil(2.0 * 11 * 216 / 100.0)
+    # a hit reads 11 shards of 248 B; a written block writes 12
+    assert plan["read_gb_per_s"] * 1e9 == pytest.approx(2.0 * 11 * 248), "peak reads"
+    assert plan["mean_read_gb_per_s"] * 1e9 == pytest.approx(0.2 * 11 * 248)
+    assert plan["write_gb_per_s"] * 1e9 == pytest.approx(1.0 * 12 * 248), "peak writes"
+    assert plan["mean_write_gb_per_s"] * 1e9 == pytest.approx(0.1 * 12 * 248)
+    assert plan["nodes_for_read"] == math.ceil(2.0 * 11 * 248 / 100.0)
     assert plan["nodes"] == plan["nodes_for_read"] and plan["nodes_bound_by"] == "read"
     assert plan["usd_per_month"] == pytest.approx(plan["raw_tb"] * 20.0)
     assert plan["prefill_tokens_saved_per_day"] == pytest.approx(921_600 / 36_000 * 86_400)
@@ -119,6 +119,6 @@ def test_counts_read_fanout_and_its_bounds() -> None:
     with pytest.raises(ValueError, match="155T"):
         parse_count("lots")
     wide = plan_record(_record(), 10.0, TierConfig(read_fanout=12), 1.0)
-    assert wide["read_gb_per_s"] * 1e9 == pytest.approx(2.0 * 12 * 216), "reads all 12 shards"
+    assert wide["read_gb_per_s"] * 1e9 == pytest.approx(2.0 * 12 * 248), "reads all 12 shards"
     with pytest.raises(ValueError, match="read fanout"):
         TierConfig(read_fanout=9)

@@ -1,0 +1,28 @@
+"""A tiny run of `kvstore bench repair` end to end: writes through an outage, then the heal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def test_bench_repair_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "repair.json"
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "repair", "--json", str(out)]
+    command += ["--blocks", "20", "--block-bytes", "32KiB"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
+    report = json.loads(out.read_text())
+    assert report["degraded"]["degraded_puts"] == 20, "puts with 2 nodes down were not degraded"
+    heal = report["heal"]
+    # The heal ends with every shard back; most are rebuilt, a few may be the client's own
+    # puts still queued (within their deadline) when the nodes came back.
+    assert 0 < heal["rebuilt_shards"] <= 2 * 20, heal
+    assert 4.0 <= heal["read_per_rebuilt_byte"] <= 10.5, heal
+    assert heal["node_cpu_s"] > 0 and heal["heal_s"] > 0
