@@ -3,15 +3,18 @@
 A node never trusts the tenant a request names. It derives the caller from a credential (a
 bearer token, or the common name of a verified mTLS client certificate) and then decides::
 
-    role     data RPCs (put, get, contains, delete)       Stats  Purge  ListTombstones
+    role     data RPCs (put, get, contains, delete,        Stats  Purge  ListTombstones
+             touch) and QueueRepair                                       ListShards
     -------  -------------------------------------------  -----  -----  --------------
     tenant   its own tenant only (the principal's name)     -      -      -
     service  the tenants of its allow-list (``*``: any)    -      -      -
-    node     -                                              yes    -      yes (peer sync)
+    node     any tenant's get/batch read, repair puts       yes    -      yes (peer sync,
+             and QueueRepair; no other data RPC                           repair listing)
     admin    -                                              yes    yes    yes
 
 A data request that names another tenant gets PERMISSION_DENIED; a tenant principal may
-leave the tenant empty and gets its own. Health stays open (it tells only id, epoch, clock).
+leave the tenant empty and gets its own. Health stays open (it tells only id, epoch, clock,
+serving state and incarnation).
 
 The credentials file lives on the nodes only (never in cluster.toml, which every client
 reads), mode 0600, tokens stored as SHA-256 digests::

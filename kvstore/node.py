@@ -80,6 +80,7 @@ from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.recovery import move_index_aside
 from kvstore.repair_service import RepairService, RepairStats
+from kvstore.request_checks import check_tenant
 from kvstore.scrub import ScrubStep, scrub_forever
 from kvstore.shard_store import (
     BatchRead,
@@ -478,6 +479,7 @@ class NodeServicer:
         return pb.DeleteReply(num_deleted=num_deleted)
 
     def _touch(self, request: pb.TouchShardsRequest, principal: Principal) -> pb.TouchShardsReply:
+        principal.require(Role.TENANT, Role.SERVICE)  # a client's follow-up to its read
         tenant = principal.tenant_for(request.tenant)
         store = self._holder.require()
         num = store.touch(tenant, list(request.keys), list(request.versions))
@@ -508,11 +510,14 @@ class NodeServicer:
     def _queue_repair(
         self, request: pb.QueueRepairRequest, principal: Principal
     ) -> pb.QueueRepairReply:
-        """Hints from clients (read-repair, degraded writes): each for a tenant the caller
-        may act for."""
+        """Hints from clients (read-repair, degraded writes) or peers: each for a tenant the
+        caller may act for."""
+        principal.require(Role.TENANT, Role.SERVICE, Role.NODE)
         if self._repair is None:
             raise Unavailable(f"node {self._node.id} runs no repair service")
         hints = [(principal.tenant_for_repair(h.tenant), h.key, h.group) for h in request.hints]
+        for tenant, _, _ in hints:
+            check_tenant(tenant)
         return pb.QueueRepairReply(num_queued=self._repair.queue(hints))
 
     def _purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:

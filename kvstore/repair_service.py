@@ -139,7 +139,10 @@ class RepairService:
         self.stats = RepairStats()
 
     def queue(self, hints: Iterable[tuple[str, bytes, int]]) -> int:
-        """Queue (tenant, key, group) hints for inspection; return how many were new."""
+        """Queue (tenant, key, group) hints for inspection; return how many were new (none
+        while repair is off: ``repair_bytes_per_s = 0``)."""
+        if not self._node.repair_bytes_per_s:
+            return 0
         num_new = 0
         for tenant, key, group in hints:
             if not 0 <= group < len(self._cluster.groups) or len(key) != 16:

@@ -5,10 +5,12 @@ hang or log an unexpected error."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +31,9 @@ RPCS = (
     "ListTombstones",
     "Stats",
     "Health",
+    "TouchShards",
+    "ListShards",
+    "QueueRepair",
 )
 # What a well-behaved node answers to anything; INTERNAL, UNKNOWN and DEADLINE_EXCEEDED
 # (a hang) are bugs.
@@ -46,6 +51,8 @@ shards = st.one_of(
     st.binary(max_size=300),
     st.binary(min_size=1, max_size=200).map(make_shard),
 )
+times_s = st.one_of(st.floats(), st.sampled_from([0.0, -1.0, 1e300, 2.0**53]))
+groups = st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1))
 
 
 @st.composite
@@ -60,7 +67,9 @@ def messages(draw: st.DrawFn, rpc: str) -> bytes:
         message = pb.PutShardsRequest(
             tenant=draw(tenants),
             traffic_class=draw(st.sampled_from(["chat", "agent", "", "nope"])),
-            shards=[pb.ShardPut(key=k, shard=s) for k, s in items],
+            shards=[pb.ShardPut(key=k, shard=s, written_at_s=draw(times_s)) for k, s in items],
+            expires_at_s=draw(times_s),
+            repair=draw(st.booleans()),
         )
     elif rpc in ("GetShards", "ReadBatch"):
         message = pb.GetShardsRequest(
@@ -75,6 +84,21 @@ def messages(draw: st.DrawFn, rpc: str) -> bytes:
     elif rpc == "ListTombstones":
         message = pb.ListTombstonesRequest(
             after_seq=draw(st.integers(0, 2**64 - 1)), limit=draw(st.integers(0, 2**32 - 1))
+        )
+    elif rpc == "TouchShards":
+        touched = draw(keys)
+        versions = draw(st.one_of(st.just([]), st.lists(st.binary(max_size=20), max_size=6)))
+        message = pb.TouchShardsRequest(tenant=draw(tenants), keys=touched, versions=versions)
+    elif rpc == "ListShards":
+        message = pb.ListShardsRequest(
+            group=draw(groups),
+            start_after=draw(st.binary(max_size=60)),
+            limit=draw(st.integers(0, 2**32 - 1)),
+        )
+    elif rpc == "QueueRepair":
+        hints = draw(st.lists(st.tuples(tenants, keys, groups), max_size=4))
+        message = pb.QueueRepairRequest(
+            hints=[pb.RepairHint(tenant=t, key=k[0] if k else b"", group=g) for t, k, g in hints]
         )
     else:
         message = pb.StatsRequest() if rpc == "Stats" else pb.HealthRequest()
@@ -107,6 +131,7 @@ def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
     node = start_node(config)
     address = config.read_text().split('address = "')[1].split('"')[0]
     unexpected: list[tuple[str, str, grpc.StatusCode]] = []
+    rpc_to_codes: dict[str, set[grpc.StatusCode]] = {rpc: set() for rpc in RPCS}
 
     with grpc.insecure_channel(address) as channel:
 
@@ -126,6 +151,7 @@ def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
             )
             metadata = None if who is None else (("authorization", header.format(tokens[who])),)
             code = _call(channel, rpc, raw, metadata)
+            rpc_to_codes[rpc].add(code)
             if code not in EXPECTED_CODES:
                 unexpected.append((rpc, str(who), code))
 
@@ -133,6 +159,8 @@ def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
         health = channel.unary_unary("/kvstore.v1.ShardStore/Health")
         assert health(pb.HealthRequest().SerializeToString(), timeout=5), "node stopped answering"
     assert not unexpected, f"calls ended in unexpected statuses (crash or hang): {unexpected[:5]}"
+    never = [rpc for rpc, codes in rpc_to_codes.items() if not codes]
+    assert not never, f"the fuzz never called {never}"
     assert node.proc is not None and node.proc.poll() is None, "the node process died"
     log_text = node.log_path.read_text()
     for marker in ("Traceback", "never retrieved", "failed"):
@@ -148,3 +176,84 @@ def test_ucx_request_frames_parse_or_are_refused(frame: bytes) -> None:
     except InvalidArgument:
         return
     assert isinstance(token, str) and request.HasField("ucx")
+
+
+KEY = b"k" * 16
+SHARD = make_shard(b"role table")
+# A well-formed request of each RPC, and the roles that may make it (kvstore/auth.py's table;
+# the others get PERMISSION_DENIED). Health is open to everyone.
+ROLE_TABLE: dict[str, tuple[Message, frozenset[str]]] = {
+    "PutShards": (
+        pb.PutShardsRequest(
+            tenant="acme", traffic_class="chat", shards=[pb.ShardPut(key=KEY, shard=SHARD)]
+        ),
+        frozenset({"tenant", "service"}),
+    ),
+    "RepairPut": (
+        pb.PutShardsRequest(
+            tenant="acme",
+            traffic_class="chat",
+            shards=[pb.ShardPut(key=KEY, shard=SHARD)],
+            repair=True,
+        ),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "GetShards": (
+        pb.GetShardsRequest(tenant="acme", keys=[KEY]),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "ReadBatch": (
+        pb.GetShardsRequest(tenant="acme", keys=[KEY]),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "Contains": (pb.ContainsRequest(tenant="acme", keys=[KEY]), frozenset({"tenant", "service"})),
+    "TouchShards": (
+        pb.TouchShardsRequest(tenant="acme", keys=[KEY]),
+        frozenset({"tenant", "service"}),
+    ),
+    "QueueRepair": (
+        pb.QueueRepairRequest(hints=[pb.RepairHint(tenant="acme", key=KEY, group=0)]),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "Delete": (pb.DeleteRequest(tenant="acme", keys=[KEY]), frozenset({"tenant", "service"})),
+    "ListShards": (pb.ListShardsRequest(group=0), frozenset({"node", "admin"})),
+    "ListTombstones": (pb.ListTombstonesRequest(), frozenset({"node", "admin"})),
+    "Stats": (pb.StatsRequest(), frozenset({"node", "admin"})),
+    "Purge": (pb.PurgeRequest(tenant="globex"), frozenset({"admin"})),
+    "Health": (pb.HealthRequest(), frozenset({"tenant", "service", "node", "admin"})),
+}
+
+
+def test_each_rpc_answers_exactly_the_roles_of_the_table(tmp_path: Path, start_node) -> None:
+    credentials = tmp_path / "credentials.toml"
+    tokens = {
+        "tenant": add_principal(credentials, "acme", Role.TENANT),
+        "service": add_principal(credentials, "serving", Role.SERVICE, frozenset({"acme"})),
+        "node": add_principal(credentials, "nodes", Role.NODE),
+        "admin": add_principal(credentials, "admin", Role.ADMIN),
+    }
+    config = write_config(tmp_path, credentials_file=str(credentials))
+    start_node(config)
+    address = config.read_text().split('address = "')[1].split('"')[0]
+    wrong: list[str] = []
+    with grpc.insecure_channel(address) as channel:
+        health = channel.unary_unary(
+            "/kvstore.v1.ShardStore/Health",
+            request_serializer=pb.HealthRequest.SerializeToString,
+            response_deserializer=pb.HealthReply.FromString,
+        )
+        deadline_s = time.monotonic() + 60
+        while not health(pb.HealthRequest(), timeout=CALL_TIMEOUT_S).repair_ready:
+            assert time.monotonic() < deadline_s, "a node with no peers never became repair-ready"
+            time.sleep(0.05)
+        for name, (request, allowed) in ROLE_TABLE.items():
+            rpc = "PutShards" if name == "RepairPut" else name
+            for role, token in tokens.items():
+                metadata = (("authorization", f"Bearer {token}"),)
+                code = _call(channel, rpc, request.SerializeToString(), metadata)
+                want = grpc.StatusCode.OK if role in allowed else grpc.StatusCode.PERMISSION_DENIED
+                if code != want:
+                    wrong.append(f"{name} as {role}: {code.name}, expected {want.name}")
+    assert not wrong, "the node's role checks differ from kvstore/auth.py's table: " + "; ".join(
+        wrong
+    )
