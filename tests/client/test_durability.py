@@ -127,6 +127,35 @@ async def _wait_repaired(kv: KVClient, num_blocks: int, timeout_s: float = 120.0
         await asyncio.sleep(0.5)
 
 
+async def _wait_full_passes(kv: KVClient, timeout_s: float = 120.0) -> None:
+    """Until every node finished another full repair pass than it had when this was called
+    (a pass that began later: it saw the cluster as it is now)."""
+    before = {n: s.repair.passes for n, s in (await _stats(kv)).items() if s is not None}
+    assert len(before) == 12, f"only {sorted(before)} answered Stats"
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        now = {n: s.repair.passes for n, s in (await _stats(kv)).items() if s is not None}
+        behind = [n for n in before if now.get(n, 0) < before[n] + 2]
+        if not behind:
+            return
+        assert time.monotonic() < deadline_s, f"nodes {behind} ran no further repair pass"
+        await asyncio.sleep(0.5)
+
+
+async def _holders_of(kv: KVClient, keys: list[bytes]) -> dict[str, int]:
+    """Node id -> how many of ``keys`` it holds any version of (nodes holding none left out),
+    asked of every node directly: a shard too few to read is still a shard."""
+    request = pb.ContainsRequest(tenant=kv.tenant, keys=keys)
+    replies = await asyncio.gather(
+        *(conn.call("Contains", request, 10.0) for conn in kv.conns.values())
+    )
+    counts = {
+        node_id: sum(bool(found.versions) for found in reply.results)
+        for node_id, reply in zip(kv.conns, replies, strict=True)
+    }
+    return {node_id: count for node_id, count in counts.items() if count}
+
+
 def _status_json(cluster: LocalCluster) -> dict:
     """``kvstore cluster status --dir DIR --json``, the contract the issue names."""
     command = ["cluster", "status", "--dir", str(cluster.root), "--json"]
@@ -169,6 +198,41 @@ async def test_two_replaced_disks_are_rebuilt_then_two_more_nodes_can_go(
         f"{len(lost)} of {len(blocks)} blocks lost with 2 more nodes dead after repair "
         f"(repair took {repair_s:.1f} s): the replaced disks were not refilled"
     )
+
+
+async def test_cluster_status_json_shows_a_down_node_and_its_backlog_until_repaired(
+    cluster: LocalCluster,
+) -> None:
+    # The issue's contract (`kvstore cluster status --json`): a ``nodes`` list whose entries
+    # have id, up, shards and bytes, and a top-level ``repair_backlog_shards``.
+    blocks = _blocks(5, 24, "status")
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+        cluster.kill_node("n05")
+        await _put_all(kv, blocks)
+        await _settled(kv, len(blocks))
+        deadline_s = time.monotonic() + 120
+        while True:  # until the leaders' passes saw n05's shards waiting, and only those
+            status = _status_json(cluster)
+            up = [n for n in status["nodes"] if n["up"]]
+            settled = all(n["shards"] == len(blocks) for n in up) and len(up) == 11
+            if settled and status["repair_backlog_shards"] == len(blocks):
+                break
+            assert time.monotonic() < deadline_s, (
+                f"with n05 down the status never showed its {len(blocks)} shards as the "
+                f"repair backlog: {status['repair_backlog_shards']}, shards per node "
+                f"{[(n['id'], n.get('shards')) for n in status['nodes']]}"
+            )
+            await asyncio.sleep(0.5)
+        down = next(n for n in status["nodes"] if n["id"] == "n05")
+        assert down["up"] is False and "shards" not in down, f"a down node's record: {down}"
+        assert all(n["bytes"] > 0 for n in up), "an up node reports no bytes"
+        cluster.restart_node("n05")
+        await _wait_repaired(kv, len(blocks))
+        status = _status_json(cluster)
+    assert status["repair_backlog_shards"] == 0, "repair finished but the status shows a backlog"
+    assert [(n["id"], n["up"], n["shards"]) for n in status["nodes"]] == [
+        (f"n{i:02d}", True, len(blocks)) for i in range(12)
+    ], "cluster status --json does not show n05 refilled"
 
 
 @pytest.mark.slow
@@ -382,11 +446,16 @@ async def test_repair_over_tls_and_auth_never_brings_back_a_block_deleted_during
             for node_id in ("n04", "n08"):
                 cluster.restart_node(node_id)
             await _wait_repaired(admin, len(live))  # n04 dropped the deleted; n08 refilled
+            await _wait_full_passes(admin)  # every leader listed its groups once more since
             stats = await _stats(admin)
+            holders = await _holders_of(kv, list(doomed))
             lost = await _lost(kv, live)
             back = [key for key, got in zip(doomed, await asyncio.gather(
                 *(kv.get(k) for k in doomed)), strict=True) if got is not None]  # fmt: skip
     assert not lost, f"{len(lost)} live blocks lost on a secured cluster"
+    assert not holders, (
+        f"nodes hold shards of deleted blocks after the outage and repair: {holders}"
+    )
     assert not back, f"{len(back)} deleted blocks readable again after the outage and repair"
     rebuilt = sum(s.repair.rebuilt_shards for s in stats.values() if s is not None)
     assert rebuilt >= len(live), f"{rebuilt} shards rebuilt for the {len(live)} n08 lost"
