@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from tests.kvstore.disk_harness import mounted_tmpfs
 pytestmark = pytest.mark.timeout(300)
 
 KiB, MiB = 1 << 10, 1 << 20
+DAY_S = 86_400.0
 REPAIR = {"repair_bytes_per_s": 256 * MiB, "repair_scan_interval_s": 2.0}
 
 
@@ -79,10 +81,10 @@ async def _lost(kv: KVClient, blocks: dict[bytes, bytes]) -> list[bytes]:
 
 
 async def _stats(kv: KVClient) -> dict[str, pb.StatsReply | None]:
-    return await kv.node_stats(timeout_s=2.0)
+    return await kv.node_stats(timeout_s=10.0)
 
 
-async def _settled(kv: KVClient, num_degraded: int, timeout_s: float = 15.0) -> None:
+async def _settled(kv: KVClient, num_degraded: int, timeout_s: float = 60.0) -> None:
     """Until ``num_degraded`` puts counted as degraded: a put returns at k shards and its
     last shard puts (to the downed nodes) fail in the background."""
     deadline_s = time.monotonic() + timeout_s
@@ -95,7 +97,7 @@ async def _settled(kv: KVClient, num_degraded: int, timeout_s: float = 15.0) -> 
     assert kv.write_counters.num_degraded_puts == num_degraded
 
 
-async def _wait_reachable(kv: KVClient, timeout_s: float = 15.0) -> None:
+async def _wait_reachable(kv: KVClient, timeout_s: float = 60.0) -> None:
     """Until every node answers Stats through this client's own channels."""
     deadline_s = time.monotonic() + timeout_s
     while None in (await _stats(kv)).values():
@@ -130,9 +132,13 @@ async def _wait_repaired(kv: KVClient, num_blocks: int, timeout_s: float = 120.0
 async def _wait_full_passes(kv: KVClient, timeout_s: float = 120.0) -> None:
     """Until every node finished another full repair pass than it had when this was called
     (a pass that began later: it saw the cluster as it is now)."""
-    before = {n: s.repair.passes for n, s in (await _stats(kv)).items() if s is not None}
-    assert len(before) == 12, f"only {sorted(before)} answered Stats"
     deadline_s = time.monotonic() + timeout_s
+    before: dict[str, int] = {}
+    while len(before) < 12:
+        for node_id, s in (await _stats(kv)).items():
+            if s is not None:
+                before.setdefault(node_id, s.repair.passes)
+        assert time.monotonic() < deadline_s, f"only {sorted(before)} answered Stats"
     while True:
         now = {n: s.repair.passes for n, s in (await _stats(kv)).items() if s is not None}
         behind = [n for n in before if now.get(n, 0) < before[n] + 2]
@@ -265,9 +271,11 @@ async def test_a_restarted_node_takes_writes_as_soon_as_it_answers(tmp_path: Pat
         async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
             cluster.kill_node("n05")
             await _put_all(kv, missed)
+            # Before the restart: a shard put to n05 still pending then could land on the
+            # restarted node, and it must hold none of these.
+            await _settled(kv, len(missed))
             cluster.restart_node("n05")
             await _wait_reachable(kv)
-            await _settled(kv, len(missed))
             degraded_before = kv.write_counters.num_degraded_puts
             await _put_all(kv, written)
             assert kv.write_counters.num_degraded_puts == degraded_before, (
@@ -282,6 +290,9 @@ async def test_a_restarted_node_takes_writes_as_soon_as_it_answers(tmp_path: Pat
 
 
 async def test_hung_nodes_cost_a_hedge_delay_not_the_timeout(cluster: LocalCluster) -> None:
+    # A long deadline (60 s) keeps "waited for the hung nodes" far from "hedged" (0.1 s), so
+    # a loaded machine's slow calls cannot pass for the bug, nor the bug for a slow call.
+    timeout_s = 60.0
     blocks = _blocks(4, 16, "hung")
     async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
         await _put_all(kv, blocks)
@@ -292,19 +303,19 @@ async def test_hung_nodes_cost_a_hedge_delay_not_the_timeout(cluster: LocalClust
             slowest_put_s = slowest_get_s = 0.0
             for index, (key, block) in enumerate(blocks.items()):
                 start_s = time.monotonic()
-                await kv.put(key, block[::-1])
+                await kv.put(key, block[::-1], timeout_s=timeout_s)
                 slowest_put_s = max(slowest_put_s, time.monotonic() - start_s)
                 start_s = time.monotonic()
-                got = await kv.get(key)
+                got = await kv.get(key, timeout_s=timeout_s)
                 slowest_get_s = max(slowest_get_s, time.monotonic() - start_s)
                 assert got == block[::-1], f"read {index} with 2 hung nodes missed or was wrong"
         finally:
             for pid in hung:
                 os.kill(pid, signal.SIGCONT)
-    timeout_s = kv.config.client.timeout_s
-    assert slowest_put_s < timeout_s / 4 and slowest_get_s < timeout_s / 4, (
+    assert kv.read_counters.num_reserve_asks > 0, "no read hedged to the 12th node"
+    assert slowest_put_s < timeout_s / 3 and slowest_get_s < timeout_s / 3, (
         f"slowest put {slowest_put_s:.2f} s, get {slowest_get_s:.2f} s with 2 hung nodes "
-        f"(timeout {timeout_s} s): a hung node must cost about the hedge delay"
+        f"(deadline {timeout_s} s): a hung node must cost about the hedge delay"
     )
 
 
@@ -318,19 +329,25 @@ async def _live_holders(kv: KVClient, keys: list[bytes]) -> dict[bytes, int]:
     return counts
 
 
+async def _virtual_day(kv: KVClient) -> float:
+    """The cluster's clock in days, as the nodes keep it (their Health now_s)."""
+    reply = await next(iter(kv.conns.values())).call("Health", pb.HealthRequest(), 10.0)
+    return reply.now_s / DAY_S
+
+
 @pytest.mark.slow
 async def test_reads_keep_every_shard_of_a_block_alive(tmp_path: Path) -> None:
-    # One real second is a virtual day: chat blocks live 7 s unless read. Repair is off, so
+    # One real second is half a virtual day: chat blocks live 14 s unless read. Repair is off, so
     # only the touches can keep the shards nobody reads alive.
     root = tmp_path / "scaled"
-    with LocalCluster.start(root, 12, time_scale=86_400.0, fsync=False, repair_bytes_per_s=0) as c:
+    with LocalCluster.start(root, 12, time_scale=DAY_S / 2, fsync=False, repair_bytes_per_s=0) as c:
         blocks = _blocks(5, 8, "read-kept")
         async with KVClient.connect(c.cluster_toml, tenant="acme") as kv:
             await _put_all(kv, blocks)
-            deadline_s = time.monotonic() + 11.0  # past the 7-day TTL from the write
-            while time.monotonic() < deadline_s:
-                assert not await _lost(kv, blocks), "a block read every 1.5 days expired"
-                await asyncio.sleep(1.5)
+            write_day = await _virtual_day(kv)
+            while await _virtual_day(kv) < write_day + 11:  # past the 7-day TTL of the write
+                assert not await _lost(kv, blocks), "a block read about twice a day expired"
+                await asyncio.sleep(1.0)  # pacing: half a virtual day between read passes
             holders = await _live_holders(kv, list(blocks))
             assert set(holders.values()) == {12}, (
                 f"live shards per block after 11 days of reads: {sorted(holders.values())}; "
@@ -353,7 +370,7 @@ async def test_overwrites_keep_one_version_and_reads_stay_fast(cluster: LocalClu
         start_s = time.monotonic()
         assert await kv.get(key) == first
         first_read_s = time.monotonic() - start_s
-        slowest_read_s = 0.0
+        read_s: list[float] = []
         for version in range(200):
             block = (
                 rng.randbytes(4 * MiB) if version % 20 == 19 else first[version:] + first[:version]
@@ -362,15 +379,18 @@ async def test_overwrites_keep_one_version_and_reads_stay_fast(cluster: LocalClu
             if version % 20 == 19:
                 start_s = time.monotonic()
                 assert await kv.get(key) == block, f"after {version + 1} overwrites: wrong or None"
-                slowest_read_s = max(slowest_read_s, time.monotonic() - start_s)
+                read_s.append(time.monotonic() - start_s)
         stats = await _stats(kv)
     assert all(s is not None and s.shards == 1 for s in stats.values()), (
         f"shards per node after 200 overwrites of one key: "
         f"{[s.shards for s in stats.values() if s]}: older versions were not retired"
     )
     assert sum(s.retired_versions for s in stats.values() if s) >= 12 * 190
-    assert slowest_read_s < max(5 * first_read_s, first_read_s + 1.0), (
-        f"a read after up to 200 overwrites took {slowest_read_s:.2f} s against "
+    # The median, not the slowest: one read stalled by a loaded machine is not the bug (reads
+    # that fetch every version grow with the count: 3.2 s at 150 versions, None at 160).
+    median_read_s = statistics.median(read_s)
+    assert median_read_s < max(5 * first_read_s, first_read_s + 1.0), (
+        f"reads after 20 to 200 overwrites took {median_read_s:.2f} s (median) against "
         f"{first_read_s:.2f} s for the first: reads fetch more than the newest version"
     )
 

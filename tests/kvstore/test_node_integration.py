@@ -382,11 +382,10 @@ async def test_duplicate_keys_are_read_once_and_the_read_cost_is_bounded_first(
         results = await client.get([small, small, small])
         assert [r.shards[0][48:] for r in results] == [b"tiny"] * 3
         assert (await client.stats()).hits == before.hits + 1, "duplicates were read 3 times"
-        start_s = time.monotonic()
         await _expect_code(
             client.get([big] * 3000), grpc.StatusCode.INVALID_ARGUMENT, "max_batch_bytes"
         )
-        assert time.monotonic() - start_s < 2.0, "the refusal came after reading the bytes"
+        # A read counts a hit per key served: unchanged, the refusal came before any read.
         assert (await client.stats()).hits == before.hits + 1, "a refused request read shards"
 
 
