@@ -39,7 +39,7 @@ from client import KVClient, block_keys
 from deploy.local_cluster import ADMIN_TOKEN_FILE, LocalCluster
 from kvstore.errors import QuorumError
 from kvstore.proto import kvstore_pb2 as pb
-from tests.client.secure_cluster import add_tenants
+from tests.client.secure_cluster import wait_for_token
 from tests.kvstore.disk_harness import mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(300)
@@ -450,7 +450,8 @@ async def test_repair_over_tls_and_auth_never_brings_back_a_block_deleted_during
     ):
         env.setenv("KVSTORE_TLS_CERT", str(root / "tls" / "admin.pem"))
         env.setenv("KVSTORE_TLS_KEY", str(root / "tls" / "admin.key"))
-        token = add_tenants(cluster, ["acme"])["acme"]
+        token = cluster.add_tenant("acme")
+        await wait_for_token(cluster, "acme", token)
         admin_token = (root / ADMIN_TOKEN_FILE).read_text().strip()
         live, doomed = _blocks(11, 40, "kept"), _blocks(12, 10, "deleted")
         async with (

@@ -117,16 +117,20 @@ def _call(channel: grpc.Channel, rpc: str, raw: bytes, metadata) -> grpc.StatusC
     return grpc.StatusCode.OK
 
 
-def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
-    credentials = tmp_path / "credentials.toml"
-    tokens = {
+def _principals(credentials: Path) -> dict[str, str]:
+    """Role name -> the token of a new principal of that role (tenant acme; the service
+    acts for acme)."""
+    return {
         "tenant": add_principal(credentials, "acme", Role.TENANT),
         "service": add_principal(credentials, "serving", Role.SERVICE, frozenset({"acme"})),
         "node": add_principal(credentials, "nodes", Role.NODE),
         "admin": add_principal(credentials, "admin", Role.ADMIN),
-        "made-up": "kvst_made-up",
-        "empty": "",
     }
+
+
+def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
+    credentials = tmp_path / "credentials.toml"
+    tokens = {**_principals(credentials), "made-up": "kvst_made-up", "empty": ""}
     config = write_config(tmp_path, credentials_file=str(credentials), max_batch_bytes=1 << 20)
     node = start_node(config)
     address = config.read_text().split('address = "')[1].split('"')[0]
@@ -226,12 +230,7 @@ ROLE_TABLE: dict[str, tuple[Message, frozenset[str]]] = {
 
 def test_each_rpc_answers_exactly_the_roles_of_the_table(tmp_path: Path, start_node) -> None:
     credentials = tmp_path / "credentials.toml"
-    tokens = {
-        "tenant": add_principal(credentials, "acme", Role.TENANT),
-        "service": add_principal(credentials, "serving", Role.SERVICE, frozenset({"acme"})),
-        "node": add_principal(credentials, "nodes", Role.NODE),
-        "admin": add_principal(credentials, "admin", Role.ADMIN),
-    }
+    tokens = _principals(credentials)
     config = write_config(tmp_path, credentials_file=str(credentials))
     start_node(config)
     address = config.read_text().split('address = "')[1].split('"')[0]
