@@ -19,11 +19,11 @@ from kvstore.proto import kvstore_pb2 as pb
 from tests.client.secure_cluster import add_tenants, random_block
 from tests.kvstore.node_harness import REPO_ROOT
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 BLOCK_BYTES = 200_000
 NEEDLE_BYTES = 48
 SYNC_INTERVAL_S = 0.5
-ERASE_BOUND_S = 10.0
+ERASE_BOUND_S = 60.0  # issue 19's bound: deleted bytes unreadable on disk within 60 s
 _ZEROS_BYTES = 1 << 16
 _ZEROS = bytes(_ZEROS_BYTES)
 
@@ -151,7 +151,7 @@ async def test_a_node_down_during_a_delete_applies_it_when_it_returns(
     cluster.restart_node(down)
     _wait_for(
         lambda: not _holders(cluster, block),
-        timeout_s=10 * SYNC_INTERVAL_S + 5,
+        timeout_s=ERASE_BOUND_S,
         what="the returning node never applied the delete it missed (delete log not pulled)",
     )
 
@@ -187,16 +187,20 @@ async def test_purge_reports_per_node_and_reaches_a_returning_node(
     assert not by_node[down]["done"] and by_node[down]["error"]
     done = [n for n in report["nodes"] if n["done"]]
     # Every node of the one 12-node group holds one shard of each of the tenant's two blocks
-    # (the test waited for that above).
-    counts = {n["node_id"]: n["num_deleted"] for n in done}
-    assert len(done) == 11 and set(counts.values()) == {2}, str(sorted(counts.items()))
-    assert sum(n["bytes_erased"] for n in done) >= sum(len(b) for b in purged_blocks)
+    # (the test waited for that above). A node reports both, or none when it had already
+    # applied the purge from a faster peer's delete log (pulled every 0.5 s here) before the
+    # tool's call reached it; the first node to purge found both.
+    counts = {n["node_id"]: (n["num_deleted"], n["bytes_erased"] > 0) for n in done}
+    assert len(done) == 11 and set(counts.values()) <= {(2, True), (0, False)}, str(
+        sorted(counts.items())
+    )
+    assert (2, True) in counts.values(), f"no node purged the tenant's shards: {counts}"
     for block in purged_blocks:
         assert _holders(cluster, block) == {down}, "purged bytes still on a node that was up"
     cluster.restart_node(down)
     _wait_for(
         lambda: not any(_holders(cluster, b) for b in purged_blocks),
-        timeout_s=10 * SYNC_INTERVAL_S + 5,
+        timeout_s=ERASE_BOUND_S,
         what="the returning node never applied the purge it missed",
     )
     code, report = _purge(cluster, "initech", "--wait", "--timeout", "20s")
