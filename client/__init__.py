@@ -2,5 +2,6 @@
 
 from client.keys import block_keys
 from client.kv_client import KVClient
+from client.sync_client import SyncKVClient
 
-__all__ = ["KVClient", "block_keys"]
+__all__ = ["KVClient", "SyncKVClient", "block_keys"]
