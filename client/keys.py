@@ -15,6 +15,16 @@ covers every earlier block, equal keys mean equal prefixes, so a prefix lookup c
 first missing key. Only full blocks get keys: a trailing partial block is recomputed, never
 cached. Same inputs give the same keys in every process and on every machine (no per-process
 hash seed is involved).
+
+Engines that hash their own blocks (vLLM's ``block_hashes``, SGLang's page hashes, LMCache's
+chunk keys) keep their chains; :func:`namespaced_keys` maps each of their keys into ours::
+
+    root   = xxh3_128( b"kvstore.namespaced_keys.v1"
+                       || u32(len(namespace)) || namespace || u32(len(salt)) || salt )
+    key[i] = xxh3_128( root || u32(len(part)) || part || engine_key[i] )
+
+so the same engine key under another namespace (model, dtype, layout, parallel rank, page
+size), salt or part (K and V halves of one page) is another store key.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import xxhash
 from kvstore.errors import InvalidArgument
 
 _DOMAIN_TAG = b"kvstore.block_keys.v1"
+_NAMESPACED_TAG = b"kvstore.namespaced_keys.v1"
 _U32 = struct.Struct("<I")
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -54,6 +65,31 @@ def block_keys(
         key = xxhash.xxh3_128_digest(key + tokens[start : start + block_tokens].tobytes())
         keys.append(key)
     return keys
+
+
+def namespaced_keys(
+    engine_keys: Sequence[str | bytes],
+    namespace: str | bytes,
+    salt: str | bytes = b"",
+    part: str | bytes = b"",
+) -> list[bytes]:
+    """16-byte store keys for an engine's own block keys (see the module doc).
+
+    ``namespace`` names what the bytes are (the engine adapters build it from the engine's
+    config: engine_adapter/engine_keys.py); ``salt`` separates tenants; ``part`` tells the
+    pieces of one engine block apart when they are stored as separate blocks.
+    """
+    root = xxhash.xxh3_128_digest(_NAMESPACED_TAG + _prefixed(namespace) + _prefixed(salt))
+    prefix = root + _prefixed(part)
+    return [xxhash.xxh3_128_digest(prefix + _as_bytes(key)) for key in engine_keys]
+
+
+def _as_bytes(field: str | bytes) -> bytes:
+    if isinstance(field, str):
+        return field.encode()
+    if isinstance(field, bytes | bytearray | memoryview):
+        return bytes(field)
+    raise InvalidArgument(f"engine keys must be str or bytes, got {type(field).__name__}")
 
 
 def _prefixed(field: str | bytes) -> bytes:

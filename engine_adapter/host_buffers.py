@@ -78,13 +78,24 @@ class HostBlockPool:
         return slots
 
     def _allocate(self, num_bytes: int) -> memoryview:
-        # torch aligns host tensors to 64 bytes only; a page more lets every slot start on a
-        # page, as BufferPool's own memory does.
-        raw = torch.empty(num_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=self._pin_memory)
-        skip = -raw.data_ptr() % PAGE_BYTES
-        self._memory = raw[skip : skip + num_bytes]
+        self._memory = host_tensor(num_bytes, self._pin_memory)
         return memoryview(self._memory.numpy())
 
     def _block(self, slot: BufferSlot) -> torch.Tensor:
         raw = self._memory[slot.offset : slot.offset + self.layout.block_bytes]
         return raw.view(getattr(torch, self.layout.dtype)).view(self.layout.shape)
+
+
+def host_tensor(num_bytes: int, pin_memory: bool) -> torch.Tensor:
+    """A page-aligned uint8 host tensor of ``num_bytes`` (pinned when asked): the memory
+    BufferPools of KV blocks are carved from (``BufferPool(allocate=host_memory)``)."""
+    # torch aligns host tensors to 64 bytes only; a page more lets every slot start on a
+    # page, as BufferPool's own memory does.
+    raw = torch.empty(num_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = -raw.data_ptr() % PAGE_BYTES
+    return raw[skip : skip + num_bytes]
+
+
+def host_memory(num_bytes: int, pin_memory: bool = False) -> memoryview:
+    """:func:`host_tensor` as the writable memoryview a BufferPool's ``allocate`` returns."""
+    return memoryview(host_tensor(num_bytes, pin_memory).numpy())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from client.keys import block_keys
+from client.keys import block_keys, namespaced_keys
 from kvstore.errors import InvalidArgument
 
 TOKENS = list(range(1000, 1300))
@@ -67,3 +67,29 @@ def test_same_keys_in_another_process() -> None:
 def test_bad_input_is_rejected(tokens: object, block_tokens: int) -> None:
     with pytest.raises(InvalidArgument):
         block_keys(tokens, block_tokens, "m", "s")  # type: ignore[arg-type]
+
+
+def test_namespaced_keys_follow_the_documented_formula() -> None:
+    root = xxhash.xxh3_128_digest(
+        b"kvstore.namespaced_keys.v1" + b"\x02\x00\x00\x00ns" + b"\x04\x00\x00\x00acme"
+    )
+    expected = xxhash.xxh3_128_digest(root + b"\x01\x00\x00\x00k" + b"engine-key")
+    assert namespaced_keys([b"engine-key"], "ns", "acme", "k") == [expected], (
+        "namespaced_keys changed its format: every stored engine block would miss"
+    )
+    assert namespaced_keys(["engine-key"], b"ns", b"acme", b"k") == [expected]
+
+
+def test_namespaced_keys_separate_namespace_salt_and_part() -> None:
+    engine_keys = [b"\x01" * 32, b"\x02" * 32]
+    base = namespaced_keys(engine_keys, "model=a;dtype=bfloat16", "acme", "k")
+    variants = [
+        namespaced_keys(engine_keys, "model=a;dtype=float16", "acme", "k"),
+        namespaced_keys(engine_keys, "model=a;dtype=bfloat16", "globex", "k"),
+        namespaced_keys(engine_keys, "model=a;dtype=bfloat16", "acme", "v"),
+    ]
+    assert all(len(k) == 16 for k in base) and base[0] != base[1]
+    for other in variants:
+        assert not set(other) & set(base), "another namespace, salt or part shared a store key"
+    with pytest.raises(InvalidArgument, match="str or bytes"):
+        namespaced_keys([7], "ns")  # type: ignore[list-item]

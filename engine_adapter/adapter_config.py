@@ -1,0 +1,124 @@
+"""What the vLLM, SGLang and LMCache adapters read from their engine's config to reach a
+cluster: which cluster, as which tenant, with which credentials, in which traffic class.
+
+Each engine passes a JSON-like mapping of its own (vLLM's ``kv_connector_extra_config``,
+SGLang's ``--hicache-storage-backend-extra-config``, LMCache's
+``remote_storage_plugin.kvstore.*`` extra_config keys, prefix removed); the keys are the
+same everywhere::
+
+    cluster        path of the cluster's cluster.toml (required)
+    tenant         the tenant whose blocks these are (default "default")
+    traffic_class  the class new blocks are written with: their TTL (default "chat")
+    token_file     file holding this client's token; without it $KVSTORE_TOKEN or the file
+                   named by $KVSTORE_TOKEN_FILE (never cluster.toml, never the engine config:
+                   engines log their configs)
+    tls_cert_file, tls_key_file   client certificate for mutual TLS (or $KVSTORE_TLS_*)
+    transport      "grpc" | "auto" | "ucx" (KVClient.connect's transport; default "grpc")
+    model_id       names the model in the key namespace instead of the engine's model path
+                   (set it when replicas load one model from different paths)
+
+No torch and no engine here: the adapters' own modules import their engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from client.sync_client import SyncKVClient
+from kvstore.auth import read_token_file
+from kvstore.config import READ_TRANSPORTS
+
+_FIELD_OF_KEY = {
+    "cluster": "cluster_toml",
+    "tenant": "tenant",
+    "traffic_class": "traffic_class",
+    "token_file": "token_file",
+    "tls_cert_file": "tls_cert_file",
+    "tls_key_file": "tls_key_file",
+    "transport": "transport",
+    "model_id": "model_id",
+}
+ADAPTER_KEYS = frozenset(_FIELD_OF_KEY)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """How an engine adapter connects (keys as in the module doc). Validated on creation."""
+
+    cluster_toml: str = ""  # required: __post_init__ says how to get one
+    tenant: str = "default"
+    traffic_class: str = "chat"
+    token_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    transport: str = "grpc"
+    model_id: str | None = None
+    where: str = "the adapter config"  # names the engine's config in error messages
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cluster_toml, str) or not self.cluster_toml:
+            raise ValueError(
+                f"{self.where} needs 'cluster': the path of the cluster's cluster.toml "
+                "(written by `kvstore cluster up --dir DIR` as DIR/cluster.toml)"
+            )
+        for name in ("tenant", "traffic_class"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{self.where}: {name!r} must be a non-empty string")
+        if self.transport not in READ_TRANSPORTS:
+            raise ValueError(
+                f"{self.where}: transport {self.transport!r} is not one of {READ_TRANSPORTS}"
+            )
+
+    @classmethod
+    def from_mapping(
+        cls,
+        mapping: Mapping[str, Any],
+        *,
+        where: str,
+        known_elsewhere: Iterable[str] = (),
+        strict: bool = True,
+    ) -> AdapterConfig:
+        """The config from an engine's mapping. ``known_elsewhere``: keys the engine or the
+        adapter itself reads. With ``strict``, any other key raises ValueError (a typo would
+        otherwise silently fall back to a default); SGLang shares its mapping with its own
+        keys, so its adapter is not strict."""
+        if "token" in mapping:
+            raise ValueError(
+                f"{where} has a 'token': engines log their configs, so a token must not be "
+                "in one. Put it in a file readable only by you and name it with 'token_file', "
+                "or set $KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE"
+            )
+        unknown = set(mapping) - ADAPTER_KEYS - set(known_elsewhere)
+        if strict and unknown:
+            raise ValueError(
+                f"{where} has unknown keys {sorted(unknown)}; known: {sorted(ADAPTER_KEYS)}"
+            )
+        fields = {_FIELD_OF_KEY[key]: mapping[key] for key in ADAPTER_KEYS & set(mapping)}
+        return cls(**fields, where=where)
+
+    def with_defaults(self, **defaults: Any) -> AdapterConfig:
+        """A copy whose unset optional fields take ``defaults``."""
+        unset = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset)
+
+    def connect(self) -> SyncKVClient:
+        """A SyncKVClient for this tenant; UnknownTrafficClass if the cluster lacks the class."""
+        token = read_token_file(self.token_file) if self.token_file else None
+        kv = SyncKVClient.connect(
+            self.cluster_toml,
+            self.tenant,
+            token,
+            transport=self.transport,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
+        )
+        try:
+            kv.client.config.ttl.classes.check(self.traffic_class)
+        except BaseException:
+            kv.close()
+            raise
+        return kv
