@@ -22,7 +22,7 @@ No torch and no engine here: the adapters' own modules import their engine.
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,8 @@ from typing import Any
 from client.sync_client import SyncKVClient
 from kvstore.auth import read_token_file
 from kvstore.config import READ_TRANSPORTS
+
+log = logging.getLogger(__name__)
 
 _FIELD_OF_KEY = {
     "cluster": "cluster_toml",
@@ -93,17 +95,13 @@ class AdapterConfig:
                 "or set $KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE"
             )
         unknown = set(mapping) - ADAPTER_KEYS - set(known_elsewhere)
-        if strict and unknown:
-            raise ValueError(
-                f"{where} has unknown keys {sorted(unknown)}; known: {sorted(ADAPTER_KEYS)}"
-            )
+        if unknown:
+            message = f"{where} has unknown keys {sorted(unknown)}; known: {sorted(ADAPTER_KEYS)}"
+            if strict:
+                raise ValueError(message)
+            log.warning("%s (ignored)", message)
         fields = {_FIELD_OF_KEY[key]: mapping[key] for key in ADAPTER_KEYS & set(mapping)}
         return cls(**fields, where=where)
-
-    def with_defaults(self, **defaults: Any) -> AdapterConfig:
-        """A copy whose unset optional fields take ``defaults``."""
-        unset = {k: v for k, v in defaults.items() if getattr(self, k) is None}
-        return dataclasses.replace(self, **unset)
 
     def connect(self) -> SyncKVClient:
         """A SyncKVClient for this tenant; UnknownTrafficClass if the cluster lacks the class."""

@@ -1,0 +1,239 @@
+"""KVStoreHiCache inside real SGLang (0.5.23, CPU) against a real 12-node cluster.
+
+The backend is made the way SGLang's HiCacheController makes it: ``StorageBackendFactory
+.create_backend("dynamic", storage_config, host_pool)`` with the launch flag's extra config,
+then ``register_mem_pool_host``. Pages move between SGLang's real CPU host pool
+(``MHATokenToKVPoolHost`` over an ``MHATokenToKVPool``) and the cluster. SGLang 0.5.23 pins
+torch 2.14.1, so these tests run in their own venv (``make test-integrations``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang", reason="needs SGLang: `make test-integrations` builds its venv")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+
+from deploy.local_cluster import LocalCluster  # noqa: E402
+from engine_adapter.sglang_backend import KVStoreHiCache  # noqa: E402
+
+pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
+
+PAGE, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 16
+
+
+def _host_pool(layout: str = "page_first", dtype: Any = None, page: int = PAGE) -> Any:
+    """SGLang's CPU host pool in ``layout``, as its HiCache builds it for a device pool."""
+    device = MHATokenToKVPool(
+        size=256,
+        page_size=page,
+        dtype=dtype or torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    capacity = device.size if device.host_capacity_tokens is None else device.host_capacity_tokens
+    with host_memory_budget_scope(1 << 30):  # else it books against free RAM minus 10 GiB
+        return MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            host_to_device_ratio=2.0,
+            host_size=0,
+            page_size=page,
+            layout=layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=capacity,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            write_back_staging=device.hicache_write_back_staging,
+        )
+
+
+def _backend(store: LocalCluster, host: Any, /, *, tp_rank: int = 0, tp_size: int = 1,
+             model: str = "tiny-llama", **extra: Any) -> KVStoreHiCache:  # fmt: skip
+    """What HiCacheController.attach_storage_backend does with the launch flag's config."""
+    extra_config = {
+        "backend_name": "kvstore",
+        "module_path": "engine_adapter.sglang_backend",
+        "class_name": "KVStoreHiCache",
+        "interface_v1": 1,
+        "cluster": str(store.cluster_toml),
+        "tenant": "acme",
+        **extra,
+    }
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=host.layout.startswith("page_first"),
+        model_name=model,
+        extra_config=extra_config,
+    )
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+@pytest.fixture
+def backends(cluster: LocalCluster) -> Iterator[Any]:
+    made: list[KVStoreHiCache] = []
+
+    def make(host: Any, **kwargs: Any) -> KVStoreHiCache:
+        made.append(_backend(cluster, host, **kwargs))
+        return made[-1]
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def _fill_pages(host: Any, num_pages: int, seed: int) -> torch.Tensor:
+    """Allocate ``num_pages`` pages of host slots and write seeded KV into them."""
+    generator = torch.Generator().manual_seed(seed)
+    indices = host.alloc(num_pages * host.page_size)
+    for i in range(num_pages):
+        start = int(indices[i * host.page_size])
+        page = host.get_data_page(start, flat=True)
+        values = torch.randn(page.shape, generator=generator).to(page.dtype)
+        host.set_from_flat_data_page(start, values)
+    return indices
+
+
+def _pages(host: Any, indices: torch.Tensor) -> list[torch.Tensor]:
+    starts = indices[:: host.page_size].tolist()
+    return [host.get_data_page(s, flat=True).clone().view(torch.uint8) for s in starts]
+
+
+def _keys(name: str, n: int) -> list[str]:
+    """SGLang-style page keys: 64 hex digits each."""
+    return [f"{name}-{i}".encode().hex().ljust(64, "0")[:64] for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("layout", "zero_copy"),
+    [("page_first", True), ("page_first_direct", True), ("layer_first", False)],
+)
+def test_pages_round_trip_between_two_host_pools(
+    backends: Any, layout: str, zero_copy: bool
+) -> None:
+    """Server A backs pages up (batch_set_v1); server B, another pool, prefetches them."""
+    host_a, host_b = _host_pool(layout), _host_pool(layout)
+    a, b = backends(host_a), backends(host_b)
+    assert a.parts == (("0", "1") if zero_copy else ("flat",)), "wrong page format for layout"
+    keys = _keys(layout, 3)
+    written = _fill_pages(host_a, 3, seed=1)
+    assert a.batch_set_v1(keys, written) == [True] * 3
+    assert b.batch_exists([*keys, "f" * 64]) == 3, "batch_exists must count leading hits"
+    assert b.batch_exists(["f" * 64, *keys]) == 0
+    target = host_b.alloc(3 * PAGE)
+    assert b.batch_get_v1(keys, target) == [True] * 3
+    for i, (want, got) in enumerate(
+        zip(_pages(host_a, written), _pages(host_b, target), strict=True)
+    ):
+        assert torch.equal(want, got), f"page {i} came back with other bytes ({layout})"
+    assert b.batch_get_v1(["e" * 64], host_b.alloc(PAGE)) == [False], "a miss must be False"
+
+
+def test_zero_copy_reads_land_in_the_pool_pages(backends: Any) -> None:
+    """With interface_v1 the store writes the host pool's own memory: no staging copy."""
+    host = _host_pool()
+    backend = backends(host)
+    keys = _keys("zero-copy", 2)
+    backend.batch_set_v1(keys, _fill_pages(host, 2, seed=2))
+    target = host.alloc(2 * PAGE)
+    views = backend._run_views(target, 2)
+    pointers, _ = host.get_page_buffer_meta(target)
+    addresses = [torch.frombuffer(v, dtype=torch.uint8).data_ptr() for v in views]
+    assert addresses == pointers, "the read buffers are not the pool's pages"
+
+
+def test_legacy_calls_round_trip_flat_pages(backends: Any) -> None:
+    """Without interface_v1 SGLang calls batch_set(keys, flat pages) and batch_get(keys,
+    dummy flat pages), then copies them into its pool."""
+    host_a, host_b = _host_pool(), _host_pool()
+    a, b = backends(host_a, interface_v1=0), backends(host_b, interface_v1=0)
+    keys = _keys("legacy", 3)
+    written = _fill_pages(host_a, 3, seed=3)
+    values = [host_a.get_data_page(s, flat=True) for s in written[::PAGE].tolist()]
+    assert a.batch_set(keys, values) is True
+    assert a.set(_keys("legacy-one", 1)[0], values[0]) is True
+    assert b.exists(keys[0]) and not b.exists("d" * 64)
+    got = b.batch_get(keys, [host_b.get_dummy_flat_data_page() for _ in keys])
+    for want, page in zip(values, got, strict=True):
+        assert page is not None and torch.equal(want.view(torch.uint8), page.view(torch.uint8))
+    assert b.get("d" * 64, host_b.get_dummy_flat_data_page()) is None
+
+
+@pytest.mark.parametrize(
+    ("what", "host_kwargs", "backend_kwargs"),
+    [
+        ("another KV dtype", {"dtype": "float16"}, {}),
+        ("another page size", {"page": 32}, {}),
+        ("another layout", {"layout": "layer_first"}, {}),
+        ("another TP rank", {}, {"tp_rank": 1, "tp_size": 2}),
+        ("another model", {}, {"model": "other-model"}),
+        ("another tenant", {}, {"tenant": "globex"}),
+    ],
+)
+def test_pages_of_another_format_or_tenant_never_hit(
+    backends: Any, what: str, host_kwargs: dict[str, Any], backend_kwargs: dict[str, Any]
+) -> None:
+    """sglang #33268: keys that omit the format reuse wrong-format bytes. Ours never do."""
+    host = _host_pool()
+    keys = _keys(f"format-{what}", 2)
+    assert backends(host).batch_set_v1(keys, _fill_pages(host, 2, seed=4)) == [True, True]
+    if "dtype" in host_kwargs:
+        host_kwargs = {**host_kwargs, "dtype": getattr(torch, host_kwargs["dtype"])}
+    other = backends(_host_pool(**host_kwargs), **backend_kwargs)
+    assert other.batch_exists(keys) == 0, f"{what} saw pages it cannot read"
+
+
+def test_store_outage_is_a_miss_not_an_error(backends: Any, cluster: LocalCluster) -> None:
+    host = _host_pool()
+    backend = backends(host)
+    keys = _keys("outage", 2)
+    written = _fill_pages(host, 2, seed=5)
+    assert backend.batch_set_v1(keys, written) == [True, True]
+    victims = cluster.config.groups[0][:3]  # more than the 2 parities
+    for node_id in victims:
+        cluster.kill_node(node_id)
+    try:
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, host.alloc(2 * PAGE)) == [False, False]
+        assert backend.batch_set_v1(_keys("outage-new", 2), written) == [False, False], (
+            "a write below the quorum must report the pages as not stored"
+        )
+    finally:
+        for node_id in victims:
+            cluster.restart_node(node_id)
+    assert backend.batch_exists(keys) == 2, "the pages stored before the outage were lost"
+
+
+def test_config_errors_name_the_fix(cluster: LocalCluster) -> None:
+    host = _host_pool()
+    with pytest.raises(ValueError, match="needs 'cluster'"):
+        _backend(cluster, host, cluster="")
+    with pytest.raises(ValueError, match="token_file"):
+        _backend(cluster, host, token="secret")
+    with pytest.raises(ValueError, match="bulk"):
+        _backend(cluster, host, traffic_class="bulk")
+    token_file = os.path.join(cluster.root, "missing.token")
+    with pytest.raises(ValueError, match="no token file"):
+        _backend(cluster, host, token_file=token_file)
