@@ -1,0 +1,95 @@
+"""What the engine adapters read from an engine's config, and their key namespaces (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from engine_adapter.adapter_config import AdapterConfig
+from engine_adapter.engine_keys import EngineKeyNamespace
+
+WHERE = "the test's config"
+
+
+def test_keys_map_to_fields_with_defaults() -> None:
+    config = AdapterConfig.from_mapping(
+        {"cluster": "/c/cluster.toml", "tenant": "acme", "token_file": "/t"}, where=WHERE
+    )
+    assert (config.cluster_toml, config.tenant, config.token_file) == (
+        "/c/cluster.toml",
+        "acme",
+        "/t",
+    )
+    assert (config.traffic_class, config.transport, config.model_id) == ("chat", "grpc", None)
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({}, "needs 'cluster'"),
+        ({"cluster": "/c", "token": "secret"}, "token_file"),
+        ({"cluster": "/c", "tenat": "acme"}, "unknown keys"),
+        ({"cluster": "/c", "tenant": ""}, "'tenant' must be a non-empty string"),
+        ({"cluster": "/c", "transport": "rdma"}, "transport 'rdma'"),
+    ],
+)
+def test_misconfiguration_names_the_fix(mapping: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AdapterConfig.from_mapping(mapping, where=WHERE)
+
+
+def test_a_shared_mapping_warns_about_unknown_keys(caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's extra config holds its own keys too: ours are read, the rest only warned."""
+    mapping = {"cluster": "/c", "backend_name": "kvstore", "tenat": "acme"}
+    with caplog.at_level(logging.WARNING):
+        config = AdapterConfig.from_mapping(
+            mapping, where=WHERE, known_elsewhere=("backend_name",), strict=False
+        )
+    assert (
+        config.tenant == "default" and "tenat" in caplog.text and "backend_name" not in caplog.text
+    )
+
+
+NAMESPACE = EngineKeyNamespace(
+    engine="vllm", model="m", dtype="bfloat16", layout="vllm-BHNC-v1:2x2x16x32", page_tokens=16
+)
+
+
+def test_namespace_text_names_every_field() -> None:
+    ns = dataclasses.replace(NAMESPACE, tp_rank=1, tp_size=2, extra=(("mla", "0"),))
+    assert ns.text == (
+        "kvstore-vllm;model=m;dtype=bfloat16;layout=vllm-BHNC-v1:2x2x16x32;page_tokens=16;"
+        "tp=1/2;pp=0/1;mla=0"
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"engine": "sglang"},
+        {"model": "m2"},
+        {"dtype": "float16"},
+        {"layout": "vllm-BHNC-v1:2x2x16x64"},
+        {"page_tokens": 32},
+        {"tp_rank": 1, "tp_size": 2},
+        {"pp_rank": 1, "pp_size": 2},
+        {"extra": (("cache_dtype", "fp8"),)},
+    ],
+)
+def test_every_namespace_field_changes_the_keys(change: dict[str, object]) -> None:
+    engine_keys = [b"\x01" * 32, b"\x02" * 32]
+    other = dataclasses.replace(NAMESPACE, **change)  # type: ignore[arg-type]
+    assert not set(other.keys(engine_keys, "acme")) & set(NAMESPACE.keys(engine_keys, "acme")), (
+        f"{change} left the store keys unchanged: pages of another format would hit"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"model": ""}, {"dtype": "a;b"}, {"page_tokens": 0}, {"tp_rank": 2, "tp_size": 2}],
+)
+def test_namespace_rejects_bad_fields(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        dataclasses.replace(NAMESPACE, **bad)  # type: ignore[arg-type]
