@@ -76,12 +76,10 @@ class SyncKVClient:
         cluster_toml: str | Path | ClusterConfig,
         tenant: str,
         token: str | None = None,
-        *,
-        transport: str = "grpc",
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
+        **options: Any,
     ) -> SyncKVClient:
-        """Start the loop thread and connect (arguments as :meth:`KVClient.connect`).
+        """Start the loop thread and connect: the arguments and keyword ``options``
+        (``transport``, ``tls_cert_file``, ``tls_key_file``) are :meth:`KVClient.connect`'s.
 
         Raises what ``KVClient.connect`` raises; the thread is stopped again then.
         """
@@ -93,14 +91,7 @@ class SyncKVClient:
         sync = cls(loop, thread)
 
         async def open_client() -> KVClient:
-            return await KVClient.connect(
-                cluster_toml,
-                tenant,
-                token,
-                transport=transport,
-                tls_cert_file=tls_cert_file,
-                tls_key_file=tls_key_file,
-            )
+            return await KVClient.connect(cluster_toml, tenant, token, **options)
 
         try:
             sync._client = _result(asyncio.run_coroutine_threadsafe(open_client(), loop))
