@@ -96,9 +96,10 @@ class Instance:
         cluster: LocalCluster,
         layout: KVCacheLayout = KVCacheLayout.LBNHC,
         kernel_block: int = BLOCK,
+        kv_role: str = "kv_both",
         **extra: Any,
     ) -> None:
-        config = _vllm_config(model_dir, {"cluster": str(cluster.cluster_toml), **extra})
+        config = _vllm_config(model_dir, {"cluster": str(cluster.cluster_toml), **extra}, kv_role)
         config.cache_config.num_gpu_blocks = NUM_BLOCKS
         kv_cache_config = _kv_cache_config(layout)
         self.scheduler = Scheduler(
@@ -171,7 +172,7 @@ class Instance:
         self.scheduler.connector.shutdown()
 
 
-def _vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
+def _vllm_config(model_dir: Path, extra: dict[str, Any], kv_role: str = "kv_both") -> VllmConfig:
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
     return VllmConfig(
         model_config=model,
@@ -182,7 +183,7 @@ def _vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVStoreConnector",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_module_path="engine_adapter.vllm_connector",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
@@ -309,6 +310,28 @@ def test_other_salt_tenant_or_model_never_hits(
     other.scheduler.add_request(_request("other", salt))
     assert other.step(_zeros).scheduled_new_reqs[0].num_computed_tokens == 0, (
         f"{what} hit blocks stored for another salt, tenant or model"
+    )
+
+
+def test_kv_roles_only_save_or_only_load(instances: Callable[..., Instance]) -> None:
+    """A kv_consumer loads but never saves; a kv_producer saves but never loads."""
+    consumer = instances(kv_role="kv_consumer")
+    consumer.scheduler.add_request(_request("C", "roles"))
+    consumer.step(_seeded(11))
+    consumer.flush()
+    probe = instances()
+    probe.scheduler.add_request(_request("P", "roles"))
+    assert probe.step(_zeros).scheduled_new_reqs[0].num_computed_tokens == 0, (
+        "a kv_consumer saved blocks"
+    )
+    probe.flush()  # the probe (kv_both) saved them: a loading instance would hit now
+    again = instances()
+    again.scheduler.add_request(_request("A", "roles"))
+    assert again.step(_zeros).scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+    producer = instances(kv_role="kv_producer")
+    producer.scheduler.add_request(_request("R", "roles"))
+    assert producer.step(_zeros).scheduled_new_reqs[0].num_computed_tokens == 0, (
+        "a kv_producer loaded blocks"
     )
 
 
