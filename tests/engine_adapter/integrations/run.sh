@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# `make test-integrations`: the vLLM, LMCache and SGLang adapters against each engine's real
+# code, in venvs of their own (README, "Testing the integrations"). Plain `make test` needs none
+# of this: there the engines are not installed and these tests skip.
+#
+#   .venv-vllm    torch 2.13.0 (the project's), vLLM and LMCache: test_vllm_connector.py,
+#                 test_lmcache_backend.py
+#   .venv-sglang  torch 2.14.1 + torchvision 0.29.1, which SGLang pins (its memory pools import
+#                 torchvision; no CPU torchvision exists for torch 2.13.0): test_sglang_backend.py
+#
+# The engines go in with --no-deps (their full requirements pull CUDA stacks and other torch
+# releases) and every other pip run is constrained to the venv's torch, so pip never replaces
+# it. A venv is rebuilt when pyproject.toml or this script changed. Where a venv cannot be
+# built (no wheels for this platform, no package index), its engines' tests are skipped with
+# the reason and the exit status stays 0; INTEGRATIONS_STRICT=1 makes that a failure. Each
+# engine's tests run in a process of their own (the engines keep process-wide state).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+
+PYTHON=${PYTHON:-python3}
+STRICT=${INTEGRATIONS_STRICT:-0}
+TESTS=tests/engine_adapter/integrations
+VLLM_VERSION=0.32.0
+LMCACHE_VERSION=0.5.6
+SGLANG_VERSION=0.5.23
+PYTEST_ARGS=${PYTEST_ARGS:-}
+
+fingerprint() { cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1; }
+
+# install_vllm_venv VENV / install_sglang_venv VENV: the pip steps, on an existing venv.
+install_vllm_venv() {
+    local pip="$1/bin/python -m pip"
+    $pip install -q --upgrade pip &&
+        $pip install -q torch==2.13.0 &&
+        echo "torch==2.13.0" >"$1/torch-constraint.txt" &&
+        $pip install -q -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations]' &&
+        $pip install -q --no-deps "vllm==$VLLM_VERSION" "lmcache==$LMCACHE_VERSION" \
+            xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+}
+
+install_sglang_venv() {
+    local pip="$1/bin/python -m pip"
+    $pip install -q --upgrade pip &&
+        $pip install -q torch==2.14.1 torchvision==0.29.1 &&
+        echo "torch==2.14.1" >"$1/torch-constraint.txt" &&
+        $pip install -q -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations-sglang]' &&
+        $pip install -q --no-deps "sglang==$SGLANG_VERSION" apache-tvm-ffi==0.1.11 \
+            compressed-tensors==0.18.0
+}
+
+# ensure_venv NAME VENV: build VENV unless its stamp matches; 0 when it is usable.
+ensure_venv() {
+    local name=$1 venv=$2 stamp="$2/.integrations-installed" log="$2/install.log"
+    local want started
+    want=$(fingerprint)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return 0
+    fi
+    started=$(date +%s)
+    echo "== $name: building $venv (log: $log)"
+    mkdir -p "$venv" && rm -f "$stamp"
+    if { [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"; } >"$log" 2>&1 &&
+        "install_${name}_venv" "$venv" >>"$log" 2>&1; then
+        echo "$want" >"$stamp"
+        echo "== $name: $venv ready after $(($(date +%s) - started)) s"
+        return 0
+    fi
+    echo "== $name: SKIPPED: could not build $venv; the last lines of $log:" >&2
+    tail -n 15 "$log" >&2
+    return 1
+}
+
+failed=0
+skipped=""
+run_tests() { # VENV FILE [ENV=VALUE...]
+    local venv=$1 file=$2 started
+    shift 2
+    started=$(date +%s)
+    echo "== $file ($venv)"
+    if ! env "$@" "$venv/bin/python" -m pytest -q $PYTEST_ARGS "$TESTS/$file"; then
+        failed=1
+    fi
+    echo "== $file: $(($(date +%s) - started)) s"
+}
+
+if ensure_venv vllm .venv-vllm; then
+    run_tests .venv-vllm test_vllm_connector.py VLLM_TARGET_DEVICE=cpu
+    run_tests .venv-vllm test_lmcache_backend.py
+else
+    skipped="$skipped vLLM LMCache"
+fi
+if ensure_venv sglang .venv-sglang; then
+    run_tests .venv-sglang test_sglang_backend.py
+else
+    skipped="$skipped SGLang"
+fi
+
+if [ -n "$skipped" ]; then
+    echo "== engine integrations SKIPPED for:$skipped (see above)" >&2
+    if [ "$STRICT" = 1 ]; then
+        failed=1
+    fi
+fi
+exit "$failed"
