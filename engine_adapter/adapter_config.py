@@ -30,6 +30,7 @@ from typing import Any
 from client.sync_client import SyncKVClient
 from kvstore.auth import read_token_file
 from kvstore.config import READ_TRANSPORTS
+from kvstore.errors import KVStoreError, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ _FIELD_OF_KEY = {
     "model_id": "model_id",
 }
 ADAPTER_KEYS = frozenset(_FIELD_OF_KEY)
+PROBE_KEY = bytes(16)  # looked up once at connect: the nodes check the credential
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,13 @@ class AdapterConfig:
         return cls(**fields, where=where)
 
     def connect(self) -> SyncKVClient:
-        """A SyncKVClient for this tenant; UnknownTrafficClass if the cluster lacks the class."""
+        """A SyncKVClient for this tenant, its credential checked at once.
+
+        Raises UnknownTrafficClass when the cluster lacks the class, and PermissionDenied
+        (with the fix) when the nodes refuse the credential: an engine must not start and
+        then miss on every lookup. A cluster that does not answer yet is logged only: the
+        engine starts, and its lookups miss until the nodes are back.
+        """
         token = read_token_file(self.token_file) if self.token_file else None
         kv = SyncKVClient.connect(
             self.cluster_toml,
@@ -116,7 +124,25 @@ class AdapterConfig:
         )
         try:
             kv.client.config.ttl.classes.check(self.traffic_class)
+            self._check_credential(kv)
         except BaseException:
             kv.close()
             raise
         return kv
+
+    def _check_credential(self, kv: SyncKVClient) -> None:
+        try:
+            kv.contains([PROBE_KEY])
+        except PermissionDenied as exc:
+            raise PermissionDenied(
+                f"{self.where}: the cluster refused the credential for tenant "
+                f"{self.tenant!r} ({exc}). Name a file holding this tenant's token (or a "
+                "service token allowed to act for it) with 'token_file', or set "
+                "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE (`kvstore cluster add-tenant` makes one)"
+            ) from None
+        except (KVStoreError, OSError) as exc:
+            log.warning(
+                "kvstore cluster %s did not answer at start-up (%s): lookups miss until it does",
+                self.cluster_toml,
+                exc,
+            )

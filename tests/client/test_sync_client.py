@@ -3,7 +3,6 @@ KVClient's results and raise KVClient's errors, from many threads at once, and c
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import threading
@@ -11,9 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import KVClient, SyncKVClient
+from client import SyncKVClient
 from deploy.local_cluster import LocalCluster
 from kvstore.errors import InvalidArgument, PermissionDenied, UnknownTrafficClass
+from tests.client.secure_cluster import add_tenants
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,31 +27,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def acme_token(cluster: LocalCluster) -> str:
-    token = cluster.add_tenant("acme")
-    _wait_until_accepted(cluster, "acme", token)
-    return token
+    return add_tenants(cluster, ["acme"])["acme"]
 
 
 @pytest.fixture
 def kv(cluster: LocalCluster, acme_token: str) -> Iterator[SyncKVClient]:
     with SyncKVClient.connect(cluster.cluster_toml, "acme", acme_token) as client:
         yield client
-
-
-def _wait_until_accepted(cluster: LocalCluster, tenant: str, token: str) -> None:
-    """Nodes re-read the credentials file once a second: wait until a put needing 11 lands."""
-
-    async def attempt() -> None:
-        async with KVClient.connect(cluster.cluster_toml, tenant, token) as kv:
-            for _ in range(100):
-                try:
-                    await kv.put(os.urandom(16), b"x", traffic_class="chat")
-                    return
-                except PermissionDenied:
-                    await asyncio.sleep(0.1)
-            raise AssertionError("the nodes never accepted the new tenant's token")
-
-    asyncio.run(attempt())
 
 
 def _client_threads() -> list[threading.Thread]:

@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from deploy.local_cluster import LocalCluster
+from kvstore.auth import write_private
+from tests.client.secure_cluster import add_tenants
 
 HERE = Path(__file__).resolve().parent
+TENANTS = ("acme", "globex")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,6 +38,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A real 12-node local cluster (node processes on 127.0.0.1) for one engine's tests."""
-    with LocalCluster.start(tmp_path_factory.mktemp("engine-cluster"), fsync=False) as c:
+    """A real 12-node local cluster (node processes on 127.0.0.1) for one engine's tests, as
+    a production cluster runs: credentials required, TLS on."""
+    root = tmp_path_factory.mktemp("engine-cluster")
+    with LocalCluster.start(root, fsync=False, auth=True, tls=True) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def token_files(cluster: LocalCluster) -> dict[str, str]:
+    """Tenant -> the path of a file holding its token (mode 0600), for tenants acme and globex,
+    once every node accepts them. The adapters read tokens only from such files."""
+    token_dir = cluster.root / "tokens"
+    token_dir.mkdir(exist_ok=True)
+    files = {}
+    for tenant, token in add_tenants(cluster, TENANTS).items():
+        path = token_dir / f"{tenant}.token"
+        write_private(path, token + "\n")
+        files[tenant] = str(path)
+    return files

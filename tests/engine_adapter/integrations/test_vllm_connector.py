@@ -52,6 +52,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
 from engine_adapter.vllm_connector import KVStoreConnector  # noqa: E402
+from kvstore.errors import PermissionDenied  # noqa: E402
 
 pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
 
@@ -93,13 +94,13 @@ class Instance:
     def __init__(
         self,
         model_dir: Path,
-        cluster: LocalCluster,
+        store: dict[str, Any],
         layout: KVCacheLayout = KVCacheLayout.LBNHC,
         kernel_block: int = BLOCK,
         kv_role: str = "kv_both",
         **extra: Any,
     ) -> None:
-        config = _vllm_config(model_dir, {"cluster": str(cluster.cluster_toml), **extra}, kv_role)
+        config = _vllm_config(model_dir, {**store, **extra}, kv_role)
         config.cache_config.num_gpu_blocks = NUM_BLOCKS
         kv_cache_config = _kv_cache_config(layout)
         self.scheduler = Scheduler(
@@ -227,12 +228,25 @@ def _zeros(shape: torch.Size) -> torch.Tensor:
     return torch.zeros(shape)
 
 
+def _store_config(
+    cluster: LocalCluster, token_files: dict[str, str], tenant: str = "acme"
+) -> dict[str, Any]:
+    """kv_connector_extra_config for ``tenant`` (its own token file)."""
+    return {
+        "cluster": str(cluster.cluster_toml),
+        "tenant": tenant,
+        "token_file": token_files[tenant],
+    }
+
+
 @pytest.fixture
-def instances(model_dir: Path, cluster: LocalCluster) -> Iterator[Callable[..., Instance]]:
+def instances(
+    model_dir: Path, cluster: LocalCluster, token_files: dict[str, str]
+) -> Iterator[Callable[..., Instance]]:
     made: list[Instance] = []
 
-    def make(**kwargs: Any) -> Instance:
-        made.append(Instance(model_dir, cluster, **kwargs))
+    def make(tenant: str = "acme", **kwargs: Any) -> Instance:
+        made.append(Instance(model_dir, _store_config(cluster, token_files, tenant), **kwargs))
         return made[-1]
 
     yield make
@@ -386,15 +400,26 @@ def test_lookup_during_an_outage_is_a_miss(
             cluster.restart_node(node_id)
 
 
-def test_config_errors_name_the_fix(model_dir: Path, cluster: LocalCluster) -> None:
-    for extra, message in [
-        ({}, "needs 'cluster'"),
-        ({"cluster": str(cluster.cluster_toml), "token": "x"}, "token_file"),
-        ({"cluster": str(cluster.cluster_toml), "tenat": "acme"}, "unknown keys"),
-        ({"cluster": str(cluster.cluster_toml), "traffic_class": "bulk"}, "bulk"),
+def test_config_errors_name_the_fix(
+    model_dir: Path,
+    cluster: LocalCluster,
+    token_files: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
+    acme = _store_config(cluster, token_files)
+    for extra, error, message in [
+        ({}, ValueError, "needs 'cluster'"),
+        ({**acme, "token": "x"}, ValueError, "token_file"),
+        ({**acme, "tenat": "acme"}, ValueError, "unknown keys"),
+        ({**acme, "traffic_class": "bulk"}, ValueError, "bulk"),
+        # A credential the nodes refuse stops the engine at start-up, with the fix.
+        ({**acme, "token_file": token_files["globex"]}, PermissionDenied, "'token_file'"),
+        ({"cluster": acme["cluster"], "tenant": "acme"}, PermissionDenied, "KVSTORE_TOKEN"),
     ]:
         config = _vllm_config(model_dir, extra)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(error, match=message):
             KVStoreConnector(
                 config, KVConnectorRole.SCHEDULER, _kv_cache_config(KVCacheLayout.LBNHC)
             )
