@@ -86,10 +86,13 @@ def _plugin_config(
 
 
 @pytest.fixture
-def engines(cluster: LocalCluster) -> Iterator[Any]:
+def engines(cluster: LocalCluster, token_files: dict[str, str]) -> Iterator[Any]:
     names: list[str] = []
 
-    def make(legacy_url: bool = False, **settings: Any) -> Any:
+    def make(legacy_url: bool = False, tenant: str = "acme", **settings: Any) -> Any:
+        """An LMCache engine whose kvstore plugin acts for ``tenant`` (its own token file,
+        unless ``settings`` say otherwise)."""
+        settings = {"tenant": tenant, "token_file": token_files[tenant], **settings}
         name = f"engine-{next(_names)}"
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=CHUNK,
@@ -153,8 +156,9 @@ def _remote(engine: Any) -> list[Any]:
 
 
 def _wait_until_found(engine: Any, tokens: torch.Tensor) -> int:
-    """LMCache puts chunks in the background: poll until all are found (or 30 s passed)."""
-    deadline = time.monotonic() + 30
+    """LMCache puts chunks in the background: poll until all are found (or 120 s passed: a
+    loaded 2-core machine)."""
+    deadline = time.monotonic() + 120
     while (found := engine.lookup(tokens)) < len(tokens) and time.monotonic() < deadline:
         time.sleep(0.1)
     return found
@@ -221,8 +225,16 @@ def test_store_outage_is_a_miss(engines: Any, cluster: LocalCluster) -> None:
             cluster.restart_node(node_id)
 
 
-def test_config_errors_name_the_fix(engines: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_config_errors_name_the_fix(
+    engines: Any, token_files: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
     """LMCache logs a remote backend it cannot create and runs without it: the log says why."""
     engine = engines(token="secret")
     assert not any(isinstance(c, KVStoreRemoteConnector) for c in _remote(engine))
     assert "token_file" in caplog.text, "the log does not say how to pass a token"
+    caplog.clear()
+    impostor = engines(token_file=token_files["globex"])  # globex's token, claiming acme
+    assert not any(isinstance(c, KVStoreRemoteConnector) for c in _remote(impostor))
+    assert "refused the credential for tenant 'acme'" in caplog.text, (
+        "a refused credential was not reported at start-up"
+    )

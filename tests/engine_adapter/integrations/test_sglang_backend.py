@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
 from engine_adapter.sglang_backend import KVStoreHiCache  # noqa: E402
+from kvstore.errors import PermissionDenied  # noqa: E402
 
 pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
 
@@ -61,7 +62,7 @@ def _host_pool(layout: str = "page_first", dtype: Any = None, page: int = PAGE) 
         )
 
 
-def _backend(store: LocalCluster, host: Any, /, *, tp_rank: int = 0, tp_size: int = 1,
+def _backend(store: dict[str, str], host: Any, /, *, tp_rank: int = 0, tp_size: int = 1,
              model: str = "tiny-llama", **extra: Any) -> KVStoreHiCache:  # fmt: skip
     """What HiCacheController.attach_storage_backend does with the launch flag's config."""
     extra_config = {
@@ -69,8 +70,7 @@ def _backend(store: LocalCluster, host: Any, /, *, tp_rank: int = 0, tp_size: in
         "module_path": "engine_adapter.sglang_backend",
         "class_name": "KVStoreHiCache",
         "interface_v1": 1,
-        "cluster": str(store.cluster_toml),
-        "tenant": "acme",
+        **store,
         **extra,
     }
     config = HiCacheStorageConfig(
@@ -91,12 +91,23 @@ def _backend(store: LocalCluster, host: Any, /, *, tp_rank: int = 0, tp_size: in
     return backend
 
 
+def _store_config(
+    cluster: LocalCluster, token_files: dict[str, str], tenant: str = "acme"
+) -> dict[str, str]:
+    """The extra config's kvstore keys for ``tenant`` (its own token file)."""
+    return {
+        "cluster": str(cluster.cluster_toml),
+        "tenant": tenant,
+        "token_file": token_files[tenant],
+    }
+
+
 @pytest.fixture
-def backends(cluster: LocalCluster) -> Iterator[Any]:
+def backends(cluster: LocalCluster, token_files: dict[str, str]) -> Iterator[Any]:
     made: list[KVStoreHiCache] = []
 
-    def make(host: Any, **kwargs: Any) -> KVStoreHiCache:
-        made.append(_backend(cluster, host, **kwargs))
+    def make(host: Any, tenant: str = "acme", **kwargs: Any) -> KVStoreHiCache:
+        made.append(_backend(_store_config(cluster, token_files, tenant), host, **kwargs))
         return made[-1]
 
     yield make
@@ -226,14 +237,24 @@ def test_store_outage_is_a_miss_not_an_error(backends: Any, cluster: LocalCluste
     assert backend.batch_exists(keys) == 2, "the pages stored before the outage were lost"
 
 
-def test_config_errors_name_the_fix(cluster: LocalCluster) -> None:
+def test_config_errors_name_the_fix(
+    cluster: LocalCluster, token_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
     host = _host_pool()
+    acme = _store_config(cluster, token_files)
     with pytest.raises(ValueError, match="needs 'cluster'"):
-        _backend(cluster, host, cluster="")
+        _backend(acme, host, cluster="")
     with pytest.raises(ValueError, match="token_file"):
-        _backend(cluster, host, token="secret")
+        _backend(acme, host, token="secret")
     with pytest.raises(ValueError, match="bulk"):
-        _backend(cluster, host, traffic_class="bulk")
-    token_file = os.path.join(cluster.root, "missing.token")
+        _backend(acme, host, traffic_class="bulk")
     with pytest.raises(ValueError, match="no token file"):
-        _backend(cluster, host, token_file=token_file)
+        _backend(acme, host, token_file=os.path.join(cluster.root, "missing.token"))
+    # A credential the nodes refuse stops the server at start-up, with the fix.
+    with pytest.raises(PermissionDenied, match="'token_file'"):
+        _backend(acme, host, token_file=token_files["globex"])
+    no_token = {"cluster": acme["cluster"], "tenant": "acme"}
+    with pytest.raises(PermissionDenied, match="KVSTORE_TOKEN"):
+        _backend(no_token, host)
