@@ -14,6 +14,7 @@ the configuration names the plugin (the README's "LMCache" section has a whole f
       remote_storage_plugin.kvstore.class_name: KVStoreConnectorAdapter
       remote_storage_plugin.kvstore.url: kvstore:///etc/kvstore/cluster.toml
       remote_storage_plugin.kvstore.tenant: acme
+      remote_storage_plugin.kvstore.token_file: /etc/kvstore/acme.token
       remote_storage_plugin.kvstore.traffic_class: chat
 
 ``url`` (``kvstore://`` + the absolute path of cluster.toml) or ``cluster`` (the path) names

@@ -7,7 +7,8 @@ Load it with (the README's "SGLang" section has the whole command)::
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name":"kvstore","module_path":"engine_adapter.sglang_backend",
           "class_name":"KVStoreHiCache","interface_v1":1,
-          "cluster":"/etc/kvstore/cluster.toml","tenant":"acme"}'
+          "cluster":"/etc/kvstore/cluster.toml","tenant":"acme",
+          "token_file":"/etc/kvstore/acme.token"}'
 
 SGLang's keys are per-page chained SHA-256 hex strings of the tokens (and its own salt);
 they carry no model, dtype or layout (sglang #33268), so every store key is namespaced by

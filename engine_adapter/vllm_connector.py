@@ -5,7 +5,8 @@ Load it with (the README's "vLLM" section has the whole command)::
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVStoreConnector",
         "kv_role":"kv_both","kv_connector_module_path":"engine_adapter.vllm_connector",
         "kv_load_failure_policy":"recompute",
-        "kv_connector_extra_config":{"cluster":"/etc/kvstore/cluster.toml","tenant":"acme"}}'
+        "kv_connector_extra_config":{"cluster":"/etc/kvstore/cluster.toml","tenant":"acme",
+            "token_file":"/etc/kvstore/acme.token"}}'
 
 ``kv_load_failure_policy: "recompute"`` matters: vLLM's default ("fail") fails a request
 whose blocks did not load; with "recompute" a block the store could not deliver (a node

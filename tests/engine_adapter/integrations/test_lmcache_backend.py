@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("lmcache", reason="needs LMCache: `make test-integrations` installs it")
+pytest.importorskip(
+    "lmcache", reason="needs LMCache: `make test-integrations` runs it in .venv-vllm"
+)
 
 from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("sglang", reason="needs SGLang: `make test-integrations` builds its venv")
+pytest.importorskip(
+    "sglang", reason="needs SGLang: `make test-integrations` runs these in .venv-sglang"
+)
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402

@@ -22,7 +22,7 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the PyPI wheel is the CUDA build
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm", reason="needs vLLM: `make test-integrations` installs it")
+pytest.importorskip("vllm", reason="needs vLLM: `make test-integrations` runs these in .venv-vllm")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
