@@ -27,24 +27,33 @@ PYTEST_ARGS=${PYTEST_ARGS:-}
 
 fingerprint() { cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1; }
 
+# step CMD...: run a pip step, logging how long it took (the logs show where build time goes).
+step() {
+    local started
+    started=$(date +%s)
+    "$@" || return 1
+    echo "[$(($(date +%s) - started)) s] $*"
+}
+
 # install_vllm_venv VENV / install_sglang_venv VENV: the pip steps, on an existing venv.
+# --no-compile: modules are byte-compiled when first imported, only those a test needs.
 install_vllm_venv() {
-    local pip="$1/bin/python -m pip"
-    $pip install -q --upgrade pip &&
-        $pip install -q torch==2.13.0 &&
+    local pip="$1/bin/python -m pip install -q --no-compile"
+    step $pip --upgrade pip &&
+        step $pip torch==2.13.0 &&
         echo "torch==2.13.0" >"$1/torch-constraint.txt" &&
-        $pip install -q -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations]' &&
-        $pip install -q --no-deps "vllm==$VLLM_VERSION" "lmcache==$LMCACHE_VERSION" \
+        step $pip -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations]' &&
+        step $pip --no-deps "vllm==$VLLM_VERSION" "lmcache==$LMCACHE_VERSION" \
             xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 }
 
 install_sglang_venv() {
-    local pip="$1/bin/python -m pip"
-    $pip install -q --upgrade pip &&
-        $pip install -q torch==2.14.1 torchvision==0.29.1 &&
+    local pip="$1/bin/python -m pip install -q --no-compile"
+    step $pip --upgrade pip &&
+        step $pip torch==2.14.1 torchvision==0.29.1 &&
         echo "torch==2.14.1" >"$1/torch-constraint.txt" &&
-        $pip install -q -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations-sglang]' &&
-        $pip install -q --no-deps "sglang==$SGLANG_VERSION" apache-tvm-ffi==0.1.11 \
+        step $pip -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations-sglang]' &&
+        step $pip --no-deps "sglang==$SGLANG_VERSION" apache-tvm-ffi==0.1.11 \
             compressed-tensors==0.18.0
 }
 

@@ -10,6 +10,7 @@ torch 2.14.1, so these tests run in their own venv (``make test-integrations``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -236,6 +237,11 @@ def test_store_outage_is_a_miss_not_an_error(backends: Any, cluster: LocalCluste
     finally:
         for node_id in victims:
             cluster.restart_node(node_id)
+    # The same backend finds the pages again once its channels to the restarted nodes have
+    # reconnected (gRPC retries a dead peer with backoff): wait for that, generously.
+    deadline = time.monotonic() + 120
+    while backend.batch_exists(keys) != 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert backend.batch_exists(keys) == 2, "the pages stored before the outage were lost"
 
 
