@@ -9,7 +9,7 @@ to run them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,3 +57,20 @@ def token_files(cluster: LocalCluster) -> dict[str, str]:
         write_private(path, token + "\n")
         files[tenant] = str(path)
     return files
+
+
+@pytest.fixture(scope="module")
+def store_config(
+    cluster: LocalCluster, token_files: dict[str, str]
+) -> Callable[..., dict[str, str]]:
+    """The kvstore keys of an engine's config for a tenant: the cluster and the tenant's own
+    token file (``store_config("globex")``; acme by default)."""
+
+    def config(tenant: str = "acme") -> dict[str, str]:
+        return {
+            "cluster": str(cluster.cluster_toml),
+            "tenant": tenant,
+            "token_file": token_files[tenant],
+        }
+
+    return config

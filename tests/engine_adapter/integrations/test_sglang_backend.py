@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -94,23 +94,12 @@ def _backend(store: dict[str, str], host: Any, /, *, tp_rank: int = 0, tp_size: 
     return backend
 
 
-def _store_config(
-    cluster: LocalCluster, token_files: dict[str, str], tenant: str = "acme"
-) -> dict[str, str]:
-    """The extra config's kvstore keys for ``tenant`` (its own token file)."""
-    return {
-        "cluster": str(cluster.cluster_toml),
-        "tenant": tenant,
-        "token_file": token_files[tenant],
-    }
-
-
 @pytest.fixture
-def backends(cluster: LocalCluster, token_files: dict[str, str]) -> Iterator[Any]:
+def backends(store_config: Callable[..., dict[str, str]]) -> Iterator[Any]:
     made: list[KVStoreHiCache] = []
 
     def make(host: Any, tenant: str = "acme", **kwargs: Any) -> KVStoreHiCache:
-        made.append(_backend(_store_config(cluster, token_files, tenant), host, **kwargs))
+        made.append(_backend(store_config(tenant), host, **kwargs))
         return made[-1]
 
     yield make
@@ -246,12 +235,15 @@ def test_store_outage_is_a_miss_not_an_error(backends: Any, cluster: LocalCluste
 
 
 def test_config_errors_name_the_fix(
-    cluster: LocalCluster, token_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    cluster: LocalCluster,
+    store_config: Callable[..., dict[str, str]],
+    token_files: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
     monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
     host = _host_pool()
-    acme = _store_config(cluster, token_files)
+    acme = store_config()
     with pytest.raises(ValueError, match="needs 'cluster'"):
         _backend(acme, host, cluster="")
     with pytest.raises(ValueError, match="token_file"):

@@ -228,25 +228,14 @@ def _zeros(shape: torch.Size) -> torch.Tensor:
     return torch.zeros(shape)
 
 
-def _store_config(
-    cluster: LocalCluster, token_files: dict[str, str], tenant: str = "acme"
-) -> dict[str, Any]:
-    """kv_connector_extra_config for ``tenant`` (its own token file)."""
-    return {
-        "cluster": str(cluster.cluster_toml),
-        "tenant": tenant,
-        "token_file": token_files[tenant],
-    }
-
-
 @pytest.fixture
 def instances(
-    model_dir: Path, cluster: LocalCluster, token_files: dict[str, str]
+    model_dir: Path, store_config: Callable[..., dict[str, str]]
 ) -> Iterator[Callable[..., Instance]]:
     made: list[Instance] = []
 
     def make(tenant: str = "acme", **kwargs: Any) -> Instance:
-        made.append(Instance(model_dir, _store_config(cluster, token_files, tenant), **kwargs))
+        made.append(Instance(model_dir, store_config(tenant), **kwargs))
         return made[-1]
 
     yield make
@@ -402,13 +391,13 @@ def test_lookup_during_an_outage_is_a_miss(
 
 def test_config_errors_name_the_fix(
     model_dir: Path,
-    cluster: LocalCluster,
+    store_config: Callable[..., dict[str, str]],
     token_files: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
     monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
-    acme = _store_config(cluster, token_files)
+    acme = store_config()
     for extra, error, message in [
         ({}, ValueError, "needs 'cluster'"),
         ({**acme, "token": "x"}, ValueError, "token_file"),
