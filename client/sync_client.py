@@ -55,6 +55,7 @@ SUBMITTABLE = frozenset(
         "match_prefix",
         "delete",
         "node_stats",
+        "wait_until_accepted",
     }
 )
 CLOSE_TIMEOUT_S = 30.0  # for the background writes and channel shutdown at close()
@@ -177,6 +178,10 @@ class SyncKVClient:
     def node_stats(self, **kw: Any) -> dict[str, Any]:
         """KVClient.node_stats, blocking."""
         return self._call("node_stats", **kw)
+
+    def wait_until_accepted(self, timeout_s: float = 30.0) -> None:
+        """KVClient.wait_until_accepted, blocking: once every node accepts the token."""
+        self._call("wait_until_accepted", timeout_s)
 
     def counters(self) -> dict[str, int]:
         """The KVClient's read and write counters."""

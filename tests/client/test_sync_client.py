@@ -157,6 +157,7 @@ def test_two_clients_in_one_process(cluster: LocalCluster, acme_token: str) -> N
         SyncKVClient.connect(cluster.cluster_toml, "acme", acme_token) as a,
         SyncKVClient.connect(cluster.cluster_toml, "acme", acme_token) as b,
     ):
+        a.wait_until_accepted()  # KVClient's, blocking: returns at once for a known token
         key, block = os.urandom(16), os.urandom(70_000)
         a.put(key, block)
         assert b.get(key) == block
