@@ -23,6 +23,7 @@ No torch and no engine here: the adapters' own modules import their engine.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ _FIELD_OF_KEY = {
 }
 ADAPTER_KEYS = frozenset(_FIELD_OF_KEY)
 PROBE_KEY = bytes(16)  # looked up once at connect: the nodes check the credential
+CREDENTIAL_GRACE_S = 3.0  # how long a refused credential is retried at connect
 
 
 @dataclass(frozen=True)
@@ -131,18 +133,28 @@ class AdapterConfig:
         return kv
 
     def _check_credential(self, kv: SyncKVClient) -> None:
-        try:
-            kv.contains([PROBE_KEY])
-        except PermissionDenied as exc:
-            raise PermissionDenied(
-                f"{self.where}: the cluster refused the credential for tenant "
-                f"{self.tenant!r} ({exc}). Name a file holding this tenant's token (or a "
-                "service token allowed to act for it) with 'token_file', or set "
-                "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE (`kvstore cluster add-tenant` makes one)"
-            ) from None
-        except (KVStoreError, OSError) as exc:
-            log.warning(
-                "kvstore cluster %s did not answer at start-up (%s): lookups miss until it does",
-                self.cluster_toml,
-                exc,
-            )
+        # Nodes re-read the credentials file about once a second: a token added just before
+        # the engine started may be refused for a moment, so a refusal is retried briefly.
+        deadline_s = time.monotonic() + CREDENTIAL_GRACE_S
+        while True:
+            try:
+                kv.contains([PROBE_KEY])
+                return
+            except PermissionDenied as exc:
+                if time.monotonic() < deadline_s:
+                    time.sleep(0.2)
+                    continue
+                raise PermissionDenied(
+                    f"{self.where}: the cluster refused the credential for tenant "
+                    f"{self.tenant!r} ({exc}). Name a file holding this tenant's token (or a "
+                    "service token allowed to act for it) with 'token_file', or set "
+                    "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE (`kvstore cluster add-tenant` makes one)"
+                ) from None
+            except (KVStoreError, OSError) as exc:
+                log.warning(
+                    "kvstore cluster %s did not answer at start-up (%s): lookups miss until "
+                    "it does",
+                    self.cluster_toml,
+                    exc,
+                )
+                return

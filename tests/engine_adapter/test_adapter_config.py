@@ -1,4 +1,5 @@
-"""What the engine adapters read from an engine's config, and their key namespaces (pure)."""
+"""What the engine adapters read from an engine's config, and their key namespaces (pure); how
+``AdapterConfig.connect`` treats credentials, on a real 12-node cluster with auth."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import logging
 
 import pytest
 
+from deploy.local_cluster import LocalCluster
 from engine_adapter.adapter_config import AdapterConfig
 from engine_adapter.engine_keys import EngineKeyNamespace
+from kvstore.auth import write_private
+from kvstore.errors import PermissionDenied
+from tests.client.secure_cluster import add_tenants
 
 WHERE = "the test's config"
 
@@ -93,3 +98,31 @@ def test_every_namespace_field_changes_the_keys(change: dict[str, object]) -> No
 def test_namespace_rejects_bad_fields(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         dataclasses.replace(NAMESPACE, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(240)
+def test_connect_checks_the_credential_at_once(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused credential stops the adapter at connect, with the fix; a cluster that does
+    not answer does not (the engine starts and misses until it does)."""
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
+    root = tmp_path_factory.mktemp("adapter-auth")
+    with LocalCluster.start(root, fsync=False, auth=True) as cluster:
+        token_files = {}
+        for tenant, token in add_tenants(cluster, ["acme", "globex"]).items():
+            token_files[tenant] = root / f"{tenant}.token"
+            write_private(token_files[tenant], token)
+        acme = AdapterConfig(
+            str(cluster.cluster_toml), "acme", token_file=str(token_files["acme"]), where=WHERE
+        )
+        with acme.connect() as kv:
+            assert kv.tenant == "acme"
+        impostor = dataclasses.replace(acme, token_file=str(token_files["globex"]))
+        with pytest.raises(PermissionDenied, match=r"refused the credential.*'token_file'"):
+            impostor.connect()
+        with pytest.raises(PermissionDenied, match="KVSTORE_TOKEN"):
+            dataclasses.replace(acme, token_file=None).connect()
+    with acme.connect() as kv:  # every node stopped: connects, looks up nothing
+        assert kv.contains([bytes(16)]) == [False]
