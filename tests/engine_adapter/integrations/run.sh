@@ -15,7 +15,8 @@
 # the reason and the exit status stays 0; INTEGRATIONS_STRICT=1 makes that a failure. Each
 # engine's tests run in a process of their own (the engines keep process-wide state).
 set -uo pipefail
-cd "$(dirname "$0")/../../.."
+SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SCRIPT")/../../.."
 
 PYTHON=${PYTHON:-python3}
 STRICT=${INTEGRATIONS_STRICT:-0}
@@ -25,7 +26,7 @@ LMCACHE_VERSION=0.5.6
 SGLANG_VERSION=0.5.23
 PYTEST_ARGS=${PYTEST_ARGS:-}
 
-fingerprint() { cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1; }
+fingerprint() { cat pyproject.toml "$SCRIPT" | sha256sum | cut -d' ' -f1; }
 
 # step CMD...: run a pip step, logging how long it took (the logs show where build time goes).
 step() {
