@@ -127,6 +127,9 @@ class TTLConfig:
         return EvictionOrder(self.eviction_order)
 
 
+NODE_STATES = ("in", "draining", "out", "left")  # kvstore/map_changes.py
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """One storage node. Fields below ``data_dir`` may be set once under ``[node_defaults]``."""
@@ -158,10 +161,18 @@ class NodeConfig:
     index_reserve_bytes: int = 0  # disk kept allocated ahead for the index; 0 = 1/32 of the limit
     repair_bytes_per_s: int = 32 * MiB  # repair reads + writes; 0 disables the repair service
     repair_scan_interval_s: float = 600.0  # a listing pass over the led groups this often
+    # Membership state in the cluster map (kvstore/map_changes.py): "in" holds group slots;
+    # "draining" and "out" gave theirs away in a move still in progress; "left" holds none.
+    state: str = "in"
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("node id must not be empty")
+        if self.state not in NODE_STATES:
+            raise ValueError(
+                f"node {self.id}: state {self.state!r} is not one of {NODE_STATES} "
+                "(change it with `kvstore cluster join|drain|remove`, not by hand)"
+            )
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
             raise ValueError(
@@ -205,6 +216,35 @@ class NodeConfig:
     @property
     def host(self) -> str:
         return self.address.rpartition(":")[0].strip("[]")
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    """Membership on etcd (kvstore/membership.py). ``[membership]`` in cluster.toml.
+
+    With ``etcd`` empty (the default) the static file is the whole map, for one-host use.
+    With an endpoint, the map lives in etcd under ``prefix``: nodes register under a lease of
+    ``lease_ttl_s`` (kept alive), and a node down for ``down_out_s`` of cluster time (the
+    ``[ttl]`` clock, so tests can scale it) is marked out and its slots replaced.
+    """
+
+    etcd: str = ""  # "host:port" of an etcd v3 endpoint (several: comma-separated)
+    prefix: str = "/kvstore"
+    lease_ttl_s: float = 10.0
+    down_out_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s < 2 or self.down_out_s <= 0:
+            raise ValueError(
+                f"[membership] needs lease_ttl_s >= 2 (etcd grants whole seconds) and "
+                f"down_out_s > 0, got {self.lease_ttl_s} and {self.down_out_s}"
+            )
+        if not self.prefix.startswith("/"):
+            raise ValueError(f"[membership] prefix must start with '/', got {self.prefix!r}")
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(e.strip() for e in self.etcd.split(",") if e.strip())
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -273,6 +313,10 @@ class ClusterConfig:
     ttl: TTLConfig = field(default_factory=TTLConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    # The groups before the map change in progress (same length as ``groups``), () when none:
+    # reads consult them too until the move is complete; writes go to ``groups`` only.
+    moving_from: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         ids = [n.id for n in self.nodes]
@@ -289,6 +333,14 @@ class ClusterConfig:
                 raise ValueError(f"group {list(group)} repeats a node or names an unknown one")
         if not self.groups:
             raise ValueError("the cluster map has no placement groups")
+        if self.moving_from and len(self.moving_from) != len(self.groups):
+            raise ValueError(
+                f"moving_from has {len(self.moving_from)} groups, groups {len(self.groups)}: "
+                "a move keeps the number of groups"
+            )
+        for group in self.moving_from:
+            if len(group) != self.codec.num_shards or not set(group) <= known:
+                raise ValueError(f"moving_from group {list(group)} is malformed")
         k, n = self.codec.k, self.codec.num_shards
         if not k <= self.client.read_fanout <= n:
             raise ValueError(f"read_fanout {self.client.read_fanout} must be in [k={k}, k+m={n}]")
@@ -352,6 +404,7 @@ _NODE_DEFAULTS = {f.name for f in dataclasses.fields(NodeConfig)} - {
     "metrics_port",
     "failure_domain",
     "data_dir",
+    "state",
 }
 
 
@@ -376,6 +429,8 @@ _SECTIONS = (
     "ttl",
     "tls",
     "encryption",
+    "membership",
+    "moving_from",
     "node_defaults",
     "nodes",
     "groups",
@@ -443,8 +498,8 @@ def _node_from_toml(position: int, raw: object, defaults: Mapping[str, Any]) -> 
     return NodeConfig(**fields)
 
 
-def _group_from_toml(position: int, raw: object) -> tuple[str, ...]:
-    section = f"[[groups]] entry {position}"
+def _group_from_toml(position: int, raw: object, table: str = "[[groups]]") -> tuple[str, ...]:
+    section = f"{table} entry {position}"
     if not isinstance(raw, Mapping) or set(raw) != {"nodes"}:
         raise ValueError(f"{section} must hold one key, nodes = [node ids], got {raw!r}")
     members = raw["nodes"]
@@ -491,6 +546,13 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
         ttl=_ttl_from_toml(raw.get("ttl", {})),
         tls=TLSConfig(**checked_fields("[tls]", raw.get("tls", {}), TLSConfig)),
         encryption=EncryptionConfig(**encryption),
+        membership=MembershipConfig(
+            **checked_fields("[membership]", raw.get("membership", {}), MembershipConfig)
+        ),
+        moving_from=tuple(
+            _group_from_toml(i, g, "[[moving_from]]")
+            for i, g in enumerate(raw.get("moving_from", []))
+        ),
     )
 
 
@@ -526,14 +588,31 @@ def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     if cfg.encryption.tenants:
         encryption = dataclasses.asdict(cfg.encryption)
         raw["encryption"] = {**encryption, "tenants": list(cfg.encryption.tenants)}
+    if cfg.membership != MembershipConfig():
+        raw["membership"] = dataclasses.asdict(cfg.membership)
     raw["nodes"] = [dataclasses.asdict(n) for n in cfg.nodes]
     raw["groups"] = [{"nodes": list(g)} for g in cfg.groups]
+    if cfg.moving_from:
+        raw["moving_from"] = [{"nodes": list(g)} for g in cfg.moving_from]
     return raw
+
+
+def cluster_to_toml(cfg: ClusterConfig) -> str:
+    """The cluster map as TOML text: the one serialisation, for files and for etcd."""
+    return tomli_w.dumps(cluster_to_dict(cfg))
+
+
+def cluster_from_toml(text: str, source: str = "cluster map") -> ClusterConfig:
+    """The cluster map from TOML text; errors name ``source``."""
+    try:
+        return cluster_from_dict(tomllib.loads(text))
+    except (tomllib.TOMLDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from exc
 
 
 def save_cluster(cfg: ClusterConfig, path: str | Path) -> None:
     """Write ``cluster.toml`` atomically (temp file, then rename)."""
     path = Path(path)
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(tomli_w.dumps(cluster_to_dict(cfg)))
+    tmp.write_text(cluster_to_toml(cfg))
     tmp.replace(path)

@@ -1,0 +1,127 @@
+"""Map changes (kvstore/map_changes.py): few shards moved, domains kept apart, safe order."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from erasure.config import CodecConfig
+from kvstore.config import (
+    ClusterConfig,
+    MembershipConfig,
+    NodeConfig,
+    cluster_from_toml,
+    cluster_to_toml,
+)
+from kvstore.errors import InvalidArgument
+from kvstore.map_changes import (
+    changed_slots,
+    drain,
+    finish_move,
+    held_shards,
+    ideal_join_shards,
+    join,
+    mark_out,
+    remove,
+    shards_moved,
+    slot_counts,
+)
+from kvstore.placement import make_groups
+
+WIDTH = 12
+
+
+def node(i: int, domain: str | None = None) -> NodeConfig:
+    return NodeConfig(
+        id=f"n{i:02d}",
+        address=f"127.0.0.1:{40000 + i}",
+        metrics_port=0,
+        failure_domain=domain or f"host{i:02d}",
+        data_dir=f"/tmp/n{i:02d}",
+    )
+
+
+def cluster(num_nodes: int = 12, domains: int | None = None) -> ClusterConfig:
+    nodes = tuple(
+        node(i, None if domains is None else f"host{i % domains}") for i in range(num_nodes)
+    )
+    groups = make_groups([(n.id, n.failure_domain) for n in nodes], WIDTH)
+    return ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=CodecConfig())
+
+
+@pytest.fixture(scope="module")
+def keys() -> np.ndarray:
+    return np.random.default_rng(15).integers(0, 256, (20_000, 16), dtype=np.uint8)
+
+
+def test_map_round_trips_through_toml_with_states_move_and_membership() -> None:
+    cfg = dataclasses.replace(
+        drain(cluster(13), "n03"),
+        membership=MembershipConfig(etcd="127.0.0.1:2379", down_out_s=60.0),
+    )
+    again = cluster_from_toml(cluster_to_toml(cfg))
+    assert again == cfg, "the map must survive (de)serialisation exactly (etcd stores the text)"
+    assert again.node("n03").state == "draining" and again.moving_from == cluster(13).groups
+
+
+def test_join_moves_the_newcomers_fair_share_and_keeps_groups_domain_disjoint(
+    keys: np.ndarray,
+) -> None:
+    before = cluster(12)
+    after = join(before, node(12))
+    count = shards_moved(before, after, keys, ideal_join_shards(len(keys) * WIDTH, 13))
+    assert 0.9 <= count.ratio_to_ideal <= 1.1, f"join moved {count} shards, far from the ideal"
+    assert after.epoch == 2 and after.moving_from == before.groups
+    loads = slot_counts(after.groups)
+    assert max(loads.values()) - min(loads.values()) <= 1, f"join left the slots unbalanced: {loads}"
+    for group in after.groups:
+        domains = [after.node(n).failure_domain for n in group]
+        assert len(set(domains)) == WIDTH, f"join put two shards of a group in one domain: {group}"
+    # Regenerating the groups from scratch would move far more: the point of slot moves.
+    regenerated = dataclasses.replace(
+        after,
+        groups=tuple(make_groups([(n.id, n.failure_domain) for n in after.nodes], WIDTH)),
+        moving_from=(),
+    )
+    naive = shards_moved(before, regenerated, keys, count.ideal_shards)
+    assert naive.moved_shards > 3 * count.moved_shards, (naive, count)
+
+
+def test_drain_moves_only_the_nodes_own_shards_then_remove_needs_the_move_finished(
+    keys: np.ndarray,
+) -> None:
+    before = finish_move(join(cluster(12), node(12)))
+    drained = drain(before, "n04")
+    count = shards_moved(before, drained, keys, held_shards(before, "n04", keys))
+    assert count.moved_shards == count.ideal_shards, f"drain moved other shards too: {count}"
+    assert all("n04" not in g for g in drained.groups)
+    assert all(old == "n04" for _, _, old, _ in changed_slots(before.groups, drained.groups))
+    with pytest.raises(InvalidArgument, match="drain it first"):
+        remove(drained, "n04")
+    with pytest.raises(InvalidArgument, match="still moving"):
+        join(drained, node(20))
+    done = finish_move(drained)
+    assert done.node("n04").state == "left" and not done.moving_from
+    gone = remove(done, "n04")
+    assert "n04" not in {n.id for n in gone.nodes} and gone.epoch == drained.epoch + 2
+
+
+def test_mark_out_during_a_move_keeps_the_first_fallback_and_spreads_domains() -> None:
+    before = cluster(16, domains=8)
+    draining = drain(before, "n01")
+    out = mark_out(draining, "n02")
+    assert out.moving_from == before.groups, "reads must fall back to the map before both moves"
+    for group in out.groups:
+        per_domain = Counter(out.node(n).failure_domain for n in group)
+        assert max(per_domain.values()) <= 2, f"a group got 3 shards in one of 8 domains: {group}"
+    assert {"n01", "n02"}.isdisjoint({n for g in out.groups for n in g})
+
+
+def test_too_few_nodes_left_is_refused_with_advice() -> None:
+    with pytest.raises(InvalidArgument, match="join a node first"):
+        drain(cluster(12), "n00")
+    with pytest.raises(InvalidArgument, match="already in the map"):
+        join(cluster(12), node(3))
