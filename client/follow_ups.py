@@ -107,6 +107,10 @@ class FollowUps:
         self._touches: NodeBatches[tuple[bytes, bytes]] = NodeBatches(self._touch, self.counters)
         self._hints: NodeBatches[tuple[bytes, int]] = NodeBatches(self._hint, self.counters)
 
+    def set_groups(self, groups: Sequence[Sequence[str]]) -> None:
+        """The groups of a newer map epoch (hints go to their new leaders)."""
+        self._groups = groups
+
     def touch(self, node_ids: Sequence[str], key: bytes, version: bytes) -> None:
         """Refresh ``key``'s shard of ``version`` on these nodes (they did not serve it)."""
         for node_id in node_ids:

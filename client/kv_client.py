@@ -61,6 +61,7 @@ from kvstore.errors import (
     PermissionDenied,
     Unavailable,
 )
+from kvstore.membership import EtcdMembership, follow_map
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tls import channel_credentials
@@ -98,15 +99,12 @@ class KVClient:
         self.codec = make_codec(config.codec)
         self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
         self.placement = Placement(config)
-        k = config.codec.k
-        self.conns = {
-            node.id: NodeConn(node, tenant, token, k, credentials) for node in config.nodes
-        }
-        self._conn_list = list(self.conns.values())
+        self._token, self._credentials = token, credentials
+        self.conns: dict[str, NodeConn] = {}
+        self._conn_list: list[NodeConn] = []
         # The read transport of each node, in _conn_list order: gRPC, or UCX (connect()).
-        self.readers: list[NodeReader] = list(self._conn_list)
-        node_index = {node_id: i for i, node_id in enumerate(self.conns)}
-        self._group_members = [[node_index[n] for n in group] for group in config.groups]
+        self.readers: list[NodeReader] = []
+        self._place(config)
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
         # Touches after read hits, repair hints after short reads and writes (background).
@@ -123,6 +121,31 @@ class KVClient:
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"[encryption] of tenant {tenant!r}: {exc}") from None
         self._closed = False
+        self._membership: EtcdMembership | None = None
+        self._follow: asyncio.Task[None] | None = None
+
+    def _place(self, config: ClusterConfig) -> None:
+        """Channels to every node of ``config`` (kept for nodes already known) and its groups
+        as node indexes: ``groups`` for writes and first reads, ``moving_from`` (during a map
+        change) for the reads that miss."""
+        for node in config.nodes:
+            if node.id not in self.conns:
+                conn = NodeConn(node, self.tenant, self._token, config.codec.k, self._credentials)
+                self.conns[node.id] = conn
+                self._conn_list.append(conn)
+                self.readers.append(conn)
+        node_index = {node_id: i for i, node_id in enumerate(self.conns)}
+        self._group_members = [[node_index[n] for n in group] for group in config.groups]
+        self._previous_members = [[node_index[n] for n in g] for g in config.moving_from]
+
+    def apply_map(self, config: ClusterConfig) -> None:
+        """Switch to a newer cluster map epoch (etcd membership) without reconnecting."""
+        if config.epoch <= self.config.epoch:
+            return
+        self._place(config)
+        self.config = config
+        self.placement = Placement(config)
+        self.follow_ups.set_groups(config.groups)
 
     @classmethod
     def connect(
@@ -162,9 +185,19 @@ class KVClient:
                 config = cluster_toml
             else:
                 config = await asyncio.to_thread(load_cluster, cluster_toml)
+            membership = None
+            if config.membership.endpoints:
+                membership = EtcdMembership(config.membership)
+                got = await membership.get_map()
+                config = got[0] if got is not None else config
             client = cls(
                 config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
             )
+            if membership is not None:
+                client._membership = membership
+                client._follow = asyncio.create_task(
+                    follow_map(membership, config.epoch, client.apply_map)
+                )
             if transport != "grpc":
                 try:
                     await client._start_ucx(forced=transport == "ucx")
@@ -332,26 +365,58 @@ class KVClient:
             check_key(key)
         if not keys:
             return []
-        read = BatchRead(
+        read = self._batch_read(self._group_members)
+        groups = [self.placement.group_index(key) for key in keys]
+        if self.sealer is None:
+            return await self._read_placed(read, keys, groups, outs, timeout_s)
+        # A sealed block decodes into its own buffer; opening it writes the caller's.
+        sealed = await self._read_placed(read, keys, groups, [None] * len(keys), timeout_s)
+        return [
+            None if block is None else self.sealer.open(key, block, out)
+            for key, block, out in zip(keys, sealed, outs, strict=True)
+        ]
+
+    def _batch_read(self, group_members: Sequence[Sequence[int]]) -> BatchRead:
+        return BatchRead(
             self.codec,
             self._conn_list,
             self.readers,
-            self._group_members,
+            group_members,
             self.config.client.read_fanout,
             min(n.max_batch_bytes for n in self.config.nodes),
             self.read_counters,
             self.config.client.hedge_delay_s,
             self.follow_ups,
         )
-        groups = [self.placement.group_index(key) for key in keys]
-        if self.sealer is None:
-            return await read.run(keys, groups, outs, self._timeout_s(timeout_s))
-        # A sealed block decodes into its own buffer; opening it writes the caller's.
-        sealed = await read.run(keys, groups, [None] * len(keys), self._timeout_s(timeout_s))
-        return [
-            None if block is None else self.sealer.open(key, block, out)
-            for key, block, out in zip(keys, sealed, outs, strict=True)
+
+    async def _read_placed(
+        self,
+        read: BatchRead,
+        keys: Sequence[bytes],
+        groups: list[int],
+        outs: Sequence[memoryview | None],
+        timeout_s: float | None,
+    ) -> list[bytes | memoryview | None]:
+        """The blocks from the current placement; during a map change, the keys it misses
+        whose group changed are read again from the placement before the change."""
+        blocks = await read.run(keys, groups, outs, self._timeout_s(timeout_s))
+        previous = self.config.moving_from
+        again = [
+            i
+            for i, block in enumerate(blocks)
+            if block is None and previous and previous[groups[i]] != self.config.groups[groups[i]]
         ]
+        if not again:
+            return blocks
+        found = await self._batch_read(self._previous_members).run(
+            [keys[i] for i in again],
+            [groups[i] for i in again],
+            [outs[i] for i in again],
+            self._timeout_s(timeout_s),
+        )
+        for i, block in zip(again, found, strict=True):
+            blocks[i] = block
+        return blocks
 
     async def contains(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
@@ -485,6 +550,11 @@ class KVClient:
         if self._closed:
             return
         self._closed = True
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
+        if self._membership is not None:
+            await self._membership.close()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.follow_ups.close()  # touches and hints still pending go out first
         if self.ucx is not None:

@@ -3,9 +3,13 @@
 The JSON (``--json``)::
 
     {"cluster_toml": ..., "epoch": 1, "tls": true, "auth": true,
+     "membership": "static" or the etcd endpoint, "moving": false,
+     "capacity_bytes": ...,      # shared filesystems counted once
+     "filesystems": {"host:dev": {"bytes", "nodes", "capacity_bytes"}},
      "repair_backlog_shards": 0,
      "retention_caps": [{"tenant", "traffic_class", "max_ttl_s"}],
-     "nodes": [{"id", "address", "failure_domain", "pid", "up", "shards", "bytes",
+     "nodes": [{"id", "address", "failure_domain", "state", "registered", "pid", "up",
+                "epoch", "filesystem_id", "shards", "bytes",
                 "used_bytes", "index_bytes", "capacity_bytes", "quarantined_bytes",
                 "corrupt_shards", "segments", "hits", "misses", "retired_versions",
                 "last_tombstone_seq",
@@ -26,6 +30,7 @@ reports them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from rich.table import Table
 
 from kvstore.auth import client_token
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
+from kvstore.membership import EtcdMembership
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tables import make_console, print_fitted
@@ -75,20 +81,23 @@ def _result(future: grpc.Future) -> pb.StatsReply | None:
 
 
 def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Table:
-    table = Table(title=f"kvstore cluster, epoch {config.epoch}")
-    columns = ("node", "address", "pid", "up", "shards", "bytes", "capacity", "corrupt", "backlog")
-    for column in columns:
+    moving = ", moving shards" if config.moving_from else ""
+    capacity = format_bytes(cluster_capacity_bytes(stats))
+    table = Table(title=f"kvstore cluster, map epoch {config.epoch}{moving}; capacity {capacity}")
+    columns = ("node", "address", "state", "pid", "up", "shards", "bytes", "capacity")
+    for column in (*columns, "corrupt", "backlog"):
         table.add_column(column, justify="left" if column in ("node", "address") else "right")
     for node in config.nodes:
         reply = stats[node.id]
-        pid = str(pids.get(node.id, "-"))
+        pid = str(node_pid(node.id, pids, reply) or "-")
         if reply is None:
-            table.add_row(node.id, node.address, pid, "[red]down[/red]", *["-"] * 5)
+            table.add_row(node.id, node.address, node.state, pid, "[red]down[/red]", *["-"] * 5)
             continue
         capacity = format_bytes(reply.capacity_bytes) if reply.capacity_bytes else "-"
         table.add_row(
             node.id,
             node.address,
+            node.state,
             pid,
             "[green]up[/green]",
             str(reply.shards),
@@ -138,26 +147,74 @@ def caps_table(caps: list[dict[str, Any]]) -> Table:
     return table
 
 
+def node_pid(node_id: str, pids: dict[str, int], reply: pb.StatsReply | None) -> int | None:
+    """The pid the node reports itself; the pid file's only for a node that does not answer
+    (it may be stale, or on another host)."""
+    return reply.pid if reply is not None and reply.pid else pids.get(node_id)
+
+
+def filesystems(stats: dict) -> dict[str, dict[str, Any]]:
+    """Filesystem id -> {"bytes": its size, "nodes": ids, "capacity_bytes"}. Nodes on one
+    filesystem share its free space, and each reports it as its own capacity; counted once,
+    their capacity is the free space plus what each holds, at most the sum of their limits."""
+    by_fs: dict[str, list[tuple[str, pb.StatsReply]]] = {}
+    for node_id, reply in stats.items():
+        if reply is not None:
+            by_fs.setdefault(reply.filesystem_id or f"node:{node_id}", []).append((node_id, reply))
+    result = {}
+    for fs_id, members in by_fs.items():
+        held = [r.used_bytes + r.index_bytes for _, r in members]
+        free = max(r.capacity_bytes - h for (_, r), h in zip(members, held, strict=True))
+        limits = sum(r.capacity_bytes for _, r in members)
+        result[fs_id] = {
+            "bytes": members[0][1].filesystem_bytes,
+            "nodes": [node_id for node_id, _ in members],
+            "capacity_bytes": min(limits, max(free, 0) + sum(held)),
+        }
+    return result
+
+
+def cluster_capacity_bytes(stats: dict) -> int:
+    """The answering nodes' capacity, each shared filesystem counted once."""
+    return sum(entry["capacity_bytes"] for entry in filesystems(stats).values())
+
+
 def status_document(
-    config: ClusterConfig, cluster_toml: Path, pids: dict[str, int], stats: dict
+    config: ClusterConfig,
+    cluster_toml: Path,
+    pids: dict[str, int],
+    stats: dict,
+    live: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``--json`` form of the status (see the module docstring)."""
+    """The ``--json`` form of the status (see the module docstring). ``live``: the nodes
+    registered in etcd (None without etcd membership)."""
     return {
         "cluster_toml": str(cluster_toml),
         "epoch": config.epoch,
+        "membership": config.membership.etcd or "static",
+        "moving": bool(config.moving_from),
+        "capacity_bytes": cluster_capacity_bytes(stats),
+        "filesystems": filesystems(stats),
         "tls": config.tls_enabled,
         "auth": any(n.credentials_file for n in config.nodes),
         "repair_backlog_shards": sum(r.repair.backlog_shards for r in stats.values() if r),
         "retention_caps": retention_caps(stats),
-        "nodes": [_node_record(node, pids.get(node.id), stats[node.id]) for node in config.nodes],
+        "nodes": [
+            _node_record(node, node_pid(node.id, pids, stats[node.id]), stats[node.id], live)
+            for node in config.nodes
+        ],
     }
 
 
-def _node_record(node: NodeConfig, pid: int | None, reply: pb.StatsReply | None) -> dict[str, Any]:
+def _node_record(
+    node: NodeConfig, pid: int | None, reply: pb.StatsReply | None, live: dict[str, Any] | None
+) -> dict[str, Any]:
     record: dict[str, Any] = {
         "id": node.id,
         "address": node.address,
         "failure_domain": node.failure_domain,
+        "state": node.state,
+        "registered": None if live is None else node.id in live,
         "pid": pid,
         "up": reply is not None,
     }
@@ -176,6 +233,8 @@ def _node_record(node: NodeConfig, pid: int | None, reply: pb.StatsReply | None)
         misses=reply.misses,
         retired_versions=reply.retired_versions,
         last_tombstone_seq=reply.last_tombstone_seq,
+        epoch=reply.epoch,
+        filesystem_id=reply.filesystem_id,
         repair=_repair_record(reply.repair),
         classes=[_class_record(c) for c in reply.classes],
     )
@@ -217,16 +276,32 @@ def print_status(
     token: str | None = None,
     client_cert: tuple[str | None, str | None] = (None, None),
 ) -> int:
-    """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise."""
+    """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise.
+    With etcd membership the map is etcd's, and nodes "left" need not answer."""
     cluster_toml = root / "cluster.toml"
-    config = load_cluster(cluster_toml)
+    config, live = current_map(load_cluster(cluster_toml))
     stats = fetch_stats(config, token, client_cert)
     if as_json:
-        print(json.dumps(status_document(config, cluster_toml, pids, stats), indent=1))
+        print(json.dumps(status_document(config, cluster_toml, pids, stats, live), indent=1))
     else:
         console = make_console()
         print_fitted(node_table(config, pids, stats), console, keep=("up",))
         print_fitted(class_table(stats), console, keep=("class",))
         if caps := retention_caps(stats):
             print_fitted(caps_table(caps), console, keep=("tenant",))
-    return 0 if all(reply is not None for reply in stats.values()) else 1
+    expected = [n.id for n in config.nodes if n.state != "left"]
+    return 0 if all(stats[node_id] is not None for node_id in expected) else 1
+
+
+def current_map(config: ClusterConfig) -> tuple[ClusterConfig, dict[str, Any] | None]:
+    """The map in force (etcd's when ``[membership] etcd`` is set, else the file's) and the
+    nodes registered in etcd (None without etcd)."""
+    if not config.membership.endpoints:
+        return config, None
+
+    async def read() -> tuple[ClusterConfig, dict[str, Any]]:
+        async with EtcdMembership(config.membership) as membership:
+            got = await membership.get_map()
+            return (got[0] if got else config), await membership.live_members()
+
+    return asyncio.run(read())

@@ -34,6 +34,7 @@ per node, rotations of the node list). Programmatic use (tests, benchmarks)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -45,7 +46,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,16 @@ import grpc
 
 from client.keyring import new_master_key
 from deploy.cluster_status import print_status
+from deploy.local_etcd import start_etcd, stop_etcd
 from kvstore.auth import Role, add_principal, read_token_file, set_tenant_caps, write_private
 from kvstore.certs import init_ca, issue_files
-from kvstore.cli import list_arg, size_arg
+from kvstore.cli import duration_arg, list_arg, size_arg
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
     CodecConfig,
     EncryptionConfig,
+    MembershipConfig,
     NodeConfig,
     TLSConfig,
     TTLConfig,
@@ -68,6 +71,8 @@ from kvstore.config import (
     save_cluster,
 )
 from kvstore.errors import ERRORS, InvalidArgument, Unavailable
+from kvstore.map_changes import changed_slots, drain, join, remove
+from kvstore.membership import EtcdMembership
 from kvstore.placement import make_groups
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
@@ -85,6 +90,9 @@ KEYRING_FILE = "keyring.json"
 MASTER_KEY_FILE = "master.key"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
+LOCAL_ETCD = "local"  # `--etcd` without an endpoint: start one (deploy/local_etcd.py)
+DEFAULT_DOWN_OUT_S = 600.0  # Ceph's mon_osd_down_out_interval
+DRAIN_TIMEOUT_S = 600.0
 PORT_ATTEMPTS = 3
 # What a node says when it cannot bind its port: gRPC's own error, or kvstore/node.py's.
 _PORT_TAKEN = ("Address already in use", "the port is taken")
@@ -166,11 +174,15 @@ def local_config(
     )
 
 
-def spawn_node(root: Path, node_id: str, extra_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-    """Start one node in its own session, logging to ``root/logs/<id>.log``."""
+def spawn_node(
+    root: Path, node_id: str, extra_args: Sequence[str] = (), prefix: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """Start one node in its own session, logging to ``root/logs/<id>.log``; ``prefix`` runs
+    it through another command (``ip netns exec NS``: a host of the namespace test)."""
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "kvstore.cli", "node", "--config", str(root / "cluster.toml")]
+    command = [*prefix, sys.executable, "-m", "kvstore.cli", "node"]
+    command += ["--config", str(root / "cluster.toml")]
     command += ["--id", node_id, *extra_args]
     with open(logs / f"{node_id}.log", "ab") as log_file:
         return subprocess.Popen(
@@ -391,6 +403,8 @@ class LocalCluster:
         tls: bool = False,
         mtls: bool = False,
         encrypt: Sequence[str] = (),
+        etcd: str | None = None,
+        down_out_s: float = DEFAULT_DOWN_OUT_S,
         **node_defaults: Any,
     ) -> LocalCluster:
         """Write ``root/cluster.toml``, start every node concurrently, wait until all serve.
@@ -399,8 +413,9 @@ class LocalCluster:
         ``max_bytes=...``). ``auth`` writes a credentials file with an admin and a node
         principal (``root/admin.token``); ``tls`` a CA and node certificates (``mtls``:
         clients must present one too); ``encrypt`` names tenants whose blocks clients seal
-        (a master key and keyring under ``root``). On a startup failure the started nodes
-        are stopped.
+        (a master key and keyring under ``root``). ``etcd``: membership on etcd at that
+        endpoint, or ``"local"`` to start one (deploy/local_etcd.py), with ``down_out_s``. On
+        a startup failure the started nodes (and a started etcd) are stopped.
         """
         root = Path(root)
         if any(is_node_process(pid, n) for n, pid in read_pids(root).items()):
@@ -410,6 +425,10 @@ class LocalCluster:
         root.mkdir(parents=True, exist_ok=True)
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
         config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls, encrypt=encrypt)
+        if etcd is not None:
+            endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
+            membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
+            config = dataclasses.replace(config, membership=membership)
         for attempt in range(1, PORT_ATTEMPTS + 1):
             save_cluster(config, root / "cluster.toml")
             cluster = cls(root, config)
@@ -433,6 +452,76 @@ class LocalCluster:
                 raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def current_map(self) -> ClusterConfig:
+        """The map in force: etcd's with membership on (kept in ``self.config`` too)."""
+        if self.config.membership.endpoints:
+            self.config = etcd_call(self.config, _get_map) or self.config
+        return self.config
+
+    def change_map(self, change: Callable[[ClusterConfig], ClusterConfig]) -> ClusterConfig:
+        """Apply a map change in etcd (kvstore/map_changes.py) and keep cluster.toml a copy."""
+        if not self.config.membership.endpoints:
+            raise InvalidArgument(
+                "this cluster has no etcd membership: its map is the static cluster.toml; "
+                "start it with `kvstore cluster up --etcd` to join, drain or remove nodes"
+            )
+        self.config = etcd_call(self.config, lambda m: m.change_map(change))
+        save_cluster(self.config, self.cluster_toml)
+        return self.config
+
+    def join_node(self, node_id: str | None = None) -> NodeConfig:
+        """A new node on 127.0.0.1 (its own failure domain) joined to the map and started."""
+        config = self.current_map()
+        node_id = node_id or _next_node_id(config)
+        grpc_port, metrics_port = free_ports(2)
+        template = config.nodes[0]
+        node = dataclasses.replace(
+            template,
+            id=node_id,
+            address=f"127.0.0.1:{grpc_port}",
+            metrics_port=metrics_port,
+            failure_domain=node_id,
+            data_dir=str(self.root.resolve() / node_id),
+            state="in",
+        )
+        self.change_map(lambda c: join(c, node))
+        self.procs[node_id] = spawn_node(self.root, node_id)
+        self._save_pids()
+        wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
+        return node
+
+    def wait_for_map(
+        self, done: Callable[[ClusterConfig], bool], timeout_s: float, what: str
+    ) -> ClusterConfig:
+        """Poll etcd's map until ``done`` holds (the keeper finishes moves); Unavailable
+        naming ``what`` after ``timeout_s``."""
+        deadline_s = time.monotonic() + timeout_s
+        while not done(self.current_map()):
+            if time.monotonic() > deadline_s:
+                raise Unavailable(
+                    f"{what} not done after {timeout_s:.0f} s (map epoch {self.config.epoch}, "
+                    f"moving: {bool(self.config.moving_from)}); see `kvstore cluster status`"
+                )
+            time.sleep(0.2)
+        save_cluster(self.config, self.cluster_toml)
+        return self.config
+
+    def drain_node(self, node_id: str, timeout_s: float = DRAIN_TIMEOUT_S) -> ClusterConfig:
+        """Give the node's slots away, wait until its shards are on their new nodes
+        (verified by the keeper) and it is "left"."""
+        self.change_map(lambda c: drain(c, node_id))
+        return self.wait_for_map(
+            lambda c: c.node(node_id).state == "left", timeout_s, f"drain of {node_id}"
+        )
+
+    def remove_node(self, node_id: str) -> ClusterConfig:
+        """Remove a left node from the map and stop its process if this cluster started it."""
+        config = self.change_map(lambda c: remove(c, node_id))
+        if node_id in self.procs:
+            self._stop_proc(self.procs.pop(node_id))
+            self._save_pids()
+        return config
+
     def _save_pids(self) -> None:
         write_pids(self.root, {n: p.pid for n, p in self.procs.items() if p.poll() is None})
 
@@ -451,20 +540,23 @@ class LocalCluster:
         wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
 
     def _proc(self, node_id: str) -> subprocess.Popen[bytes]:
-        self.config.node(node_id)  # raises with the known ids for a wrong one
+        if node_id not in self.procs:
+            self.config.node(node_id)  # raises with the known ids for a wrong one
         return self.procs[node_id]
 
     def is_running(self, node_id: str) -> bool:
         return self._proc(node_id).poll() is None
 
     def stop(self) -> None:
-        """Stop every node: SIGTERM, wait, SIGKILL fallback. Safe to call twice."""
+        """Stop every node (SIGTERM, wait, SIGKILL fallback), then the etcd this cluster
+        started, if any. Safe to call twice."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
         for proc in self.procs.values():
             self._stop_proc(proc)
         self._save_pids()
+        stop_etcd(self.root)
 
     @staticmethod
     def _stop_proc(proc: subprocess.Popen[bytes]) -> None:
@@ -525,6 +617,22 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
         type=list_arg(str),
         default=[],
         help="tenants whose blocks clients seal (AES-GCM; DIR/master.key, DIR/keyring.json)",
+    )
+
+    parser.add_argument(
+        "--etcd",
+        nargs="?",
+        const=LOCAL_ETCD,
+        default=None,
+        metavar="ENDPOINT",
+        help="membership on etcd at HOST:PORT; without ENDPOINT start a local etcd from the "
+        "etcd binary (DIR/etcd); absent: the static cluster.toml",
+    )
+    parser.add_argument(
+        "--down-out-s",
+        type=duration_arg,
+        default=DEFAULT_DOWN_OUT_S,
+        help="with --etcd: a node down this long (cluster clock) is marked out and replaced",
     )
 
 
@@ -609,6 +717,121 @@ def _status(args: argparse.Namespace) -> int:
     )
 
 
+def configure_join(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster join``."""
+    _add_dir(parser)
+    parser.add_argument("--id", default=None, help="the new node's id (default: the next nNN)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="host:port of a node started elsewhere (default: start one here on 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="with --address: its metrics port"
+    )
+    parser.add_argument("--failure-domain", default=None, help="with --address: its host or rack")
+    parser.add_argument("--data-dir", default=None, help="with --address: its data directory")
+
+
+def run_join(args: argparse.Namespace) -> int:
+    return _report_errors(_join, args)
+
+
+def _join(args: argparse.Namespace) -> int:
+    cluster = _attached(args.dir)
+    before = cluster.current_map()
+    if args.address is None:
+        node = cluster.join_node(args.id)
+        print(f"node {node.id} joined on {node.address} (pid {cluster.procs[node.id].pid})")
+    else:
+        if not (args.id and args.failure_domain and args.data_dir):
+            raise InvalidArgument("--address needs --id, --failure-domain and --data-dir too")
+        node = dataclasses.replace(
+            before.nodes[0],
+            id=args.id,
+            address=args.address,
+            metrics_port=args.metrics_port,
+            failure_domain=args.failure_domain,
+            data_dir=args.data_dir,
+            state="in",
+        )
+        cluster.change_map(lambda c: join(c, node))
+        print(
+            f"node {node.id} joined the map; start it on its host: "
+            f"`kvstore node --config cluster.toml --id {node.id}`"
+        )
+    _print_move(before, cluster.config)
+    return 0
+
+
+def _print_move(before: ClusterConfig, after: ClusterConfig) -> None:
+    slots = changed_slots(before.groups, after.groups)
+    print(
+        f"map epoch {before.epoch} -> {after.epoch}: {len(slots)} of "
+        f"{sum(map(len, after.groups))} group slots move; repair fills them, and the keeper "
+        "finishes the move once verified (`kvstore cluster status`)"
+    )
+
+
+def configure_drain(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster drain``."""
+    _add_dir(parser)
+    parser.add_argument("node", help="id of the node to drain")
+    parser.add_argument(
+        "--timeout-s", type=duration_arg, default=DRAIN_TIMEOUT_S, help="how long to wait"
+    )
+    parser.add_argument("--no-wait", action="store_true", help="start the drain and return")
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    return _report_errors(_drain, args)
+
+
+def _drain(args: argparse.Namespace) -> int:
+    cluster = _attached(args.dir)
+    before = cluster.current_map()
+    if args.no_wait:
+        cluster.change_map(lambda c: drain(c, args.node))
+        _print_move(before, cluster.config)
+        return 0
+    started_s = time.monotonic()
+    after = cluster.drain_node(args.node, args.timeout_s)
+    print(
+        f"node {args.node} drained in {time.monotonic() - started_s:.1f} s: its shards are on "
+        f"their new nodes (verified), map epoch {after.epoch}; remove it with "
+        f"`kvstore cluster remove --dir {args.dir} {args.node}`"
+    )
+    return 0
+
+
+def configure_remove(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster remove``."""
+    _add_dir(parser)
+    parser.add_argument("node", help="id of a drained ('left') node")
+
+
+def run_remove(args: argparse.Namespace) -> int:
+    return _report_errors(_remove, args)
+
+
+def _remove(args: argparse.Namespace) -> int:
+    cluster = _attached(args.dir)
+    pid = read_pids(args.dir).get(args.node)
+    after = cluster.remove_node(args.node)
+    stopped = ""
+    if pid is not None and is_node_process(pid, args.node):
+        stop_pids({args.node: pid})
+        stopped = f"; stopped its process (pid {pid})"
+        write_pids(args.dir, {n: p for n, p in read_pids(args.dir).items() if n != args.node})
+    print(f"node {args.node} removed from the map (epoch {after.epoch}){stopped}")
+    return 0
+
+
+def _attached(root: Path) -> LocalCluster:
+    """The cluster of ``root`` as the CLI sees it (its processes are not ours)."""
+    return LocalCluster(root, load_cluster(root / "cluster.toml"))
+
+
 def configure_down(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore cluster down``."""
     _add_dir(parser)
@@ -639,7 +862,30 @@ def _down(args: argparse.Namespace) -> int:
         )
     else:
         print(f"no node of {args.dir} was running")
+    etcd = stop_etcd(args.dir)
+    if etcd is not None:
+        print(f"stopped etcd (pid {etcd}); its data stays in {args.dir / 'etcd'}")
     return 0
+
+
+def etcd_call(config: ClusterConfig, action: Callable[[EtcdMembership], Awaitable[Any]]) -> Any:
+    """Run one etcd action for ``config``'s membership to completion (CLI and tests)."""
+
+    async def call() -> Any:
+        async with EtcdMembership(config.membership) as membership:
+            return await action(membership)
+
+    return asyncio.run(call())
+
+
+async def _get_map(membership: EtcdMembership) -> ClusterConfig | None:
+    got = await membership.get_map()
+    return got[0] if got is not None else None
+
+
+def _next_node_id(config: ClusterConfig) -> str:
+    taken = {n.id for n in config.nodes}
+    return next(f"n{i:02d}" for i in range(len(taken) + 100) if f"n{i:02d}" not in taken)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -656,9 +902,16 @@ def _up(args: argparse.Namespace) -> int:
         tls=args.tls,
         mtls=args.mtls,
         encrypt=args.encrypt,
+        etcd=args.etcd,
+        down_out_s=args.down_out_s,
         **overrides,
     )
     print(f"{len(cluster.procs)} nodes serving; cluster map: {cluster.cluster_toml}")
+    if cluster.config.membership.endpoints:
+        print(
+            f"membership on etcd {cluster.config.membership.etcd} (map epoch "
+            f"{cluster.config.epoch}, down->out after {args.down_out_s:g} s)"
+        )
     if args.auth:
         print(
             f"auth on: admin token in {args.dir / ADMIN_TOKEN_FILE}; add tenants with "

@@ -30,6 +30,12 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("cluster", "up"): ("deploy.local_cluster:up", "start a local cluster in the background"),
     ("cluster", "status"): ("deploy.local_cluster:status", "each node's and class's figures"),
     ("cluster", "down"): ("deploy.local_cluster:down", "stop a local cluster's nodes"),
+    ("cluster", "join"): ("deploy.local_cluster:join", "add a node to an etcd cluster map"),
+    ("cluster", "drain"): (
+        "deploy.local_cluster:drain",
+        "move a node's shards to other nodes (verified) until it has none",
+    ),
+    ("cluster", "remove"): ("deploy.local_cluster:remove", "remove a drained node from the map"),
     ("cluster", "add-tenant"): (
         "deploy.local_cluster:add_tenant",
         "add a tenant (or service) principal and print its new token",

@@ -156,7 +156,13 @@ class GroupCommit:
                     for e in view.versions(request.tenant, key)
                     if not is_expired(e.expires_at_s, request.now)
                 ]
-                same = [e for e in live if e.version == entry.version]
+                # The same version as another shard index is a node that moved within the
+                # group (a map change, kvstore/map_changes.py): the new shard replaces it.
+                same = [
+                    e
+                    for e in live
+                    if e.version == entry.version and e.shard_index == entry.shard_index
+                ]
                 if same:
                     touched.append((same[0], request.now))
                 elif any(e.order > entry.order for e in live):

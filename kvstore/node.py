@@ -56,7 +56,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,6 +69,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1.health_pb2 import HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 
 from kvstore import batch_answer
 from kvstore.auth import Authenticator, Principal, Role, bearer_token
@@ -75,6 +80,8 @@ from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import IndexUnusable, InvalidArgument, KVStoreError, NotServing, Unavailable
 from kvstore.get_reply import encode_get_shards_reply
 from kvstore.grpc_errors import status_code, to_grpc_status
+from kvstore.map_keeper import keep_map
+from kvstore.membership import EtcdMembership, follow_map
 from kvstore.metrics import NodeMetrics
 from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
@@ -114,21 +121,41 @@ def upkeep_period_s(time_scale: float, expiry_window_s: float) -> float:
     return min(1.0, max(0.05, expiry_window_s / 4 / time_scale))
 
 
-def open_store(cluster: ClusterConfig, node: NodeConfig, clock: Clock) -> ShardStore:
+class PlacedMap:
+    """The cluster map a node currently follows (swapped when etcd has a newer epoch): which
+    group a key is filed under, and which shard of it this node holds."""
+
+    def __init__(self, cluster: ClusterConfig, node_id: str) -> None:
+        self.node_id = node_id
+        self.set(cluster)
+
+    def set(self, cluster: ClusterConfig) -> None:
+        self.cluster = cluster
+        self.placement = Placement(cluster)
+        self.group_to_position = {
+            g: m.index(self.node_id) for g, m in enumerate(cluster.groups) if self.node_id in m
+        }
+
+    def group_of(self, key: bytes) -> int:
+        return self.placement.group_index(key)
+
+    def shard_index_of(self, key: bytes) -> int | None:
+        return self.group_to_position.get(self.placement.group_index(key))
+
+
+def open_store(
+    cluster: ClusterConfig, node: NodeConfig, clock: Clock, placed: PlacedMap | None = None
+) -> ShardStore:
     """The node's store, placed in the cluster: entries filed by placement group, and puts
-    whose shards do not fit the cluster's code or this node's place refused."""
-    placement = Placement(cluster)
-    group_to_position = {g: m.index(node.id) for g, m in enumerate(cluster.groups) if node.id in m}
-
-    def shard_index_of(key: bytes) -> int | None:
-        return group_to_position.get(placement.group_index(key))
-
+    whose shards do not fit the cluster's code or this node's place (in the map ``placed``
+    follows, if given) refused."""
+    placed = placed or PlacedMap(cluster, node.id)
     return ShardStore(
         node,
         cluster.ttl,
         clock,
-        group_of=placement.group_index,
-        shard_index_of=shard_index_of,
+        group_of=placed.group_of,
+        shard_index_of=placed.shard_index_of,
         codec=cluster.codec,
     )
 
@@ -243,6 +270,10 @@ class NodeServicer:
             "ListShards": (pb.ListShardsRequest, self._list, False),
             "QueueRepair": (pb.QueueRepairRequest, self._queue_repair, False),
         }
+
+    def set_epoch(self, epoch: int) -> None:
+        """The map epoch Health reports (a node follows etcd's map without a restart)."""
+        self._epoch = epoch
 
     def register(self, server: grpc.aio.Server) -> None:
         """Add every RPC of ``kvstore.v1.ShardStore`` to ``server``."""
@@ -550,6 +581,8 @@ class NodeServicer:
         principal.require(Role.ADMIN, Role.NODE)
         repair = self._repair.stats if self._repair is not None else RepairStats()
         reply = stats_reply(self._node.id, self._epoch, self._holder.stats(), repair)
+        reply.pid = os.getpid()
+        reply.filesystem_id, reply.filesystem_bytes = filesystem_of(self._node.data_dir)
         store = self._holder.store
         if store is None:
             return reply
@@ -593,6 +626,15 @@ def _parse_and_call(
     request_type: type[Message], handler: Handler, raw: bytes, principal: Principal | None
 ) -> Message | bytes:
     return handler(_parse(request_type, raw), principal)
+
+
+def filesystem_of(path: str) -> tuple[str, int]:
+    """("host:device", size in bytes) of the filesystem holding ``path`` (("", 0) if gone)."""
+    try:
+        device, fs = os.stat(path).st_dev, os.statvfs(path)
+    except OSError:
+        return "", 0
+    return f"{socket.gethostname()}:{device}", fs.f_blocks * fs.f_frsize
 
 
 def stats_reply(
@@ -697,9 +739,9 @@ def bind(
 
 
 def _open(
-    cluster: ClusterConfig, node: NodeConfig, clock: Clock, auth: Authenticator
+    cluster: ClusterConfig, node: NodeConfig, clock: Clock, auth: Authenticator, placed: PlacedMap
 ) -> ShardStore:
-    store = open_store(cluster, node, clock)
+    store = open_store(cluster, node, clock, placed)
     try:
         store.set_retention_caps(auth.current().tenant_to_max_ttl_s)
     except BaseException:
@@ -708,15 +750,23 @@ def _open(
     return store
 
 
-async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -> None:
-    """Run one node until ``stop`` is set, then shut down cleanly."""
+async def serve(
+    cluster: ClusterConfig,
+    node: NodeConfig,
+    stop: asyncio.Event,
+    membership: EtcdMembership | None = None,
+) -> None:
+    """Run one node until ``stop`` is set, then shut down cleanly. With ``membership`` the
+    node registers in etcd, follows the map's epochs and takes its turn keeping the map."""
     executor = ThreadPoolExecutor(NUM_WORKER_THREADS, thread_name_prefix=f"node-{node.id}")
     clock = make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
     auth = Authenticator(node.credentials_file or None)
     credentials = server_credentials(cluster, node)
-    holder = StoreHolder(partial(_open, cluster, node, clock, auth), node, executor)
+    placed = PlacedMap(cluster, node.id)
+    holder = StoreHolder(partial(_open, cluster, node, clock, auth, placed), node, executor)
     sync = TombstoneSync(cluster, node, lambda: holder.store, executor)
     repair = RepairService(cluster, node, clock)
+    health = health_aio.HealthServicer()
     metrics = NodeMetrics(holder.stats, lambda: repair.stats)
     server = grpc.aio.server(options=_server_options(node))
     ucx = _start_ucx(node)
@@ -724,6 +774,28 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         holder, node, cluster.epoch, metrics, executor, ucx, auth, repair, lambda: sync.synced
     )
     servicer.register(server)
+    add_HealthServicer_to_server(health, server)
+    await health.set("", HealthCheckResponse.NOT_SERVING)
+
+    drops: set[asyncio.Future[int]] = set()
+
+    def follow(new: ClusterConfig) -> None:
+        """Switch to a newer map epoch without a restart (etcd membership); once a move is
+        finished, drop the shards it moved away from this node (verified on their new nodes
+        before the keeper finished it)."""
+        placed.set(new)
+        servicer.set_epoch(new.epoch)
+        repair.set_cluster(new)
+        log.info("node %s follows map epoch %d", node.id, new.epoch)
+        store = holder.store
+        if not new.moving_from and store is not None:
+            positions = placed.group_to_position
+            drop = asyncio.get_running_loop().run_in_executor(
+                executor, store.drop_moved, positions, len(new.groups)
+            )
+            drops.add(drop)
+            drop.add_done_callback(drops.discard)
+
     tasks: list[asyncio.Task[None]] = []
     try:
         bind(server, node.address, credentials)
@@ -738,6 +810,17 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
             asyncio.create_task(sync_forever(sync, node.tombstone_sync_interval_s)),
             asyncio.create_task(repair.run()),
         ]
+        if membership is not None:
+            info = {"address": node.address, "pid": os.getpid(), "state": "serving"}
+            tasks += [
+                asyncio.create_task(membership.keep_registered(node.id, info)),
+                asyncio.create_task(follow_map(membership, cluster.epoch, follow)),
+                asyncio.create_task(
+                    keep_map(membership, node.id, lambda: placed.cluster, repair, clock)
+                ),
+            ]
+        await health.set("", HealthCheckResponse.SERVING)
+        await health.set(SERVICE_NAME, HealthCheckResponse.SERVING)
         log.info("node %s serving on %s", node.id, node.address)
         print(f"node {node.id} serving on {node.address}", flush=True)
         await stop.wait()
@@ -747,10 +830,12 @@ async def serve(cluster: ClusterConfig, node: NodeConfig, stop: asyncio.Event) -
         await asyncio.gather(*tasks, return_exceptions=True)
         if not tasks:
             await sync.close()  # sync_forever closes it otherwise
+        await health.enter_graceful_shutdown()
         await server.stop(STOP_GRACE_S)
         if ucx is not None:
             await ucx.close()  # no more UCX requests come in
             await servicer.cancel_ucx_requests()  # before the store closes under them
+        await asyncio.gather(*drops, return_exceptions=True)
         await repair.close()
         metrics.close()
         await holder.close()
@@ -814,7 +899,25 @@ async def _main(cluster: ClusterConfig, node: NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await serve(cluster, node, stop)
+    if not cluster.membership.endpoints:
+        await serve(cluster, node, stop)
+        return
+    async with EtcdMembership(cluster.membership) as membership:
+        # The map in etcd wins over the file (the file seeds etcd's first map): a node that
+        # joined later is only in etcd's map.
+        cluster = await membership.create_map(cluster)
+        await serve(cluster, cluster.node(node.id), stop, membership)
+
+
+def _node_of(cluster: ClusterConfig, node_id: str) -> NodeConfig:
+    """The node's entry in the file's map; with etcd a placeholder for a node only etcd knows
+    (``_main`` takes the real entry from etcd's map)."""
+    try:
+        return cluster.node(node_id)
+    except ValueError:
+        if not cluster.membership.endpoints:
+            raise
+        return dataclasses.replace(cluster.nodes[0], id=node_id)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -831,7 +934,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cluster = load_cluster(args.config)
-        node = cluster.node(args.id)
+        node = _node_of(cluster, args.id)
         if args.inject_delay_ms is not None:
             node = dataclasses.replace(node, inject_delay_ms=args.inject_delay_ms)
     except ValueError as exc:

@@ -136,6 +136,7 @@ class RepairService:
         self._next_pass_s = 0.0
         self._next_probe_s = 0.0
         self._wake = asyncio.Event()
+        self._closing: set[asyncio.Future[None]] = set()
         self.stats = RepairStats()
 
     def queue(self, hints: Iterable[tuple[str, bytes, int]]) -> int:
@@ -154,6 +155,38 @@ class RepairService:
         self._set_stats(queued_hints=len(self._hints))
         self._wake.set()
         return num_new
+
+    def set_cluster(self, cluster: ClusterConfig) -> None:
+        """Follow a newer map epoch (etcd membership): new members, new peers, and a pass at
+        once, since a changed group's new member needs its shards."""
+        old_peers = self._peers
+        self._cluster = cluster
+        self._peers = Peers(cluster, self._node, PEER_TIMEOUT_S)
+        self._closing.add(asyncio.ensure_future(old_peers.close()))
+        self._next_pass_s = self._next_probe_s = 0.0
+        self._wake.set()
+
+    @property
+    def epoch(self) -> int:
+        return self._cluster.epoch
+
+    async def repair_group(self, group: int) -> None:
+        """One repair pass over ``group`` now, whoever leads it (a map change moving shards:
+        kvstore/map_keeper.py). A second pass by its leader meanwhile only repeats work."""
+        await self._repair_group(group)
+
+    async def shards_needed(self, group: int, positions: Iterable[int]) -> int:
+        """Shards the members at ``positions`` of ``group`` lack (missing or waiting), by a
+        fresh listing of every member: 0 means each holds its shard of every readable block."""
+        wanted = set(positions)
+        members = self._cluster.groups[group]
+        now_s = self._clock.now()
+        num_needed = 0
+        async for tenant, key, listed, up in self._list_group(group):
+            plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), now_s)
+            if isinstance(plan, BlockPlan):
+                num_needed += len(wanted & {*plan.missing, *plan.waiting})
+        return num_needed
 
     async def run(self) -> None:
         """Passes and hints, forever; errors are logged and retried, never fatal."""
@@ -407,6 +440,7 @@ class RepairService:
 
     async def close(self) -> None:
         await self._peers.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def _sort_key(shard: pb.ListedShard) -> tuple[bytes, bytes, str]:

@@ -122,6 +122,10 @@ class PutOptions:
     repair: bool = False
 
 
+_DROP_BATCH = 512
+MOVED_AWAY_SHARDS = "node/moved_away_shards"  # dropped after a map change moved them away
+
+
 def reserve_bytes_for(node: NodeConfig, data_dir: Path) -> int:
     """The index's reserved space: ``index_reserve_bytes``, or 1/32 of the node's limit (the
     configured one, else the disk), between 64 KiB and 32 MiB."""
@@ -435,6 +439,31 @@ class ShardStore:
             batch = view.by_group(group, start, limit)
         entries = [self._reads.with_refresh(e) for _, e in batch]
         return entries, (batch[-1][0] if len(batch) == limit else b"")
+
+    def drop_moved(self, group_to_position: Mapping[int, int], num_groups: int) -> int:
+        """Delete, on this node only (no tombstone, nothing sent to peers), the shards a
+        settled cluster map no longer places here: entries of groups this node left, or of
+        another position than its own. Only called once the move that placed them elsewhere
+        was verified and finished (kvstore/map_keeper.py); return how many were dropped."""
+        num_dropped = 0
+        for group in range(num_groups):
+            keep = group_to_position.get(group)
+            start = b""
+            while True:
+                with self._write_lock, self._index.write() as w:
+                    items = w.by_group(group, start, _DROP_BATCH)
+                    moved = [e for _, e in items if e.shard_index != keep]
+                    for entry in moved:
+                        w.delete_entry(entry)
+                    w.add(MOVED_AWAY_SHARDS, len(moved))
+                num_dropped += len(moved)
+                if len(items) < _DROP_BATCH:
+                    break
+                start = items[-1][0] + b"\x00"
+        if num_dropped:
+            with self._write_lock:
+                self._reclaimer.free_empty_segments()
+        return num_dropped
 
     def expire(self) -> int:
         """Delete expired entries, retire passed windows, free empty segments; return #expired."""

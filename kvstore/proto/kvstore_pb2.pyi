@@ -269,7 +269,7 @@ class ClassStats(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., youngest_evicted_age_s: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq", "index_bytes", "quarantined_bytes", "retired_versions", "repair")
+    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq", "index_bytes", "quarantined_bytes", "retired_versions", "repair", "pid", "filesystem_id", "filesystem_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,9 @@ class StatsReply(_message.Message):
     QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RETIRED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FILESYSTEM_ID_FIELD_NUMBER: _ClassVar[int]
+    FILESYSTEM_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     shards: int
@@ -306,7 +309,10 @@ class StatsReply(_message.Message):
     quarantined_bytes: int
     retired_versions: int
     repair: RepairStats
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ..., index_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., retired_versions: _Optional[int] = ..., repair: _Optional[_Union[RepairStats, _Mapping]] = ...) -> None: ...
+    pid: int
+    filesystem_id: str
+    filesystem_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ..., index_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., retired_versions: _Optional[int] = ..., repair: _Optional[_Union[RepairStats, _Mapping]] = ..., pid: _Optional[int] = ..., filesystem_id: _Optional[str] = ..., filesystem_bytes: _Optional[int] = ...) -> None: ...
 
 class RetentionCap(_message.Message):
     __slots__ = ("tenant", "traffic_class", "max_ttl_s")

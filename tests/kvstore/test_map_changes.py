@@ -29,6 +29,7 @@ from kvstore.map_changes import (
     shards_moved,
     slot_counts,
 )
+from kvstore.map_keeper import NEVER_SEEN_GRACE_S, DownClock
 from kvstore.placement import make_groups
 
 WIDTH = 12
@@ -76,7 +77,9 @@ def test_join_moves_the_newcomers_fair_share_and_keeps_groups_domain_disjoint(
     assert 0.9 <= count.ratio_to_ideal <= 1.1, f"join moved {count} shards, far from the ideal"
     assert after.epoch == 2 and after.moving_from == before.groups
     loads = slot_counts(after.groups)
-    assert max(loads.values()) - min(loads.values()) <= 1, f"join left the slots unbalanced: {loads}"
+    assert max(loads.values()) - min(loads.values()) <= 1, (
+        f"join left the slots unbalanced: {loads}"
+    )
     for group in after.groups:
         domains = [after.node(n).failure_domain for n in group]
         assert len(set(domains)) == WIDTH, f"join put two shards of a group in one domain: {group}"
@@ -125,3 +128,19 @@ def test_too_few_nodes_left_is_refused_with_advice() -> None:
         drain(cluster(12), "n00")
     with pytest.raises(InvalidArgument, match="already in the map"):
         join(cluster(12), node(3))
+
+
+def test_down_clock_marks_out_after_down_out_s_and_gives_new_nodes_grace() -> None:
+    cfg = dataclasses.replace(cluster(13), membership=MembershipConfig(down_out_s=600.0))
+    everyone = {n.id for n in cfg.nodes}
+    down = DownClock()
+    assert down.due(cfg, everyone, 0.0) == []
+    assert down.due(cfg, everyone - {"n05"}, 10.0) == [], "down is not out before down_out_s"
+    assert down.due(cfg, everyone - {"n05"}, 609.0) == []
+    assert down.due(cfg, everyone - {"n05"}, 610.0) == ["n05"], "down_out_s passed: out"
+    assert down.due(cfg, everyone, 611.0) == [] and down.due(cfg, everyone - {"n05"}, 612.0) == []
+    # A node this keeper never saw live (still starting after a join) waits the grace too.
+    joined = join(cfg, node(13))
+    assert down.due(joined, everyone, 0.0) == []
+    assert down.due(joined, everyone, 600.0 + NEVER_SEEN_GRACE_S - 1) == []
+    assert down.due(joined, everyone, 601.0 + NEVER_SEEN_GRACE_S) == ["n13"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import kvstore.segments
+from erasure.shard import ShardHeader, block_checksum, pack_header
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.errors import CapacityExhausted, InvalidArgument, UnknownTrafficClass
 from kvstore.shard_store import (
@@ -322,3 +323,33 @@ def test_concurrent_puts_group_commit_counts_each_shard_once(make_store: MakeSto
     assert sum(num_stored) == 40, "a shard put concurrently was stored twice or not at all"
     results = store.get("acme", [_key(i) for i in range(40)])
     assert [r.shards for r in results] == [(shards[i],) for i in range(40)]
+
+
+def _two_shard(payload: bytes, index: int) -> bytes:
+    """A shard of a 1+1 block (so index 1 exists) whose bytes are ``payload``."""
+    header = ShardHeader("zfec", 1, 1, index, len(payload), block_checksum(payload), len(payload))
+    return pack_header(header, payload) + payload
+
+
+def test_a_map_change_moves_a_shard_index_and_drops_what_moved_away(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False)
+    ttl = TTLConfig(classes=CLASSES)
+    store = ShardStore(node, ttl, clock, group_of=lambda key: key[-1] % 2)
+    try:
+        keys = [_key(i) for i in range(8)]  # groups 0 and 1 alternate
+        assert store.put("acme", "chat", [(k, _two_shard(k, 0)) for k in keys]).num_stored == 8
+        # The node moved from position 0 to 1 of group 0: the same version, the new index.
+        moved = store.put("acme", "chat", [(keys[0], _two_shard(keys[0], 1))])
+        assert moved.num_stored == 1, "a shard of another index must replace the held one"
+        assert store.stats().num_shards == 8
+        assert store.drop_moved({0: 1}, num_groups=2) == 7, (
+            "the settled map places only group 0's index 1 here: everything else goes"
+        )
+        (kept,) = store.get("acme", [keys[0]])[0].shards
+        assert kept == _two_shard(keys[0], 1)
+        assert store.stats().num_shards == 1
+        assert store.contains("acme", [keys[1]]) == [[]]
+    finally:
+        store.close()

@@ -1,0 +1,195 @@
+"""Membership on etcd: the cluster map and the live nodes, for nodes, clients and the CLI.
+
+Keys under ``[membership] prefix`` (default ``/kvstore``)::
+
+    <prefix>/map             the cluster map, as cluster.toml text (kvstore/config.py); its
+                             epoch only grows; every change is a compare-and-swap on the
+                             key's mod revision, so two writers never both win
+    <prefix>/members/<id>    JSON {"address", "pid", "incarnation"}, put under the node's lease
+                             (TTL lease_ttl_s, refreshed every third of it): present = up
+
+Every node and client watches ``<prefix>/map`` and switches to a newer epoch without a restart
+(:meth:`EtcdMembership.watch_map`); a watch that breaks is re-made after a fresh read, and the
+map is read again every ``lease_ttl_s`` anyway, so a lost event costs at most that long.
+The map's changes themselves are pure functions (kvstore/map_changes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aetcd
+
+from kvstore.config import ClusterConfig, MembershipConfig, cluster_from_toml, cluster_to_toml
+from kvstore.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+ETCD_TIMEOUT_S = 5
+RETRY_S = 1.0
+MAX_CAS_ATTEMPTS = 20
+
+
+class EtcdMembership:
+    """One etcd connection for one cluster's keys (see the module docstring)."""
+
+    def __init__(self, membership: MembershipConfig) -> None:
+        if not membership.endpoints:
+            raise InvalidArgument("[membership] etcd is empty: there is no etcd to talk to")
+        self.membership = membership
+        host, _, port = membership.endpoints[0].removeprefix("http://").rpartition(":")
+        self._client = aetcd.Client(
+            host=host or "127.0.0.1", port=int(port), timeout=ETCD_TIMEOUT_S
+        )
+        self._map_key = f"{membership.prefix}/map".encode()
+        self._members_prefix = f"{membership.prefix}/members/".encode()
+
+    async def __aenter__(self) -> EtcdMembership:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.close()
+
+    async def get_map(self) -> tuple[ClusterConfig, int] | None:
+        """The map in etcd and its key's mod revision, or None when none was stored yet."""
+        try:
+            got = await self._client.get(self._map_key)
+        except aetcd.exceptions.ClientError as exc:
+            raise Unavailable(f"etcd {self.membership.etcd}: {exc}") from None
+        if got is None:
+            return None
+        source = f"etcd {self.membership.etcd} {self._map_key.decode()}"
+        return cluster_from_toml(got.value.decode(), source), got.mod_revision
+
+    async def create_map(self, cfg: ClusterConfig) -> ClusterConfig:
+        """Store ``cfg`` unless a map is there already; return the map etcd holds."""
+        txn = self._client.transactions
+        await self._call(
+            self._client.transaction(
+                compare=[txn.version(self._map_key) == 0],
+                success=[txn.put(self._map_key, cluster_to_toml(cfg).encode())],
+                failure=[],
+            )
+        )
+        got = await self.get_map()
+        assert got is not None, "etcd lost the map it just stored"
+        return got[0]
+
+    async def change_map(self, change: Callable[[ClusterConfig], ClusterConfig]) -> ClusterConfig:
+        """Apply ``change`` to the current map and store the result, compare-and-swap; a
+        concurrent writer makes it read again and retry. ``change`` may raise to refuse."""
+        txn = self._client.transactions
+        for _ in range(MAX_CAS_ATTEMPTS):
+            got = await self.get_map()
+            if got is None:
+                raise InvalidArgument(
+                    f"no cluster map in etcd {self.membership.etcd} under "
+                    f"{self.membership.prefix}; start the cluster with `kvstore cluster up --etcd`"
+                )
+            current, revision = got
+            new = change(current)
+            if new.epoch <= current.epoch:
+                raise InvalidArgument(f"a map change must raise the epoch ({current.epoch})")
+            won, _ = await self._call(
+                self._client.transaction(
+                    compare=[txn.mod(self._map_key) == revision],
+                    success=[txn.put(self._map_key, cluster_to_toml(new).encode())],
+                    failure=[],
+                )
+            )
+            if won:
+                log.info("cluster map epoch %d -> %d", current.epoch, new.epoch)
+                return new
+        raise Unavailable(f"the cluster map changed {MAX_CAS_ATTEMPTS} times under us; retry")
+
+    async def watch_map(self) -> AsyncIterator[ClusterConfig]:
+        """The current map, then every map with a higher epoch, forever (see module doc)."""
+        epoch = -1
+        while True:
+            try:
+                got = await self.get_map()
+                if got is not None and got[0].epoch > epoch:
+                    epoch = got[0].epoch
+                    yield got[0]
+                start = got[1] + 1 if got is not None else None
+                watch = await self._client.watch(self._map_key, start_revision=start)
+                try:
+                    async for cfg in self._watched(watch):
+                        if cfg.epoch > epoch:
+                            epoch = cfg.epoch
+                            yield cfg
+                finally:
+                    with contextlib.suppress(Exception):
+                        await watch.cancel()
+            except (aetcd.exceptions.ClientError, Unavailable, ValueError) as exc:
+                log.warning("watching the cluster map: %s; reading it again", exc)
+                await asyncio.sleep(RETRY_S)
+
+    async def _watched(self, watch: Any) -> AsyncIterator[ClusterConfig]:
+        """Maps from a watch's events; ends after ``lease_ttl_s`` without one (a re-read)."""
+        events = watch.__aiter__()
+        while True:
+            try:
+                event = await asyncio.wait_for(events.__anext__(), self.membership.lease_ttl_s)
+            except (TimeoutError, StopAsyncIteration):
+                return
+            if event.kind == "PUT":
+                yield cluster_from_toml(event.kv.value.decode(), "etcd watch event")
+
+    async def live_members(self) -> dict[str, dict[str, Any]]:
+        """Node id -> what it registered, for every node whose lease is alive."""
+        got = await self._call(self._client.get_prefix(self._members_prefix))
+        return {kv.key[len(self._members_prefix) :].decode(): json.loads(kv.value) for kv in got}
+
+    async def keep_registered(self, node_id: str, info: dict[str, Any]) -> None:
+        """Register ``node_id`` under a lease and keep it alive until cancelled; a lost lease
+        (etcd down longer than the TTL) is replaced by a new one. Revoked on cancel."""
+        ttl_s = int(self.membership.lease_ttl_s)
+        key = self._members_prefix + node_id.encode()
+        lease = None
+        try:
+            while True:
+                try:
+                    if lease is None:
+                        lease = await self._client.lease(ttl_s)
+                        await self._client.put(key, json.dumps(info).encode(), lease=lease)
+                        log.info("registered %s in etcd (lease %x, %d s)", node_id, lease.id, ttl_s)
+                    else:
+                        reply = await lease.refresh()
+                        if reply is None or reply.TTL <= 0:
+                            lease = None  # expired meanwhile: register again
+                            continue
+                except aetcd.exceptions.ClientError as exc:
+                    log.warning("etcd lease of %s: %s; retrying", node_id, exc)
+                    lease = None
+                await asyncio.sleep(ttl_s / 3)
+        finally:
+            if lease is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(lease.revoke(), 2.0)
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except aetcd.exceptions.ClientError as exc:
+            raise Unavailable(f"etcd {self.membership.etcd}: {exc}") from None
+
+
+async def follow_map(
+    membership: EtcdMembership, epoch: int, apply: Callable[[ClusterConfig], None]
+) -> None:
+    """Call ``apply`` with each map from etcd whose epoch is above ``epoch``, forever (nodes
+    and clients switch epochs this way, without a restart)."""
+    async for cfg in membership.watch_map():
+        if cfg.epoch > epoch:
+            epoch = cfg.epoch
+            apply(cfg)
