@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ from kvstore.config import (
     save_cluster,
 )
 from kvstore.errors import ERRORS, InvalidArgument, Unavailable
-from kvstore.map_changes import changed_slots, drain, join, remove
+from kvstore.map_changes import changed_slots, drain, join, readdress, remove
 from kvstore.membership import EtcdMembership
 from kvstore.placement import make_groups
 from kvstore.proto import kvstore_pb2 as pb
@@ -368,10 +369,17 @@ def _reap(pid: int) -> bool:
 class LocalCluster:
     """Node processes of one local cluster, started and stopped by this process."""
 
-    def __init__(self, root: Path, config: ClusterConfig) -> None:
+    def __init__(
+        self,
+        root: Path,
+        config: ClusterConfig,
+        spawn_prefix: Callable[[str], Sequence[str]] = lambda node_id: (),
+    ) -> None:
         self.root = root
         self.config = config
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # node id -> the command a node runs through (``ip netns exec NS``: the netns test).
+        self.spawn_prefix = spawn_prefix
 
     @property
     def cluster_toml(self) -> Path:
@@ -485,10 +493,23 @@ class LocalCluster:
             state="in",
         )
         self.change_map(lambda c: join(c, node))
-        self.procs[node_id] = spawn_node(self.root, node_id)
-        self._save_pids()
-        wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
-        return node
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.procs[node_id] = spawn_node(self.root, node_id, (), self.spawn_prefix(node_id))
+            self._save_pids()
+            try:
+                wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
+                return self.config.node(node_id)
+            except Unavailable as exc:
+                self._stop_proc(self.procs[node_id])
+                if not any(text in str(exc) for text in _PORT_TAKEN) or attempt == PORT_ATTEMPTS:
+                    raise
+                # Another process bound a chosen port first: the node moves to others.
+                grpc_port, metrics_port = free_ports(2)
+                address = f"{node.host}:{grpc_port}"
+                self.change_map(
+                    partial(readdress, node_id=node_id, address=address, metrics_port=metrics_port)
+                )
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def wait_for_map(
         self, done: Callable[[ClusterConfig], bool], timeout_s: float, what: str
@@ -535,7 +556,7 @@ class LocalCluster:
     def restart_node(self, node_id: str, extra_args: Sequence[str] = ()) -> None:
         """Stop the node if it runs, start it again with ``extra_args``, wait until it serves."""
         self._stop_proc(self._proc(node_id))
-        self.procs[node_id] = spawn_node(self.root, node_id, extra_args)
+        self.procs[node_id] = spawn_node(self.root, node_id, extra_args, self.spawn_prefix(node_id))
         self._save_pids()
         wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
 

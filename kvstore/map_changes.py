@@ -123,6 +123,14 @@ def remove(cfg: ClusterConfig, node_id: str) -> ClusterConfig:
     return dataclasses.replace(cfg, epoch=cfg.epoch + 1, nodes=nodes)
 
 
+def readdress(cfg: ClusterConfig, node_id: str, address: str, metrics_port: int) -> ClusterConfig:
+    """The map with one node at a new address (a host renumbered, a port that was taken);
+    its slots stay, so nothing moves."""
+    node = dataclasses.replace(cfg.node(node_id), address=address, metrics_port=metrics_port)
+    nodes = tuple(node if n.id == node_id else n for n in cfg.nodes)
+    return dataclasses.replace(cfg, epoch=cfg.epoch + 1, nodes=nodes)
+
+
 def _require_settled(cfg: ClusterConfig, what: str) -> None:
     if cfg.moving_from:
         moving = sorted(n.id for n in cfg.nodes if n.state in ("draining", "out"))
