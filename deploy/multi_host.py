@@ -19,16 +19,27 @@ mode 0600, readable by the nodes only), with the nodes' own token in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
-from kvstore.config import ClusterConfig, CodecConfig, NodeConfig, TLSConfig, cluster_to_dict
+from kvstore.config import (
+    ClusterConfig,
+    CodecConfig,
+    MembershipConfig,
+    NodeConfig,
+    TLSConfig,
+    cluster_to_dict,
+)
 from kvstore.placement import make_groups
 
 _IDENTITY_FIELDS = ("id", "address", "metrics_port", "failure_domain", "data_dir")
+ETCD_EXAMPLE = "etcd.example.internal:2379"  # [membership] of the example map
+K8S_ETCD = "etcd-client.kvstore.svc:2379"  # deploy/k8s/etcd.yaml's client Service
+K8S_MAP_PATH = Path(__file__).with_name("k8s") / "kvstore-map.yaml"
 
 EXAMPLE_PATH = Path(__file__).with_name("cluster.example.toml")
 EXAMPLE_HEADER = """\
@@ -73,12 +84,56 @@ def multi_host_config(
 
 
 def example_config() -> ClusterConfig:
-    return multi_host_config([f"kv{h:02d}.example.internal" for h in range(12)], 2)
+    config = multi_host_config([f"kv{h:02d}.example.internal" for h in range(12)], 2)
+    return dataclasses.replace(config, membership=MembershipConfig(etcd=ETCD_EXAMPLE))
+
+
+def kubernetes_config(replicas: int = 12, namespace: str = "kvstore") -> ClusterConfig:
+    """The seed map of deploy/k8s/kvstore.yaml's StatefulSet: node ``kvstore-N`` is pod
+    ``kvstore-N`` (its own failure domain: the pods never share a Kubernetes node), on its
+    headless-Service name, its PVC at /var/lib/kvstore, membership on deploy/k8s/etcd.yaml."""
+    pods = [f"kvstore-{i}.kvstore.{namespace}.svc" for i in range(replicas)]
+    config = multi_host_config(pods, 1)
+    nodes = tuple(
+        dataclasses.replace(
+            n,
+            id=n.id.removesuffix("-0"),
+            failure_domain=n.id.removesuffix("-0"),
+            data_dir="/var/lib/kvstore",
+            credentials_file="/etc/kvstore/secrets/credentials.toml",
+            peer_token_file="/etc/kvstore/secrets/node.token",
+        )
+        for n in config.nodes
+    )
+    groups = make_groups([(n.id, n.failure_domain) for n in nodes], config.codec.num_shards)
+    return dataclasses.replace(
+        config, nodes=nodes, groups=tuple(groups), membership=MembershipConfig(etcd=K8S_ETCD)
+    )
+
+
+def kubernetes_map_manifest(config: ClusterConfig) -> str:
+    """The ConfigMap ``kvstore-map`` holding ``config`` as cluster.toml (YAML text)."""
+    toml_text = tomli_w.dumps(compact_dict(config))
+    body = "".join(f"    {line}\n" if line else "\n" for line in toml_text.splitlines())
+    return (
+        "# The seed cluster map of deploy/k8s/kvstore.yaml, written by\n"
+        "# deploy.multi_host.write_kubernetes_map; etcd holds the live map once nodes start.\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: kvstore-map\n"
+        "  namespace: kvstore\ndata:\n  cluster.toml: |\n" + body
+    )
+
+
+def write_kubernetes_map(path: Path = K8S_MAP_PATH) -> None:
+    """(Re)write deploy/k8s/kvstore-map.yaml."""
+    path.write_text(kubernetes_map_manifest(kubernetes_config()))
 
 
 def compact_dict(config: ClusterConfig) -> dict[str, Any]:
     """``cluster_to_dict`` with the fields every node shares moved to ``[node_defaults]``."""
     raw = cluster_to_dict(config)
+    for node in raw["nodes"]:
+        if node["state"] == "in":  # the default; a seed map's nodes are all in
+            del node["state"]
     shared = {k: v for k, v in raw["nodes"][0].items() if k not in _IDENTITY_FIELDS}
     if any({k: n[k] for k in shared} != shared for n in raw["nodes"]):
         return raw

@@ -12,7 +12,7 @@ from kvstore.config import load_cluster
 def test_example_file_is_the_generated_one() -> None:
     on_disk = tomllib.loads(EXAMPLE_PATH.read_text())
     generated = compact_dict(example_config())
-    for section in ("nodes", "groups", "codec", "client", "tls", "node_defaults"):
+    for section in ("nodes", "groups", "codec", "client", "tls", "membership", "node_defaults"):
         assert on_disk[section] == generated[section], (
             f"[{section}] of deploy/cluster.example.toml is stale: "
             "regenerate it with deploy.multi_host.write_example"
