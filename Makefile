@@ -25,13 +25,15 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/kvstore demo
 
-# Debian packages that tests and benchmarks run against (the Redis baseline: redis-server).
+# Debian packages that tests and benchmarks run against, as package:command (the Redis
+# baseline: redis-server; membership on etcd, the many-host tests: etcd-server's etcd).
 # Installed when missing where that is possible (root with apt-get, as in CI); elsewhere the
 # tests and benchmarks that need them skip and say so.
-SYSTEM_PACKAGES := redis-server
+SYSTEM_PACKAGES := redis-server:redis-server etcd-server:etcd
 system-packages:
-	@missing=""; for pkg in $(SYSTEM_PACKAGES); do \
-		command -v $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
+		pkg=$${entry%%:*}; cmd=$${entry##*:}; \
+		command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing Debian packages:$$missing"; \
