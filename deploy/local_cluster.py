@@ -544,7 +544,15 @@ class LocalCluster:
         return config
 
     def _save_pids(self) -> None:
-        write_pids(self.root, {n: p.pid for n, p in self.procs.items() if p.poll() is None})
+        """Record the running nodes; ones this object did not start (the CLI attached to a
+        cluster that `up` started) keep their entries while they run."""
+        others = {
+            n: pid
+            for n, pid in read_pids(self.root).items()
+            if n not in self.procs and is_node_process(pid, n)
+        }
+        mine = {n: p.pid for n, p in self.procs.items() if p.poll() is None}
+        write_pids(self.root, {**others, **mine})
 
     def kill_node(self, node_id: str) -> None:
         """SIGKILL one node (a crash: no clean shutdown) and reap it."""
@@ -878,7 +886,7 @@ def _down(args: argparse.Namespace) -> int:
     write_pids(args.dir, {})
     if running:
         print(
-            f"stopped {len(running)} nodes: "
+            f"stopped {len(running)} node{'s' if len(running) != 1 else ''}: "
             + ", ".join(f"{n} (pid {p})" for n, p in sorted(running.items()))
         )
     else:
