@@ -56,6 +56,7 @@ import grpc
 from client.keyring import new_master_key
 from deploy.cluster_status import print_status
 from deploy.local_etcd import start_etcd, stop_etcd
+from deploy.processes import spawn_logged
 from kvstore.auth import Role, add_principal, read_token_file, set_tenant_caps, write_private
 from kvstore.certs import init_ca, issue_files
 from kvstore.cli import duration_arg, list_arg, size_arg
@@ -180,19 +181,10 @@ def spawn_node(
 ) -> subprocess.Popen[bytes]:
     """Start one node in its own session, logging to ``root/logs/<id>.log``; ``prefix`` runs
     it through another command (``ip netns exec NS``: a host of the namespace test)."""
-    logs = root / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     command = [*prefix, sys.executable, "-m", "kvstore.cli", "node"]
     command += ["--config", str(root / "cluster.toml")]
     command += ["--id", node_id, *extra_args]
-    with open(logs / f"{node_id}.log", "ab") as log_file:
-        return subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    return spawn_logged(command, root / "logs" / f"{node_id}.log")
 
 
 def log_tail(root: Path, node_id: str, num_lines: int = 15) -> str:

@@ -13,11 +13,11 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from deploy.processes import spawn_logged
 from kvstore.errors import Unavailable
 
 ETCD_PID_FILE = "etcd.pid"
@@ -49,7 +49,6 @@ def start_etcd(
             "no etcd binary: install Debian's etcd-server (`make system-packages` as root, or "
             "apt-get install etcd-server), or pass --etcd HOST:PORT of a running etcd"
         )
-    (root / "logs").mkdir(parents=True, exist_ok=True)
     client_url, peer_url = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
     command = [
         *prefix,
@@ -63,14 +62,7 @@ def start_etcd(
         "--initial-cluster", f"kvstore={peer_url}",
     ]  # fmt: skip
     log_path = root / "logs" / "etcd.log"
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = spawn_logged(command, log_path)
     (root / ETCD_PID_FILE).write_text(str(proc.pid))
     deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
     while not _answers(host, client_port):

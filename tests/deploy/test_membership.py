@@ -19,18 +19,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
-from deploy.local_etcd import etcd_binary
 from kvstore.config import ClusterConfig
 from kvstore.map_changes import changed_slots, drain
 from kvstore.tls import sync_channel
+from tests.deploy.etcd_marks import needs_etcd
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        etcd_binary() is None,
-        reason="no etcd binary: install Debian's etcd-server (make system-packages as root)",
-    ),
+    needs_etcd,
 ]
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -13,15 +13,13 @@ from typing import Any
 import pytest
 
 from deploy.local_cluster import is_node_process, read_pids
-from deploy.local_etcd import etcd_binary, etcd_pid
+from deploy.local_etcd import etcd_pid
+from tests.deploy.etcd_marks import needs_etcd
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        etcd_binary() is None,
-        reason="no etcd binary: install Debian's etcd-server (make system-packages as root)",
-    ),
+    needs_etcd,
 ]
 
 REPO = Path(__file__).resolve().parents[2]
