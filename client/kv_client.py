@@ -423,8 +423,12 @@ class KVClient:
     ) -> list[bool]:
         """For each key: is its block readable (some version on >= k nodes)? TTLs not refreshed."""
         timeout_s = self._timeout_s(timeout_s)
-        tally = PresenceTally([self.config.codec.num_shards] * len(keys), self.config.codec.k)
         node_to_positions = self._positions_by_node(keys)
+        num_asked = [0] * len(keys)  # k+m, or more during a map change (both placements)
+        for positions in node_to_positions.values():
+            for position in positions:
+                num_asked[position] += 1
+        tally = PresenceTally(num_asked, self.config.codec.k)
 
         async def ask(node_id: str, positions: list[int]) -> None:
             request = pb.ContainsRequest(tenant=self.tenant, keys=[keys[p] for p in positions])
@@ -489,10 +493,14 @@ class KVClient:
             )
 
     def _positions_by_node(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
-        """Node id -> positions of the keys it holds a shard of (one batch per node)."""
+        """Node id -> positions of the keys it holds a shard of (one batch per node); during
+        a map change the old placement's nodes too, so a delete reaches every copy."""
         node_to_positions: dict[str, list[int]] = {}
+        previous = self.config.moving_from
         for group_index, positions in self.placement.keys_by_group(keys).items():
-            for node_id in self.config.groups[group_index]:
+            members = dict.fromkeys(self.config.groups[group_index])
+            members.update(dict.fromkeys(previous[group_index] if previous else ()))
+            for node_id in members:
                 node_to_positions.setdefault(node_id, []).extend(positions)
         return node_to_positions
 

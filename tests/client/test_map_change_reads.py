@@ -43,6 +43,7 @@ async def _scenario(cluster: LocalCluster) -> None:
     async with KVClient.connect(cluster.config, "acme") as old:
         for key, block in blocks.items():
             await old.put(key, block)
+    cluster_before = cluster.config
     moving = _three_slots_moved(cluster.config)
     settled = dataclasses.replace(moving, moving_from=())
     async with KVClient.connect(settled, "acme") as new_only:
@@ -53,6 +54,7 @@ async def _scenario(cluster: LocalCluster) -> None:
     async with KVClient.connect(moving, "acme") as kv:
         got = await kv.get_batch(keys)
         assert got == [blocks[k] for k in keys], "reads during a move must consult the old map"
+        assert await kv.contains(keys) == [True] * len(keys), "contains must ask both maps"
     # The nodes follow the new map too (etcd does this without restarts; here a restart):
     # a write during the move lands in the new placement only.
     await asyncio.to_thread(_restart_all, cluster, moving)
@@ -61,6 +63,12 @@ async def _scenario(cluster: LocalCluster) -> None:
         await kv.put(fresh, b"new placement" * 100)
     async with KVClient.connect(settled, "acme") as new_only:
         assert await new_only.get(fresh) == b"new placement" * 100, "writes go to the new map"
+    async with KVClient.connect(moving, "acme") as kv:
+        await kv.delete(keys[:5])
+    async with KVClient.connect(cluster_before, "acme") as old:
+        got = await old.get_batch(keys[:6])
+        assert got[:5] == [None] * 5, "a delete during a move must reach the old placement too"
+        assert got[5] == blocks[keys[5]]
 
 
 def _restart_all(cluster: LocalCluster, config: ClusterConfig) -> None:
