@@ -472,7 +472,7 @@ class LocalCluster:
     def join_node(self, node_id: str | None = None) -> NodeConfig:
         """A new node on 127.0.0.1 (its own failure domain) joined to the map and started."""
         config = self.current_map()
-        node_id = node_id or _next_node_id(config)
+        node_id = node_id or _next_node_id(config, self.root)
         grpc_port, metrics_port = free_ports(2)
         template = config.nodes[0]
         node = dataclasses.replace(
@@ -904,9 +904,15 @@ async def _get_map(membership: EtcdMembership) -> ClusterConfig | None:
     return got[0] if got is not None else None
 
 
-def _next_node_id(config: ClusterConfig) -> str:
+def _next_node_id(config: ClusterConfig, root: Path) -> str:
+    """The first nNN neither in the map nor ever used in ``root`` (a removed node's data
+    directory stays: a new node never starts on another's shards)."""
     taken = {n.id for n in config.nodes}
-    return next(f"n{i:02d}" for i in range(len(taken) + 100) if f"n{i:02d}" not in taken)
+    return next(
+        f"n{i:02d}"
+        for i in range(len(taken) + 1000)
+        if f"n{i:02d}" not in taken and not (root / f"n{i:02d}").exists()
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
