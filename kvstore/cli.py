@@ -51,6 +51,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
     ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),
     ("bench", "repair"): ("bench.repair_bench", "writes through a 2-node outage, then the heal"),
+    ("bench", "map-moves"): (
+        "bench.map_moves_bench",
+        "shards a cluster map change moves, against the ideal",
+    ),
     ("sim",): ("kvstore.sim_cli", "replay a request trace through the TTL and capacity policies"),
     ("sim", "generate"): ("kvstore.sim_cli:generate", "write a seeded multi-day workload"),
     ("sim", "replay"): ("bench.replay", "replay a trace against a live cluster, vs simulated"),

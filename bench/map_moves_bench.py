@@ -1,0 +1,121 @@
+"""``kvstore bench map-moves``: shards a map change moves, against the fewest it could.
+
+::
+
+    kvstore bench map-moves [--nodes 12] [--keys 100000] [--seed 15] [--json PATH]
+
+Pure placement arithmetic (no cluster): ``--keys`` random 16-byte keys are placed in a map of
+``--nodes`` nodes (each its own failure domain, groups from kvstore.placement.make_groups);
+then, for each change, the shards whose node differs are counted (kvstore.map_changes):
+
+* join: one node added by moving slots (the newcomer's fair share is the ideal);
+* join by regeneration: the same node list with groups made from scratch (what a map
+  generator run again would do, for comparison);
+* drain: one node's slots given away (its own shards are the ideal);
+* out: the same for a node marked out after ``down_out_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from erasure.config import CodecConfig
+from kvstore.config import ClusterConfig, NodeConfig
+from kvstore.map_changes import (
+    drain,
+    finish_move,
+    held_shards,
+    ideal_join_shards,
+    join,
+    mark_out,
+    shards_moved,
+)
+from kvstore.placement import make_groups
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=12, help="nodes in the map before the joins")
+    parser.add_argument("--keys", type=int, default=100_000, help="random keys placed")
+    parser.add_argument("--seed", type=int, default=15, help="seed of the keys")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        rows = measure_moves(args.nodes, args.keys, args.seed)
+    except ValueError as exc:
+        print(f"kvstore bench map-moves: {exc}", file=sys.stderr)
+        return 2
+    print(f"{'change':<28} {'moved shards':>13} {'ideal':>9} {'ratio':>6} {'keys touched':>13}")
+    for row in rows:
+        print(
+            f"{row['change']:<28} {row['moved_shards']:>13,} {row['ideal_shards']:>9,} "
+            f"{row['ratio_to_ideal']:>6.3f} {row['keys_touched']:>13,}"
+        )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"nodes": args.nodes, "rows": rows}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _node(i: int) -> NodeConfig:
+    return NodeConfig(f"n{i:02d}", f"127.0.0.1:{20000 + i}", 0, f"host{i:02d}", f"/tmp/n{i:02d}")
+
+
+def measure_moves(num_nodes: int, num_keys: int, seed: int) -> list[dict[str, Any]]:
+    """One row per change (see the module docstring)."""
+    codec = CodecConfig()
+    if num_nodes < codec.num_shards or num_keys < 1:
+        raise ValueError(
+            f"--nodes must be at least k+m = {codec.num_shards} and --keys at least 1, got "
+            f"{num_nodes} and {num_keys}"
+        )
+    keys = np.random.default_rng(seed).integers(0, 256, (num_keys, 16), dtype=np.uint8)
+    nodes = tuple(_node(i) for i in range(num_nodes))
+    groups = make_groups([(n.id, n.failure_domain) for n in nodes], codec.num_shards)
+    before = ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=codec)
+    joined = join(before, _node(num_nodes))
+    regenerated = dataclasses.replace(
+        joined,
+        groups=tuple(
+            make_groups([(n.id, n.failure_domain) for n in joined.nodes], codec.num_shards)
+        ),
+        moving_from=(),
+    )
+    settled = finish_move(joined)
+    num_shards = num_keys * codec.num_shards
+    ideal_join = ideal_join_shards(num_shards, num_nodes + 1)
+    changes = [
+        ("join", before, joined, ideal_join),
+        ("join by regenerating groups", before, regenerated, ideal_join),
+        ("drain", settled, drain(settled, "n01"), held_shards(settled, "n01", keys)),
+        (
+            "out (down past down_out_s)",
+            settled,
+            mark_out(settled, "n02"),
+            held_shards(settled, "n02", keys),
+        ),
+    ]
+    rows = []
+    for name, old, new, ideal in changes:
+        count = shards_moved(old, new, keys, ideal)
+        rows.append(
+            {
+                "change": name,
+                "keys": count.num_keys,
+                "shards": count.num_shards,
+                "moved_shards": count.moved_shards,
+                "ideal_shards": count.ideal_shards,
+                "ratio_to_ideal": round(count.ratio_to_ideal, 4),
+                "keys_touched": count.moved_keys,
+            }
+        )
+    return rows
