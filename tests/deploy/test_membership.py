@@ -68,7 +68,7 @@ def _health_v1(address: str) -> int:
 
 def test_join_drain_remove_and_down_out_lose_nothing(tmp_path: Path) -> None:
     with LocalCluster.start(
-        tmp_path / "c", 12, fsync=False, etcd="local", down_out_s=5.0, **REPAIR
+        tmp_path / "c", 12, fsync=False, etcd="local", down_out_s=8.0, **REPAIR
     ) as cluster:
         assert _health_v1(cluster.config.nodes[0].address) == health_pb2.HealthCheckResponse.SERVING
         figures = asyncio.run(_scenario(cluster))
