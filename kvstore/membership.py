@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aetcd
@@ -42,10 +42,8 @@ class EtcdMembership:
         if not membership.endpoints:
             raise InvalidArgument("[membership] etcd is empty: there is no etcd to talk to")
         self.membership = membership
-        host, _, port = membership.endpoints[0].removeprefix("http://").rpartition(":")
-        self._client = aetcd.Client(
-            host=host or "127.0.0.1", port=int(port), timeout=ETCD_TIMEOUT_S
-        )
+        self._endpoint = 0
+        self._client = _client_for(membership.endpoints[0])
         self._map_key = f"{membership.prefix}/map".encode()
         self._members_prefix = f"{membership.prefix}/members/".encode()
 
@@ -59,12 +57,25 @@ class EtcdMembership:
         with contextlib.suppress(Exception):
             await self._client.close()
 
+    async def _call(self, request: Callable[[aetcd.Client], Awaitable[Any]]) -> Any:
+        """``request`` on the current endpoint; an endpoint that does not answer is left for
+        the next one of ``[membership] etcd`` (each tried once). Unavailable if none does."""
+        endpoints = self.membership.endpoints
+        for _ in endpoints:
+            try:
+                return await request(self._client)
+            except _UNREACHABLE as exc:
+                log.warning("etcd %s: %s; trying the next endpoint", endpoints[self._endpoint], exc)
+                await self.close()
+                self._endpoint = (self._endpoint + 1) % len(endpoints)
+                self._client = _client_for(endpoints[self._endpoint])
+            except aetcd.exceptions.ClientError as exc:
+                raise Unavailable(f"etcd {endpoints[self._endpoint]}: {exc}") from None
+        raise Unavailable(f"no etcd endpoint of {self.membership.etcd} answers")
+
     async def get_map(self) -> tuple[ClusterConfig, int] | None:
         """The map in etcd and its key's mod revision, or None when none was stored yet."""
-        try:
-            got = await self._client.get(self._map_key)
-        except aetcd.exceptions.ClientError as exc:
-            raise Unavailable(f"etcd {self.membership.etcd}: {exc}") from None
+        got = await self._call(lambda c: c.get(self._map_key))
         if got is None:
             return None
         source = f"etcd {self.membership.etcd} {self._map_key.decode()}"
@@ -74,7 +85,7 @@ class EtcdMembership:
         """Store ``cfg`` unless a map is there already; return the map etcd holds."""
         txn = self._client.transactions
         await self._call(
-            self._client.transaction(
+            lambda c: c.transaction(
                 compare=[txn.version(self._map_key) == 0],
                 success=[txn.put(self._map_key, cluster_to_toml(cfg).encode())],
                 failure=[],
@@ -99,11 +110,10 @@ class EtcdMembership:
             new = change(current)
             if new.epoch <= current.epoch:
                 raise InvalidArgument(f"a map change must raise the epoch ({current.epoch})")
+            put = txn.put(self._map_key, cluster_to_toml(new).encode())
             won, _ = await self._call(
-                self._client.transaction(
-                    compare=[txn.mod(self._map_key) == revision],
-                    success=[txn.put(self._map_key, cluster_to_toml(new).encode())],
-                    failure=[],
+                lambda c, revision=revision, put=put: c.transaction(
+                    compare=[txn.mod(self._map_key) == revision], success=[put], failure=[]
                 )
             )
             if won:
@@ -121,7 +131,9 @@ class EtcdMembership:
                     epoch = got[0].epoch
                     yield got[0]
                 start = got[1] + 1 if got is not None else None
-                watch = await self._client.watch(self._map_key, start_revision=start)
+                watch = await self._call(
+                    lambda c, start=start: c.watch(self._map_key, start_revision=start)
+                )
                 try:
                     async for cfg in self._watched(watch):
                         if cfg.epoch > epoch:
@@ -147,7 +159,7 @@ class EtcdMembership:
 
     async def live_members(self) -> dict[str, dict[str, Any]]:
         """Node id -> what it registered, for every node whose lease is alive."""
-        got = await self._call(self._client.get_prefix(self._members_prefix))
+        got = await self._call(lambda c: c.get_prefix(self._members_prefix))
         return {kv.key[len(self._members_prefix) :].decode(): json.loads(kv.value) for kv in got}
 
     async def keep_registered(self, node_id: str, info: dict[str, Any]) -> None:
@@ -155,33 +167,41 @@ class EtcdMembership:
         (etcd down longer than the TTL) is replaced by a new one. Revoked on cancel."""
         ttl_s = int(self.membership.lease_ttl_s)
         key = self._members_prefix + node_id.encode()
-        lease = None
+        lease_id = None
         try:
             while True:
                 try:
-                    if lease is None:
-                        lease = await self._client.lease(ttl_s)
-                        await self._client.put(key, json.dumps(info).encode(), lease=lease)
-                        log.info("registered %s in etcd (lease %x, %d s)", node_id, lease.id, ttl_s)
+                    if lease_id is None:
+                        lease = await self._call(lambda c: c.lease(ttl_s))
+                        lease_id = lease.id
+                        await self._call(
+                            lambda c, i=lease_id: c.put(key, json.dumps(info).encode(), lease=i)
+                        )
+                        log.info("registered %s in etcd (lease %x, %d s)", node_id, lease_id, ttl_s)
                     else:
-                        reply = await lease.refresh()
+                        reply = await self._call(lambda c, i=lease_id: c.refresh_lease(i))
                         if reply is None or reply.TTL <= 0:
-                            lease = None  # expired meanwhile: register again
+                            lease_id = None  # expired meanwhile: register again
                             continue
-                except aetcd.exceptions.ClientError as exc:
+                except Unavailable as exc:
                     log.warning("etcd lease of %s: %s; retrying", node_id, exc)
-                    lease = None
+                    lease_id = None
                 await asyncio.sleep(ttl_s / 3)
         finally:
-            if lease is not None:
+            if lease_id is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(lease.revoke(), 2.0)
+                    await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)
 
-    async def _call(self, awaitable: Any) -> Any:
-        try:
-            return await awaitable
-        except aetcd.exceptions.ClientError as exc:
-            raise Unavailable(f"etcd {self.membership.etcd}: {exc}") from None
+
+def _client_for(endpoint: str) -> aetcd.Client:
+    host, _, port = endpoint.removeprefix("http://").rpartition(":")
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=ETCD_TIMEOUT_S)
+
+
+_UNREACHABLE = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+)
 
 
 async def follow_map(
