@@ -112,6 +112,7 @@ MESSAGE_SLACK_BYTES = 1 << 20
 INLINE_GET_MAX_KEYS = 4
 NUM_WORKER_THREADS = 8
 STOP_GRACE_S = 5.0
+HEALTH_POLL_S = 0.5  # grpc.health.v1 follows the store's state this often
 SERVICE_NAME = "kvstore.v1.ShardStore"
 MAX_LIST_PAGE = 4096
 
@@ -809,6 +810,7 @@ async def serve(
             asyncio.create_task(scrub_forever(partial(_scrub, holder), node, executor)),
             asyncio.create_task(sync_forever(sync, node.tombstone_sync_interval_s)),
             asyncio.create_task(repair.run()),
+            asyncio.create_task(_mirror_health(health, holder)),
         ]
         if membership is not None:
             info = {"address": node.address, "pid": os.getpid(), "state": "serving"}
@@ -819,8 +821,6 @@ async def serve(
                     keep_map(membership, node.id, lambda: placed.cluster, repair, clock)
                 ),
             ]
-        await health.set("", HealthCheckResponse.SERVING)
-        await health.set(SERVICE_NAME, HealthCheckResponse.SERVING)
         log.info("node %s serving on %s", node.id, node.address)
         print(f"node {node.id} serving on {node.address}", flush=True)
         await stop.wait()
@@ -841,6 +841,20 @@ async def serve(
         await holder.close()
         executor.shutdown()
     log.info("node %s stopped", node.id)
+
+
+async def _mirror_health(health: health_aio.HealthServicer, holder: StoreHolder) -> None:
+    """grpc.health.v1 says what Health says: SERVING while the store is open, NOT_SERVING
+    while it is opened or its index rebuilt (standard probes see it within HEALTH_POLL_S)."""
+    serving = None
+    while True:
+        now_serving = holder.store is not None
+        if now_serving != serving:
+            status = HealthCheckResponse.SERVING if now_serving else HealthCheckResponse.NOT_SERVING
+            for service in ("", SERVICE_NAME):
+                await health.set(service, status)
+            serving = now_serving
+        await asyncio.sleep(HEALTH_POLL_S)
 
 
 def _serve_metrics(

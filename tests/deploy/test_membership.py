@@ -31,6 +31,7 @@ pytestmark = [
 ]
 
 KiB, MiB = 1 << 10, 1 << 20
+SERVING = health_pb2.HealthCheckResponse.SERVING
 REPAIR = {"repair_bytes_per_s": 256 * MiB, "repair_scan_interval_s": 600.0}
 MOVE_TIMEOUT_S = 300.0
 
@@ -70,7 +71,10 @@ def test_join_drain_remove_and_down_out_lose_nothing(tmp_path: Path) -> None:
     with LocalCluster.start(
         tmp_path / "c", 12, fsync=False, etcd="local", down_out_s=8.0, **REPAIR
     ) as cluster:
-        assert _health_v1(cluster.config.nodes[0].address) == health_pb2.HealthCheckResponse.SERVING
+        deadline_s = time.monotonic() + 30
+        while _health_v1(cluster.config.nodes[0].address) != SERVING:
+            assert time.monotonic() < deadline_s, "grpc.health.v1 never said SERVING"
+            time.sleep(0.1)
         figures = asyncio.run(_scenario(cluster))
     print(json.dumps(figures, indent=1))
 
