@@ -780,22 +780,26 @@ async def serve(
 
     drops: set[asyncio.Future[int]] = set()
 
+    def drop_moved_away() -> None:
+        """With a settled map (etcd membership), drop the shards a finished move placed
+        elsewhere (verified on their new nodes before the keeper finished it)."""
+        store = holder.store
+        if membership is None or placed.cluster.moving_from or store is None:
+            return
+        drop = asyncio.get_running_loop().run_in_executor(
+            executor, store.drop_moved, placed.group_to_position, len(placed.cluster.groups)
+        )
+        drops.add(drop)
+        drop.add_done_callback(drops.discard)
+
     def follow(new: ClusterConfig) -> None:
-        """Switch to a newer map epoch without a restart (etcd membership); once a move is
-        finished, drop the shards it moved away from this node (verified on their new nodes
-        before the keeper finished it)."""
+        """Switch to a newer map epoch without a restart (etcd membership)."""
         placed.set(new)
         servicer.set_epoch(new.epoch)
         repair.set_cluster(new)
+        sync.set_cluster(new)
         log.info("node %s follows map epoch %d", node.id, new.epoch)
-        store = holder.store
-        if not new.moving_from and store is not None:
-            positions = placed.group_to_position
-            drop = asyncio.get_running_loop().run_in_executor(
-                executor, store.drop_moved, positions, len(new.groups)
-            )
-            drops.add(drop)
-            drop.add_done_callback(drops.discard)
+        drop_moved_away()
 
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -804,6 +808,7 @@ async def serve(
         if node.metrics_port:
             _serve_metrics(metrics, node, auth, lambda: holder.store is not None)
         await holder.open()
+        drop_moved_away()  # a move may have finished while this node was down
         period_s = upkeep_period_s(cluster.ttl.time_scale, cluster.ttl.expiry_window_s)
         tasks = [
             asyncio.create_task(_upkeep(holder, auth, period_s, executor)),

@@ -18,6 +18,7 @@ away longer than that holds only shards that have expired by then anyway.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -70,9 +71,29 @@ class TombstoneSync:
         self._executor = executor
         token = read_token_file(node.peer_token_file) if node.peer_token_file else None
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        credentials = node_channel_credentials(cluster, node)
-        self._peers = group_peers(cluster, node.id)
-        self._channels = {p.id: aio_channel(p.address, credentials) for p in self._peers}
+        self._node_id = node.id
+        self._credentials = node_channel_credentials(cluster, node)
+        self._peers: list[NodeConfig] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._addresses: dict[str, str] = {}
+        self._retired: list[grpc.aio.Channel] = []
+        self.set_cluster(cluster)
+
+    def set_cluster(self, cluster: ClusterConfig) -> None:
+        """Pull from the group-mates of a newer map epoch too (etcd membership), those of the
+        groups before a move in progress included; channels of peers kept or re-made."""
+        moving = dataclasses.replace(cluster, groups=cluster.moving_from or cluster.groups)
+        by_id = {
+            p.id: p
+            for p in [*group_peers(cluster, self._node_id), *group_peers(moving, self._node_id)]
+        }
+        self._peers = list(by_id.values())
+        for peer in self._peers:
+            if self._addresses.get(peer.id) != peer.address:
+                if peer.id in self._channels:
+                    self._retired.append(self._channels[peer.id])
+                self._channels[peer.id] = aio_channel(peer.address, self._credentials)
+                self._addresses[peer.id] = peer.address
 
     async def pull_all(self) -> int:
         """One pull from every peer; return the number of shards deleted here."""
@@ -123,7 +144,8 @@ class TombstoneSync:
                 return num_deleted
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._channels.values()))
+        channels = [*self._channels.values(), *self._retired]
+        await asyncio.gather(*(c.close() for c in channels))
 
 
 async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
