@@ -167,7 +167,10 @@ class KVClient:
         (or ``$KVSTORE_TLS_CERT``/``$KVSTORE_TLS_KEY``) are the client certificate for mutual
         TLS.
 
-        Channels connect lazily; a node that is down only shows up as a failed RPC later.
+        With ``[membership] etcd`` set, the map is etcd's and the client follows its epochs
+        without reconnecting (kvstore/membership.py; during a move reads that miss ask the
+        placement before it). Channels connect lazily; a node that is down only shows up as a
+        failed RPC later.
         ``transport`` picks how reads travel (client/ucx/reader.py): "grpc"; "ucx"
         (Unavailable at connect unless ucxx is installed and some node answers with a UCX
         address this client reaches); "auto" = UCX to each node a shared-memory/RDMA UCX
@@ -185,14 +188,19 @@ class KVClient:
                 config = cluster_toml
             else:
                 config = await asyncio.to_thread(load_cluster, cluster_toml)
-            membership = None
-            if config.membership.endpoints:
-                membership = EtcdMembership(config.membership)
-                got = await membership.get_map()
-                config = got[0] if got is not None else config
-            client = cls(
-                config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
-            )
+            # With [membership] etcd the map in etcd wins over the file (which only seeds it).
+            membership = EtcdMembership(config.membership) if config.membership.endpoints else None
+            try:
+                if membership is not None:
+                    got = await membership.get_map()
+                    config = got[0] if got is not None else config
+                client = cls(
+                    config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
+                )
+            except BaseException:
+                if membership is not None:
+                    await membership.close()
+                raise
             if membership is not None:
                 client._membership = membership
                 client._follow = asyncio.create_task(
