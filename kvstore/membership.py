@@ -42,8 +42,8 @@ class EtcdMembership:
         if not membership.endpoints:
             raise InvalidArgument("[membership] etcd is empty: there is no etcd to talk to")
         self.membership = membership
-        self._endpoint = 0
-        self._client = _client_for(membership.endpoints[0])
+        self._endpoint = 0  # the endpoint in use; one client per endpoint, made on first use
+        self._clients: dict[int, aetcd.Client] = {}
         self._map_key = f"{membership.prefix}/map".encode()
         self._members_prefix = f"{membership.prefix}/members/".encode()
 
@@ -53,9 +53,17 @@ class EtcdMembership:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    @property
+    def _client(self) -> aetcd.Client:
+        if self._endpoint not in self._clients:
+            self._clients[self._endpoint] = _client_for(self.membership.endpoints[self._endpoint])
+        return self._clients[self._endpoint]
+
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._client.close()
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+        self._clients.clear()
 
     async def _call(self, request: Callable[[aetcd.Client], Awaitable[Any]]) -> Any:
         """``request`` on the current endpoint; an endpoint that does not answer is left for
@@ -65,10 +73,10 @@ class EtcdMembership:
             try:
                 return await request(self._client)
             except _UNREACHABLE as exc:
-                log.warning("etcd %s: %s; trying the next endpoint", endpoints[self._endpoint], exc)
-                await self.close()
+                # Other tasks may have calls in flight on this client: it stays open, and
+                # comes back into use when the rotation returns to it.
+                log.info("etcd %s: %s", endpoints[self._endpoint], exc)
                 self._endpoint = (self._endpoint + 1) % len(endpoints)
-                self._client = _client_for(endpoints[self._endpoint])
             except aetcd.exceptions.ClientError as exc:
                 raise Unavailable(f"etcd {endpoints[self._endpoint]}: {exc}") from None
         raise Unavailable(f"no etcd endpoint of {self.membership.etcd} answers")
