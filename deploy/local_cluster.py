@@ -429,6 +429,15 @@ class LocalCluster:
             endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
             membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
             config = dataclasses.replace(config, membership=membership)
+            existing = etcd_call(config, _get_map)
+            if existing is not None:
+                stop_etcd(root)
+                raise InvalidArgument(
+                    f"etcd {endpoint} already holds a cluster map under {membership.prefix} "
+                    f"(epoch {existing.epoch}, {len(existing.nodes)} nodes): its nodes would "
+                    "follow that map, not this one; use an etcd of its own (--etcd alone "
+                    "starts one) or remove the old map"
+                )
         for attempt in range(1, PORT_ATTEMPTS + 1):
             save_cluster(config, root / "cluster.toml")
             cluster = cls(root, config)

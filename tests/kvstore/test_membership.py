@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local_cluster import free_ports, local_config
+from deploy.local_cluster import LocalCluster, free_ports, local_config
 from deploy.local_etcd import start_etcd, stop_etcd
 from kvstore.config import ClusterConfig, MembershipConfig
 from kvstore.errors import InvalidArgument
@@ -27,6 +27,9 @@ def test_map_cas_watch_leases_and_a_dead_first_endpoint(tmp_path: Path) -> None:
         membership = MembershipConfig(etcd=f"127.0.0.1:{dead_port},{endpoint}", lease_ttl_s=2)
         cfg = dataclasses.replace(local_config(tmp_path, 13), membership=membership)
         asyncio.run(_scenario(cfg))
+        with pytest.raises(InvalidArgument, match="already holds a cluster map"):
+            LocalCluster.start(tmp_path / "second", 12, etcd=endpoint)
+        assert not (tmp_path / "second" / "pids.json").exists(), "no node may have started"
     finally:
         stop_etcd(tmp_path)
 
