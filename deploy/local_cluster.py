@@ -4,9 +4,17 @@
 
     kvstore cluster up --nodes 12 --dir DIR [--time-scale X] [--backend isal|zfec]
                        [--max-bytes 1GiB] [--no-fsync] [--base-port P] [--auth] [--tls]
+                       [--etcd [HOST:PORT]] [--down-out-s 600]
     kvstore cluster status --dir DIR [--json]
     kvstore cluster add-tenant --dir DIR TENANT [--role service --tenants a,b] [--max-ttl ...]
+    kvstore cluster join --dir DIR [--id ID] [--address H:P --failure-domain D --data-dir P]
+    kvstore cluster drain --dir DIR NODE [--timeout-s 600] [--no-wait]
+    kvstore cluster remove --dir DIR NODE
     kvstore cluster down --dir DIR
+
+With ``--etcd`` the map lives in etcd (kvstore/membership.py; without an endpoint a local etcd
+runs from DIR/etcd, deploy/local_etcd.py), and join, drain and remove change it there
+(kvstore/map_changes.py); ``cluster.toml`` is then the seed and a copy of the latest map.
 
 Layout of DIR::
 
@@ -20,6 +28,7 @@ Layout of DIR::
     admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
     node.token         with --auth: the credential nodes present to each other (0600)
     tls/               with --tls: the development CA and one certificate per node
+    etcd/, etcd.pid    with --etcd (no endpoint): the local etcd's data and pid
 
 On one machine the nodes share DIR, so they share one credentials file; on real hosts each
 node has its own copy (the same file), and only the nodes can read it.
