@@ -101,6 +101,9 @@ class ShardStoreServicer:
 
     def PutShards(self, request, context):
         """Store shards durably; all-or-nothing per request (one index transaction = commit point).
+        Data RPCs (PutShards, GetShards, ReadBatch, Contains, Delete, TouchShards) need a tenant
+        or service credential (kvstore/auth.py); a node credential may also read any tenant's
+        shards and make repair writes (PutShardsRequest.repair), as its peers' repair does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,7 +128,7 @@ class ShardStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Contains(self, request, context):
-        """Which versions of each key this node holds; does NOT refresh TTLs.
+        """Which live versions of each key this node holds, newest first; does NOT refresh TTLs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,13 +156,15 @@ class ShardStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Node or admin.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Open to everyone (no credential): id, epoch, clock, UCX address.
+        """Open to everyone (no credential): id, epoch, clock, UCX address, serving state,
+        incarnation and repair readiness (nothing about tenants or their blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,16 +179,18 @@ class ShardStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListShards(self, request, context):
-        """One page of the entries a node holds for one placement group, in key order, every
-        tenant: the repair service's listing (kvstore/repair.py).
+        """Node or admin: one page of the entries a node holds for one placement group, in key
+        order, every tenant: the repair service's listing (kvstore/repair.py). UNAVAILABLE until
+        the node has pulled its peers' delete logs (HealthReply.repair_ready).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def QueueRepair(self, request, context):
-        """Blocks a reader decoded around a missing or corrupt shard: the node that leads their
-        group queues them for repair (read-repair).
+        """Blocks a reader decoded around a missing or corrupt shard, or a put left short: the
+        node that leads their group queues them for repair (read-repair). Tenant or service (for
+        its tenants), or node.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
