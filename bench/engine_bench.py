@@ -31,6 +31,9 @@ ids; capped at the model's context length):
   ``ratio_to_ideal = speedup / ideal_speedup`` (target >= 0.8 at 90% cached). The lookup
   (``match_prefix``), key hashing, swap-in copies and thread hand-offs count against it.
 - ``fetch_gb_per_s``: bytes swapped in / fetch time; ``compute_tokens_per_s``: L / cold TTFT.
+- Where a cached TTFT goes (medians): ``lookup_s``, ``fetch_s``, ``compute_s`` (the forward
+  pass of the rest, waiting for swapped-in layers included) and ``other_s`` (the remainder:
+  key hashing, swap-in start, thread hand-offs).
 
 Every cached run's first token is compared with the cold run's (``same_first_token``).
 """
@@ -81,6 +84,10 @@ class Row:
     suffix_compute_s: float
     lookup_s: float
     fetch_s: float
+    # Where a cached TTFT goes: lookup_s + fetch_s + compute_s (the suffix's forward pass,
+    # waiting for swapped-in layers included) + other_s (key hashing, swap-in start, hops).
+    compute_s: float
+    other_s: float
     fetch_gb_per_s: float
     compute_tokens_per_s: float
     same_first_token: bool
@@ -186,6 +193,8 @@ def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine:
     ttft_s = statistics.median(r.ttft_s for r in cached)
     lookup_s = statistics.median(r.lookup_s for r in cached)
     fetch_s = statistics.median(r.fetch_s for r in cached)
+    compute_s = statistics.median(r.compute_s for r in cached)
+    other_s = statistics.median(r.ttft_s - r.lookup_s - r.fetch_s - r.compute_s for r in cached)
     cached_tokens = min(r.num_cached_tokens for r in cached)
     fetched_bytes = cached_tokens // engine.config.block_tokens * engine.layout.block_bytes
     ideal_speedup = ttft_cold_s / (suffix_compute_s + fetch_s) if cached_tokens else 1.0
@@ -203,6 +212,8 @@ def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine:
         suffix_compute_s=suffix_compute_s,
         lookup_s=lookup_s,
         fetch_s=fetch_s,
+        compute_s=compute_s,
+        other_s=other_s,
         fetch_gb_per_s=fetched_bytes / fetch_s / GB if fetched_bytes and fetch_s else 0.0,
         compute_tokens_per_s=len(prompt) / ttft_cold_s,
         same_first_token=all(r.first_token_id == cold[0].first_token_id for r in cached),
@@ -225,8 +236,9 @@ def results_table(rows: list[Row], title: str) -> Table:
     table = Table(title=title)
     columns = ["prompt", "cached", "TTFT cold s", "TTFT s", "spread", "speedup", "ideal"]
     columns.append("of ideal")
-    for name in [*columns, "fetch GB/s", "compute tok/s", "same 1st"]:
+    for name in [*columns, "lookup/fetch/compute/other ms", "fetch GB/s", "compute tok/s"]:
         table.add_column(name, justify="right")
+    table.add_column("same 1st", justify="right")
     for row in rows:
         table.add_row(
             str(row.prompt_tokens),
@@ -237,6 +249,9 @@ def results_table(rows: list[Row], title: str) -> Table:
             f"{row.speedup:.2f}x",
             f"{row.ideal_speedup:.2f}x",
             f"{row.ratio_to_ideal:.2f}",
+            "/".join(
+                f"{1000 * s:.0f}" for s in (row.lookup_s, row.fetch_s, row.compute_s, row.other_s)
+            ),
             f"{row.fetch_gb_per_s:.2f}",
             f"{row.compute_tokens_per_s:.0f}",
             "yes" if row.same_first_token else "NO",

@@ -4,7 +4,7 @@
 
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--batch 1,8] [--seconds S]
-        [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx]
+        [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx,local]
         [--encryption] [--secure]
 
 One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
@@ -97,7 +97,7 @@ class Result:
     num_failed: int = 0  # GETs that missed, PUTs that raised (e.g. QuorumError)
     repeat: int = 0  # 1: the calm GETs measured again after the straggler phase
     load_avg_1m: float = 0.0  # the machine's 1-minute load average after the setting
-    transport: str = ""  # kvstore's read transport ("grpc" or "ucx"); "" for redis
+    transport: str = ""  # kvstore's read transport ("grpc", "ucx" or "local"); "" for redis
     batch: int = 1  # keys per call (1: single-key calls)
     client_cpu_s_per_gb: float = 0.0  # the client process's CPU seconds per GB moved
     server_cpu_s_per_gb: float = 0.0  # the nodes' (or redis-server's) CPU seconds per GB
@@ -660,9 +660,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument(
         "--transport",
-        type=transport_list(("grpc", "ucx")),
+        type=transport_list(("grpc", "ucx", "local")),
         default=["grpc"],
-        help="kvstore read transports to bench in one run, e.g. grpc,ucx (the straggler "
+        help="kvstore read transports to bench in one run, e.g. grpc,ucx,local (the straggler "
         "phase runs on the first)",
     )
     parser.add_argument(

@@ -4,7 +4,7 @@
 
     kvstore bench swapin [--json PATH] [--transport grpc,ucx] [--cluster DIR/cluster.toml]
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
-        [--num-blocks 64] [--concurrency 64] [--chunk-blocks 16] [--rounds 5]
+        [--num-blocks 64] [--concurrency 128] [--chunk-blocks 32] [--rounds 5]
         [--device cpu|cuda[:N]]
         [--nodes 12] [--no-fsync]
 
@@ -31,7 +31,12 @@ placed, as compute would place it).
   pooled; ``lookup_ms``: median ``match_prefix`` time.
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
-- ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto).
+- ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
+  threads, decode pool, CUDA copies) per fetched GB, over each fetch and its swap-in, the
+  sample check not counted; ``nodes_cpu_s_per_gb``: the local cluster's node processes' CPU
+  seconds per GB over the same spans (0 with ``--cluster``: their processes are not ours).
+- ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto);
+  ``local_counters``: its local-channel counters (transport local/auto).
 
 "ucx" is skipped with a note when this client cannot use it (ucxx not importable, or no node
 offers a UCX address it reaches). Without ``--cluster`` a local cluster is started around the
@@ -56,7 +61,7 @@ import torch
 import xxhash
 from rich.table import Table
 
-from bench.common import bench_cluster, percentile_ms, transport_list
+from bench.common import bench_cluster, percentile_ms, process_cpu_s, transport_list
 from client import KVClient
 from engine_adapter import weights
 from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
@@ -93,6 +98,9 @@ class Record:
     num_verified_blocks: int
     incomplete_fetches: list[str]  # fetches that delivered fewer blocks than stored
     ucx_counters: dict[str, int] | None
+    local_counters: dict[str, int] | None = None  # transport local/auto: the local channel
+    client_cpu_s_per_gb: float = 0.0  # this process, over the measured fetches and swap-ins
+    nodes_cpu_s_per_gb: float = 0.0  # the local cluster's node processes, the same spans
 
 
 @dataclass
@@ -111,6 +119,9 @@ class Runner:
     num_mismatched: int = 0
     incomplete: list[str] = field(default_factory=list)
     ucx_before: dict[str, int] | None = None
+    local_before: dict[str, int] | None = None
+    client_cpu_s: float = 0.0
+    nodes_cpu_s: float = 0.0
 
 
 class Bench:
@@ -130,6 +141,7 @@ class Bench:
         self.notes: list[str] = []
         self._check = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype))
         self._rng = random.Random(args.seed)
+        self.node_pids: list[int] = []  # the local cluster's nodes, for their CPU seconds
 
     def engine_config(self, transport: str) -> EngineConfig:
         return EngineConfig(
@@ -182,10 +194,13 @@ class Bench:
     async def fetch(self, runner: Runner, label: str, measured: bool) -> None:
         """One fetch into the pool and swap-in to its end; verify a sample, release the slots."""
         keys = self.keys()
+        cpu_before = time.process_time(), self._nodes_cpu_s()
         started = time.perf_counter()
         outcome = await runner.connector.fetch_prefix(keys, self.table, len(keys), self.tenant)
         self._finish_swap_in(outcome)
         cache_s = time.perf_counter() - started - outcome.lookup_s
+        client_cpu_s = time.process_time() - cpu_before[0]
+        nodes_cpu_s = self._nodes_cpu_s() - cpu_before[1]
         try:
             self._verify(runner, outcome)
         finally:
@@ -201,6 +216,11 @@ class Bench:
             runner.lookup_s.append(outcome.lookup_s)
             runner.fetched_bytes.append(outcome.num_fetched_blocks * self.layout.block_bytes)
             runner.block_fetch_s += outcome.block_fetch_s
+            runner.client_cpu_s += client_cpu_s
+            runner.nodes_cpu_s += nodes_cpu_s
+
+    def _nodes_cpu_s(self) -> float:
+        return sum(process_cpu_s(pid) for pid in self.node_pids)
 
     def _finish_swap_in(self, outcome: FetchOutcome) -> None:
         if self.device.type == "cuda":
@@ -230,9 +250,10 @@ class Bench:
             await runner.connector.close()
 
 
-def ucx_counters(kv: KVClient) -> dict[str, int] | None:
-    """The client's UCX counters (None without a UCX path), whatever counters it keeps."""
-    counters = getattr(getattr(kv, "ucx", None), "counters", None)
+def ucx_counters(kv: KVClient, path: str = "ucx") -> dict[str, int] | None:
+    """The client's UCX (or ``path="local"``: local channel) counters, None without that
+    path, whatever counters it keeps."""
+    counters = getattr(getattr(kv, path, None), "counters", None)
     if counters is None:
         return None
     return {name: value for name, value in vars(counters).items() if isinstance(value, int)}
@@ -251,6 +272,8 @@ def make_record(bench: Bench, runner: Runner) -> Record:
     rounds = [b / s / GB for b, s in zip(runner.fetched_bytes, runner.fetch_s, strict=True)]
     to_cache = [b / s / GB for b, s in zip(runner.fetched_bytes, runner.cache_s, strict=True)]
     after = ucx_counters(runner.kv)
+    local_after = ucx_counters(runner.kv, "local")
+    fetched_gb = sum(runner.fetched_bytes) / GB
     return Record(
         transport=runner.transport,
         device=str(bench.device),
@@ -269,6 +292,9 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         num_verified_blocks=runner.num_verified,
         incomplete_fetches=runner.incomplete,
         ucx_counters=counters_delta(runner.ucx_before, after),
+        local_counters=counters_delta(runner.local_before, local_after),
+        client_cpu_s_per_gb=runner.client_cpu_s / fetched_gb if fetched_gb else 0.0,
+        nodes_cpu_s_per_gb=runner.nodes_cpu_s / fetched_gb if fetched_gb else 0.0,
     )
 
 
@@ -287,7 +313,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     layout = layout_for(args)
     swapin = Bench(args, layout)
     load_before = os.getloadavg()[0]
-    with bench_cluster(args) as (cluster_toml, _):
+    with bench_cluster(args) as (cluster_toml, cluster):
+        if cluster is not None:
+            swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
         try:
             await swapin.open(cluster_toml)
             await measure(swapin)
@@ -320,6 +348,7 @@ async def measure(bench: Bench) -> None:
     for runner in runners:
         await bench.fetch(runner, "warm-up", measured=False)
         runner.ucx_before = ucx_counters(runner.kv)
+        runner.local_before = ucx_counters(runner.kv, "local")
     with ProgressReporter("swap-in", bench.args.rounds * len(runners)) as progress:
         for round_index in range(bench.args.rounds):
             order = runners if round_index % 2 == 0 else runners[::-1]
@@ -332,8 +361,9 @@ def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
     for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
-    for name in ["p50 ms", "p99 ms", "lookup ms", "verified", "UCX replies/shards/inline/fallback"]:
+    for name in ["p50 ms", "p99 ms", "lookup ms", "CPU s/GB client/nodes", "verified"]:
         table.add_column(name, justify="right")
+    table.add_column("UCX replies/shards/inline/fallback", justify="right")
     for r in records:
         ucx = r.ucx_counters or {}
         shards = "/".join(
@@ -351,6 +381,7 @@ def results_table(records: list[Record], title: str) -> Table:
             f"{r.p50_ms:.1f}",
             f"{r.p99_ms:.1f}",
             f"{r.lookup_ms:.1f}",
+            f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f}",
             f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
             shards if r.ucx_counters is not None else "-",
         )
@@ -389,10 +420,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-blocks", type=_positive, default=64, help="blocks per fetch")
     parser.add_argument(
-        "--concurrency", type=_positive, default=64, help="blocks in flight per fetch"
+        "--concurrency",
+        type=_positive,
+        default=EngineConfig.fetch_concurrency,
+        help="blocks in flight per fetch",
     )
     parser.add_argument(
-        "--chunk-blocks", type=_positive, default=16, help="blocks per get_batch_into call"
+        "--chunk-blocks",
+        type=_positive,
+        default=EngineConfig.fetch_chunk_blocks,
+        help="blocks per get_batch_into call",
     )
     parser.add_argument("--rounds", type=_positive, default=5, help="measured fetches each")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

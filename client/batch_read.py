@@ -5,7 +5,7 @@ block, every checksum verified.
 
     keys -> their groups (placement) -> per group: plan_read (ask 11 nodes, 1 in reserve)
          -> per node: ONE request for every key it is asked for (client/landing.Wanted)
-    answers arrive node by node, each landed by its transport (UCX or gRPC): data shards at
+    answers arrive node by node, each landed by its transport (local, UCX or gRPC): data shards at
     their place in the caller's blocks, the rest apart (client/landing.py)
          -> every HIT shard verified (codec.verify), tallied per key by version
          -> a key is decided when one version has k shards, or when the requests still
@@ -24,20 +24,24 @@ client's Python work per batch is per node (a request, an answer, a table decode
 plus a short loop per shard (one checksum call, one tally update); it never creates a future
 or a message per shard.
 
-This is the module's one dense hot path. Decoding runs on the event loop thread: with ISA-L
-and every data shard in place it is one xxh3 pass over the block.
+This is the module's one dense hot path. Decoding runs on the event loop thread, or for
+batches of DECODE_POOL_MIN_BYTES and more in the client's decode pool: with ISA-L and every
+data shard in place it is one xxh3 pass over the block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from client.landing import NodeAnswer, Wanted
-from client.node_conn import NodeConn, NodeReader, consume_result
+from client.node_conn import NodeConn, NodeReader, consume_result, finish_despite_cancel
 from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
 from erasure.codec import Codec
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_REQUEST = 64  # keys of one request to one node (more: several requests)
 DATA_GRACE = 0.1  # of a batch's time, waited for data shards once every key has k shards
+DECODE_POOL_MIN_BYTES = 1 << 20  # smaller batches decode on the event loop (no thread hop)
 
 
 @dataclass
@@ -97,6 +102,8 @@ class BatchRead:
         counters: ReadCounters,
         hedge_delay_s: float = 0.0,
         follow_ups: FollowUpSink | None = None,
+        *,
+        decode_pool: Executor | None = None,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -107,6 +114,7 @@ class BatchRead:
         self.counters = counters
         self.hedge_delay_s = hedge_delay_s  # 0 = ask reserves only for hopeless keys
         self.follow_ups = follow_ups
+        self.decode_pool = decode_pool  # decodes (a block checksum pass each) run here
 
     async def run(
         self,
@@ -128,7 +136,7 @@ class BatchRead:
         finally:
             await state.stop()
         try:
-            blocks = state.decode()
+            blocks = await state.decode(self.decode_pool)
         finally:
             state.release()
         if self.follow_ups is not None:
@@ -306,14 +314,23 @@ class _State:
         key_indexes = entries["key_index"].tolist()
         positions = request.wanted.positions
         header_start = batch_answer.ENTRY_BYTES - 48
-        rows = zip(hit_rows, answer.payloads, answer.in_place, strict=True)
-        for row, payload, in_place in rows:
+        headers = answer.headers  # verified by the transport where the payloads landed
+        for i, (row, payload, in_place) in enumerate(
+            zip(hit_rows, answer.payloads, answer.in_place, strict=True)
+        ):
             position = positions[key_indexes[row]]
             if self.decided[position] and not in_place:
                 continue  # a late parity or misplaced shard: not worth a checksum pass
             start = row * batch_answer.ENTRY_BYTES + header_start
             shard = SplitShard(raw[start : start + 48], payload)
-            version = self.collectors[position].add(shard)  # verifies the shard checksum
+            collector = self.collectors[position]
+            if headers is None:
+                version = collector.add(shard)  # verifies the shard checksum
+            elif (header := headers[i]) is None:
+                collector.num_corrupt += 1
+                continue
+            else:
+                version = collector.add_verified(header, shard)
             if version is not None and not self.decided[position]:
                 self.complete[position] = version
                 self._decide(position)
@@ -368,12 +385,25 @@ class _State:
             consume_result(task)
         self.tasks.clear()
 
-    def decode(self) -> list[bytes | memoryview | None]:
-        """Decode every complete key into its buffer (or new bytes); None for the rest."""
+    async def decode(self, pool: Executor | None) -> list[bytes | memoryview | None]:
+        """Decode every complete key into its buffer (or new bytes); None for the rest.
+
+        With a pool, a batch of at least DECODE_POOL_MIN_BYTES decodes there, its keys in
+        parallel (xxhash and ISA-L run without the GIL), so the event loop does none of the
+        block checksum passes.
+        """
+        todo = [(p, v) for p, v in enumerate(self.complete) if v is not None]
+        num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in todo)
+        if pool is not None and len(todo) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:
+            calls = [functools.partial(self._decode_one, p, v) for p, v in todo]
+            decoded = await run_in_pool(pool, calls)
+        else:
+            decoded = [self._decode_one(p, v) for p, v in todo]
+        position_to_block = dict(zip((p for p, _ in todo), decoded, strict=True))
         blocks: list[bytes | memoryview | None] = []
         counters = self.read.counters
-        for position, version in enumerate(self.complete):
-            block = None if version is None else self._decode_one(position, version)
+        for position in range(len(self.complete)):
+            block = position_to_block.get(position)
             blocks.append(block)
             if block is None:
                 counters.num_misses += 1
@@ -435,3 +465,32 @@ class _State:
         """Free the scratch of every answer (after decoding: parity shards live there)."""
         for answer in self.answers:
             answer.release()
+
+
+async def run_in_pool(pool: Executor, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run ``calls`` in ``pool`` concurrently; their results in order (the first exception
+    raised). One event-loop wake-up for the lot, and a cancel waits until every call
+    finished: they may be writing into the caller's buffers."""
+    loop = asyncio.get_running_loop()
+    all_done: asyncio.Future[None] = loop.create_future()
+    results: list[Any] = [None] * len(calls)
+    remaining = [len(calls)]
+    lock = threading.Lock()
+
+    def finished(index: int, future: Future[Any]) -> None:
+        results[index] = future
+        with lock:
+            remaining[0] -= 1
+            last = not remaining[0]
+        if last:
+            loop.call_soon_threadsafe(_set_done, all_done)
+
+    for index, call in enumerate(calls):
+        pool.submit(call).add_done_callback(functools.partial(finished, index))
+    await finish_despite_cancel(all_done)
+    return [future.result() for future in results]
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

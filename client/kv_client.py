@@ -37,13 +37,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Awaitable, Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from client.batch_read import BatchRead, ReadCounters
 from client.follow_ups import FollowUps
 from client.keyring import open_keyring
+from client.local.reader import LocalReads
 from client.node_conn import NodeConn, NodeReader, consume_result
 from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally
@@ -73,6 +76,7 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 TRANSPORTS = READ_TRANSPORTS
 WRITE_SPARE_BYTES = 64 << 20  # parity and padded tails of one put_batch are encoded here
+DECODE_THREADS = min(8, os.cpu_count() or 1)
 
 
 class KVClient:
@@ -102,8 +106,10 @@ class KVClient:
         self._token, self._credentials = token, credentials
         self.conns: dict[str, NodeConn] = {}
         self._conn_list: list[NodeConn] = []
-        # The read transport of each node, in _conn_list order: gRPC, or UCX (connect()).
+        # The read transport of each node, in _conn_list order: gRPC, UCX or local (connect()).
         self.readers: list[NodeReader] = []
+        self.ucx: UcxReads | None = None  # the UCX read path, when connect() enabled it
+        self.local: LocalReads | None = None  # the local read path (same-host nodes)
         self._place(config)
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
@@ -111,7 +117,8 @@ class KVClient:
         self.follow_ups = FollowUps(self.conns, config.groups, tenant, config.client.timeout_s)
         self._write_spare = ByteArena(WRITE_SPARE_BYTES)
         self._background: set[asyncio.Task[Any]] = set()
-        self.ucx: UcxReads | None = None  # the UCX read path, when connect() enabled it
+        # Batch decodes (a block checksum pass each, and any parity rebuild) run here.
+        self._decode_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="kv-decode")
         # Encryption at rest for this tenant ([encryption] in cluster.toml): blocks are sealed
         # before erasure coding and opened after decoding (client/sealer.py).
         self.sealer: BlockSealer | None = None
@@ -133,7 +140,10 @@ class KVClient:
                 conn = NodeConn(node, self.tenant, self._token, config.codec.k, self._credentials)
                 self.conns[node.id] = conn
                 self._conn_list.append(conn)
-                self.readers.append(conn)
+                # A node that joins later is read locally when it is on this host (its
+                # Health is asked in the background), else over gRPC.
+                local = self.local
+                self.readers.append(conn if local is None else local.reader(conn, conn))
         node_index = {node_id: i for i, node_id in enumerate(self.conns)}
         self._group_members = [[node_index[n] for n in group] for group in config.groups]
         self._previous_members = [[node_index[n] for n in g] for g in config.moving_from]
@@ -208,7 +218,7 @@ class KVClient:
                 )
             if transport != "grpc":
                 try:
-                    await client._start_ucx(forced=transport == "ucx")
+                    await client._start_transports(transport)
                 except BaseException:
                     await client.close()
                     raise
@@ -216,16 +226,49 @@ class KVClient:
 
         return _Connecting(open_client)
 
-    async def _start_ucx(self, *, forced: bool) -> None:
-        """Give every node a UCX read transport that falls back to gRPC (see :meth:`connect`)."""
+    async def _start_transports(self, transport: str) -> None:
+        """Give nodes the read transports ``transport`` asks for (see :meth:`connect`)."""
+        fallbacks: list[NodeReader] = list(self._conn_list)
+        if transport in ("ucx", "auto"):
+            fallbacks = await self._start_ucx(forced=transport == "ucx")
+        if transport in ("local", "auto"):
+            await self._start_local(fallbacks, forced=transport == "local")
+        else:
+            self.readers = fallbacks
+
+    async def _start_local(self, fallbacks: list[NodeReader], *, forced: bool) -> None:
+        """Every node gets a local reader over its fallback; with ``forced`` ("local") the
+        links are made now and at least one must work, else in the background."""
+        arena_bytes = 4 * min(n.max_batch_bytes for n in self.config.nodes)
+        self.local = LocalReads(self.codec, self.tenant, self._token, arena_bytes)
+        readers = [
+            self.local.reader(conn, fallback)
+            for conn, fallback in zip(self._conn_list, fallbacks, strict=True)
+        ]
+        self.readers = list(readers)
+        if not forced:
+            for reader in readers:
+                reader.usable()  # asks Health in the background
+            return
+        timeout_s = self.config.client.timeout_s
+        await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
+        if not any(reader.usable() for reader in readers):
+            raise Unavailable(
+                "transport='local' but no node offered a local socket on this host (nodes "
+                "down, on other hosts, in another network namespace, or started with "
+                "local_reads='off'); use transport='auto' or 'grpc'"
+            )
+
+    async def _start_ucx(self, *, forced: bool) -> list[NodeReader]:
+        """Every node's UCX read transport, falling back to gRPC (see :meth:`connect`); the
+        plain gRPC connections where UCX is not installed ("auto")."""
         if not ucx_available():
             if forced:
                 raise Unavailable(f"transport='ucx' but ucxx is not installed; {INSTALL_HINT}")
-            return
+            return list(self._conn_list)
         # "auto" uses UCX only where it beats gRPC: shared memory, CMA or RDMA, never TCP.
         self.ucx = UcxReads(UcxTransport(transports=None if forced else "^tcp"))
         readers = [self.ucx.reader(conn) for conn in self._conn_list]
-        self.readers = list(readers)
         if forced:
             # The client's own timeout, not the background asks' 2 s: a loaded machine answers
             # a first Health on a fresh channel slowly, and "ucx" then fails to connect.
@@ -237,6 +280,7 @@ class KVClient:
                     "reaches (nodes down, started with ucx='off', or without ucxx); use "
                     "transport='auto' or 'grpc'"
                 )
+        return list(readers)
 
     async def __aenter__(self) -> KVClient:
         return self
@@ -395,6 +439,7 @@ class KVClient:
             self.read_counters,
             self.config.client.hedge_delay_s,
             self.follow_ups,
+            decode_pool=self._decode_pool,
         )
 
     async def _read_placed(
@@ -573,9 +618,12 @@ class KVClient:
             await self._membership.close()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.follow_ups.close()  # touches and hints still pending go out first
+        if self.local is not None:
+            await self.local.close()
         if self.ucx is not None:
             await self.ucx.close()  # its background Health asks use the channels
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))
+        self._decode_pool.shutdown(wait=False)
 
 
 def _byte_view(buffer: object, what: str) -> memoryview:

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
+from erasure.codec import Codec
+from erasure.shard import BACKEND_IDS, FORMAT_VERSION, MAGIC, ShardHeader
 from kvstore import batch_answer
 from kvstore.byte_arena import ByteArena, Region
 
@@ -75,15 +78,89 @@ def landing_regions(
     return regions
 
 
+_MAGIC = int.from_bytes(MAGIC, "little")
+_FIELDS_START = batch_answer.ENTRY_BYTES - 48  # the shard header's place in an entry
+_FIELDS_END = _FIELDS_START + 40  # the bytes the shard checksum covers before the payload
+
+
+def verify_landed(
+    codec: Codec,
+    entries: np.ndarray,
+    payloads: Sequence[memoryview],
+    checksums_ok: Sequence[bool] | None = None,
+) -> list[ShardHeader | None]:
+    """Per HIT entry (table order), its header if the shard verifies with ``payloads[i]`` as
+    its payload, else None: exactly ``Codec.verify``'s verdict, with the header checks done
+    once for the whole table (numpy) and one xxh3 pass per shard, or none where the caller
+    checked the shard checksums already (``checksums_ok``, from erasure.fastsum.copy_verify
+    over :func:`checksum_fields`).
+
+    The transports call this right after a payload landed, while its bytes are in cache.
+    """
+    hits = entries[entries["status"] == batch_answer.HIT]
+    fits = (
+        (hits["magic"].view("<u4") == _MAGIC)
+        & (hits["format"] == FORMAT_VERSION)
+        & (hits["backend"] == BACKEND_IDS[codec.backend])
+        & (hits["k"] == codec.k)
+        & (hits["m"] == codec.m)
+        & (hits["shard_index"] < codec.k + codec.m)
+        & (hits["payload_len"] == (hits["block_len"] + (codec.k - 1)) // codec.k)
+    ).tolist()
+    raw = hits.tobytes()
+    columns = zip(
+        fits,
+        hits["shard_index"].tolist(),
+        hits["block_len"].tolist(),
+        hits["payload_len"].tolist(),
+        hits["checksum"].tolist(),
+        payloads,
+        checksums_ok if checksums_ok is not None else [None] * len(payloads),
+        strict=True,
+    )
+    headers: list[ShardHeader | None] = []
+    for row, (fit, index, block_len, payload_len, checksum, payload, ok) in enumerate(columns):
+        start = row * batch_answer.ENTRY_BYTES
+        if fit and len(payload) == payload_len:
+            if ok is None:
+                hasher = xxhash.xxh3_64(raw[start + _FIELDS_START : start + _FIELDS_END])
+                hasher.update(payload)
+                ok = hasher.intdigest() == checksum
+            if ok:
+                version = raw[start + _FIELDS_START + 20 : start + _FIELDS_START + 36]
+                headers.append(
+                    ShardHeader(
+                        codec.backend, codec.k, codec.m, index, block_len, version, payload_len
+                    )
+                )
+                continue
+        headers.append(None)
+    return headers
+
+
+def checksum_fields(entries: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """The HIT entries' 40 checksummed header bytes back to back, and their checksums: what
+    erasure.fastsum.copy_verify takes."""
+    hits = entries[entries["status"] == batch_answer.HIT]
+    rows = np.frombuffer(hits.tobytes(), np.uint8).reshape(len(hits), batch_answer.ENTRY_BYTES)
+    return rows[:, _FIELDS_START:_FIELDS_END].tobytes(), hits["checksum"]
+
+
 @dataclass
 class NodeAnswer:
     """A node's answer as the batch read uses it: the table, each HIT payload's bytes (in
-    table order, where they landed), and the scratch to release after decoding."""
+    table order, where they landed), and the scratch to release after decoding.
+
+    ``headers``: per HIT payload, its header as the transport verified it where it landed
+    (``Codec.verify``; None = it failed), so the batch read does not hash it again; None when
+    the transport left the verifying to the batch read.
+    """
 
     entries: np.ndarray
     payloads: list[memoryview]
     in_place: list[bool]  # per HIT payload: it landed at its place in the caller's block
     scratch: list[Region] = field(default_factory=list)
+    headers: list[ShardHeader | None] | None = None
 
     def release(self) -> None:
         for region in self.scratch:

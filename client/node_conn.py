@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -206,6 +206,46 @@ _WRITTEN_AT_TAG = bytes([3 << 3 | 1])
 
 def _field(number: int, value: bytes) -> bytes:
     return field_head(number, len(value)) + value
+
+
+T = TypeVar("T")
+
+
+class BackgroundTasks:
+    """Work a read transport starts on the side (Health asks, closing an old link): kept
+    referenced while it runs, cancelled and awaited by :meth:`cancel_all`."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    def start(self, awaitable: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def cancel_all(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def finish_despite_cancel(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile (it may be
+    writing into the caller's buffers); then raise the cancel, else return its result."""
+    future = asyncio.ensure_future(awaitable)
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            if future.cancelled():
+                raise
+            cancelled = exc
+        except Exception:  # the future holds it: result() below raises it
+            pass
+    if cancelled is not None:
+        raise cancelled
+    return future.result()
 
 
 def consume_result(task: asyncio.Future[Any]) -> None:

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from erasure.codec import Codec
-from erasure.shard import ShardHeader
+from erasure.shard import Shard, ShardHeader
 from kvstore.errors import CodecError
 
 
@@ -35,12 +35,12 @@ class ShardCollector:
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
-        self.version_to_shards: dict[bytes, dict[int, bytes]] = {}
+        self.version_to_shards: dict[bytes, dict[int, Shard]] = {}
         self.version_to_header: dict[bytes, ShardHeader] = {}
         self.num_corrupt = 0
         self._dropped: set[bytes] = set()
 
-    def add(self, shard: bytes) -> bytes | None:
+    def add(self, shard: Shard) -> bytes | None:
         """Offer one shard; return its version if that version now has ``k`` shards.
 
         A shard that fails its checksum or does not fit the codec is counted in
@@ -51,6 +51,11 @@ class ShardCollector:
         except CodecError:
             self.num_corrupt += 1
             return None
+        return self.add_verified(header, shard)
+
+    def add_verified(self, header: ShardHeader, shard: Shard) -> bytes | None:
+        """:meth:`add` for a shard the caller verified already (``header`` from
+        ``Codec.verify`` of exactly these bytes)."""
         version = header.block_checksum
         if version in self._dropped:
             return None
@@ -59,7 +64,7 @@ class ShardCollector:
         shards.setdefault(header.index, shard)
         return version if len(shards) == self.codec.k else None
 
-    def shards(self, version: bytes) -> list[bytes]:
+    def shards(self, version: bytes) -> list[Shard]:
         """The collected shards of ``version``, by shard index (data shards first)."""
         index_to_shard = self.version_to_shards[version]
         return [index_to_shard[i] for i in sorted(index_to_shard)]

@@ -118,8 +118,8 @@ class EngineConfig:
     fetch_policy: str = "cost"  # "cost": fetch when the cost model says it is faster; "always"
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
     fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
-    fetch_concurrency: int = 64  # blocks in flight per fetch (in get_batch_into chunks)
-    fetch_chunk_blocks: int = 16  # blocks per get_batch_into call: the H2D copy of a chunk
+    fetch_concurrency: int = 128  # blocks in flight per fetch (in get_batch_into chunks)
+    fetch_chunk_blocks: int = 32  # blocks per get_batch_into call: the H2D copy of a chunk
     # starts as soon as it landed, while later chunks are still on their way
     # How fetched blocks travel (KVClient.connect's transport): "grpc", "auto" (UCX to the
     # nodes that shared memory or RDMA reach) or "ucx" (README, "UCX data path").

@@ -32,8 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import xxhash
-
+from erasure import fastsum
 from erasure.errors import ChecksumMismatch, ShardHeaderError
 
 MAGIC = b"KVSH"
@@ -62,13 +61,12 @@ class ShardHeader:
 
 def block_checksum(block: bytes | memoryview) -> bytes:
     """xxh3-128 of a whole block: its content checksum and its version id."""
-    return xxhash.xxh3_128_digest(block)
+    return fastsum.block_checksum(block)
 
 
 def shard_checksum(fields: bytes | memoryview, payload: bytes | memoryview) -> int:
-    hasher = xxhash.xxh3_64(fields)
-    hasher.update(payload)
-    return hasher.intdigest()
+    """xxh3-64 of the header's first 40 bytes followed by the payload."""
+    return fastsum.shard_checksum(fields, payload)
 
 
 def pack_header(header: ShardHeader, payload: bytes | memoryview) -> bytes:

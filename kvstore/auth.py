@@ -14,7 +14,7 @@ bearer token, or the common name of a verified mTLS client certificate) and then
 
 A data request that names another tenant gets PERMISSION_DENIED; a tenant principal may
 leave the tenant empty and gets its own. Health stays open (it tells only id, epoch, clock,
-serving state and incarnation).
+serving state, incarnation and the local read socket).
 
 The credentials file lives on the nodes only (never in cluster.toml, which every client
 reads), mode 0600, tokens stored as SHA-256 digests::

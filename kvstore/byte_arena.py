@@ -16,19 +16,30 @@ cache keeps the mapping), so transfers into it pay neither again.
 
 First fit over a free list kept sorted by offset, neighbours merged on release. When no
 free run is long enough, :meth:`ByteArena.take` hands out a plain ``bytearray`` instead (and
-counts it), so a burst larger than the arena still works, only slower. Thread-safe: a node
-takes regions in its executor and gives them back on its event loop.
+counts it), so a burst larger than the arena still works, only slower; :meth:`ByteArena.
+try_take` answers None instead. Thread-safe: a node takes regions in its executor and gives
+them back on its event loop.
+
+``ByteArena(..., shared=True)`` puts the memory in a memfd that another process on the host
+may map (``fd``): a local-read client's arena, which the node ``preadv``s payloads into
+(kvstore/local/frames.py). The memfd is sealed against shrinking and growing, so the mapping
+of whoever received it can never lose pages (SIGBUS) under it; a fresh memfd is zero-filled,
+so it only ever holds what its owner was sent.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import fcntl
 import mmap
+import os
 import threading
 
 from kvstore.errors import InvalidArgument
 
 ALIGN_BYTES = 4096
+SHARED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class Region:
@@ -55,11 +66,20 @@ class Region:
 class ByteArena:
     """``capacity_bytes`` of reusable memory handed out as :class:`Region` objects."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, shared: bool = False) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(f"arena capacity must be > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = _rounded(capacity_bytes)
-        self._memory = memoryview(mmap.mmap(-1, self.capacity_bytes))
+        self.fd = -1  # the memfd of a shared arena (see the module doc)
+        if shared:
+            self.fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(self.fd, self.capacity_bytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
+            mapping = mmap.mmap(self.fd, self.capacity_bytes)
+        else:
+            mapping = mmap.mmap(-1, self.capacity_bytes)
+        self._memory = memoryview(mapping)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
         self._lock = threading.Lock()
         self._free_starts = [0]  # sorted offsets of free runs
         self._free_lengths = [self.capacity_bytes]
@@ -67,6 +87,15 @@ class ByteArena:
 
     def take(self, num_bytes: int) -> Region:
         """A region of exactly ``num_bytes`` (contents undefined)."""
+        region = self.try_take(num_bytes)
+        if region is not None:
+            return region
+        with self._lock:
+            self.num_fallbacks += 1
+        return Region(None, 0, memoryview(bytearray(num_bytes)))
+
+    def try_take(self, num_bytes: int) -> Region | None:
+        """A region of the arena of exactly ``num_bytes``, or None when no free run fits."""
         if num_bytes < 0:
             raise InvalidArgument(f"cannot take {num_bytes} bytes")
         needed = _rounded(max(num_bytes, 1))
@@ -80,8 +109,13 @@ class ByteArena:
                         self._free_starts[i] += needed
                         self._free_lengths[i] -= needed
                     return Region(self, start, self._memory[start : start + num_bytes], needed)
-            self.num_fallbacks += 1
-        return Region(None, 0, memoryview(bytearray(num_bytes)))
+        return None
+
+    def close(self) -> None:
+        """Close a shared arena's memfd (the mapping lives on while regions are in use)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     @property
     def num_free_bytes(self) -> int:

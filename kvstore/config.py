@@ -72,8 +72,8 @@ MAX_PORT = 65535
 MiB = 1 << 20
 
 
-# How a client's reads travel (KVClient.connect's transport; README, "UCX data path").
-READ_TRANSPORTS = ("grpc", "auto", "ucx")
+# How a client's reads travel (KVClient.connect's transport; README, "Data plane").
+READ_TRANSPORTS = ("grpc", "auto", "ucx", "local")
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,8 @@ class NodeConfig:
     # Membership state in the cluster map (kvstore/map_changes.py): "in" holds group slots;
     # "draining" and "out" gave theirs away in a move still in progress; "left" holds none.
     state: str = "in"
+    # Local read channel for clients on this host (kvstore/local/): "auto" = on (Linux), "off"
+    local_reads: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -196,6 +198,10 @@ class NodeConfig:
             )
         if self.ucx not in ("auto", "off"):
             raise ValueError(f"node {self.id}: ucx must be 'auto' or 'off', got {self.ucx!r}")
+        if self.local_reads not in ("auto", "off"):
+            raise ValueError(
+                f"node {self.id}: local_reads must be 'auto' or 'off', got {self.local_reads!r}"
+            )
         if self.tombstone_retention_s <= 0 or self.tombstone_sync_interval_s <= 0:
             raise ValueError(
                 f"node {self.id}: tombstone_retention_s and tombstone_sync_interval_s must be > 0"

@@ -47,7 +47,11 @@ executor (one index snapshot, one ``preadv`` per shard into a staging region of
 ``ByteArena``), and the answer (kvstore/batch_answer.py) goes back as a stream of chunks of at
 most 4 MiB (gRPC) or as one reply frame plus one message per payload that the client
 receives straight into its buffers (UCX). Unary ``GetShards`` stays for tools that want
-protobuf replies, and for the repair service's reads of single shards.
+protobuf replies, and for the repair service's reads of single shards. A client on the node's
+host reads over the local channel instead
+(kvstore/local/): a Unix socket whose connection threads read straight into the client's
+own shared arena, with no gRPC and no event loop on the path; Health tells its socket and the
+host's boot id.
 """
 
 from __future__ import annotations
@@ -75,11 +79,13 @@ from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 
 from kvstore import batch_answer
 from kvstore.auth import Authenticator, Principal, Role, bearer_token
-from kvstore.byte_arena import ByteArena
+from kvstore.byte_arena import ByteArena, Region
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import IndexUnusable, InvalidArgument, KVStoreError, NotServing, Unavailable
 from kvstore.get_reply import encode_get_shards_reply
 from kvstore.grpc_errors import status_code, to_grpc_status
+from kvstore.local import frames as local_frames
+from kvstore.local.server import LocalServer, LocalSession, RegionTooSmall
 from kvstore.map_keeper import keep_map
 from kvstore.membership import EtcdMembership, follow_map
 from kvstore.metrics import NodeMetrics
@@ -252,6 +258,8 @@ class NodeServicer:
         self._metrics = metrics
         self._executor = executor
         self._delay_s = node.inject_delay_ms / 1000.0
+        self.local_socket = ""  # the local read server's socket, once serve() started it
+        self._boot_id = local_frames.boot_id()
         self._ucx_tasks: set[asyncio.Task[None]] = set()
         # Batch reads gather their payloads here (kvstore/byte_arena.py): twice the largest
         # answer, so two answers of that size can be in flight without a fallback buffer.
@@ -397,14 +405,62 @@ class NodeServicer:
 
     def _read_batch(self, request: pb.GetShardsRequest, tenant: str) -> BatchRead:
         """The batch answer, payloads in a staging region (release it once sent)."""
-        self._metrics.get_keys.inc(len(request.keys))
+        return self._read_keys(tenant, list(request.keys), request.version, self._staging.take)
+
+    def _read_keys(
+        self,
+        tenant: str,
+        keys: list[bytes],
+        version: bytes,
+        take: Callable[[int], Region],
+        *,
+        shared: bool = False,
+    ) -> BatchRead:
+        """A batch read of ``keys`` for ``tenant`` (already authorised), the reply size
+        checked against ``max_batch_bytes`` before any byte is read."""
+        self._metrics.get_keys.inc(len(keys))
         return self._holder.require().read_batch(
-            tenant,
-            list(request.keys),
-            request.version,
-            self._staging.take,
-            max_reply_bytes=self._node.max_batch_bytes,
+            tenant, keys, version, take, max_reply_bytes=self._node.max_batch_bytes, shared=shared
         )
+
+    def open_local_session(self, token: str, tenant: str) -> LocalSession:
+        """A local connection's HELLO: its principal must be allowed the tenant it names."""
+        return LocalSession(token, self._auth.authenticate(token or None).tenant_for(tenant))
+
+    def serve_local_read(
+        self, session: LocalSession, request: local_frames.ReadRequest, region: memoryview
+    ) -> bytes:
+        """One local READ (in a connection thread, kvstore/local/server.py): the payloads go
+        to ``region`` of the client's arena, the table is returned.
+
+        The credential is checked again on every request (a revoked token stops at once),
+        and the tenant is the one the connection was opened for: its arena never holds
+        another tenant's bytes.
+        """
+        start_s = time.perf_counter()
+        code = grpc.StatusCode.OK
+        staging = Region(None, 0, region)
+
+        def take(num_bytes: int) -> Region:
+            if num_bytes > len(region):
+                raise RegionTooSmall(num_bytes)
+            return staging
+
+        try:
+            tenant = self._auth.authenticate(session.token or None).tenant_for(session.tenant)
+            read = self._read_keys(tenant, request.keys, request.version, take, shared=True)
+            if read.staging is not staging:  # a retry outgrew the first guess: copy it over
+                if read.payload_bytes > len(region):
+                    raise RegionTooSmall(read.payload_bytes)
+                region[: read.payload_bytes] = read.payloads
+            return batch_answer.encode_table(read.entries)
+        except RegionTooSmall:
+            raise
+        except Exception as exc:
+            code = status_code(exc)
+            raise
+        finally:
+            self._metrics.observe("ReadBatchLocal", code, time.perf_counter() - start_s)
 
     def _read_batch_chunks(self, request: pb.GetShardsRequest, principal: Principal) -> list[bytes]:
         """ReadBatch's answer as ReadBatchChunk messages (one copy of the staging)."""
@@ -606,6 +662,8 @@ class NodeServicer:
             state=self._holder.state,
             incarnation=self._incarnation,
             repair_ready=store is not None and self._deletes_synced(),
+            local_socket=self.local_socket,
+            boot_id=self._boot_id if self.local_socket else "",
         )
 
 
@@ -801,6 +859,7 @@ async def serve(
         log.info("node %s follows map epoch %d", node.id, new.epoch)
         drop_moved_away()
 
+    local = _start_local(node, servicer, executor)  # reads are Unavailable until it opened
     tasks: list[asyncio.Task[None]] = []
     try:
         bind(server, node.address, credentials)
@@ -840,6 +899,9 @@ async def serve(
         if ucx is not None:
             await ucx.close()  # no more UCX requests come in
             await servicer.cancel_ucx_requests()  # before the store closes under them
+        if local is not None:  # no more local reads; close waits for those in progress
+            await asyncio.get_running_loop().run_in_executor(None, local.close)
+            await local.finish_delayed()
         await asyncio.gather(*drops, return_exceptions=True)
         await repair.close()
         metrics.close()
@@ -900,6 +962,28 @@ def _metrics_authorizer(node: NodeConfig, auth: Authenticator) -> Callable[[str]
         return True
 
     return authorize
+
+
+def _start_local(
+    node: NodeConfig, servicer: NodeServicer, executor: ThreadPoolExecutor
+) -> LocalServer | None:
+    """The node's local read server unless ``node.local_reads`` is "off" or it cannot start."""
+    if node.local_reads == "off":
+        return None
+    try:
+        local = LocalServer(
+            node.id,
+            servicer.open_local_session,
+            servicer.serve_local_read,
+            delay_s=node.inject_delay_ms / 1000.0,
+            loop=asyncio.get_running_loop(),
+            executor=executor,
+        )
+    except OSError as exc:
+        log.warning("node %s serves no local reads: %s", node.id, exc)
+        return None
+    servicer.local_socket = local.socket_name
+    return local
 
 
 def _start_ucx(node: NodeConfig) -> UcxServer | None:

@@ -119,6 +119,8 @@ class ShardReader:
         now: float,
         take: Callable[[int], Region],
         max_payload_bytes: int | None = None,
+        *,
+        shared: bool = False,
     ) -> BatchRead:
         """The newest live version of each key (or ``version``), payloads read into one
         staging region from ``take``, each distinct key read once and counted as one hit or
@@ -128,7 +130,10 @@ class ShardReader:
         request gets InvalidArgument having read nothing. This is the node's hot path for
         batch reads: one index snapshot, then per shard one ``preadv`` and one checksum
         pass. A segment gone under us (moved or expired) makes its keys be looked up once
-        more, as in :meth:`read`.
+        more, as in :meth:`read`. ``shared``: the staging is memory the client can write too
+        (the local channel, kvstore/local/); a shard that fails its check there is read again
+        into private memory before it is taken for corrupt, so a client cannot make the node
+        drop good shards.
         """
         positions: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
@@ -146,7 +151,7 @@ class ShardReader:
                 f"distinct) exceeds max_batch_bytes {max_payload_bytes}; ask for fewer keys "
                 "per request"
             )
-        out = _BatchOut(take(payload_bytes))
+        out = _BatchOut(take(payload_bytes), shared)
         retry = self._read_entries(tenant, live, range(len(distinct)), out)
         if retry:
             fresh = self._live_batch(tenant, [distinct[d] for d in retry], version, now)
@@ -172,12 +177,34 @@ class ShardReader:
         out.spread_to_positions([positions[key] for key in distinct])
         return BatchRead(out.entries, out.staging, out.position)
 
+    def live_versions(self, tenant: str, keys: Sequence[bytes], now: float) -> list[list[bytes]]:
+        """Live versions of each key, newest first, from one index snapshot (Contains); a key
+        named twice is looked up once."""
+        distinct = list(dict.fromkeys(bytes(key) for key in keys))
+        key_to_versions = {
+            key: [e.version for e in live]
+            for key, (live, _) in zip(
+                distinct, self._live_snapshot(tenant, distinct, now), strict=True
+            )
+        }
+        return [key_to_versions[bytes(key)] for key in keys]
+
     def _live_batch(
         self, tenant: str, keys: Sequence[bytes], version: bytes, now: float
     ) -> list[tuple[list[Entry], list[Entry], list[Entry]]]:
         """Per key: ([the newest live entry, or ``version``'s], [], expired entries), in one
-        snapshot; keys that look expired are looked up again on a fresh one (see
-        :meth:`live_entries`)."""
+        snapshot (see :meth:`_live_snapshot`)."""
+        found = []
+        for live, expired in self._live_snapshot(tenant, keys, now):
+            wanted = [e for e in live if not version or e.version == version]
+            found.append((wanted[:1], [], expired))
+        return found
+
+    def _live_snapshot(
+        self, tenant: str, keys: Sequence[bytes], now: float
+    ) -> list[tuple[list[Entry], list[Entry]]]:
+        """Per key: (live entries newest first, expired entries), in one snapshot; keys that
+        look expired are looked up again on a fresh one (see :meth:`live_entries`)."""
         with self._index.read() as view:
             per_key = [
                 [self._reads.with_refresh(e) for e in view.versions(tenant, k)] for k in keys
@@ -185,11 +212,9 @@ class ShardReader:
         found = []
         for key, entries in zip(keys, per_key, strict=True):
             if any(is_expired(e.expires_at_s, now) for e in entries):
-                live, expired = self.live_entries(tenant, key, now)
+                found.append(self.live_entries(tenant, key, now))
             else:
-                live, expired = sorted(entries, key=lambda e: e.order, reverse=True), []
-            wanted = [e for e in live if not version or e.version == version]
-            found.append((wanted[:1], [], expired))
+                found.append((sorted(entries, key=lambda e: e.order, reverse=True), []))
         return found
 
     def _read_entries(
@@ -235,12 +260,11 @@ class ShardReader:
             fd = fds[entry.segment_id] = self._files.open_reader(entry.segment_id)
         payload = out.next_payload(entry.shard_bytes - HEADER_BYTES)
         try:
-            header = SegmentFiles.read_into(
-                fd, entry.offset, entry.header_bytes, payload, entry.key, owner, tenant, head
-            )
-            if verify_shard(SplitShard(header, payload)).block_checksum != entry.version:
-                raise ChecksumMismatch("shard version differs from the indexed version")
+            header = _read_checked(fd, entry, payload, tenant, owner, head)
         except CodecError as exc:
+            if out.shared and _intact_in_private(fd, entry, len(payload), tenant, owner):
+                log.warning("shard %s changed in shared staging: not served", entry.key.hex())
+                return
             log.error("corrupt shard %s in segment %d: %s", entry.key.hex(), entry.segment_id, exc)
             self._reads.mark_corrupt(entry)
             return
@@ -294,11 +318,37 @@ class ShardReader:
         return GetResult(Status.CORRUPT if plan.to_read else Status.MISS)
 
 
+def _read_checked(
+    fd: int, entry: Entry, payload: memoryview, tenant: str, owner: bytes, head: bytearray
+) -> memoryview:
+    """Read one record's shard (payload into ``payload``), its record header checked for
+    the key and ``tenant``, and verify it; its shard header."""
+    header = SegmentFiles.read_into(
+        fd, entry.offset, entry.header_bytes, payload, entry.key, owner, tenant, head
+    )
+    if verify_shard(SplitShard(header, payload)).block_checksum != entry.version:
+        raise ChecksumMismatch("shard version differs from the indexed version")
+    return header
+
+
+def _intact_in_private(
+    fd: int, entry: Entry, payload_bytes: int, tenant: str, owner: bytes
+) -> bool:
+    """Whether the record verifies when read into memory only this process sees."""
+    head = bytearray(entry.header_bytes + HEADER_BYTES)
+    try:
+        _read_checked(fd, entry, memoryview(bytearray(payload_bytes)), tenant, owner, head)
+    except CodecError:
+        return False
+    return True
+
+
 class _BatchOut:
     """The table and payload stream of a batch read as it is filled (see read_batch)."""
 
-    def __init__(self, staging: Region) -> None:
+    def __init__(self, staging: Region, shared: bool = False) -> None:
         self.staging = staging
+        self.shared = shared  # the staging is a local client's arena (see read_batch)
         self.position = 0  # payload bytes kept so far
         self.entries: list[batch_answer.Entry] = []
         self.served: dict[int, list[Entry]] = {}  # key position -> entries served

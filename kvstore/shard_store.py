@@ -312,30 +312,26 @@ class ShardStore:
         take: Callable[[int], Region],
         *,
         max_reply_bytes: int | None = None,
+        shared: bool = False,
     ) -> BatchRead:
         """:meth:`get` for a batch read: the answer's table entries, payloads read into one
         region from ``take`` (kvstore/batch_answer.py has the layout). Same semantics: the
         newest version only, a key named twice read once, the reply size checked against
         ``max_reply_bytes`` before any byte is read; a hit refreshes the TTL of the shard
-        served; a corrupt shard is never served."""
+        served; a corrupt shard is never served. ``shared``: the region is a local client's
+        memory (ShardReader.read_batch)."""
         check_tenant(tenant)
         check_keys(keys)
         check_version(version)
         return self._reader.read_batch(
-            tenant, keys, version, self.clock.now(), take, max_reply_bytes
+            tenant, keys, version, self.clock.now(), take, max_reply_bytes, shared=shared
         )
 
     def contains(self, tenant: str, keys: Sequence[bytes]) -> list[list[bytes]]:
         """Live versions of each key, newest first; reads no data and refreshes nothing."""
         check_tenant(tenant)
         check_keys(keys)
-        keys = [bytes(key) for key in keys]
-        now = self.clock.now()
-        key_to_versions = {
-            key: [e.version for e in self._reader.live_entries(tenant, key, now)[0]]
-            for key in set(keys)
-        }
-        return [key_to_versions[key] for key in keys]
+        return self._reader.live_versions(tenant, keys, self.clock.now())
 
     def touch(self, tenant: str, keys: Sequence[bytes], versions: Sequence[bytes] = ()) -> int:
         """Refresh the TTL of each key's newest live version (or of ``versions[i]``, the one

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from client.landing import NodeAnswer, Wanted, fill_apart, landing_regions
-from client.node_conn import NodeConn
+from client.node_conn import BackgroundTasks, NodeConn, finish_despite_cancel
 from client.ucx.transport import UcxTransport
 from kvstore import batch_answer
 from kvstore.byte_arena import ByteArena, Region
@@ -73,20 +73,14 @@ class UcxReads:
         self.transport = transport
         self.arena = ByteArena(SCRATCH_BYTES)
         self.counters = UcxCounters()
-        self._background: set[asyncio.Task[None]] = set()
+        self.background = BackgroundTasks()
 
     def reader(self, conn: NodeConn) -> UcxReader:
         return UcxReader(conn, self)
 
-    def start_background(self, task: asyncio.Task[None]) -> None:
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
         """Stop background Health asks and close the UCX worker."""
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.background.cancel_all()
         await self.transport.close()
 
 
@@ -190,7 +184,7 @@ class UcxReader:
             scratch = None  # the answer owns it now
             return answer
         finally:
-            await _finish_despite_cancel(self._close(worker, reply_tag, payloads, scratch))
+            await finish_despite_cancel(self._close(worker, reply_tag, payloads, scratch))
 
     @staticmethod
     async def _close(
@@ -222,7 +216,7 @@ class UcxReader:
         if now_s < self._next_health_ask_s:
             return
         self._next_health_ask_s = now_s + HEALTH_RETRY_S
-        self._shared.start_background(asyncio.ensure_future(self.observe()))
+        self._shared.background.start(self.observe())
 
 
 def _left(deadline_s: float) -> float:
@@ -232,17 +226,3 @@ def _left(deadline_s: float) -> float:
 def _ucx_share(deadline_s: float) -> float:
     """How long a UCX wait may take: half the time left, so a gRPC retry has the rest."""
     return _left(deadline_s) * UCX_WAIT_SHARE
-
-
-async def _finish_despite_cancel(awaitable: object) -> None:
-    """Run ``awaitable`` to its end; a cancel of this task meanwhile is raised after that."""
-    future = asyncio.ensure_future(awaitable)  # type: ignore[arg-type]
-    cancelled: asyncio.CancelledError | None = None
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    future.result()
-    if cancelled is not None:
-        raise cancelled

@@ -164,7 +164,8 @@ class ShardStoreServicer:
 
     def Health(self, request, context):
         """Open to everyone (no credential): id, epoch, clock, UCX address, serving state,
-        incarnation and repair readiness (nothing about tenants or their blocks).
+        incarnation, repair readiness, local socket and boot id (nothing about tenants or their
+        blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -141,6 +141,31 @@ async def test_token_comes_from_env_or_file_never_cluster_toml(
         assert await kv.contains([KEY]) is not None
 
 
+async def test_local_reads_derive_the_tenant_too(cluster: LocalCluster, tokens: dict) -> None:
+    """The local channel authenticates its HELLO and every READ like a gRPC call: a token
+    that may not act for the tenant gets no link, so no arena of its ever holds acme's bytes."""
+    toml = cluster.cluster_toml
+    await _wait_for_reload(cluster, tokens["serving"])
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(KEY, BLOCK)
+    for token in (tokens["acme"], tokens["serving"]):
+        async with KVClient.connect(toml, tenant="acme", token=token, transport="local") as kv:
+            assert await kv.get_batch([KEY]) == [BLOCK]
+            assert kv.local is not None and kv.local.counters.num_local_replies > 0, (
+                "read not over the local channel"
+            )
+    for token in (None, "wrong", tokens["evil"]):
+        with pytest.raises(PermissionDenied):
+            async with KVClient.connect(toml, tenant="acme", token=token, transport="local") as kv:
+                await kv.get(KEY)
+        async with KVClient.connect(toml, tenant="acme", token=token, transport="auto") as kv:
+            with pytest.raises(PermissionDenied):
+                await kv.get_batch([KEY])
+            assert kv.local is not None and kv.local.counters.num_local_replies == 0, (
+                "an impostor's read was answered over the local channel"
+            )
+
+
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
 async def test_reads_over_ucx_derive_the_tenant_too(cluster: LocalCluster, tokens: dict) -> None:
     toml = cluster.cluster_toml

@@ -38,10 +38,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         pytest.param(
             "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
         ),
+        "local",
     ]
 )
 def transport(request: pytest.FixtureRequest) -> str:
-    """The read transport under test: every read-side fault test runs over both."""
+    """The read transport under test: every read-side fault test runs over each."""
     return request.param
 
 
@@ -49,6 +50,10 @@ def _assert_transport_used(kv: KVClient, transport: str) -> None:
     if transport == "ucx":
         assert kv.ucx is not None and kv.ucx.counters.num_ucx_replies > 0, (
             "transport='ucx' but no read was answered over UCX: the UCX read path is unused"
+        )
+    if transport == "local":
+        assert kv.local is not None and kv.local.counters.num_local_replies > 0, (
+            "transport='local' but no read was answered over the local channel: it is unused"
         )
 
 
@@ -276,6 +281,39 @@ async def test_a_node_whose_ucx_address_went_stale_is_read_over_grpc(
             cluster.restart_node("n03")
 
 
+@pytest.mark.slow
+async def test_a_restarted_node_is_read_over_its_fallback_then_linked_again(
+    cluster: LocalCluster, stored: dict
+) -> None:
+    """n03 restarts: its local link and the arena its old process mapped are gone. Reads stay
+    byte-identical (the fallback, or the other nodes), and the client links to the new
+    process's socket, learnt from a fresh Health reply, without a new connect."""
+    sample = dict(list(stored.items())[150:170])
+    keys, blocks = list(sample), list(sample.values())
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport="local") as kv:
+        assert kv.local is not None
+        reader = next(r for r in kv.local.readers if r.node_id == "n03")
+        assert await kv.get_batch(keys) == blocks
+        old_link = reader.link
+        assert old_link is not None and old_link.alive, "no local link to n03 at connect"
+        cluster.restart_node("n03")
+        outs = [bytearray(len(b)) for b in blocks]
+        assert all(await kv.get_batch_into(keys, outs, timeout_s=20)), "a miss after a restart"
+        assert [bytes(o) for o in outs] == blocks, "wrong bytes right after a node restart"
+        # Wait on the outcome, not a fixed time: reads go on until n03 has a new live link.
+        deadline_s = time.monotonic() + 60
+        while reader.link is old_link or reader.link is None or not reader.link.alive:
+            assert time.monotonic() < deadline_s, "the restarted node was never linked again"
+            assert await kv.get_batch(keys[:4]) == blocks[:4], "wrong bytes while relinking"
+            await asyncio.sleep(0.05)
+        assert not old_link.alive, "the link to the killed process still counts as alive"
+        replies_before = kv.local.counters.num_local_replies
+        assert await kv.get_batch(keys) == blocks, "wrong bytes over the new link"
+        assert kv.local.counters.num_local_replies >= replies_before + 10, (
+            "reads did not go back to the local channel once the node was linked again"
+        )
+
+
 def _flip_bytes(paths: list[Path], rng: random.Random) -> list[tuple[Path, int, int]]:
     """Flip one byte every ~2 KiB of each file; return (path, offset, original) to undo it."""
     undo = []
@@ -435,11 +473,11 @@ async def test_bad_input_raises_clear_errors(cluster: LocalCluster) -> None:
         await KVClient.connect(cluster.root / "missing.toml", tenant="acme")
 
 
-async def test_tenants_are_isolated(cluster: LocalCluster) -> None:
-    key = block_keys(list(range(16)), 16, "shared-namespace", "same-salt")[0]
+async def test_tenants_are_isolated(cluster: LocalCluster, transport: str) -> None:
+    key = block_keys(list(range(16)), 16, f"shared-namespace-{transport}", "same-salt")[0]
     async with (
-        KVClient.connect(cluster.cluster_toml, tenant="acme") as acme,
-        KVClient.connect(cluster.cluster_toml, tenant="globex") as globex,
+        KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as acme,
+        KVClient.connect(cluster.cluster_toml, tenant="globex", transport=transport) as globex,
     ):
         await acme.put(key, b"acme secret" * 100)
         assert await globex.get(key) is None, "another tenant READ acme's block"
@@ -449,6 +487,9 @@ async def test_tenants_are_isolated(cluster: LocalCluster) -> None:
         await globex.put(key, b"globex" * 10)
         assert await acme.get(key) == b"acme secret" * 100
         assert await globex.get(key) == b"globex" * 10
+        assert await acme.get_batch([key]) == [b"acme secret" * 100]
+        assert await globex.get_batch([key]) == [b"globex" * 10], "a batch read another's block"
+        _assert_transport_used(acme, transport)
         await acme.delete([key])
         assert await acme.get(key) is None and await acme.contains([key]) == [False]
     kv = await KVClient.connect(cluster.cluster_toml, tenant="globex")

@@ -25,6 +25,7 @@ TIME_SCALE = 2 * 86_400.0  # 2 virtual days per real second: agent blocks live 1
         pytest.param(
             "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
         ),
+        "local",
     ],
 )
 async def test_expired_blocks_read_as_clean_misses(tmp_path: Path, transport: str) -> None:
@@ -49,6 +50,10 @@ async def test_expired_blocks_read_as_clean_misses(tmp_path: Path, transport: st
                 assert kv.ucx is not None
                 counters = kv.ucx.counters
                 assert counters.num_ucx_replies > 0 and counters.num_fallbacks == 0, counters
+            if transport == "local":
+                assert kv.local is not None
+                local = kv.local.counters
+                assert local.num_local_replies > 0 and local.num_fallbacks == 0, local
             stats = [s for s in (await kv.node_stats()).values() if s is not None]
     num_expired = sum(c.expired for s in stats for c in s.classes if c.traffic_class == "agent")
     assert num_expired >= len(blocks), "the nodes did not expire the agent blocks"

@@ -1,0 +1,233 @@
+"""A node's local read transport: shared memory on the node's own host, falling back to the
+node's other transport (UCX or gRPC). The client half of kvstore/local/.
+
+Which nodes are local is learned from each node's Health reply: a local socket and the same
+boot id as this host. Then one :class:`~client.local.link.LocalLink` per node carries every
+batch read to it (one READ and one ANSWER per node per batch; the payloads land through the
+link's arena, copied and verified off the event loop).
+
+Fallbacks, as over UCX: a link that cannot be made, is lost (node killed or restarted), or
+leaves a request unanswered past half its time makes the request go over the fallback
+transport within the same deadline; a lost link is made again from a fresh Health reply
+(a restarted node has a new socket), at most every ``HEALTH_RETRY_S``. An arena with no free
+region for a request (many requests in flight) or an answer too big for its region (several
+versions of a key) also reads that request over the fallback. No path can return other
+bytes than the nodes stored: every shard is verified after it landed, and every block after
+it decoded (client/batch_read.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from client.landing import NodeAnswer, Wanted
+from client.local.link import LocalLink, PendingRead, RegionTooSmall
+from client.node_conn import BackgroundTasks, NodeConn, NodeReader, finish_despite_cancel
+from erasure.codec import Codec
+from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
+from kvstore.local import frames
+from kvstore.proto import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+HEALTH_RETRY_S = 2.0  # at most one Health ask (and link attempt) per node this often
+WAIT_SHARE = 0.5  # of the time left that a local wait may use (the rest is for the fallback)
+REGION_SLACK = 2  # a request's region holds this many times its payload estimate
+MIN_ARENA_BYTES = 64 << 20
+
+
+@dataclass
+class LocalCounters:
+    """What the local read path did (monotonic counts, for tests and benchmarks)."""
+
+    num_local_replies: int = 0  # node requests answered over the local channel
+    num_local_shards: int = 0  # shard payloads that came through it
+    num_landed_in_place: int = 0  # payloads copied straight into a caller's block
+    num_fallbacks: int = 0  # node requests that went to the fallback after the channel failed
+    num_links: int = 0  # links opened (a restarted node makes a new one)
+    num_arena_full: int = 0  # requests read over the fallback for want of arena space
+
+
+class LocalReads:
+    """What every node's local reader shares: who we are, the counters, the background asks."""
+
+    def __init__(self, codec: Codec, tenant: str, token: str | None, arena_bytes: int) -> None:
+        self.codec, self.tenant, self.token = codec, tenant, token
+        self.arena_bytes = max(arena_bytes, MIN_ARENA_BYTES)
+        self.boot_id = frames.boot_id()
+        self.counters = LocalCounters()
+        self.readers: list[LocalReader] = []
+        self.background = BackgroundTasks()
+
+    def reader(self, conn: NodeConn, fallback: NodeReader) -> LocalReader:
+        reader = LocalReader(conn, self, fallback)
+        self.readers.append(reader)
+        return reader
+
+    async def close(self) -> None:
+        """Stop background asks and close every link."""
+        await self.background.cancel_all()
+        links = [r.link for r in self.readers if r.link is not None]
+        await asyncio.gather(*(asyncio.to_thread(link.close) for link in links))
+
+
+class LocalReader:
+    """One node's read transport: the local channel where it works, else ``fallback``."""
+
+    def __init__(self, conn: NodeConn, shared: LocalReads, fallback: NodeReader) -> None:
+        self.conn = conn
+        self.node_id = conn.node_id
+        self.fallback = fallback
+        self.link: LocalLink | None = None
+        self._shared = shared
+        self._next_health_ask_s = 0.0
+        self._asking = False
+
+    def usable(self) -> bool:
+        """Whether a read goes over the local channel now; (re)learns it in the background."""
+        link = self.link
+        if link is not None and link.alive and not self.conn.is_suspect():
+            return True
+        self._ask_health_later()
+        return False
+
+    async def observe(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        """Ask the node's Health whether it is on this host, and open a link if so.
+
+        A node that refuses the link (a bad token, a tenant the token may not act for)
+        raises PermissionDenied; anything else leaves the node on its fallback.
+        """
+        try:
+            reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
+        except KVStoreError as exc:
+            log.debug("node %s: no Health reply for its local socket: %s", self.node_id, exc)
+            return
+        shared = self._shared
+        if not reply.local_socket or not reply.boot_id or reply.boot_id != shared.boot_id:
+            return
+        try:
+            link = await asyncio.to_thread(
+                LocalLink.open,
+                self.node_id,
+                reply.local_socket,
+                shared.token,
+                shared.tenant,
+                shared.arena_bytes,
+                shared.codec,
+            )
+        except PermissionDenied:
+            raise
+        except KVStoreError as exc:
+            log.info("node %s: no local link: %s", self.node_id, exc)
+            return
+        old, self.link = self.link, link
+        shared.counters.num_links += 1
+        if old is not None:
+            self._shared.background.start(asyncio.to_thread(old.close))
+
+    async def read_batch(
+        self,
+        keys: list[bytes],
+        wanted: Wanted,
+        outs: Sequence[memoryview | None],
+        timeout_s: float,
+    ) -> NodeAnswer:
+        """As :meth:`NodeConn.read_batch`, over the local channel when it is usable."""
+        deadline_s = time.monotonic() + timeout_s
+        link = self.link
+        if not self.usable() or link is None:
+            return await self.fallback.read_batch(keys, wanted, outs, timeout_s)
+        counters = self._shared.counters
+        region = link.arena.try_take(REGION_SLACK * self._estimate(wanted, outs))
+        if region is None:
+            counters.num_arena_full += 1
+            return await self.fallback.read_batch(keys, wanted, outs, timeout_s)
+        try:
+            pending = link.submit(keys, b"", wanted, outs, region)
+        except Unavailable as exc:
+            region.release()  # never sent: the node cannot write it
+            return await self._fall_back(keys, wanted, outs, deadline_s, exc)
+        try:
+            done, _ = await asyncio.wait({pending.future}, timeout=_share(deadline_s))
+        except asyncio.CancelledError:
+            await self._abandon(link, pending)
+            raise
+        if not done:
+            await self._abandon(link, pending)
+            return await self._fall_back(keys, wanted, outs, deadline_s, TimeoutError())
+        try:
+            answer = pending.future.result()
+        except (Unavailable, RegionTooSmall) as exc:
+            return await self._fall_back(keys, wanted, outs, deadline_s, exc)
+        self.conn.health.record_success()
+        counters.num_local_replies += 1
+        counters.num_local_shards += len(answer.payloads)
+        counters.num_landed_in_place += sum(answer.in_place)
+        return answer
+
+    def _estimate(self, wanted: Wanted, outs: Sequence[memoryview | None]) -> int:
+        codec = self._shared.codec
+        return sum(
+            codec.payload_bytes(len(out) if out is not None else codec.max_block_bytes)
+            for out in (outs[p] for p in wanted.positions)
+        )
+
+    @staticmethod
+    async def _abandon(link: LocalLink, pending: PendingRead) -> None:
+        """Give up a request; if its landing is under way, wait until it is done (it writes
+        into the caller's buffers) and drop its answer."""
+        if not link.abandon(pending):
+            return
+        future = pending.future
+        try:
+            await finish_despite_cancel(future)
+        except KVStoreError:
+            pass
+        finally:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()
+
+    async def _fall_back(
+        self,
+        keys: list[bytes],
+        wanted: Wanted,
+        outs: Sequence[memoryview | None],
+        deadline_s: float,
+        why: BaseException,
+    ) -> NodeAnswer:
+        """The request over the fallback transport; a lost link is made again later."""
+        self._shared.counters.num_fallbacks += 1
+        log.info("node %s: local read failed (%r); using its fallback", self.node_id, why)
+        link = self.link
+        if link is not None and not link.alive:
+            self._next_health_ask_s = 0.0
+            self._ask_health_later()
+        return await self.fallback.read_batch(
+            keys, wanted, outs, max(deadline_s - time.monotonic(), 0.001)
+        )
+
+    def _ask_health_later(self) -> None:
+        now_s = time.monotonic()
+        if self._asking or now_s < self._next_health_ask_s:
+            return
+        self._next_health_ask_s = now_s + HEALTH_RETRY_S
+        self._asking = True
+        self._shared.background.start(self._observe_quietly())
+
+    async def _observe_quietly(self) -> None:
+        try:
+            await self.observe()
+        except PermissionDenied as exc:  # the fallback's own calls report it
+            log.warning("node %s refused a local link: %s", self.node_id, exc)
+        finally:
+            self._asking = False
+
+
+def _share(deadline_s: float) -> float:
+    """How long a local wait may take: half the time left, so a fallback has the rest."""
+    return max(deadline_s - time.monotonic(), 0.001) * WAIT_SHARE

@@ -1,0 +1,100 @@
+"""The shard checksums, natively where ``make native`` built erasure/_fastsum.so (fastsum.c).
+
+Two things run here:
+
+- :func:`shard_checksum` and :func:`block_checksum`: xxh3-64 of a shard (its header fields,
+  then its payload) and xxh3-128 of a block, bit-identical whichever way they run.
+- :func:`copy_verify` (native only; ``NATIVE`` says whether it is there): copy a batch of
+  payloads to their places and check each one's shard checksum, in one call without the GIL.
+  The local read path lands a node's whole answer with it (client/local/link.py).
+
+Without the library, or with ``KVSTORE_NATIVE=0`` in the environment, the first two run
+through python-xxhash and the caller of :func:`copy_verify` takes its own pure-Python path;
+the README's "Native helper" section says which runs and why it exists (measured in
+docs/i18b/).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from erasure.isal_backend import buffer_address
+
+log = logging.getLogger(__name__)
+
+LIBRARY_PATH = Path(__file__).with_name("_fastsum.so")
+FIELDS_BYTES = 40
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("KVSTORE_NATIVE", "1") == "0" or not LIBRARY_PATH.exists():
+        return None
+    try:
+        lib = ctypes.CDLL(str(LIBRARY_PATH))
+    except OSError as exc:
+        log.warning("not using %s (%s): checksums run through python-xxhash", LIBRARY_PATH, exc)
+        return None
+    lib.kv_copy_verify.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 6]
+    lib.kv_copy_verify.restype = None
+    lib.kv_shard_checksum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.kv_shard_checksum.restype = ctypes.c_uint64
+    lib.kv_xxh3_128.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    lib.kv_xxh3_128.restype = None
+    return lib
+
+
+_lib = _load()
+NATIVE = _lib is not None
+# Below this many bytes python-xxhash is as fast (the ctypes call costs about a microsecond).
+_NATIVE_MIN_BYTES = 16 << 10
+
+
+def shard_checksum(fields: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """xxh3-64 of a shard's 40 header field bytes followed by its payload."""
+    if _lib is not None and len(payload) >= _NATIVE_MIN_BYTES and len(fields) == FIELDS_BYTES:
+        fields_at = buffer_address(memoryview(fields))
+        return int(
+            _lib.kv_shard_checksum(fields_at, buffer_address(memoryview(payload)), len(payload))
+        )
+    hasher = xxhash.xxh3_64(fields)
+    hasher.update(payload)
+    return hasher.intdigest()
+
+
+def block_checksum(block: bytes | memoryview) -> bytes:
+    """xxh3-128 of a whole block (python-xxhash's ``xxh3_128_digest``)."""
+    if _lib is not None and len(block) >= _NATIVE_MIN_BYTES:
+        out = ctypes.create_string_buffer(16)
+        _lib.kv_xxh3_128(buffer_address(memoryview(block)), len(block), out)
+        return out.raw
+    return xxhash.xxh3_128_digest(block)
+
+
+def copy_verify(
+    sources: Sequence[int],
+    destinations: Sequence[int],
+    lengths: Sequence[int],
+    fields: bytes,
+    expected: np.ndarray,
+) -> list[bool]:
+    """Copy payload i from address ``sources[i]`` to ``destinations[i]`` (0: no copy, check
+    it where it is) and check xxh3-64(``fields[40*i : 40*i+40]`` + payload) against
+    ``expected[i]`` (uint64); per payload, whether it matched. Native only (``NATIVE``); the
+    caller keeps every buffer alive across the call."""
+    assert _lib is not None, "copy_verify needs erasure/_fastsum.so (make native)"
+    n = len(lengths)
+    addresses = np.array([*sources, *destinations, *lengths], dtype=np.uint64)
+    checksums = np.ascontiguousarray(expected, dtype=np.uint64)
+    ok = np.zeros(n, dtype=np.uint8)
+    base = addresses.ctypes.data
+    _lib.kv_copy_verify(
+        n, base, base + 8 * n, base + 16 * n, fields, checksums.ctypes.data, ok.ctypes.data
+    )
+    return ok.astype(bool).tolist()
