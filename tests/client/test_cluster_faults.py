@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,6 +228,40 @@ async def test_reads_and_writes_do_not_wait_for_a_straggler(
         cluster.restart_node(straggler)
 
 
+async def test_reads_touch_unheard_nodes_and_hedge_past_hung_ones(
+    cluster: LocalCluster, stored: dict, transport: str
+) -> None:
+    """#13's follow-ups and hedge hold on every transport: a healthy read touches the
+    group's node it did not ask (the 12th), and two SIGSTOPped nodes cost the hedge delay,
+    not the deadline (the 60 s deadline keeps a loaded machine's slow call apart from it)."""
+    timeout_s = 60.0
+    sample = dict(list(stored.items())[:48])
+    keys = list(sample)
+    async with KVClient.connect(cluster.cluster_toml, tenant="acme", transport=transport) as kv:
+        assert await kv.get_batch(keys[:16], timeout_s=timeout_s) == list(sample.values())[:16]
+        assert kv.follow_ups.counters.num_touches > 0, (
+            f"a read over {transport} touched no unasked node: its shards would expire early"
+        )
+        hung = [cluster.procs[n] for n in ("n00", "n01")]
+        for proc in hung:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            start_s = time.monotonic()
+            for batch in _batches(keys[16:], 8):
+                got = await kv.get_batch(batch, timeout_s=timeout_s)
+                assert got == [sample[k] for k in batch], "a read with 2 hung nodes was wrong"
+            slowest_s = time.monotonic() - start_s
+        finally:
+            for proc in hung:
+                proc.send_signal(signal.SIGCONT)
+        _assert_transport_used(kv, transport)
+    assert kv.read_counters.num_reserve_asks > 0, f"no read over {transport} hedged to the 12th"
+    assert slowest_s < timeout_s / 3, (
+        f"4 batches took {slowest_s:.2f} s with 2 hung nodes over {transport}: a hung node "
+        "must cost about the hedge delay, not the deadline"
+    )
+
+
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
 async def test_get_into_over_ucx_lands_payloads_in_place(cluster: LocalCluster) -> None:
     rng = random.Random(11)
@@ -294,8 +329,14 @@ async def test_a_restarted_node_is_read_over_its_fallback_then_linked_again(
         assert kv.local is not None
         reader = next(r for r in kv.local.readers if r.node_id == "n03")
         assert await kv.get_batch(keys) == blocks
+        # Connect needs one local link; n03's may come from a background Health ask (a
+        # loaded machine answers a first Health slowly): wait for it, reading meanwhile.
+        deadline_s = time.monotonic() + 60
+        while reader.link is None or not reader.link.alive:
+            assert time.monotonic() < deadline_s, "n03 was never linked before its restart"
+            assert await kv.get_batch(keys[:4]) == blocks[:4], "wrong bytes before linking"
+            await asyncio.sleep(0.05)
         old_link = reader.link
-        assert old_link is not None and old_link.alive, "no local link to n03 at connect"
         cluster.restart_node("n03")
         outs = [bytearray(len(b)) for b in blocks]
         assert all(await kv.get_batch_into(keys, outs, timeout_s=20)), "a miss after a restart"
