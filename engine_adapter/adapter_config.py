@@ -13,7 +13,7 @@ same everywhere::
                    named by $KVSTORE_TOKEN_FILE (never cluster.toml, never the engine config:
                    engines log their configs)
     tls_cert_file, tls_key_file   client certificate for mutual TLS (or $KVSTORE_TLS_*)
-    transport      "grpc" | "auto" | "ucx" (KVClient.connect's transport; default "grpc")
+    transport      "grpc" | "auto" | "ucx" | "local" (KVClient.connect's; default "grpc")
     model_id       names the model in the key namespace instead of the engine's model path
                    (set it when replicas load one model from different paths)
 
