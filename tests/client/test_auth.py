@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from client import KVClient
-from deploy.local_cluster import LocalCluster
-from kvstore.auth import Role
+from deploy.local_cluster import NODE_TOKEN_FILE, LocalCluster
+from kvstore.auth import Role, read_token_file
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.ucx.worker import ucx_available
 from tests.client.secure_cluster import wait_for_token
@@ -164,6 +164,13 @@ async def test_local_reads_derive_the_tenant_too(cluster: LocalCluster, tokens: 
             assert kv.local is not None and kv.local.counters.num_local_replies == 0, (
                 "an impostor's read was answered over the local channel"
             )
+    # Data roles only, as over UCX: a node credential (which may read any tenant over gRPC,
+    # for repair) and an admin credential get no local session.
+    node_token = read_token_file(cluster.root / NODE_TOKEN_FILE)
+    for token in (node_token, tokens["admin"]):
+        with pytest.raises(PermissionDenied):
+            async with KVClient.connect(toml, tenant="acme", token=token, transport="local") as kv:
+                await kv.get(KEY)
 
 
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
