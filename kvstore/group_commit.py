@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from erasure.shard import HEADER_BYTES, ShardHeader
 from kvstore.errors import CapacityExhausted
@@ -116,15 +116,20 @@ class GroupCommit:
             )
         appends: list[tuple[Entry, bytes]] = []
         refreshed: list[tuple[Entry, float]] = []
+        rewritten: list[tuple[Entry, float]] = []
         for request in batch:
             try:
-                self._plan_put(request, appends, refreshed)
+                self._plan_put(request, appends, refreshed, rewritten)
             except CapacityExhausted as exc:
                 request.error = exc
                 request.num_stored = 0
 
         def also(w: IndexWriter) -> None:
             self._reads.persist_refreshes(w, refreshed)
+            for entry, written_at_s in rewritten:
+                held = w.entry(entry.tenant, entry.key, entry.version)
+                if held is not None and held.created_s < written_at_s:
+                    w.put_entry(replace(held, created_s=written_at_s))
             for entry in [e for e, _ in appends]:
                 w.retire_older(entry)
 
@@ -135,10 +140,12 @@ class GroupCommit:
         request: PutRequest,
         appends: list[tuple[Entry, bytes]],
         refreshed: list[tuple[Entry, float]],
+        rewritten: list[tuple[Entry, float]],
     ) -> None:
         """Add ``request``'s new shards to ``appends`` and re-puts to ``refreshed``; make room.
 
-        A re-put only refreshes the held entry (at the commit). Making room never evicts an
+        A re-put only refreshes the held entry (at the commit), taking the re-put's write
+        time when that is later. Making room never evicts an
         entry the group re-puts: the re-put is an access, and the put reports it stored.
         """
         planned = {(e.tenant, e.key, e.version) for e, _ in appends}
@@ -165,6 +172,12 @@ class GroupCommit:
                 ]
                 if same:
                     touched.append((same[0], request.now))
+                    # The same version written again, later: it is now as new as that write.
+                    # Keeping its first write time would let a version written in between
+                    # win here but lose on nodes that saw the writes in another order, and
+                    # the block would split between two versions (neither readable).
+                    if entry.created_s > same[0].created_s:
+                        rewritten.append((same[0], entry.created_s))
                 elif any(e.order > entry.order for e in live):
                     request.num_superseded += 1
                 else:

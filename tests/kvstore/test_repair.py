@@ -178,6 +178,27 @@ def test_newer_writes_retire_older_versions_and_older_ones_are_superseded(
     assert store.stats().retired_versions == 1 and store.stats().num_shards == 1
 
 
+def test_a_version_written_again_is_as_new_as_its_last_write(
+    make_store: MakeStore, clock: ManualClock
+) -> None:
+    """Writers A and B race on a key that already holds B's bytes (B wrote them first at t0).
+    B writes them again at t2, A writes its own at t1 (t0 < t1 < t2). Whatever order a node
+    sees the two new writes in, it must end with B's version, as every other node does."""
+    store, now = make_store(), clock.now()
+    a_bytes, b_bytes = make_shard(b"writer a"), make_shard(b"writer b")
+    orders = {"b first": [(b_bytes, now + 2), (a_bytes, now + 1)], "a first": []}
+    orders["a first"] = orders["b first"][::-1]
+    for order, writes in orders.items():
+        key = order.encode().ljust(16, b".")  # one key per order, as on two nodes
+        store.put("acme", "chat", [(key, b_bytes)], PutOptions(written_at_s=[now]))
+        for shard, written_at_s in writes:
+            store.put("acme", "chat", [(key, shard)], PutOptions(written_at_s=[written_at_s]))
+        assert [r.shards for r in store.get("acme", [key])] == [(b_bytes,)], (
+            f"{order}: a re-put kept its first write time, so an older write won on this node "
+            "and the block split between two versions across nodes"
+        )
+
+
 class _FakeStore:
     """What a pull touches before it reaches a peer (the peers here are all down)."""
 
