@@ -28,4 +28,6 @@ def test_bench_repair_smoke(tmp_path: Path) -> None:
     # more when a target node got the client's own queued put meanwhile and stored nothing
     # (10.75 in one fresh-clone run), or a survivor failed and the next one was read.
     assert 4.0 <= heal["read_per_rebuilt_byte"] <= 12.0, heal
-    assert heal["node_cpu_s"] > 0 and heal["heal_s"] > 0
+    # The nodes' CPU net of their idle rate: a heal this small can cost less than the idle
+    # estimate's noise, which the bench clamps to 0.
+    assert heal["node_cpu_s"] >= 0 and heal["heal_s"] > 0
