@@ -122,13 +122,19 @@ def bench_cluster(args: argparse.Namespace) -> Iterator[tuple[Path, LocalCluster
         yield args.cluster, None
         return
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
-        # The background scrub (64 MiB/s per node by default) would compete with the measured
-        # requests for this machine's cores; it is off here and measured on its own elsewhere.
-        overrides: dict[str, Any] = {"scrub_bytes_per_s": 0}
-        if args.no_fsync:
-            overrides["fsync"] = False
+        overrides = bench_node_overrides(args)
         with LocalCluster.start(tmp, num_nodes=args.nodes, backend=args.backend, **overrides) as c:
             yield c.cluster_toml, c
+
+
+def bench_node_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """NodeConfig fields of every node of a bench's local cluster (``args.no_fsync``)."""
+    # The background scrub (64 MiB/s per node by default) would compete with the measured
+    # requests for this machine's cores; it is off here and measured on its own elsewhere.
+    overrides: dict[str, Any] = {"scrub_bytes_per_s": 0}
+    if args.no_fsync:
+        overrides["fsync"] = False
+    return overrides
 
 
 def transport_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:

@@ -56,6 +56,7 @@ from rich.table import Table
 from bench.common import (
     NO_REDIS,
     bench_cluster,
+    bench_node_overrides,
     percentile_ms,
     process_cpu_s,
     redis_binary,
@@ -565,9 +566,7 @@ async def _secure_target(stack: contextlib.ExitStack, args: argparse.Namespace) 
             "and KVSTORE_TLS_CERT/KVSTORE_TLS_KEY)"
         )
     root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-bench-tls-")))
-    overrides: dict[str, Any] = {"scrub_bytes_per_s": 0}
-    if args.no_fsync:
-        overrides["fsync"] = False
+    overrides = bench_node_overrides(args)
     cluster = stack.enter_context(
         LocalCluster.start(
             root, num_nodes=args.nodes, backend=args.backend, auth=True, mtls=True, **overrides
