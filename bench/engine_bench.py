@@ -62,8 +62,8 @@ from deploy.local_cluster import LocalCluster
 from engine_adapter.config import EngineConfig, add_store_transport_argument
 from engine_adapter.engine import Engine, PrefillResult, Sequence
 from engine_adapter.loader import load_model
-from kvstore.progress import ProgressReporter
-from kvstore.tables import make_console, print_fitted
+from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.tables import make_console, print_fitted
 
 GB = 1e9
 DEFAULT_LENGTHS = "1024,4096,8192"

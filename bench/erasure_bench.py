@@ -51,9 +51,9 @@ from erasure.allocator import tune_glibc_malloc
 from erasure.codec import Codec, make_codec
 from erasure.config import CodecConfig
 from erasure.isal_backend import IsalBackend, isal_version
-from kvstore.cli import list_arg, size_arg
-from kvstore.progress import ProgressReporter
-from kvstore.tables import make_console, print_fitted
+from kvstore.cli.args import list_arg, size_arg
+from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.tables import make_console, print_fitted
 from ttl.units import size_label
 
 MB = 1e6

@@ -19,11 +19,11 @@ from pathlib import Path
 from rich.table import Table
 
 from erasure.shard import ShardHeader, block_checksum, pack_header
+from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.tables import print_fitted
 from kvstore.config import NodeConfig, TTLConfig
-from kvstore.index import MemoryBackend
-from kvstore.progress import ProgressReporter
-from kvstore.shard_store import ShardStore
-from kvstore.tables import print_fitted
+from kvstore.store.index import MemoryBackend
+from kvstore.store.shard_store import ShardStore
 from ttl.clock import ManualClock
 from ttl.policy import DAY_S
 

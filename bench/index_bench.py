@@ -5,7 +5,7 @@
     kvstore bench index [--entries 200000] [--tenant acme] [--json PATH]
 
 Puts ``--entries`` shard entries with random keys (the order puts arrive in) through
-``kvstore.index.IndexWriter`` into a fresh ``LmdbBackend``, in transactions of 1,000 as the
+``kvstore.store.index.IndexWriter`` into a fresh ``LmdbBackend``, in transactions of 1,000 as the
 node's group commit does, and divides by the entries both the pages the B-trees use and the
 file's size (which also holds the pages lmdb's copy-on-write keeps free for reuse). Each entry
 has a chat-class TTL, so it carries all five keys (entries, expiry, access, by-segment,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.index import DBS, Entry, Index, LmdbBackend
+from kvstore.store.index import DBS, Entry, Index, LmdbBackend
 
 _PER_TXN = 1000
 

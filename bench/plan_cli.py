@@ -27,9 +27,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from kvstore.cli import arg_type, duration_arg, size_arg
-from kvstore.config import load_cluster
-from kvstore.sim_cli import (
+from kvstore.cli.args import arg_type, duration_arg, size_arg
+from kvstore.cli.sim import (
     DEFAULT_BYTES_PER_TOKEN,
     add_grid_arguments,
     add_output_arguments,
@@ -37,7 +36,8 @@ from kvstore.sim_cli import (
     bytes_per_token_arg,
     simulate_from_args,
 )
-from kvstore.tables import print_fitted
+from kvstore.cli.tables import print_fitted
+from kvstore.config import load_cluster
 from ttl.errors import TTLError
 from ttl.plan import TierConfig, parse_count, plan_records, scale_for_tokens_per_day
 from ttl.plan_report import plan_table, write_plan_plots

@@ -34,8 +34,8 @@ from rich.table import Table
 from bench.common import percentile_ms
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
-from kvstore.cli import size_arg
-from kvstore.tables import print_fitted
+from kvstore.cli.args import size_arg
+from kvstore.cli.tables import print_fitted
 from ttl.units import format_bytes
 
 DOWN = ("n05", "n06")

@@ -36,10 +36,10 @@ import xxhash
 from rich.table import Table
 
 from client import KVClient
+from kvstore.cli.sim import add_trace_arguments, load_trace_from_args
+from kvstore.cli.tables import print_fitted
 from kvstore.config import load_cluster
 from kvstore.errors import ERRORS, ChecksumMismatch
-from kvstore.sim_cli import add_trace_arguments, load_trace_from_args
-from kvstore.tables import print_fitted
 from ttl.clock import make_clock
 from ttl.report import write_json
 from ttl.simulator import ALL, SimConfig, SimResult, simulate

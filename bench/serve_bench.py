@@ -56,7 +56,7 @@ from engine_adapter.serving.balancer import (
 )
 from engine_adapter.serving.router import POLICIES, Completion, Router
 from engine_adapter.serving.serve import WorkerPool
-from kvstore.cli import list_arg
+from kvstore.cli.args import list_arg
 
 DEFAULT_BUCKET_BOUNDS = (512, 1024, 2048)
 

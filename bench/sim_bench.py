@@ -51,15 +51,15 @@ from typing import Any
 
 from rich.table import Table
 
-from kvstore.cli import list_arg
-from kvstore.sim_partitions import (
+from kvstore.cli.args import list_arg
+from kvstore.cli.sim_partitions import (
     INLINE,
     LOCAL,
     RayExecutor,
     make_executor,
     placement_partitions,
 )
-from kvstore.tables import print_fitted
+from kvstore.cli.tables import print_fitted
 from ttl.generate import WorkloadParams, generate_trace, write_session_files, write_workload
 from ttl.partition import simulate_partitioned, split_trace
 from ttl.policy import EvictionOrder, TrafficClasses

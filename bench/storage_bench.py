@@ -69,11 +69,11 @@ from client.keyring import Keyring, MasterKeyFile, new_master_key
 from client.sealer import BlockSealer
 from deploy.local_cluster import LocalCluster, local_client_cert
 from erasure.allocator import tune_glibc_malloc
-from kvstore.cli import list_arg, size_arg
+from kvstore.cli.args import list_arg, size_arg
+from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.tables import make_console, print_fitted
 from kvstore.config import EncryptionConfig, load_cluster
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.progress import ProgressReporter
-from kvstore.tables import make_console, print_fitted
 from ttl.units import size_label
 
 log = logging.getLogger(__name__)

@@ -68,9 +68,9 @@ from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome, StoreConnector
 from engine_adapter.kv_layout import KVBlockLayout
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
+from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.tables import make_console, print_fitted
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.progress import ProgressReporter
-from kvstore.tables import make_console, print_fitted
 
 GB = 1e9
 NUM_SAMPLED = 8  # blocks verified after each fetch (first, last and random ones)

@@ -12,7 +12,7 @@ A server process holds a 64 MiB buffer of random bytes and serves GETs of (offse
   its buffer (what ``get_into`` over gRPC does).
 - ``ucx`` / ``ucx-tcp``: the client registers its buffer (client/ucx/transport.py), sends
   its worker address and tag base in a grpc.aio unary call; the server replies at once and
-  sends the bytes over UCX from the buffer itself (kvstore/ucx/server.py). ``ucx`` lets UCX
+  sends the bytes over UCX from the buffer itself (kvstore/node/ucx_server.py). ``ucx`` lets UCX
   pick transports (shared memory and CMA on one host), ``ucx-tcp`` forces UCX_TLS=tcp.
 
 So every UCX GET also pays one gRPC round trip, as a storage read will.
@@ -68,10 +68,10 @@ from bench.common import percentile_ms, process_cpu_s, run_load
 from client.buffer_pool import BufferPool
 from client.ucx.transport import UcxTransport
 from erasure.allocator import tune_glibc_malloc
-from kvstore.cli import list_arg, size_arg
-from kvstore.tables import make_console, print_fitted
-from kvstore.ucx.server import UcxServer
-from kvstore.ucx.worker import DEFAULT_SPIN_S, UcxWorker, ucx_available
+from kvstore.cli.args import list_arg, size_arg
+from kvstore.cli.tables import make_console, print_fitted
+from kvstore.node.ucx_server import UcxServer
+from kvstore.wire.ucx_worker import DEFAULT_SPIN_S, UcxWorker, ucx_available
 from ttl.units import size_label
 
 SOURCE_BYTES = 64 << 20

@@ -46,8 +46,8 @@ from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
 from erasure.codec import Codec
 from erasure.shard import SplitShard
-from kvstore import batch_answer
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
+from kvstore.wire import batch_answer
 
 log = logging.getLogger(__name__)
 

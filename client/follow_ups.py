@@ -6,7 +6,7 @@
   the nodes that did not serve it: the reserve nodes and those whose reply was not needed.
 * **Repair hints.** A read that decoded around a missing or corrupt shard, and a write that
   returned with fewer than k+m shards stored, tell the group's leader (``QueueRepair``), which
-  rebuilds those shards without waiting for its next pass (kvstore/repair_service.py).
+  rebuilds those shards without waiting for its next pass (kvstore/node/repair_service.py).
 
 Both are batched per node (one RPC per node per flush, at most ``FLUSH_DELAY_S`` after the
 first item) and fire-and-forget: a read never waits for them, and a failed send is dropped and

@@ -28,7 +28,7 @@ the block (the nodes that did not serve it get a batched touch, client/follow_up
 
 Writes return at ``write_quorum`` (11) shards, or ``hedge_delay_s`` after ``min_write_shards``
 (k) were stored: a put with two nodes of the group down succeeds, and the group's repair
-leader is told to rebuild the missing shards (kvstore/repair_service.py). Every shard carries
+leader is told to rebuild the missing shards (kvstore/node/repair_service.py). Every shard carries
 the client's write time, by which the nodes keep a key's newest version only.
 """
 
@@ -68,7 +68,7 @@ from kvstore.membership import EtcdMembership, follow_map
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tls import channel_credentials
-from kvstore.ucx.worker import INSTALL_HINT, ucx_available
+from kvstore.wire.ucx_worker import INSTALL_HINT, ucx_available
 from ttl.clock import Clock, make_clock
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Where a node's batch answer lands: each payload at its place in the caller's block, or apart.
 
 A node answers a batch read with a table of shard entries and their payloads back to back
-(kvstore/batch_answer.py). The client reads the table first and decides, per HIT entry,
+(kvstore/wire/batch_answer.py). The client reads the table first and decides, per HIT entry,
 where its payload goes (:func:`landing_regions`)::
 
     entry: key j, shard index i, payload_len P, block_len L, version V
@@ -28,8 +28,8 @@ import xxhash
 
 from erasure.codec import Codec
 from erasure.shard import BACKEND_IDS, FORMAT_VERSION, MAGIC, ShardHeader
-from kvstore import batch_answer
 from kvstore.byte_arena import ByteArena, Region
+from kvstore.wire import batch_answer
 
 
 @dataclass(frozen=True)

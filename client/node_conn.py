@@ -25,14 +25,14 @@ import grpc
 from client.landing import NodeAnswer, StreamLander, Wanted
 from client.node_health import NodeHealth
 from client.wire import parse_get_shards_reply
-from kvstore import batch_answer
 from kvstore.config import NodeConfig
 from kvstore.errors import BadReply, KVStoreError
 from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
-from kvstore.protowire import field_head
 from kvstore.tls import aio_channel
+from kvstore.wire import batch_answer
+from kvstore.wire.protowire import field_head
 
 CHANNEL_OPTIONS = (
     # Blocks are up to 16 MiB and batches larger; the node enforces its own request limit.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvstore.protowire import decode_varint
+from kvstore.wire.protowire import decode_varint
 
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
 _RESULTS_TAG = (1 << 3) | _WIRE_LEN

@@ -32,7 +32,7 @@ A node stores its request all or nothing (one index transaction), so a key count
 stored per node whose request succeeded. A key that fails stored fewer than k shards, so it is
 never readable: the error says how many landed where, and that the nodes that stored one
 retired the key's older version. The node commits concurrent requests together
-(kvstore/group_commit.py).
+(kvstore/store/group_commit.py).
 """
 
 from __future__ import annotations

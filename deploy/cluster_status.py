@@ -21,7 +21,7 @@ The JSON (``--json``)::
 
 A node that does not answer (or refuses the credential) has ``"up": false`` and no figures.
 ``repair_backlog_shards`` is the sum of every answering node's repair backlog: the shards its
-led groups are known to miss (kvstore/repair_service.py); 0 once repair has caught up.
+led groups are known to miss (kvstore/node/repair_service.py); 0 once repair has caught up.
 Stats needs an admin credential when the nodes require auth: the token `cluster up --auth`
 wrote in DIR/admin.token, else ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``. The retention
 caps are the nodes' own (from their credentials file), as the first node that answered
@@ -39,11 +39,11 @@ import grpc
 from rich.table import Table
 
 from kvstore.auth import client_token
+from kvstore.cli.tables import make_console, print_fitted
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.membership import EtcdMembership
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
-from kvstore.tables import make_console, print_fitted
 from kvstore.tls import channel_credentials, sync_channel
 from ttl.units import format_bytes, format_duration
 

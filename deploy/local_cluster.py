@@ -68,7 +68,7 @@ from deploy.local_etcd import start_etcd, stop_etcd
 from deploy.processes import spawn_logged
 from kvstore.auth import Role, add_principal, read_token_file, set_tenant_caps, write_private
 from kvstore.certs import init_ca, issue_files
-from kvstore.cli import duration_arg, list_arg, size_arg
+from kvstore.cli.args import duration_arg, list_arg, size_arg
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
@@ -105,7 +105,7 @@ LOCAL_ETCD = "local"  # `--etcd` without an endpoint: start one (deploy/local_et
 DEFAULT_DOWN_OUT_S = 600.0  # Ceph's mon_osd_down_out_interval
 DRAIN_TIMEOUT_S = 600.0
 PORT_ATTEMPTS = 3
-# What a node says when it cannot bind its port: gRPC's own error, or kvstore/node.py's.
+# What a node says when it cannot bind its port: gRPC's own error, or kvstore/node/main.py's.
 _PORT_TAKEN = ("Address already in use", "the port is taken")
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05

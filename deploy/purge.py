@@ -6,9 +6,9 @@
                   [--json]
 
 Sends ``Purge`` (an admin call) to every node at once. Each node deletes the tenant's shards,
-destroys their records' bytes on disk (kvstore/deletion.py) and logs the purge in its delete
+destroys their records' bytes on disk (kvstore/store/deletion.py) and logs the purge in its delete
 log, and answers what it removed. A node that is down applies the purge from its peers' logs
-when it returns (kvstore/tombstones.py); ``--wait`` keeps asking the nodes that did not answer
+when it returns (kvstore/node/tombstones.py); ``--wait`` keeps asking the nodes that did not answer
 until each has, or the timeout passes. With encryption on for the tenant (``[encryption]``),
 the tenant's data keys are destroyed too (crypto-shredding, client/keyring.py): every sealed
 copy anywhere, a node that never returns included, is unreadable from then on.
@@ -33,12 +33,12 @@ from rich.table import Table
 from client.keyring import open_keyring
 from deploy.local_cluster import local_admin_token, local_client_cert
 from kvstore.auth import client_token
-from kvstore.cli import duration_arg
+from kvstore.cli.args import duration_arg
+from kvstore.cli.tables import make_console, print_fitted
 from kvstore.config import ClusterConfig, load_cluster
 from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
-from kvstore.tables import make_console, print_fitted
 from kvstore.tls import channel_credentials, sync_channel
 from ttl.units import format_bytes
 

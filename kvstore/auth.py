@@ -133,7 +133,7 @@ class Principal:
 
     def tenant_for_repair(self, claimed: str) -> str:
         """As :meth:`tenant_for`, and a node principal may act for any tenant: a peer's repair
-        service reads survivors' shards and writes rebuilt ones (kvstore/repair_service.py),
+        service reads survivors' shards and writes rebuilt ones (kvstore/node/repair_service.py),
         and a node holds every tenant's shards on its own disk anyway."""
         if self.role is Role.NODE:
             return claimed

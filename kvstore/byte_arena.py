@@ -22,7 +22,7 @@ them back on its event loop.
 
 ``ByteArena(..., shared=True)`` puts the memory in a memfd that another process on the host
 may map (``fd``): a local-read client's arena, which the node ``preadv``s payloads into
-(kvstore/local/frames.py). The memfd is sealed against shrinking and growing, so the mapping
+(kvstore/wire/local_frames.py). The memfd is sealed against shrinking and growing, so the mapping
 of whoever received it can never lose pages (SIGBUS) under it; a fresh memfd is zero-filled,
 so it only ever holds what its owner was sent.
 """

@@ -164,7 +164,8 @@ class NodeConfig:
     # Membership state in the cluster map (kvstore/map_changes.py): "in" holds group slots;
     # "draining" and "out" gave theirs away in a move still in progress; "left" holds none.
     state: str = "in"
-    # Local read channel for clients on this host (kvstore/local/): "auto" = on (Linux), "off"
+    # Local read channel for clients on this host (kvstore/node/local_server.py):
+    # "auto" = on (Linux), "off"
     local_reads: str = "auto"
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ Certificates are reloaded without a restart: before each handshake gRPC asks
 modification times changed (replace both files, new connections get the new pair; open
 connections keep theirs). Clients read their files when they connect.
 
-The UCX read path (kvstore/ucx/frames.py) carries no TLS: with encryption at rest on
+The UCX read path (kvstore/wire/ucx_frames.py) carries no TLS: with encryption at rest on
 (client/sealer.py) its payloads are ciphertext, but the token in a UCX request frame
 travels in the clear, so use UCX only inside a trusted network (the README says so).
 """

@@ -9,10 +9,19 @@
     kvstore                         the node, on-disk format, config, placement, CLI
     erasure   ttl                   (bottom: import nothing of the project)
 
-A package imports only packages of lower layers. Every ``import`` statement counts, also
-those inside functions, and so does ``importlib.import_module("pkg...")``. ``kvstore/cli.py``
-names the modules of every command as strings for ``importlib`` (it is the program's
-composition root): those are not imports. A failure names the file and line of the offending import.
+Inside ``kvstore`` the rooms stack the same way::
+
+    kvstore/cli/                    the command table (the composition root) and its shells
+    kvstore/node/                   the node process: its faces, repair, map following, metrics
+    kvstore/store/                  one node's synchronous shard store (no asyncio, no grpc)
+    kvstore/wire/                   what crosses between client and node on the data plane
+    kvstore/                        the floor: config, errors, placement, auth, TLS, membership
+
+A package imports only packages of lower layers, and a room of ``kvstore`` only lower rooms. Every
+``import`` statement counts, also those inside functions, and so does
+``importlib.import_module("pkg...")``. ``kvstore/cli/commands.py`` names the modules of every
+command as strings for ``importlib`` (it is the program's composition root): those are not imports.
+A failure names the file and line of the offending import.
 """
 
 from __future__ import annotations
@@ -36,13 +45,23 @@ LAYER_OF = {
 }
 
 
-COMPOSITION_ROOT = Path("kvstore/cli.py")
+COMPOSITION_ROOT = Path("kvstore/cli/commands.py")
+ROOM_OF_KVSTORE = {"floor": 0, "wire": 1, "store": 2, "node": 3, "cli": 4}
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
     """(top-level project package, line) of every import in ``path``, ``importlib`` calls with
     a literal module name included (only the command table may name any module)."""
-    found = []
+    return [
+        (name.split(".")[0], line)
+        for name, line in _imported_modules(path)
+        if name.split(".")[0] in LAYER_OF
+    ]
+
+
+def _imported_modules(path: Path) -> list[tuple[str, int]]:
+    """(dotted module name, line) of every import in ``path``, as :func:`_imports` counts them."""
+    found: list[tuple[str, int]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -52,8 +71,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
             names = [node.args[0].value]  # type: ignore[attr-defined]
         else:
             continue
-        found += [(name.split(".")[0], node.lineno) for name in names]
-    return [(package, line) for package, line in found if package in LAYER_OF]
+        found += [(name, node.lineno) for name in names]
+    return found
 
 
 def _is_import_module_call(node: ast.AST) -> bool:
@@ -103,12 +122,57 @@ def test_no_import_loop_between_packages() -> None:
     assert not loops, f"packages in an import loop: {loops}; edges: {sorted(edges)}"
 
 
+def _room(module: str) -> str:
+    """The room of a ``kvstore`` module (``kvstore.store.index`` -> ``store``; else the floor)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in ROOM_OF_KVSTORE else "floor"
+
+
+def test_rooms_of_kvstore_import_only_lower_rooms() -> None:
+    wrong = []
+    for path in sorted((ROOT / "kvstore").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        importer = _room(module if path.name != "__init__.py" else module + ".x")
+        for imported, line in _imported_modules(path):
+            if imported.split(".")[0] != "kvstore" or imported in ("kvstore", "kvstore.proto"):
+                continue
+            room = _room(imported)
+            if room != importer and ROOM_OF_KVSTORE[room] > ROOM_OF_KVSTORE[importer]:
+                wrong.append(f"{importer} -> {room} ({path.relative_to(ROOT)}:{line})")
+    assert not wrong, "imports against the rooms of kvstore (this module's docstring):\n" + (
+        "\n".join(wrong)
+    )
+
+
+def test_the_store_runs_without_asyncio_or_grpc() -> None:
+    """kvstore/store/ is synchronous: the node wraps it (StoreHolder, its executor)."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in sorted((ROOT / "kvstore" / "store").rglob("*.py"))
+        for name, line in _imported_modules(path)
+        if name.split(".")[0] in ("asyncio", "grpc")
+    ]
+    assert not wrong, "the store room imports asyncio or grpc:\n" + "\n".join(wrong)
+
+
+def test_importing_the_client_loads_no_store_or_node_module() -> None:
+    """In a fresh interpreter: ``import client`` needs the floor and the wire, nothing more."""
+    code = (
+        "import sys, client; print(sorted(m for m in sys.modules"
+        " if m.startswith(('kvstore.store', 'kvstore.node', 'kvstore.cli'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]", f"import client loads node-side modules: {out.strip()}"
+
+
 @pytest.mark.parametrize(
     ("modules", "forbidden"),
     [
         ("erasure.shard, erasure.codec, erasure.config, erasure.errors", "grpc"),
         ("ttl.policy, ttl.simulator, ttl.traces, ttl.sweep, ttl.units, ttl.errors", "grpc"),
-        ("kvstore.node, kvstore.shard_store, client", "torch"),
+        ("kvstore.node.main, kvstore.store.shard_store, client", "torch"),
     ],
 )
 def test_importing_a_layer_loads_nothing_heavier(modules: str, forbidden: str) -> None:

@@ -9,7 +9,7 @@ positions in the request; ``ttl.simulator.SimCounts`` says why the partitions' c
 exactly.
 
 Pipeline (each step a plain function, so any executor can run it: in this process, or as Ray
-tasks in ``kvstore/sim_partitions.py``)::
+tasks in ``kvstore/cli/sim_partitions.py``)::
 
     trace --trace_units--> units --split_unit (one task per unit)--> per unit: requests and
       one BlockPiece per partition --assemble_partition (one task per partition)--> partition

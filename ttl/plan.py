@@ -47,7 +47,7 @@ TB = 1e12  # drives are sold in decimal terabytes
 GB = 1e9
 DAY_S = 86_400.0
 SHARD_HEADER_BYTES = 48  # erasure.shard.HEADER_BYTES
-# kvstore/segments.py record format 2: 60 bytes plus the class and tenant names (72 for
+# kvstore/store/segments.py record format 2: 60 bytes plus the class and tenant names (72 for
 # "chat" and an 8-byte tenant; ttl may not import kvstore).
 RECORD_HEADER_BYTES = 72
 # lmdb bytes per shard entry on a node: the entry and its expiry, access, by-segment and

@@ -1,6 +1,6 @@
 """One connection to a node's local read server, with the arena the node writes into.
 
-kvstore/local/frames.py has the exchange. Per request::
+kvstore/wire/local_frames.py has the exchange. Per request::
 
     event loop    take a region of the arena, send READ(id, region, keys)      (a few us)
     receiver      ANSWER(id, table) -> for each HIT payload, in this thread:
@@ -44,11 +44,11 @@ from client.landing import (
 )
 from erasure import fastsum
 from erasure.codec import Codec
-from kvstore import batch_answer
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.grpc_errors import code_from_value, from_grpc_status
-from kvstore.local import frames
+from kvstore.wire import batch_answer
+from kvstore.wire import local_frames as frames
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A node's local read transport: shared memory on the node's own host, falling back to the
-node's other transport (UCX or gRPC). The client half of kvstore/local/.
+node's other transport (UCX or gRPC). The client half of kvstore/node/local_server.py.
 
 Which nodes are local is learned from each node's Health reply: a local socket and the same
 boot id as this host. Then one :class:`~client.local.link.LocalLink` per node carries every
@@ -29,8 +29,8 @@ from client.local.link import LocalLink, PendingRead, RegionTooSmall
 from client.node_conn import BackgroundTasks, NodeConn, NodeReader, finish_despite_cancel
 from erasure.codec import Codec
 from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
-from kvstore.local import frames
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import local_frames as frames
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,18 @@
-"""A node's UCX read transport, falling back to gRPC: the client half of kvstore/ucx/frames.py.
+"""A node's UCX read transport, falling back to gRPC: the client half of kvstore/wire/ucx_frames.py.
 
 One batch read from one node::
 
     expect reply frame (tag_base + 0)       allocated at its size on arrival
     expect payloads    (tag_base + 1 + i)   one group receive; regions named later
     request(keys, worker address, tag_base) --UCX-->  node
-    reply: the answer's table (kvstore/batch_answer.py)
+    reply: the answer's table (kvstore/wire/batch_answer.py)
         -> each HIT payload's region (client/landing.py): its place in the caller's block,
            or one scratch region of the client's arena for the rest
     land(regions): payload i is received straight into region i (over shared memory one
         CMA read by this process; payloads that arrived earlier were held unread)
 
 Per node per batch: one request, one reply, one group receive and one future, whatever the
-number of shards; per shard only a few native calls in the worker (kvstore/ucx/worker.py says
+number of shards; per shard only a few native calls in the worker (kvstore/wire/ucx_worker.py says
 why not one message per node). The shards are then verified like any other
 (client/batch_read.py), so a UCX fault can lose a node's answer but never return wrong bytes.
 
@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from client.landing import NodeAnswer, Wanted, fill_apart, landing_regions
 from client.node_conn import BackgroundTasks, NodeConn, finish_despite_cancel
 from client.ucx.transport import UcxTransport
-from kvstore import batch_answer
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.ucx import frames
-from kvstore.ucx.worker import GroupReceive, UcxWorker, batch_tag
+from kvstore.wire import batch_answer
+from kvstore.wire import ucx_frames as frames
+from kvstore.wire.ucx_worker import GroupReceive, UcxWorker, batch_tag
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Client side of the UCX data path: the client's worker, tag bases, and the nodes it reaches.
 
 A batch read from one node registers where the node's messages must land, then sends the
-request over UCX with a fresh tag base (client/ucx/reader.py; kvstore/ucx/frames.py has the
+request over UCX with a fresh tag base (client/ucx/reader.py; kvstore/wire/ucx_frames.py has the
 exchange). :class:`UcxReceiveBatch` registers one contiguous slot per message, for the UCX
 microbenchmark (bench/ucx_bench.py) and tests; the read path receives its payloads with one
-group receive per node instead (kvstore/ucx/worker.py).
+group receive per node instead (kvstore/wire/ucx_worker.py).
 
 Tags are made here and are unique per client worker: a random 44-bit request counter in the
-high bits and the message index in the low 20 bits (kvstore.ucx.worker.batch_tag).
+high bits and the message index in the low 20 bits (kvstore.wire.ucx_worker.batch_tag).
 
 Nodes are tracked by the worker address each advertises over gRPC: a node that restarts
 comes back with a new address, :meth:`UcxTransport.observe_node` reports the change, and the
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.ucx.worker import (
+from kvstore.wire.ucx_worker import (
     BATCH_INDEX_BITS,
     MAX_BATCH_MESSAGES,
     REQUEST_TAG,
@@ -183,7 +183,8 @@ class UcxTransport:
         return self._node_to_reachable[node_id]
 
     def send_request(self, node_id: str, frame: bytes) -> asyncio.Future[None]:
-        """Send a request frame (kvstore/ucx/frames.py) to a node :meth:`reachable` approved."""
+        """Send a request frame (kvstore/wire/ucx_frames.py) to a node :meth:`reachable`
+        approved."""
         endpoint = self._node_to_endpoint.get(node_id)
         if endpoint is None:
             raise Unavailable(f"node {node_id} is not reachable over UCX")

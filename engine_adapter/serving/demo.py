@@ -39,9 +39,9 @@ from deploy.local_cluster import LocalCluster
 from engine_adapter.config import add_store_transport_argument
 from engine_adapter.serving.router import Completion, Router
 from engine_adapter.serving.serve import WorkerPool, cancel_on_signals, sigterm_as_interrupt
+from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.tables import make_console
 from kvstore.errors import KVStoreError
-from kvstore.progress import ProgressReporter
-from kvstore.tables import make_console
 
 log = logging.getLogger(__name__)
 

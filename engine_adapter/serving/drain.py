@@ -19,7 +19,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from kvstore.cli import duration_arg
+from kvstore.cli.args import duration_arg
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_GRACE_S = 60.0

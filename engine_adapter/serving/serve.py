@@ -54,7 +54,7 @@ from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, Balanc
 from engine_adapter.serving.openai_api import create_app
 from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
 from engine_adapter.serving.workers import add_worker_tuning_arguments, tuning_argv
-from kvstore.cli import list_arg
+from kvstore.cli.args import list_arg
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
 log = logging.getLogger(__name__)

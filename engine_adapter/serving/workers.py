@@ -72,7 +72,7 @@ from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.balancer import PrefillCostModel, PrefillSample
 from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.router import CHANNEL_OPTIONS
-from kvstore.cli import duration_arg, list_arg
+from kvstore.cli.args import duration_arg, list_arg
 from kvstore.config import load_cluster
 from kvstore.errors import ERRORS, InvalidArgument, Unavailable
 from kvstore.grpc_errors import to_grpc_status

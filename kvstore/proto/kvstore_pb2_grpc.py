@@ -120,7 +120,7 @@ class ShardStoreServicer:
 
     def ReadBatch(self, request, context):
         """The batch read, one call per node per batch: GetShards' semantics, the answer (a table
-        of shard entries, then their payloads; kvstore/batch_answer.py) as a stream of chunks
+        of shard entries, then their payloads; kvstore/wire/batch_answer.py) as a stream of chunks
         of at most 4 MiB, in order. Clients land each chunk's bytes as it arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,7 +181,7 @@ class ShardStoreServicer:
 
     def ListShards(self, request, context):
         """Node or admin: one page of the entries a node holds for one placement group, in key
-        order, every tenant: the repair service's listing (kvstore/repair.py). UNAVAILABLE until
+        order, every tenant: the repair service's listing (kvstore/node/repair.py). UNAVAILABLE until
         the node has pulled its peers' delete logs (HealthReply.repair_ready).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvstore.cli import main
+from kvstore.cli.commands import main
 from ttl.plan import DEFAULT_INDEX_BYTES_PER_SHARD
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvstore.cli import main
+from kvstore.cli.commands import main
 from ttl.generate import WorkloadParams, write_workload
 
 CONTRACT = ("traffic_class", "ttl_s", "capacity_blocks", "logical_tb", "raw_tb", "nodes",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deploy.local_cluster import LocalCluster
-from kvstore.cli import main
+from kvstore.cli.commands import main
 
 pytestmark = pytest.mark.timeout(240)
 

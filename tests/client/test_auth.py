@@ -18,7 +18,7 @@ from client import KVClient
 from deploy.local_cluster import NODE_TOKEN_FILE, LocalCluster
 from kvstore.auth import Role, read_token_file
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
-from kvstore.ucx.worker import ucx_available
+from kvstore.wire.ucx_worker import ucx_available
 from tests.client.secure_cluster import wait_for_token
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ import pytest
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
 from kvstore.errors import InvalidArgument, QuorumError, UnknownTrafficClass
-from kvstore.ucx.worker import ucx_available
+from kvstore.wire.ucx_worker import ucx_available
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,5 +1,5 @@
 """Reads of blocks whose segments expiry frees, over each transport: a clean miss, never stale
-bytes (tests/kvstore/test_read_batch.py frees a segment in the middle of a node's read)."""
+bytes (tests/kvstore/store/test_read_batch.py frees a segment in the middle of a node's read)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
-from kvstore.ucx.worker import ucx_available
+from kvstore.wire.ucx_worker import ucx_available
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import pytest
 from client.landing import StreamLander, Wanted, landing_regions
 from erasure.codec import Codec
 from erasure.config import CodecConfig
-from kvstore import batch_answer
+from kvstore.wire import batch_answer
 
 K, M = 4, 2
 CODEC = Codec(CodecConfig(k=K, m=M))

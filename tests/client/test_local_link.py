@@ -23,11 +23,11 @@ from client.landing import Wanted
 from client.local.link import LocalLink, PendingRead
 from erasure.codec import make_codec
 from erasure.config import CodecConfig
-from kvstore import batch_answer
 from kvstore.byte_arena import Region
 from kvstore.errors import BadReply, InvalidArgument, PermissionDenied, Unavailable
-from kvstore.local import frames
-from kvstore.local.server import LocalServer, LocalSession
+from kvstore.node.local_server import LocalServer, LocalSession
+from kvstore.wire import batch_answer
+from kvstore.wire import local_frames as frames
 
 pytestmark = pytest.mark.timeout(60)
 

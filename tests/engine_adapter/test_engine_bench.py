@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvstore.cli import main
+from kvstore.cli.commands import main
 
 pytestmark = pytest.mark.engine
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvstore.cli import main
+from kvstore.cli.commands import main
 
 pytestmark = pytest.mark.engine
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import NodeConfig, TTLConfig
-from kvstore.index import MemoryBackend
-from kvstore.shard_store import ShardStore
+from kvstore.store.index import MemoryBackend
+from kvstore.store.shard_store import ShardStore
 from tests.kvstore.node_harness import NodeProcess
 from tests.kvstore.store_harness import (
     CLASSES,

@@ -18,7 +18,6 @@ import grpc
 
 from deploy.local_cluster import free_ports
 from erasure.shard import ShardHeader, block_checksum, pack_header
-from kvstore import batch_answer
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
@@ -30,6 +29,7 @@ from kvstore.config import (
 )
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import batch_answer
 from ttl.policy import TrafficClasses
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ from kvstore.map_changes import (
     shards_moved,
     slot_counts,
 )
-from kvstore.map_keeper import NEVER_SEEN_GRACE_S, DownClock
+from kvstore.node.map_keeper import NEVER_SEEN_GRACE_S, DownClock
 from kvstore.placement import make_groups
 
 WIDTH = 12

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import main
+from kvstore.cli.commands import main
 from ttl.generate import WorkloadParams, generate_requests, request_hash_ids, write_workload
 from ttl.policy import TrafficClasses
 from ttl.simulator import SimConfig, simulate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvstore.cli import main
+from kvstore.cli.commands import main
 
 
 def test_bench_writes_every_case(tmp_path: Path, capsys) -> None:

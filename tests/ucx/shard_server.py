@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from erasure.shard import HEADER_BYTES
-from kvstore.ucx.server import UcxServer
+from kvstore.node.ucx_server import UcxServer
 
 SEND_TIMEOUT_S = 5.0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import ucx_bench
-from kvstore.ucx.worker import ucx_available
+from kvstore.wire.ucx_worker import ucx_available
 
 if not ucx_available():
     pytest.skip("the optional ucx extra (ucxx) is not installed", allow_module_level=True)

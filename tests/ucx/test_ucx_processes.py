@@ -23,7 +23,7 @@ from client.ucx.transport import UcxTransport
 from erasure.codec import Codec
 from erasure.config import CodecConfig
 from erasure.shard import HEADER_BYTES, block_checksum, shard_checksum, shard_version
-from kvstore.ucx.worker import ucx_available
+from kvstore.wire.ucx_worker import ucx_available
 
 if not ucx_available():
     pytest.skip("the optional ucx extra (ucxx) is not installed", allow_module_level=True)

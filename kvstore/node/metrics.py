@@ -1,0 +1,238 @@
+"""Prometheus metrics of one node, on a registry of its own (several nodes may share a process).
+
+Request counts and latencies are observed by the server as RPCs finish. Store figures (shards,
+bytes, hits, misses, corrupt shards and the per-class TTL figures) are read from the store at
+scrape time, so they equal the persisted counters that ``Stats`` reports and survive restarts.
+Names follow Prometheus' conventions: units in the name, ``_total`` on counters, timestamps as
+``_timestamp_seconds`` in real (Unix) time even when the cluster runs on a scaled clock, and a
+series that has no value yet is absent (never a -1)::
+
+    kvstore_requests_total{rpc,code}         kvstore_request_seconds{rpc}   (histogram)
+    kvstore_put_shards_total                 kvstore_get_keys_total
+    kvstore_shards  kvstore_shard_bytes  kvstore_used_bytes  kvstore_capacity_bytes
+    kvstore_segments  kvstore_hits_total  kvstore_misses_total  kvstore_corrupt_shards_total
+    kvstore_class_shards{traffic_class}  kvstore_class_shard_bytes{traffic_class}
+    kvstore_class_{hits,misses,expired,evicted}_total{traffic_class}
+    kvstore_class_youngest_evicted_age_seconds{traffic_class}      (once something was evicted)
+    kvstore_scrubbed_bytes_total  kvstore_scrub_passes_total        (since the node started)
+    kvstore_scrub_last_full_pass_timestamp_seconds                  (once a pass finished)
+    kvstore_index_bytes  kvstore_quarantined_bytes  kvstore_retired_versions_total
+    kvstore_repair_backlog_shards  kvstore_repair_queued_hints      (the repair service,
+    kvstore_repair_{rebuilt_shards,rebuilt_bytes,read_bytes}_total   kvstore/node/repair_service.py;
+    kvstore_repair_{skipped_expiring,unrecoverable,fenced,passes}_total  since the node started)
+    kvstore_build_info{version,python}  process_*  python_info     (standard collectors)
+
+HTTP: ``/metrics`` serves the metrics and ``/healthz`` answers 200 "ok" while the node serves
+(503 otherwise); any other path is 404. With ``NodeConfig.metrics_auth`` /metrics needs an
+``Authorization: Bearer <token>`` header of an admin or node principal (401 otherwise);
+/healthz stays open.
+"""
+
+from __future__ import annotations
+
+import platform
+import socketserver
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.node.repair_service import RepairStats
+from kvstore.store.shard_store import StoreStats
+
+# Loopback RPCs take ~100 us; 4 MiB batches and fsyncs take ms; stragglers take seconds.
+LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+_NODE_GAUGES = {
+    "shards": ("num_shards", "shards held"),
+    "shard_bytes": ("shard_bytes", "bytes of live shards"),
+    "used_bytes": ("used_bytes", "bytes of segment files, live and dead records"),
+    "capacity_bytes": ("capacity_bytes", "effective byte limit (configured or disk)"),
+    "segments": ("num_segments", "segment files"),
+    "index_bytes": ("index_bytes", "disk bytes of the index files (inside the byte limit)"),
+    "quarantined_bytes": ("quarantined_bytes", "segment bytes moved to quarantine/"),
+}
+_NODE_COUNTERS = {
+    "hits": ("hits", "keys served"),
+    "misses": ("misses", "keys not found, including keys of no known class"),
+    "corrupt_shards": ("corrupt_shards", "shards that failed a checksum (never served)"),
+    "scrubbed_bytes": ("scrubbed_bytes", "record bytes re-read and verified by the scrub"),
+    "scrub_passes": ("num_scrub_passes", "full scrub passes finished"),
+    "retired_versions": ("retired_versions", "older versions dropped by newer writes"),
+}
+_REPAIR_GAUGES = {
+    "backlog_shards": "shards known missing in the groups this node leads",
+    "queued_hints": "read-repair and degraded-write hints waiting",
+}
+_REPAIR_COUNTERS = {
+    "rebuilt_shards": "shards rebuilt and stored on their nodes",
+    "rebuilt_bytes": "bytes of the shards rebuilt",
+    "read_bytes": "survivor shard bytes read to rebuild",
+    "skipped_expiring": "blocks not rebuilt: they expire before the rebuild would finish",
+    "unrecoverable": "blocks with fewer than k shards of any version",
+    "fenced": "rebuilt shards refused: the key was deleted after the repair read it",
+    "passes": "full repair passes over the led groups",
+}
+# Metric suffix -> ClassStats field (the store counts shards per class in ``blocks``).
+_CLASS_GAUGES = {"shards": "blocks", "shard_bytes": "bytes"}
+_CLASS_COUNTERS = ("hits", "misses", "expired", "evicted")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvstore")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], StoreStats], repair: Callable[[], RepairStats]) -> None:
+        self._stats = stats
+        self._repair = repair
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, (attr, doc) in _NODE_GAUGES.items():
+            yield GaugeMetricFamily(f"kvstore_{name}", doc, value=getattr(stats, attr))
+        for name, (attr, doc) in _NODE_COUNTERS.items():
+            yield CounterMetricFamily(f"kvstore_{name}", doc, value=getattr(stats, attr))
+        if stats.last_full_pass_unix_s is not None:
+            yield GaugeMetricFamily(
+                "kvstore_scrub_last_full_pass_timestamp_seconds",
+                "Unix time the last full scrub pass ended",
+                value=stats.last_full_pass_unix_s,
+            )
+        yield from _class_metrics(stats)
+        repair = self._repair()
+        for name, doc in _REPAIR_GAUGES.items():
+            yield GaugeMetricFamily(f"kvstore_repair_{name}", doc, value=getattr(repair, name))
+        for name, doc in _REPAIR_COUNTERS.items():
+            yield CounterMetricFamily(f"kvstore_repair_{name}", doc, value=getattr(repair, name))
+
+
+def _class_metrics(stats: StoreStats) -> Iterator[Metric]:
+    labels = ["traffic_class"]
+    for suffix, attr in _CLASS_GAUGES.items():
+        doc = f"{suffix.replace('_', ' ')} per traffic class"
+        family = GaugeMetricFamily(f"kvstore_class_{suffix}", doc, labels=labels)
+        for cls in stats.classes:
+            family.add_metric([cls.traffic_class], getattr(cls, attr))
+        yield family
+    for figure in _CLASS_COUNTERS:
+        family = CounterMetricFamily(
+            f"kvstore_class_{figure}", f"{figure} per traffic class", labels=labels
+        )
+        for cls in stats.classes:
+            family.add_metric([cls.traffic_class], getattr(cls, figure))
+        yield family
+    youngest = GaugeMetricFamily(
+        "kvstore_class_youngest_evicted_age_seconds",
+        "smallest time since last access among capacity-evicted entries",
+        labels=labels,
+    )
+    for cls in stats.classes:
+        if cls.youngest_evicted_age_s is not None:
+            youngest.add_metric([cls.traffic_class], cls.youngest_evicted_age_s)
+    yield youngest
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds up the node's shutdown
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # scrapes are not log lines
+        pass
+
+
+class NodeMetrics:
+    """The metrics of one node; ``serve(host, port, is_serving)`` exposes them over HTTP."""
+
+    def __init__(
+        self,
+        stats: Callable[[], StoreStats],
+        repair: Callable[[], RepairStats] = RepairStats,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvstore_requests", "RPCs by method and status", ["rpc", "code"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "kvstore_request_seconds",
+            "RPC latency, including any injected delay",
+            ["rpc"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.put_shards = Counter("kvstore_put_shards", "new shards stored", registry=self.registry)
+        self.get_keys = Counter("kvstore_get_keys", "keys asked for", registry=self.registry)
+        self.registry.register(_StoreCollector(stats, repair))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        Info("kvstore_build", "kvstore version", registry=self.registry).info(
+            {"version": _version(), "python": platform.python_version()}
+        )
+        self._http: WSGIServer | None = None
+
+    def observe(self, rpc: str, code: grpc.StatusCode, elapsed_s: float) -> None:
+        self.requests.labels(rpc, code.name).inc()
+        self.latency.labels(rpc).observe(elapsed_s)
+
+    def serve(
+        self,
+        host: str,
+        port: int,
+        is_serving: Callable[[], bool] = lambda: True,
+        authorize: Callable[[str], bool] | None = None,
+    ) -> None:
+        """Serve ``/metrics`` and ``/healthz`` on ``host:port`` in a background thread.
+
+        ``authorize`` (given the Authorization header) guards /metrics when set.
+        """
+        app = _routes(make_wsgi_app(self.registry), is_serving, authorize)
+        self._http = make_server(host, port, app, _Server, handler_class=_QuietHandler)
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics").start()
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _routes(
+    metrics_app: Callable,
+    is_serving: Callable[[], bool],
+    authorize: Callable[[str], bool] | None = None,
+) -> Callable:
+    """A WSGI app: /metrics -> ``metrics_app`` (if authorized), /healthz -> 200 or 503,
+    else 404."""
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            if authorize is not None and not authorize(environ.get("HTTP_AUTHORIZATION", "")):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain")])
+                return [b"send Authorization: Bearer <admin or node token>\n"]
+            return metrics_app(environ, start_response)
+        if path == "/healthz":
+            ok = is_serving()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain")])
+            return [b"ok\n" if ok else b"not serving\n"]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: try /metrics or /healthz\n"]
+
+    return app

@@ -1,0 +1,40 @@
+"""The node's scrub loop: the store's scrub steps (kvstore/store/scrub.py) run in the node's
+executor, paced at ``NodeConfig.scrub_bytes_per_s``, until the node stops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from kvstore.config import NodeConfig
+from kvstore.store.scrub import STEP_S, ScrubStep, pause_s
+
+log = logging.getLogger(__name__)
+
+ERROR_PAUSE_S = 5.0
+
+
+async def scrub_forever(
+    step: Callable[[int], ScrubStep], node: NodeConfig, executor: Executor
+) -> None:
+    """Run ``step(max_bytes)`` paced at ``node.scrub_bytes_per_s`` until cancelled (0: return).
+
+    Errors are logged, not fatal: the scrub retries after ``ERROR_PAUSE_S``.
+    """
+    if not node.scrub_bytes_per_s:
+        return
+    loop = asyncio.get_running_loop()
+    step_bytes = max(1, int(node.scrub_bytes_per_s * STEP_S))
+    pass_start_s = loop.time()
+    while True:
+        try:
+            done = await loop.run_in_executor(executor, step, step_bytes)
+        except Exception:
+            log.exception("scrub step failed; retrying in %.0f s", ERROR_PAUSE_S)
+            await asyncio.sleep(ERROR_PAUSE_S)
+            continue
+        await asyncio.sleep(pause_s(done, node, pass_start_s, loop.time()))
+        if done.pass_done:
+            pass_start_s = loop.time()

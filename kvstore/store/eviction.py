@@ -1,0 +1,185 @@
+"""Capacity: the byte limit, eviction in the configured order, and compaction of dead bytes.
+
+The byte limit is the smaller of ``NodeConfig.max_bytes`` (0 = none) and the disk's free space
+plus what the node already uses, so a disk that fills up (other data, a misjudged limit) makes
+the node evict rather than fail. The index's allocated files (kvstore/store/index.py keeps a reserve
+allocated for it) count inside the limit: segment data may use the limit less the index, and
+the watermarks apply to that. When a put would pass ``high_watermark`` of it, the store
+expires, then evicts entries in the configured order (``[ttl] eviction_order``,
+ttl/policy.py) until usage is under ``low_watermark``:
+
+    lru      least recently accessed first, whatever the class (the default: the simulator
+             showed earliest expiry first starves short-TTL traffic; ttl/policy.py has figures)
+    expiry   earliest expiry first (within a class that is least recently accessed first)
+
+Each order is a range scan of its own index order (kvstore/store/index.py), never a scan of every
+entry. The last access is the one persisted in the index: a read hit counts once the read-side
+state is flushed, which every write does first. Blocks a put re-puts (touches) are never
+evicted to make room for that put's own group commit: the touch is an access.
+
+Evicting an entry leaves dead bytes in its segment; segments with no live entry are deleted,
+and segments holding dead bytes are compacted (live records carried forward, most dead bytes
+first) until usage is under the target. Compaction writes; on a disk too full for that, the
+segment with the most dead bytes is evicted whole instead (its live entries go, the file is
+freed), which only ever deletes. Entries of classes with an infinite TTL are never
+evicted in either order (they are pinned on purpose, and LRU gives no reason to drop them
+before data that can expire): a put fails with CapacityExhausted only when the space is held by
+them or by the request itself.
+
+Single writer: callers hold the store's write lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections.abc import Collection
+
+from kvstore.config import NodeConfig
+from kvstore.errors import CapacityExhausted
+from kvstore.store.index import Entry, Index, IndexView, IndexWriter, SegmentMeta, class_counter
+from kvstore.store.reclaimer import Reclaimer
+from kvstore.store.segments import SegmentFiles
+from ttl.policy import EvictionOrder
+
+log = logging.getLogger(__name__)
+
+_EVICT_BATCH = 64
+
+
+def eviction_candidates(
+    view: IndexView, order: EvictionOrder, start: bytes, limit: int
+) -> list[tuple[bytes, Entry]]:
+    """Up to ``limit`` (position, entry) in ``order`` from ``start``: entries that can expire,
+    by ascending ``order.priority`` (the simulator's policy object: ttl/policy.py)."""
+    if order is EvictionOrder.LRU:
+        return view.evictable_by_access(start, limit)
+    return view.evictable_by_expiry(start, limit)
+
+
+class Evictor:
+    """Keeps a node's segments under its byte limit."""
+
+    def __init__(
+        self,
+        node: NodeConfig,
+        index: Index,
+        files: SegmentFiles,
+        reclaimer: Reclaimer,
+        order: EvictionOrder,
+    ) -> None:
+        self._node = node
+        self._index = index
+        self._files = files
+        self._reclaimer = reclaimer
+        self._order = order
+
+    def capacity_bytes(self) -> int:
+        """Bytes segment data may use: the byte limit (configured if set, and at most the disk's
+        free space plus what the node holds) less the index's allocated files."""
+        index_bytes = self._index.backend.allocated_bytes()
+        free = shutil.disk_usage(self._files.directory).free
+        configured = self._node.max_bytes if self._node.max_bytes > 0 else math.inf
+        total = min(configured, free + self.used_bytes() + index_bytes)
+        return int(max(0, total - index_bytes))
+
+    def used_bytes(self) -> int:
+        """Bytes of segment files, live and dead records."""
+        with self._index.read() as view:
+            return view.used_bytes()
+
+    def make_room(self, need_bytes: int, now: float, keep: Collection[bytes] = ()) -> None:
+        """Evict so that ``need_bytes`` more fit under the high watermark, or raise.
+
+        Entries whose index key is in ``keep`` (blocks the caller is touching) are not evicted.
+        """
+        limit = self.capacity_bytes()
+        if self.used_bytes() + need_bytes <= self._node.high_watermark * limit:
+            return
+        self.evict_to(self._node.low_watermark * limit - need_bytes, now, keep)
+        used = self.used_bytes()
+        if used + need_bytes > limit:
+            raise CapacityExhausted(
+                f"node {self._node.id}: {need_bytes} more bytes do not fit: {used} of {limit} "
+                "bytes are used by data that cannot be evicted (classes with an infinite TTL "
+                "or this request); raise max_bytes, add disk or send smaller batches"
+            )
+
+    def evict_if_over_high_watermark(self, now: float) -> None:
+        """Evict down to the low watermark if usage passed the high one."""
+        limit = self.capacity_bytes()
+        if self.used_bytes() > self._node.high_watermark * limit:
+            self.evict_to(self._node.low_watermark * limit, now)
+
+    def evict_to(self, target_bytes: float, now: float, keep: Collection[bytes] = ()) -> None:
+        """Expire, then evict by the eviction order until usage is under ``target_bytes``."""
+        self._reclaimer.expire(now)
+        while True:
+            self._free_dead_space(target_bytes, now)
+            used = self.used_bytes()
+            if used <= target_bytes or not self._evict_entries(used - target_bytes, now, keep):
+                return
+
+    def _evict_entries(self, excess_bytes: float, now: float, keep: Collection[bytes]) -> int:
+        """Evict entries in eviction order until their records add up to ``excess_bytes``."""
+        freed_bytes, num_evicted, position = 0, 0, b""
+        with self._index.write() as w:
+            while freed_bytes < excess_bytes:
+                batch = eviction_candidates(w, self._order, position, _EVICT_BATCH)
+                if not batch:
+                    break
+                position = batch[-1][0] + b"\x00"
+                for entry in (e for _, e in batch if e.index_key not in keep):
+                    _evict_one(w, entry, now)
+                    freed_bytes += entry.record_bytes
+                    num_evicted += 1
+                    if freed_bytes >= excess_bytes:
+                        break
+        return num_evicted
+
+    def _free_dead_space(self, target_bytes: float, now: float) -> None:
+        """Delete empty segments, then compact those with most dead bytes until under target
+        (or, when the disk is too full to copy, evict them whole)."""
+        self._reclaimer.free_empty_segments()
+        while self.used_bytes() > target_bytes:
+            with self._index.read() as view:
+                candidates = sorted(
+                    (m for m in view.segments() if m.dead_bytes > 0), key=_dead_bytes, reverse=True
+                )
+            if not any(self._free_segment(m.segment_id, now) for m in candidates):
+                return
+
+    def _free_segment(self, segment_id: int, now: float) -> bool:
+        """Compact one segment, or evict it whole if the disk cannot take the copy; False if
+        neither worked."""
+        try:
+            self._reclaimer.move_out([segment_id])
+            return True
+        except CapacityExhausted as exc:
+            log.warning("compacting segment %d failed (%s): evicting it whole", segment_id, exc)
+            return self.evict_segment(segment_id, now)
+
+    def evict_segment(self, segment_id: int, now: float) -> bool:
+        """Evict every live entry of one segment and free its file (deletes only); False if
+        it holds entries that are never evicted (infinite TTL), which stay."""
+        with self._index.write() as w:
+            entries = w.in_segment(segment_id, 1 << 40)
+            if any(math.isinf(e.expires_at_s) for e in entries):
+                return False
+            for entry in entries:
+                _evict_one(w, entry, now)
+        self._reclaimer.free_empty_segments()
+        return True
+
+
+def _evict_one(w: IndexWriter, entry: Entry, now: float) -> None:
+    w.delete_entry(entry)
+    w.add(class_counter(entry.traffic_class, "evicted"), 1)
+    w.set_min(
+        class_counter(entry.traffic_class, "youngest_evicted_age_s"), now - entry.last_access_s
+    )
+
+
+def _dead_bytes(meta: SegmentMeta) -> int:
+    return meta.dead_bytes

@@ -1,0 +1,138 @@
+"""What reads learn, held in memory until a write persists it: refreshes, counts, corrupt shards.
+
+Reads never write the index: lmdb has one writer, and concurrent reads must not queue behind
+it. A read hit refreshes the TTL here first, hits and misses are counted here, and shards that
+fail a check are remembered here. The next write or the background tick (at least once a second
+on a node) persists all of it in one index transaction (:meth:`ReadState.flush`). A crash can
+lose refreshes younger than that: those blocks then expire counting from their previous access.
+Expired entries are never served meanwhile: every read checks ``expires_at_s`` (with the
+refresh applied) against ``now`` before reclamation catches up.
+
+A shard found corrupt is counted at once (:meth:`ReadState.pending_counters`) and removed from
+the index by the next flush (:func:`quarantine`), so a repair can store it again; it is counted
+once however often it is found.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+from kvstore.errors import UnknownTrafficClass
+from kvstore.store.index import Entry, Index, IndexWriter, class_counter
+from kvstore.store.store_stats import CORRUPT_SHARDS, NODE_MISSES
+from ttl.policy import Retention
+
+
+def touched(entry: Entry, now: float, retention: Retention) -> Entry:
+    """``entry`` accessed at ``now``: its TTL restarts (kept if its class was removed)."""
+    try:
+        expires_at_s = retention.expires_at_s(entry.tenant, entry.traffic_class, now)
+    except UnknownTrafficClass:
+        return entry
+    return replace(entry, last_access_s=now, expires_at_s=expires_at_s)
+
+
+def quarantine(w: IndexWriter, corrupt: Iterable[Entry]) -> None:
+    """Delete entries found corrupt and count them, unless they have since moved or gone."""
+    for entry in corrupt:
+        held = w.entry(entry.tenant, entry.key, entry.version)
+        if held is not None and (held.segment_id, held.offset) == (entry.segment_id, entry.offset):
+            w.delete_entry(held)
+            w.add(CORRUPT_SHARDS, 1)
+
+
+class ReadState:
+    """Thread-safe buffers of read-side state (see the module docstring)."""
+
+    def __init__(self, retention: Callable[[], Retention]) -> None:
+        self._retention = retention  # the store's current TTLs and tenant caps
+        self._lock = threading.Lock()
+        self._refreshed: dict[bytes, tuple[Entry, float]] = {}  # index key -> (entry, hit time)
+        self._counts: Counter[str] = Counter()  # hits/misses not yet persisted
+        self._corrupt: dict[bytes, Entry] = {}  # found by reads, removed by the next flush
+
+    def with_refresh(self, entry: Entry) -> Entry:
+        """``entry`` with its latest in-memory TTL refresh applied."""
+        with self._lock:
+            refreshed = self._refreshed.get(entry.index_key)
+        if refreshed is None or refreshed[1] <= entry.last_access_s:
+            return entry
+        return touched(entry, refreshed[1], self._retention())
+
+    def record_hit(self, served: Sequence[Entry], now: float) -> None:
+        """Refresh every served entry; count one hit, for the class of the first."""
+        with self._lock:
+            for entry in served:
+                self._refreshed[entry.index_key] = (entry, now)
+            self._counts[class_counter(served[0].traffic_class, "hits")] += 1
+
+    def record_touch(self, touched_entries: Sequence[Entry], now: float) -> None:
+        """Refresh entries a client touched (its read hit was served by other nodes)."""
+        with self._lock:
+            for entry in touched_entries:
+                self._refreshed[entry.index_key] = (entry, now)
+
+    def record_miss(self, class_names: Iterable[str]) -> None:
+        """Count one miss for the node and one for each class the key had entries of."""
+        with self._lock:
+            self._counts[NODE_MISSES] += 1
+            for name in class_names:
+                self._counts[class_counter(name, "misses")] += 1
+
+    def mark_corrupt(self, entry: Entry) -> None:
+        with self._lock:
+            self._corrupt[entry.index_key] = entry
+
+    def forget_corrupt(self, entries: Iterable[Entry]) -> None:
+        """These were dropped by another transaction: the next flush has nothing to do."""
+        with self._lock:
+            for entry in entries:
+                self._corrupt.pop(entry.index_key, None)
+
+    def pending_counters(self) -> Counter[str]:
+        """Counts not persisted yet, corrupt shards included."""
+        with self._lock:
+            counts = Counter(self._counts)
+            counts[CORRUPT_SHARDS] += len(self._corrupt)
+        return counts
+
+    def persist_refreshes(self, w: IndexWriter, refreshed: Iterable[tuple[Entry, float]]) -> None:
+        """Write (entry, access time) refreshes to entries still held and not newer."""
+        for entry, hit_s in refreshed:
+            held = w.entry(entry.tenant, entry.key, entry.version)
+            if held is not None and held.last_access_s < hit_s:
+                w.put_entry(touched(held, hit_s, self._retention()))
+
+    def flush(self, index: Index) -> None:
+        """Persist everything buffered in one transaction (caller holds the write lock)."""
+        with self._lock:
+            refreshed = dict(self._refreshed)
+            counts = Counter(self._counts)
+            corrupt = dict(self._corrupt)
+        if not (refreshed or counts or corrupt):
+            return
+        with index.write() as w:
+            self.persist_refreshes(w, refreshed.values())
+            for name, delta in counts.items():
+                w.add(name, delta)
+            quarantine(w, corrupt.values())
+        self._forget(refreshed, counts, corrupt)
+
+    def _forget(
+        self,
+        refreshed: dict[bytes, tuple[Entry, float]],
+        counts: Counter[str],
+        corrupt: dict[bytes, Entry],
+    ) -> None:
+        """Drop what a flush persisted; keep what reads added meanwhile."""
+        with self._lock:
+            for index_key, value in refreshed.items():
+                if self._refreshed.get(index_key) == value:
+                    del self._refreshed[index_key]
+            self._counts.subtract(counts)
+            self._counts = +self._counts
+            for index_key in corrupt:
+                self._corrupt.pop(index_key, None)

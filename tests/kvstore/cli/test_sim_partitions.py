@@ -1,0 +1,71 @@
+"""``kvstore sim --partitions``: the store's placement splits the blocks; Ray runs the tasks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.cli.commands import main
+from kvstore.cli.sim_partitions import identity_keys, placement_partitions
+from kvstore.placement import groups_of_keys
+from ttl.generate import WorkloadParams, write_workload
+
+GRID = ["--block-tokens", "128", "--ttl", "chat=1d,7d", "--ttl", "agent=3d",
+        "--capacity", "20%,inf", "--warmup", "0.2", "--no-progress"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("partitions") / "w.jsonl"
+    params = WorkloadParams(
+        days=2.0, chat_sessions_per_day=50, agent_sessions_per_day=5, agent_turns=4, seed=11
+    )
+    write_workload(params, path)
+    return path
+
+
+def _results(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["results"]
+
+
+def _sim(trace: Path, out: Path, *extra: str) -> list[dict]:
+    assert main(["sim", "--trace", str(trace), *GRID, "--json", str(out), *extra]) == 0
+    return _results(out)
+
+
+def test_one_partition_gives_the_unpartitioned_json(trace_path: Path, tmp_path: Path) -> None:
+    whole = _sim(trace_path, tmp_path / "whole.json")
+    one = _sim(trace_path, tmp_path / "one.json", "--partitions", "1", "--ray", "none",
+               "--unit-bytes", "64KiB")  # fmt: skip
+    assert one == whole, "P=1 must be the unpartitioned simulation, record for record"
+
+
+def test_partitions_on_local_ray_match_the_same_partitions_in_process(
+    trace_path: Path, tmp_path: Path
+) -> None:
+    inline = _sim(trace_path, tmp_path / "inline.json", "--partitions", "3", "--ray", "none")
+    on_ray = _sim(trace_path, tmp_path / "ray.json", "--partitions", "3", "--ray", "local",
+                  "--workers", "2", "--unit-bytes", "256KiB")  # fmt: skip
+    assert on_ray == inline, "Ray tasks must compute exactly what the in-process run does"
+    summary = json.loads((tmp_path / "ray.json").read_text())["trace"]
+    assert summary["partitions"] == 3 and summary["block_accesses"] > 0
+
+
+def test_placement_of_identities_is_the_store_hash() -> None:
+    identities = np.arange(1000, dtype=np.uint64) * np.uint64(7919)
+    keys = identity_keys(identities)
+    assert len({bytes(k) for k in keys.view(np.uint8).reshape(-1, 16)}) == 1000
+    assert placement_partitions(identities, 12).tolist() == groups_of_keys(keys, 12).tolist()
+    shares = np.bincount(placement_partitions(np.arange(60_000, dtype=np.uint64), 4))
+    assert shares.min() > 0.9 * 15_000, f"placement must spread blocks evenly: {shares}"
+
+
+def test_partitioned_bad_input_is_a_clear_error(trace_path: Path, capsys) -> None:
+    assert main(["sim", "--trace", str(trace_path), "--partitions", "-1"]) == 2
+    assert "--partitions must be >= 0" in capsys.readouterr().err
+    assert main(["sim", "--trace", str(trace_path / "nope"), "--partitions", "2",
+                 "--ray", "none"]) == 2  # fmt: skip
+    assert "no trace at" in capsys.readouterr().err

@@ -1,0 +1,258 @@
+"""A property-based fuzz test of every RPC of a real node with auth on: random credentials
+(none, made-up, tenant, service, node, admin), random and half-valid messages. Every call
+must end, within its deadline, in a status a client can act on; the node must never crash,
+hang or log an unexpected error."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf.message import Message
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.auth import Role, add_principal
+from kvstore.errors import InvalidArgument
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import ucx_frames
+from tests.kvstore.node_harness import make_shard, write_config
+
+pytestmark = pytest.mark.timeout(300)
+RPCS = (
+    "PutShards",
+    "GetShards",
+    "ReadBatch",
+    "Contains",
+    "Delete",
+    "Purge",
+    "ListTombstones",
+    "Stats",
+    "Health",
+    "TouchShards",
+    "ListShards",
+    "QueueRepair",
+)
+# What a well-behaved node answers to anything; INTERNAL, UNKNOWN and DEADLINE_EXCEEDED
+# (a hang) are bugs.
+EXPECTED_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+CALL_TIMEOUT_S = 10.0
+
+tenants = st.sampled_from(["", "acme", "globex", "x" * 300, "é\u0000"])
+keys = st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40)), max_size=5)
+shards = st.one_of(
+    st.binary(max_size=300),
+    st.binary(min_size=1, max_size=200).map(make_shard),
+)
+times_s = st.one_of(st.floats(), st.sampled_from([0.0, -1.0, 1e300, 2.0**53]))
+groups = st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1))
+
+
+@st.composite
+def messages(draw: st.DrawFn, rpc: str) -> bytes:
+    """Raw request bytes: garbage, or a message of the right type with hostile fields."""
+    if draw(st.booleans()):
+        return draw(st.binary(max_size=200))
+    if rpc == "PutShards":
+        items = draw(
+            st.lists(st.tuples(keys.map(lambda k: k[0] if k else b""), shards), max_size=4)
+        )
+        message = pb.PutShardsRequest(
+            tenant=draw(tenants),
+            traffic_class=draw(st.sampled_from(["chat", "agent", "", "nope"])),
+            shards=[pb.ShardPut(key=k, shard=s, written_at_s=draw(times_s)) for k, s in items],
+            expires_at_s=draw(times_s),
+            repair=draw(st.booleans()),
+        )
+    elif rpc in ("GetShards", "ReadBatch"):
+        message = pb.GetShardsRequest(
+            tenant=draw(tenants), keys=draw(keys), version=draw(st.binary(max_size=20))
+        )
+    elif rpc == "Contains":
+        message = pb.ContainsRequest(tenant=draw(tenants), keys=draw(keys))
+    elif rpc == "Delete":
+        message = pb.DeleteRequest(tenant=draw(tenants), keys=draw(keys))
+    elif rpc == "Purge":
+        message = pb.PurgeRequest(tenant=draw(tenants))
+    elif rpc == "ListTombstones":
+        message = pb.ListTombstonesRequest(
+            after_seq=draw(st.integers(0, 2**64 - 1)), limit=draw(st.integers(0, 2**32 - 1))
+        )
+    elif rpc == "TouchShards":
+        touched = draw(keys)
+        versions = draw(st.one_of(st.just([]), st.lists(st.binary(max_size=20), max_size=6)))
+        message = pb.TouchShardsRequest(tenant=draw(tenants), keys=touched, versions=versions)
+    elif rpc == "ListShards":
+        message = pb.ListShardsRequest(
+            group=draw(groups),
+            start_after=draw(st.binary(max_size=60)),
+            limit=draw(st.integers(0, 2**32 - 1)),
+        )
+    elif rpc == "QueueRepair":
+        hints = draw(st.lists(st.tuples(tenants, keys, groups), max_size=4))
+        message = pb.QueueRepairRequest(
+            hints=[pb.RepairHint(tenant=t, key=k[0] if k else b"", group=g) for t, k, g in hints]
+        )
+    else:
+        message = pb.StatsRequest() if rpc == "Stats" else pb.HealthRequest()
+    return message.SerializeToString()
+
+
+def _call(channel: grpc.Channel, rpc: str, raw: bytes, metadata) -> grpc.StatusCode:
+    method = f"/kvstore.v1.ShardStore/{rpc}"
+    try:
+        if rpc == "ReadBatch":
+            list(channel.unary_stream(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata))
+        else:
+            channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def _principals(credentials: Path) -> dict[str, str]:
+    """Role name -> the token of a new principal of that role (tenant acme; the service
+    acts for acme)."""
+    return {
+        "tenant": add_principal(credentials, "acme", Role.TENANT),
+        "service": add_principal(credentials, "serving", Role.SERVICE, frozenset({"acme"})),
+        "node": add_principal(credentials, "nodes", Role.NODE),
+        "admin": add_principal(credentials, "admin", Role.ADMIN),
+    }
+
+
+def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
+    credentials = tmp_path / "credentials.toml"
+    tokens = {**_principals(credentials), "made-up": "kvst_made-up", "empty": ""}
+    config = write_config(tmp_path, credentials_file=str(credentials), max_batch_bytes=1 << 20)
+    node = start_node(config)
+    address = config.read_text().split('address = "')[1].split('"')[0]
+    unexpected: list[tuple[str, str, grpc.StatusCode]] = []
+    rpc_to_codes: dict[str, set[grpc.StatusCode]] = {rpc: set() for rpc in RPCS}
+
+    with grpc.insecure_channel(address) as channel:
+
+        @settings(
+            max_examples=400,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        )
+        @given(data=st.data())
+        def fuzz(data: st.DataObject) -> None:
+            rpc = data.draw(st.sampled_from(RPCS))
+            raw = data.draw(messages(rpc))
+            who = data.draw(st.sampled_from([None, *tokens]))
+            header = data.draw(
+                st.sampled_from(["Bearer {}", "{}", "Basic {}", "Bearer  {}", "bearer {}"])
+            )
+            metadata = None if who is None else (("authorization", header.format(tokens[who])),)
+            code = _call(channel, rpc, raw, metadata)
+            rpc_to_codes[rpc].add(code)
+            if code not in EXPECTED_CODES:
+                unexpected.append((rpc, str(who), code))
+
+        fuzz()
+        health = channel.unary_unary("/kvstore.v1.ShardStore/Health")
+        assert health(pb.HealthRequest().SerializeToString(), timeout=5), "node stopped answering"
+    assert not unexpected, f"calls ended in unexpected statuses (crash or hang): {unexpected[:5]}"
+    never = [rpc for rpc, codes in rpc_to_codes.items() if not codes]
+    assert not never, f"the fuzz never called {never}"
+    assert node.proc is not None and node.proc.poll() is None, "the node process died"
+    log_text = node.log_path.read_text()
+    for marker in ("Traceback", "never retrieved", "failed"):
+        assert marker not in log_text, f"the node logged {marker!r}:\n{log_text[-3000:]}"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(frame=st.one_of(st.binary(max_size=300), st.binary(max_size=50).map(lambda b: b"KVRQ" + b)))
+def test_ucx_request_frames_parse_or_are_refused(frame: bytes) -> None:
+    """The UCX read request's parser (reached by anyone who can send to the node's worker)."""
+    try:
+        token, request = ucx_frames.decode_request(frame)
+    except InvalidArgument:
+        return
+    assert isinstance(token, str) and request.HasField("ucx")
+
+
+KEY = b"k" * 16
+SHARD = make_shard(b"role table")
+# A well-formed request of each RPC, and the roles that may make it (kvstore/auth.py's table;
+# the others get PERMISSION_DENIED). Health is open to everyone.
+ROLE_TABLE: dict[str, tuple[Message, frozenset[str]]] = {
+    "PutShards": (
+        pb.PutShardsRequest(
+            tenant="acme", traffic_class="chat", shards=[pb.ShardPut(key=KEY, shard=SHARD)]
+        ),
+        frozenset({"tenant", "service"}),
+    ),
+    "RepairPut": (
+        pb.PutShardsRequest(
+            tenant="acme",
+            traffic_class="chat",
+            shards=[pb.ShardPut(key=KEY, shard=SHARD)],
+            repair=True,
+        ),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "GetShards": (
+        pb.GetShardsRequest(tenant="acme", keys=[KEY]),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "ReadBatch": (
+        pb.GetShardsRequest(tenant="acme", keys=[KEY]),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "Contains": (pb.ContainsRequest(tenant="acme", keys=[KEY]), frozenset({"tenant", "service"})),
+    "TouchShards": (
+        pb.TouchShardsRequest(tenant="acme", keys=[KEY]),
+        frozenset({"tenant", "service"}),
+    ),
+    "QueueRepair": (
+        pb.QueueRepairRequest(hints=[pb.RepairHint(tenant="acme", key=KEY, group=0)]),
+        frozenset({"tenant", "service", "node"}),
+    ),
+    "Delete": (pb.DeleteRequest(tenant="acme", keys=[KEY]), frozenset({"tenant", "service"})),
+    "ListShards": (pb.ListShardsRequest(group=0), frozenset({"node", "admin"})),
+    "ListTombstones": (pb.ListTombstonesRequest(), frozenset({"node", "admin"})),
+    "Stats": (pb.StatsRequest(), frozenset({"node", "admin"})),
+    "Purge": (pb.PurgeRequest(tenant="globex"), frozenset({"admin"})),
+    "Health": (pb.HealthRequest(), frozenset({"tenant", "service", "node", "admin"})),
+}
+
+
+def test_each_rpc_answers_exactly_the_roles_of_the_table(tmp_path: Path, start_node) -> None:
+    credentials = tmp_path / "credentials.toml"
+    tokens = _principals(credentials)
+    config = write_config(tmp_path, credentials_file=str(credentials))
+    start_node(config)
+    address = config.read_text().split('address = "')[1].split('"')[0]
+    wrong: list[str] = []
+    with grpc.insecure_channel(address) as channel:
+        health = channel.unary_unary(
+            "/kvstore.v1.ShardStore/Health",
+            request_serializer=pb.HealthRequest.SerializeToString,
+            response_deserializer=pb.HealthReply.FromString,
+        )
+        deadline_s = time.monotonic() + 60
+        while not health(pb.HealthRequest(), timeout=CALL_TIMEOUT_S).repair_ready:
+            assert time.monotonic() < deadline_s, "a node with no peers never became repair-ready"
+            time.sleep(0.05)
+        for name, (request, allowed) in ROLE_TABLE.items():
+            rpc = "PutShards" if name == "RepairPut" else name
+            for role, token in tokens.items():
+                metadata = (("authorization", f"Bearer {token}"),)
+                code = _call(channel, rpc, request.SerializeToString(), metadata)
+                want = grpc.StatusCode.OK if role in allowed else grpc.StatusCode.PERMISSION_DENIED
+                if code != want:
+                    wrong.append(f"{name} as {role}: {code.name}, expected {want.name}")
+    assert not wrong, "the node's role checks differ from kvstore/auth.py's table: " + "; ".join(
+        wrong
+    )
