@@ -506,20 +506,25 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios(runner.results),
         "seal_cost": seal_cost(workload.block_sizes) if args.encryption else [],
         "notes": notes,
-        "settings": {
-            "block_sizes": workload.block_sizes,
-            "concurrency": workload.concurrencies,
-            "batch": workload.batches,
-            "seconds": workload.seconds,
-            "rounds": workload.rounds,
-            "straggler_ms": workload.straggler_ms,
-            "straggler_node": STRAGGLER_NODE,
-            "local_cluster": _local_cluster_note(args),
-            "get_api": "get_into (batch 1) or get_batch_into, preallocated buffers per task",
-            "redis_parser": _redis_parser() if with_redis else "",
-            "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
-            "cpus": os.cpu_count(),
-        },
+        "settings": _settings(args, workload, with_redis),
+    }
+
+
+def _settings(args: argparse.Namespace, workload: Workload, with_redis: bool) -> dict[str, Any]:
+    """The settings a run's JSON records beside its results."""
+    return {
+        "block_sizes": workload.block_sizes,
+        "concurrency": workload.concurrencies,
+        "batch": workload.batches,
+        "seconds": workload.seconds,
+        "rounds": workload.rounds,
+        "straggler_ms": workload.straggler_ms,
+        "straggler_node": STRAGGLER_NODE,
+        "local_cluster": _local_cluster_note(args),
+        "get_api": "get_into (batch 1) or get_batch_into, preallocated buffers per task",
+        "redis_parser": _redis_parser() if with_redis else "",
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+        "cpus": os.cpu_count(),
     }
 
 
@@ -656,6 +661,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="also bench a redis-server on the same blocks (apt-get install redis-server)",
     )
+    _add_system_arguments(parser)
+
+
+def _add_system_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs under the workload: the cluster, its transports and codec, the baseline."""
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument(
         "--transport",

@@ -169,6 +169,11 @@ class NodeConfig:
     local_reads: str = "auto"
 
     def __post_init__(self) -> None:
+        self._check_identity()
+        self._check_limits()
+
+    def _check_identity(self) -> None:
+        """The node's id, state, addresses and switches."""
         if not self.id:
             raise ValueError("node id must not be empty")
         if self.state not in NODE_STATES:
@@ -187,6 +192,15 @@ class NodeConfig:
                 f"node {self.id}: metrics_port {self.metrics_port} must be in 1..{MAX_PORT} "
                 "(0 turns metrics off)"
             )
+        if self.ucx not in ("auto", "off"):
+            raise ValueError(f"node {self.id}: ucx must be 'auto' or 'off', got {self.ucx!r}")
+        if self.local_reads not in ("auto", "off"):
+            raise ValueError(
+                f"node {self.id}: local_reads must be 'auto' or 'off', got {self.local_reads!r}"
+            )
+
+    def _check_limits(self) -> None:
+        """Capacity, pacing and interval settings."""
         if not 0 < self.low_watermark < self.high_watermark <= 1.0:
             raise ValueError(f"node {self.id}: need 0 < low_watermark < high_watermark <= 1")
         if self.max_bytes < 0 or self.inject_delay_ms < 0:
@@ -197,17 +211,10 @@ class NodeConfig:
                 f"scrub_pass_interval_s > 0, got {self.scrub_bytes_per_s} and "
                 f"{self.scrub_pass_interval_s}"
             )
-        if self.ucx not in ("auto", "off"):
-            raise ValueError(f"node {self.id}: ucx must be 'auto' or 'off', got {self.ucx!r}")
-        if self.local_reads not in ("auto", "off"):
-            raise ValueError(
-                f"node {self.id}: local_reads must be 'auto' or 'off', got {self.local_reads!r}"
-            )
         if self.tombstone_retention_s <= 0 or self.tombstone_sync_interval_s <= 0:
             raise ValueError(
                 f"node {self.id}: tombstone_retention_s and tombstone_sync_interval_s must be > 0"
             )
-
         if self.index_reserve_bytes < 0:
             raise ValueError(
                 f"node {self.id}: need index_reserve_bytes >= 0 (0 = automatic), got "

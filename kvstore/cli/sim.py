@@ -196,6 +196,11 @@ def add_grid_arguments(
         help="peak read and write rates are the busiest window of this length (seconds, or "
         "1h, 5m): the busy hour by default",
     )
+    add_partition_arguments(parser)
+
+
+def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
+    """Partitions of the simulation over Ray (``--partitions``, ``--ray``, ``--workers``)."""
     scale = parser.add_argument_group("past one machine")
     scale.add_argument(
         "--partitions",
