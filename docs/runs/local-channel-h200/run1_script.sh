@@ -1,5 +1,5 @@
 #!/bin/bash
-# H200 run 1 of issue 18b: throughput per transport, swap-in and engine over "local".
+# H200 run 1 of the local-channel work: throughput per transport, swap-in and engine over "local".
 cd "$(dirname "$0")/../code"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 ../whl/*.whl || exit 1
 export PYTHONPATH=$PWD:$PWD/../../site:/tmp/site2 PYTHONUNBUFFERED=1

@@ -1,3 +1,8 @@
+#!/usr/bin/env python3
+# A run's scratch script, kept as it ran (a record, not part of the package; run it from a
+# checkout of the commit its run notes name). Lint and formatting are off on purpose.
+# ruff: noqa
+# fmt: off
 """Batch-read throughput of one client over a local 12-node cluster, per transport.
 
 SECS=4 python3 prof_cl.py TRANSPORT:BATCH:CONCURRENCY ...   (PROF=1: cProfile of the loop thread;

@@ -1,3 +1,8 @@
+#!/usr/bin/env python3
+# A run's scratch script, kept as it ran (a record, not part of the package; run it from a
+# checkout of the commit its run notes name). Lint and formatting are off on purpose.
+# ruff: noqa
+# fmt: off
 import asyncio, random, tempfile, time, sys, os, json
 import numpy as np
 from client import KVClient, block_keys

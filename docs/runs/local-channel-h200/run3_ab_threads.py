@@ -1,3 +1,8 @@
+#!/usr/bin/env python3
+# A run's scratch script, kept as it ran (a record, not part of the package; run it from a
+# checkout of the commit its run notes name). Lint and formatting are off on purpose.
+# ruff: noqa
+# fmt: off
 """Swap-in over the local channel with the nodes' local_read_threads at 1 and 4, alternated,
 a fresh 12-node cluster (fsync and scrub off) for each: python3 ab_threads.py [swapin args]."""
 import json

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Final H200 run of this session: main's head after #13, #15, #17 and #18 part 2 merged.
+# Final H200 run of the local-channel work: main's head (d3467f7) with the local channel and the other work of the time merged.
 # Swap-in per transport, then the engine over the local channel.
 cd "$(dirname "$0")/../code"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 ../whl/*.whl || exit 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# H200 run 4 of issue 18b: final code (connector 32-block chunks, 128 in flight): swap-in per
+# H200 run 4 of the local-channel work: final code (connector 32-block chunks, 128 in flight): swap-in per
 # transport, the engine over local and ucx.
 cd "$(dirname "$0")/../code"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 ../whl/*.whl || exit 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# H200 run of issue 18b (branch i18b-local-pull): swap-in per transport, native vs fallback,
+# H200 run 2 of the local-channel work: swap-in per transport, native vs fallback,
 # the engine over local and ucx, raw batch-read throughput, and profiles.
 cd "$(dirname "$0")/../code"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 ../whl/*.whl || exit 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# H200 run 3 of issue 18b: the node's local_read_threads 1 vs 4 (alternated, fresh clusters),
+# H200 run 3 of the local-channel work: the node's local_read_threads 1 vs 4 (alternated, fresh clusters),
 # the connector's chunk size and blocks in flight, the engine over local with 4 threads.
 cd "$(dirname "$0")/../code"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 ../whl/*.whl || exit 1
