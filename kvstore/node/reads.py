@@ -77,7 +77,7 @@ class NodeReads:
         A gRPC principal may be a node's (a peer's repair service reads any tenant's shards,
         which it holds on its own disk anyway). A local or UCX read carries only a token (no
         TLS on those channels), checked on every request so a revoked token stops at once,
-        and needs a tenant or service principal.
+        and needs a tenant or service principal (or auth off).
         """
         if isinstance(credential, Principal):
             return credential.tenant_for_repair(claimed)
