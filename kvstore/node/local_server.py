@@ -2,7 +2,7 @@
 
 kvstore/wire/local_frames.py has the exchange. This module does the sockets, threads and memory;
 what a read means (authentication, the tenant, the store call) is the node's
-(:class:`LocalSession`'s callbacks, kvstore/node/main.py)::
+(:class:`LocalSession`'s callbacks, kvstore/node/local_face.py)::
 
     accept thread      accept -> a connection thread
     connection thread  HELLO + memfd: open_session(token, tenant) -> a LocalSession (else

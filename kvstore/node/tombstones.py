@@ -55,8 +55,9 @@ class TombstoneSync:
     ``store`` gives the node's current store (None while it is opened or its index rebuilt:
     nothing is pulled then). :attr:`synced` is true once a full pull (every peer answered or
     was found down) reached the current store: the node takes repair writes only then
-    (kvstore/node/main.py), so a repair cannot bring back a block deleted while it was away, nor
-    after its index was rebuilt (which loses the cursors: the next pull starts from 0).
+    (kvstore/node/servicer.py), so a repair cannot bring back a block deleted while it was
+    away, nor after its index was rebuilt (which loses the cursors: the next pull starts
+    from 0).
     """
 
     def __init__(

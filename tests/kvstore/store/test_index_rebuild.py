@@ -16,7 +16,7 @@ import grpc
 
 from kvstore.config import NodeConfig, TTLConfig, load_cluster
 from kvstore.errors import IndexUnusable
-from kvstore.node.main import StoreHolder
+from kvstore.node.store_holder import StoreHolder
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.store.shard_store import ShardStore, Status

@@ -1,0 +1,117 @@
+"""The node's UCX face: batch reads that come over UCX, answered over UCX.
+
+The request and reply frames are kvstore/wire/ucx_frames.py's; the sends are
+:class:`~kvstore.node.ucx_server.UcxServer`'s; what a read means (the tenant from the token,
+the reply-size check, the store call) is kvstore/node/reads.py's, as for the other faces.
+Requests arrive in the UCX worker's progress loop. As over gRPC, a read of a few keys is done
+right there; the straggler delay and larger batches (read in the pool) run in a task. UCX has
+no TLS, so the request's token is its only credential. Every failure is answered at once (as
+over gRPC) except a malformed request, which names no reply address to refuse it to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.grpc_errors import status_code
+from kvstore.node import ucx_server
+from kvstore.node.metrics import NodeMetrics
+from kvstore.node.reads import NodeReads
+from kvstore.node.ucx_server import UcxServer
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.store.shard_store import BatchRead
+from kvstore.wire import ucx_frames
+from kvstore.wire.ucx_worker import REQUEST_TAG
+
+log = logging.getLogger(__name__)
+
+RPC_LABEL = "ReadBatchUcx"  # the rpc label of these reads' metrics
+
+
+class UcxFace:
+    """Answers the batch read requests that ``ucx``'s worker receives (see the module doc)."""
+
+    def __init__(
+        self, ucx: UcxServer, reads: NodeReads, metrics: NodeMetrics, delay_s: float
+    ) -> None:
+        self._ucx = ucx
+        self._reads = reads
+        self._metrics = metrics
+        self._delay_s = delay_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        ucx.worker.listen(REQUEST_TAG, self._on_request, ucx_frames.MAX_REQUEST_BYTES)
+
+    async def close(self) -> None:
+        """Take no more requests, then stop those still being answered (their clients fall
+        back to gRPC): before the store closes under them."""
+        await self._ucx.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _on_request(self, frame: memoryview) -> None:
+        """One request from the worker's progress loop: answered inline or from a task."""
+        start_s = time.perf_counter()
+        try:
+            token, request = ucx_frames.decode_request(frame)
+        except InvalidArgument as exc:  # no reply address to refuse it to
+            log.warning("dropping a malformed UCX read request: %s", exc)
+            self._metrics.observe(RPC_LABEL, status_code(exc), time.perf_counter() - start_s)
+            return
+        if self._delay_s or not self._reads.runs_inline(len(request.keys)):
+            task = asyncio.ensure_future(self._serve_later(token, request, start_s))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._answer(token, request, None, start_s)
+
+    async def _serve_later(self, token: str, request: pb.GetShardsRequest, start_s: float) -> None:
+        if self._delay_s:
+            await asyncio.sleep(self._delay_s)
+        read: BatchRead | Exception
+        try:
+            read = await self._reads.in_pool(self._read, token, request)
+        except Exception as exc:  # answered below, like a failure of an inline read
+            read = exc
+        self._answer(token, request, read, start_s)
+
+    def _read(self, token: str, request: pb.GetShardsRequest) -> BatchRead:
+        return self._reads.read_batch(token, request.tenant, list(request.keys), request.version)
+
+    def _answer(
+        self,
+        token: str,
+        request: pb.GetShardsRequest,
+        read: BatchRead | Exception | None,
+        start_s: float,
+    ) -> None:
+        """Read (unless ``read`` holds the read's outcome), then answer over UCX; the staging
+        is released once the client took the payloads."""
+        code = grpc.StatusCode.OK
+        try:
+            if isinstance(read, Exception):
+                raise read
+            if read is None:
+                read = self._read(token, request)
+            self._send(request.ucx, read)
+        except Exception as exc:  # the client hears of every failure at once, as over gRPC
+            error = exc if isinstance(exc, KVStoreError) else None
+            if error is None:
+                log.exception("UCX read request failed")
+                error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
+            code = status_code(error)
+            ucx_server.refuse(self._ucx, request.ucx, error)
+        self._metrics.observe(RPC_LABEL, code, time.perf_counter() - start_s)
+
+    def _send(self, delivery: pb.UcxDelivery, read: BatchRead) -> None:
+        try:
+            sent = ucx_server.answer(self._ucx, delivery, read)
+        except BaseException:
+            read.release()
+            raise
+        sent.add_done_callback(lambda _, done=read: done.release())
