@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.api_keys import ApiKeys
+from engine_adapter.serving.errors import ContextTooLong, QueueFull
 from engine_adapter.serving.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -45,12 +46,10 @@ from engine_adapter.serving.openai_protocol import (
 from engine_adapter.serving.request import Request as ServingRequest
 from engine_adapter.serving.router import Router
 from kvstore.errors import (
-    ContextTooLong,
     DeadlineExceeded,
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
-    QueueFull,
     Unavailable,
 )
 

@@ -44,17 +44,11 @@ import grpc
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.balancer import BalancerConfig, PrefillBalancer, PrefillSample
+from engine_adapter.serving.errors import ContextTooLong, QueueFull
 from engine_adapter.serving.metrics import RouterMetrics
 from engine_adapter.serving.request import Request, StopMatcher
 from engine_adapter.tokenizer import ChatTokenizer
-from kvstore.errors import (
-    ERRORS,
-    ContextTooLong,
-    DeadlineExceeded,
-    InvalidArgument,
-    QueueFull,
-    Unavailable,
-)
+from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
 
 log = logging.getLogger(__name__)
