@@ -53,7 +53,7 @@ from engine_adapter.serving.api_keys import ApiKeys
 from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, BalancerConfig
 from engine_adapter.serving.openai_api import create_app
 from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
-from engine_adapter.serving.workers import add_worker_tuning_arguments, tuning_argv
+from engine_adapter.serving.worker_main import add_worker_tuning_arguments, tuning_argv
 from kvstore.cli.args import list_arg
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
@@ -65,6 +65,7 @@ STOP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 2.0  # in-flight RPCs get this long when the router stops
 SUPERVISE_INTERVAL_S = 1.0
 _POLL_S = 0.1
+WORKER_MODULE = "engine_adapter.serving.worker_main"  # python -m: one worker process
 
 
 @dataclass
@@ -147,7 +148,7 @@ class WorkerPool:
         """Start one worker in its own session, logging to ``run_dir/logs/<id>.log``."""
         ready_file = self.run_dir / f"{worker_id}.ready.json"
         ready_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "engine_adapter.serving.workers", role, "--id", worker_id]
+        command = [sys.executable, "-m", WORKER_MODULE, role, "--id", worker_id]
         command += ["--cluster", str(self.cluster_toml), "--model", self.model]
         command += ["--port", str(port), "--ready-file", str(ready_file)]
         command += ["--parent-pid", str(os.getpid()), *self.worker_args, *extra_args]
