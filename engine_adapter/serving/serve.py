@@ -389,6 +389,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore serve``."""
     defaults = FrontConfig()
     parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
+    _add_front_flags(parser, defaults)
+    _add_worker_flags(parser, defaults)
+    _add_router_flags(parser, defaults)
+    add_worker_tuning_arguments(parser)
+
+
+def _add_front_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """Where the HTTP front (and the gRPC face) listen, and whom they serve."""
     parser.add_argument(
         "--host",
         default=defaults.host,
@@ -417,6 +425,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="",
         help="the model name clients send (default: the model's name, e.g. SmolLM2-135M-Instruct)",
     )
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """How many workers of each role, running which model."""
     parser.add_argument(
         "--prefill-workers",
         type=int,
@@ -435,6 +447,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="which model: 'default' is SmolLM2-135M-Instruct; also random:<size>, a .gguf "
         "file or a safetensors dir; default: %(default)s",
     )
+
+
+def _add_router_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """How the router picks prefill workers and queues requests; where the workers log."""
     parser.add_argument(
         "--policy",
         choices=POLICIES,
@@ -458,7 +474,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="worker logs and ready files (default: a new temporary directory)",
     )
-    add_worker_tuning_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
