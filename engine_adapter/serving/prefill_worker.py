@@ -17,6 +17,7 @@ from engine_adapter.engine import PrefillResult, Sampler
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.handoff import make_sampler, sampler_state, tail_kv
+from engine_adapter.serving.request import chat_prompt_ids
 from engine_adapter.serving.worker_base import WorkerBase, complete
 from kvstore.errors import Unavailable
 
@@ -54,7 +55,7 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
         """The request's token ids, or its conversation through the chat template."""
         if request.messages:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return self.engine.encode_prompt(messages)
+            return chat_prompt_ids(self.engine.require_tokenizer(), messages)
         return self.engine.encode_prompt(list(request.token_ids))
 
     async def _handoff(
