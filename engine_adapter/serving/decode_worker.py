@@ -8,9 +8,10 @@ moves a request. Drain (``Drain`` RPC or SIGTERM), the handoff the other way::
     no new requests; queued ones: migrate(Handoff as it came)
     after the grace: put the new full blocks (prompt
     and generated tokens), tail KV, sampler state
-                           --migrate(Handoff)--> router --Decode(Handoff)--> as above, then
-                                                                          decode on from the last
-                                                                          sampled token
+                           --migrate(Handoff)--> router --Decode(Handoff)--> as from a
+                                                                          prefill (handoff.py),
+                                                                          then decode on from the
+                                                                          last sampled token
 """
 
 from __future__ import annotations
