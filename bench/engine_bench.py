@@ -372,7 +372,17 @@ def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore bench engine``."""
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    _add_model_flags(parser)
+    _add_workload_flags(parser)
+    _add_engine_flags(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speedups")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Which model runs where, in which dtype."""
     parser.add_argument(
         "--model",
         default="default",
@@ -384,6 +394,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)",
     )
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """The prompts, the cluster they are cached in, and how often each setting runs."""
     parser.add_argument(
         "--prompt-lengths",
         default=DEFAULT_LENGTHS,
@@ -402,6 +416,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's blocks, chunks and fetches."""
     parser.add_argument(
         "--block-tokens", type=int, default=64, help="tokens per KV block (the store's block)"
     )
@@ -424,8 +442,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="longest a prefill waits for cached blocks before computing them",
     )
     add_store_transport_argument(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
-    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speedups")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from engine_adapter.kv_layout import KVBlockLayout
 from engine_adapter.loader import LoadedModel, load_model
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.swap_in import SwapIn
-from engine_adapter.tokenizer import Message
+from engine_adapter.tokenizer import ChatTokenizer, Message
 from kvstore.config import ClusterConfig
 from kvstore.errors import InvalidArgument
 
@@ -236,14 +236,19 @@ class Engine:
             raise InvalidArgument(f"can keep 1 to {len(seq.token_ids)} tokens, not {num_tokens}")
         del seq.token_ids[num_tokens:]
 
+    def require_tokenizer(self) -> ChatTokenizer:
+        """The model's tokenizer; InvalidArgument for a model without one (random init)."""
+        if self.tokenizer is None:
+            raise InvalidArgument(f"model {self.loaded.spec!r} has no tokenizer: pass ids")
+        return self.tokenizer
+
     def encode_prompt(self, prompt: str | list[int] | list[Message]) -> list[int]:
         """Token ids of a prompt: ids as given, untrusted text, or chat messages (template)."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-            if self.tokenizer is None:
-                raise InvalidArgument(f"model {self.loaded.spec!r} has no tokenizer: pass ids")
+            tokenizer = self.require_tokenizer()
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
-            return self.tokenizer.apply_chat_template(prompt)
+                return tokenizer.encode(prompt)
+            return tokenizer.apply_chat_template(prompt)
         ids = [int(t) for t in prompt]
         if not ids or min(ids) < 0 or max(ids) >= self.model.config.vocab_size:
             raise InvalidArgument(

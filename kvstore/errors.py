@@ -7,10 +7,8 @@ and integrity failures (a shard that fails its checksum)::
 
     KVStoreError                        kvstore, client, engine_adapter
       InvalidArgument (ValueError)      wrong key size, oversized block, bad buffer, bad config
-        ContextTooLong                  a prompt longer than the model's context (serving)
       PermissionDenied                  wrong token, another tenant's data
       CapacityExhausted                 the node cannot store more bytes
-        QueueFull                       the serving tier's queue is full
       Unavailable                       a node, or too many nodes, could not be reached
         QuorumError                     a write stored too few shards to be readable
         IndexUnusable                   a node's index is damaged: it rebuilds it
@@ -22,6 +20,9 @@ and integrity failures (a shard that fails its checksum)::
       CodecError: ShardHeaderError, ChecksumMismatch, MixedVersions, TooFewShards
     ttl.errors.TTLError (ValueError)    traffic classes and traces
       UnknownTrafficClass, TraceFormatError
+
+The serving tier extends ``InvalidArgument`` and ``CapacityExhausted`` with errors of its own
+(``engine_adapter/serving/errors.py``); they map to gRPC status codes through these bases.
 
 ``ERRORS`` is the tuple of the three roots: every error kvstore raises on purpose.
 """
@@ -46,7 +47,6 @@ __all__ = [
     "CapacityExhausted",
     "ChecksumMismatch",
     "CodecError",
-    "ContextTooLong",
     "DeadlineExceeded",
     "ErasureError",
     "IndexUnusable",
@@ -56,7 +56,6 @@ __all__ = [
     "MixedVersions",
     "NotServing",
     "PermissionDenied",
-    "QueueFull",
     "QuorumError",
     "ShardHeaderError",
     "TTLError",
@@ -98,14 +97,6 @@ class IndexUnusable(Unavailable):
 
 class NotServing(Unavailable):
     """The node is up but not serving data yet (recovering or rebuilding its index)."""
-
-
-class ContextTooLong(InvalidArgument):
-    """A prompt plus the tokens asked for exceed the model's context (the HTTP front's 413)."""
-
-
-class QueueFull(CapacityExhausted):
-    """Too many requests wait for a prefill worker already (the HTTP front's 429)."""
 
 
 class DeadlineExceeded(KVStoreError):

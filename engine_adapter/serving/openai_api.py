@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.api_keys import ApiKeys
+from engine_adapter.serving.errors import ContextTooLong, QueueFull
 from engine_adapter.serving.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -43,14 +44,13 @@ from engine_adapter.serving.openai_protocol import (
     error_body,
 )
 from engine_adapter.serving.request import Request as ServingRequest
+from engine_adapter.serving.request import chat_prompt_ids
 from engine_adapter.serving.router import Router
 from kvstore.errors import (
-    ContextTooLong,
     DeadlineExceeded,
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
-    QueueFull,
     Unavailable,
 )
 
@@ -92,37 +92,52 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
     api_keys = api_keys or ApiKeys(None)
     app = FastAPI(title="kvstore serve", docs_url=None, redoc_url=None, openapi_url=None)
     front = _Front(router, model_name, api_keys)
+    _add_error_handlers(app, router)
+    _add_authentication(app, router, api_keys)
+    _add_ops_routes(app, router)
+    _add_api_routes(app, front)
+    _add_drain_route(app, router)
+    return app
+
+
+def _answer(router: Router, exc: ApiError) -> JSONResponse:
+    """The error's response, counted by status."""
+    router.metrics.errors.labels(str(exc.status)).inc()
+    return exc.response()
+
+
+def _add_error_handlers(app: FastAPI, router: Router) -> None:
+    """Every failure becomes an OpenAI error body (no traceback reaches a client)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        router.metrics.errors.labels(str(exc.status)).inc()
-        return exc.response()
+        return _answer(router, exc)
 
     @app.exception_handler(KVStoreError)
     async def kvstore_error(request: Request, exc: KVStoreError) -> JSONResponse:
-        return await api_error(request, ApiError.of(exc))
+        return _answer(router, ApiError.of(exc))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
-        return await api_error(
-            request, ApiError(400, message, "invalid_request_error", None, where)
-        )
+        return _answer(router, ApiError(400, message, "invalid_request_error", None, where))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return await api_error(request, ApiError(exc.status_code, str(exc.detail), kind))
+        return _answer(router, ApiError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        return await api_error(
-            request, ApiError(500, "internal error (see the server log)", "internal_error")
+        return _answer(
+            router, ApiError(500, "internal error (see the server log)", "internal_error")
         )
 
+
+def _add_authentication(app: FastAPI, router: Router, api_keys: ApiKeys) -> None:
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
         """The key is checked before the body is read: an unknown caller learns nothing
@@ -132,11 +147,15 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
             try:
                 request.state.tenant = api_keys.tenant(request.headers.get("authorization"))
             except PermissionDenied as exc:
-                return await api_error(request, ApiError.of(exc))
+                return _answer(router, ApiError.of(exc))
             if request.method == "POST":
                 headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
                 request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
         return await call_next(request)
+
+
+def _add_ops_routes(app: FastAPI, router: Router) -> None:
+    """``/health`` and ``/metrics``, for probes and Prometheus (no API key)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -148,6 +167,10 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_api_routes(app: FastAPI, front: _Front) -> None:
+    """The OpenAI endpoints under ``/v1/``."""
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -161,6 +184,8 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await front.complete(body, request, chat=False)
 
+
+def _add_drain_route(app: FastAPI, router: Router) -> None:
     @app.post("/admin/drain")
     async def drain(request: Request) -> dict[str, Any]:
         client = request.client.host if request.client else ""
@@ -174,8 +199,6 @@ def create_app(router: Router, model_name: str, api_keys: ApiKeys | None = None)
             raise ApiError(400, message, "invalid_request_error") from None
         num_active = await router.drain(worker, grace_s)
         return {"worker": worker, "grace_s": grace_s, "num_active": num_active}
-
-    return app
 
 
 class _Front:
@@ -201,7 +224,7 @@ class _Front:
                            f"`{self.model_name}` (GET /v1/models)", "not_found_error",
                            "model_not_found", "model")  # fmt: skip
         request = self._request(body, tenant, chat)
-        events = self.router.stream_request(request.to_proto())
+        events = self.router.stream(request)
         try:
             first = await anext(events)  # admission errors (413, 429, 400) come here
         except StopAsyncIteration:
@@ -251,7 +274,7 @@ class _Front:
                 message = f"model {self.model_name} has no chat template: send token ids"
                 raise ApiError(400, message, "invalid_request_error")
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return tokenizer.apply_chat_template(messages)
+            return chat_prompt_ids(tokenizer, messages)
         assert isinstance(body, CompletionRequest)
         if body.echo:
             raise ApiError(400, "echo is not supported", "invalid_request_error", None, "echo")
@@ -312,13 +335,7 @@ class _Front:
         stats, num_tokens, shown = pb.PrefillStats(), 0, ""
 
         def chunk(delta: str | None, finish_reason: str | None = None, role: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-            if chat:
-                choice["delta"] = {"role": "assistant", "content": ""} if role else (
-                    {} if delta is None else {"content": delta})  # fmt: skip
-            else:
-                choice["text"] = delta or ""
-            return _sse({**envelope, "choices": [choice]})
+            return _sse({**envelope, "choices": [_chunk_choice(chat, delta, finish_reason, role)]})
 
         try:
             if chat:
@@ -333,11 +350,7 @@ class _Front:
                         shown += event.token.text
                         yield chunk(event.token.text)
                 else:
-                    rest = (
-                        event.finish.text[len(shown) :]
-                        if event.finish.text.startswith(shown)
-                        else ""
-                    )
+                    rest = _unshown(event.finish.text, shown)
                     if rest:
                         yield chunk(rest)
                     yield chunk(None, event.finish.finish_reason)
@@ -360,6 +373,24 @@ async def _chain(
     yield first
     async for event in events:
         yield event
+
+
+def _chunk_choice(
+    chat: bool, delta: str | None, finish_reason: str | None, role: bool
+) -> dict[str, Any]:
+    """The one choice of a stream chunk: a chat ``delta`` (the role first) or ``text``."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if chat:
+        choice["delta"] = {"role": "assistant", "content": ""} if role else (
+            {} if delta is None else {"content": delta})  # fmt: skip
+    else:
+        choice["text"] = delta or ""
+    return choice
+
+
+def _unshown(text: str, shown: str) -> str:
+    """What the final ``text`` adds to the deltas already streamed (``shown``)."""
+    return text[len(shown) :] if text.startswith(shown) else ""
 
 
 def _usage(stats: pb.PrefillStats, num_completion_tokens: int) -> dict[str, Any]:

@@ -1,22 +1,28 @@
-"""One request type for the serving tier, and stop-string matching.
+"""One request type for the serving tier, its tokenizing, and stop-string matching.
 
 ``Request`` is what a caller of :class:`~engine_adapter.serving.router.Router` (in-process,
 ``ServingClient`` over gRPC, or the HTTP front) asks for; it validates itself and becomes a
-``GenerateRequest`` on the wire. :class:`StopMatcher` cuts generated text before the first
-stop string, holding back text that may still become one, so a stream never shows it.
+``GenerateRequest`` on the wire. :func:`chat_prompt_ids` is the one place a conversation
+becomes prompt token ids. :class:`StopMatcher` cuts generated text before the first stop
+string, holding back text that may still become one, so a stream never shows it.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine_adapter.serving import serving_pb2 as pb
+from engine_adapter.tokenizer import ChatTokenizer
 from kvstore.errors import InvalidArgument
 
 Message = Mapping[str, str]
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class Request:
     stop: Sequence[str] = ()
     cache_salt: str = ""
     timeout_s: float = 0.0
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    request_id: str = field(default_factory=_new_request_id)
 
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.token_ids):
@@ -67,8 +73,9 @@ class Request:
             )
 
     def to_proto(self) -> pb.GenerateRequest:
+        """The wire message; an empty ``request_id`` gets a new one (as in ``from_proto``)."""
         return pb.GenerateRequest(
-            request_id=self.request_id,
+            request_id=self.request_id or _new_request_id(),
             tenant=self.tenant,
             traffic_class=self.traffic_class,
             messages=[
@@ -106,8 +113,20 @@ class Request:
             stop=tuple(request.stop),
             cache_salt=request.cache_salt,
             timeout_s=request.timeout_s,
-            request_id=request.request_id or uuid.uuid4().hex[:12],
+            request_id=request.request_id or _new_request_id(),
         )
+
+
+def chat_prompt_ids(tokenizer: ChatTokenizer, messages: Iterable[Message]) -> list[int]:
+    """Prompt token ids of a conversation, through the model's chat template.
+
+    Whichever tier tokenizes a chat request calls this, so all three give the same ids: the
+    HTTP front (it needs the prompt's length for OpenAI's default ``max_tokens``), the router
+    (when it has the tokenizer: it then knows every prompt's length) and a prefill worker
+    (when the router has none). What each does without a tokenizer is its own: the front and
+    a worker refuse the request, the router leaves it to the worker.
+    """
+    return tokenizer.apply_chat_template(list(messages))
 
 
 class StopMatcher:

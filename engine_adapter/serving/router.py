@@ -44,17 +44,11 @@ import grpc
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.balancer import BalancerConfig, PrefillBalancer, PrefillSample
+from engine_adapter.serving.errors import ContextTooLong, QueueFull
 from engine_adapter.serving.metrics import RouterMetrics
-from engine_adapter.serving.request import Request, StopMatcher
+from engine_adapter.serving.request import Request, StopMatcher, chat_prompt_ids
 from engine_adapter.tokenizer import ChatTokenizer
-from kvstore.errors import (
-    ERRORS,
-    ContextTooLong,
-    DeadlineExceeded,
-    InvalidArgument,
-    QueueFull,
-    Unavailable,
-)
+from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
 
 log = logging.getLogger(__name__)
@@ -229,16 +223,21 @@ class RequestAPI:
     def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
         raise NotImplementedError
 
+    def _events(self, request: Request) -> AsyncIterator[pb.GenerateEvent]:
+        """Events of a validated request; here its wire message goes to ``stream_request``
+        (the :class:`Router` runs the request itself, from the message it builds once)."""
+        return self.stream_request(request.to_proto())
+
     async def generate(self, request: Request | None = None, /, **fields: Any) -> Completion:
         """Run one request to completion: a :class:`Request`, or its fields as keywords."""
         request = request or Request(**fields)
-        return await collect(request.request_id, self.stream_request(request.to_proto()))
+        return await collect(request.request_id, self._events(request))
 
     def stream(
         self, request: Request | None = None, /, **fields: Any
     ) -> AsyncIterator[pb.GenerateEvent]:
         """Events of one request: ``prefill`` stats, a ``token`` per token, then ``finish``."""
-        return self.stream_request((request or Request(**fields)).to_proto())
+        return self._events(request or Request(**fields))
 
 
 @dataclass
@@ -362,8 +361,22 @@ class Router(RequestAPI):
         return reply.num_active
 
     async def stream_request(self, proto: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
+        """Run a request that came as its wire message (the gRPC face): validated into a
+        :class:`Request`, whose own message (defaults filled in) the workers then get."""
+        request = Request.from_proto(proto)
+        async for event in self._run(request, request.to_proto()):
+            yield event
+
+    def _events(self, request: Request) -> AsyncIterator[pb.GenerateEvent]:
+        """Run a validated request (``generate``, ``stream``, the HTTP front): its wire
+        message is built here, once."""
+        return self._run(request, request.to_proto())
+
+    async def _run(
+        self, request: Request, proto: pb.GenerateRequest
+    ) -> AsyncIterator[pb.GenerateEvent]:
         """Run one request through a prefill worker, then a decode worker, streaming events."""
-        flight = self._admit(Request.from_proto(proto))
+        flight = self._admit(request, proto)
         self._count(waiting=+1)
         waiting = True
         try:
@@ -391,12 +404,12 @@ class Router(RequestAPI):
             else:
                 self._count(running=-1)
 
-    def _admit(self, request: Request) -> _Flight:
-        """Tokenize (when the router can), check the length and the queue; the flight."""
+    def _admit(self, request: Request, proto: pb.GenerateRequest) -> _Flight:
+        """Tokenize ``proto`` (when the router can), check the length and the queue; the
+        flight."""
         now_s = time.monotonic()
-        proto = request.to_proto()
         if request.messages and self.tokenizer is not None:
-            proto.token_ids[:] = self.tokenizer.apply_chat_template(list(request.messages))
+            proto.token_ids[:] = chat_prompt_ids(self.tokenizer, request.messages)
             del proto.messages[:]
         if proto.token_ids:
             num_prompt_tokens = len(proto.token_ids)

@@ -53,7 +53,7 @@ from engine_adapter.serving.api_keys import ApiKeys
 from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, BalancerConfig
 from engine_adapter.serving.openai_api import create_app
 from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
-from engine_adapter.serving.workers import add_worker_tuning_arguments, tuning_argv
+from engine_adapter.serving.worker_main import add_worker_tuning_arguments, tuning_argv
 from kvstore.cli.args import list_arg
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 
@@ -65,6 +65,7 @@ STOP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 2.0  # in-flight RPCs get this long when the router stops
 SUPERVISE_INTERVAL_S = 1.0
 _POLL_S = 0.1
+WORKER_MODULE = "engine_adapter.serving.worker_main"  # python -m: one worker process
 
 
 @dataclass
@@ -147,7 +148,7 @@ class WorkerPool:
         """Start one worker in its own session, logging to ``run_dir/logs/<id>.log``."""
         ready_file = self.run_dir / f"{worker_id}.ready.json"
         ready_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "engine_adapter.serving.workers", role, "--id", worker_id]
+        command = [sys.executable, "-m", WORKER_MODULE, role, "--id", worker_id]
         command += ["--cluster", str(self.cluster_toml), "--model", self.model]
         command += ["--port", str(port), "--ready-file", str(ready_file)]
         command += ["--parent-pid", str(os.getpid()), *self.worker_args, *extra_args]
@@ -388,6 +389,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore serve``."""
     defaults = FrontConfig()
     parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
+    _add_front_flags(parser, defaults)
+    _add_worker_flags(parser, defaults)
+    _add_router_flags(parser, defaults)
+    add_worker_tuning_arguments(parser)
+
+
+def _add_front_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """Where the HTTP front (and the gRPC face) listen, and whom they serve."""
     parser.add_argument(
         "--host",
         default=defaults.host,
@@ -416,6 +425,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="",
         help="the model name clients send (default: the model's name, e.g. SmolLM2-135M-Instruct)",
     )
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """How many workers of each role, running which model."""
     parser.add_argument(
         "--prefill-workers",
         type=int,
@@ -434,6 +447,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="which model: 'default' is SmolLM2-135M-Instruct; also random:<size>, a .gguf "
         "file or a safetensors dir; default: %(default)s",
     )
+
+
+def _add_router_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """How the router picks prefill workers and queues requests; where the workers log."""
     parser.add_argument(
         "--policy",
         choices=POLICIES,
@@ -457,7 +474,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="worker logs and ready files (default: a new temporary directory)",
     )
-    add_worker_tuning_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

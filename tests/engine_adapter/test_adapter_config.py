@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from deploy.local_cluster import LocalCluster
-from engine_adapter.adapter_config import AdapterConfig
 from engine_adapter.engine_keys import EngineKeyNamespace
+from engine_adapter.integrations.adapter_config import AdapterConfig
 from kvstore.auth import write_private
 from kvstore.errors import PermissionDenied
 from tests.client.secure_cluster import add_tenants

@@ -27,7 +27,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noq
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
-from engine_adapter.lmcache_backend import KVStoreRemoteConnector, _InertConnector  # noqa: E402
+from engine_adapter.integrations.lmcache_backend import KVStoreRemoteConnector, _InertConnector  # noqa: E402
 
 pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
 
@@ -75,7 +75,7 @@ def _plugin_config(
 ) -> dict[str, Any]:
     url = f"kvstore://{cluster.cluster_toml}"
     extra = {
-        "remote_storage_plugin.kvstore.module_path": "engine_adapter.lmcache_backend",
+        "remote_storage_plugin.kvstore.module_path": "engine_adapter.integrations.lmcache_backend",
         "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter",
         **({} if legacy_url else {"remote_storage_plugin.kvstore.url": url}),
         **{f"remote_storage_plugin.kvstore.{k}": v for k, v in settings.items()},

@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
-from engine_adapter.sglang_backend import KVStoreHiCache  # noqa: E402
+from engine_adapter.integrations.sglang_backend import KVStoreHiCache  # noqa: E402
 from kvstore.errors import PermissionDenied  # noqa: E402
 
 pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
@@ -70,7 +70,7 @@ def _backend(store: dict[str, str], host: Any, /, *, tp_rank: int = 0, tp_size: 
     """What HiCacheController.attach_storage_backend does with the launch flag's config."""
     extra_config = {
         "backend_name": "kvstore",
-        "module_path": "engine_adapter.sglang_backend",
+        "module_path": "engine_adapter.integrations.sglang_backend",
         "class_name": "KVStoreHiCache",
         "interface_v1": 1,
         **store,

@@ -51,7 +51,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
-from engine_adapter.vllm_connector import KVStoreConnector  # noqa: E402
+from engine_adapter.integrations.vllm_connector import KVStoreConnector  # noqa: E402
 from kvstore.errors import PermissionDenied  # noqa: E402
 
 pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
@@ -185,7 +185,7 @@ def _vllm_config(model_dir: Path, extra: dict[str, Any], kv_role: str = "kv_both
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_role=kv_role,
-            kv_connector_module_path="engine_adapter.vllm_connector",
+            kv_connector_module_path="engine_adapter.integrations.vllm_connector",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
         ),

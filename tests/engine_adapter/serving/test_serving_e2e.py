@@ -12,9 +12,10 @@ import random
 import pytest
 
 from client import KVClient
+from engine_adapter.serving.errors import ContextTooLong
 from engine_adapter.serving.router import Router
 from engine_adapter.serving.serve import WorkerPool
-from kvstore.errors import ContextTooLong, DeadlineExceeded, InvalidArgument
+from kvstore.errors import DeadlineExceeded, InvalidArgument
 from tests.engine_adapter.serving.conftest import BLOCK_TOKENS, reference_generate
 
 pytest.importorskip("torch")

@@ -10,7 +10,7 @@ the configuration names the plugin (the README's "LMCache" section has a whole f
     remote_serde: naive
     remote_storage_plugins: ["kvstore"]
     extra_config:
-      remote_storage_plugin.kvstore.module_path: engine_adapter.lmcache_backend
+      remote_storage_plugin.kvstore.module_path: engine_adapter.integrations.lmcache_backend
       remote_storage_plugin.kvstore.class_name: KVStoreConnectorAdapter
       remote_storage_plugin.kvstore.url: kvstore:///etc/kvstore/cluster.toml
       remote_storage_plugin.kvstore.tenant: acme
@@ -19,10 +19,10 @@ the configuration names the plugin (the README's "LMCache" section has a whole f
 
 ``url`` (``kvstore://`` + the absolute path of cluster.toml) or ``cluster`` (the path) names
 the cluster; the other ``remote_storage_plugin.kvstore.*`` keys are AdapterConfig's
-(engine_adapter/adapter_config.py). LMCache's deprecated ``remote_url: kvstore:///...`` also
-works, with the same plugin lines: LMCache then builds a second, plugin backend, which this
-adapter makes inert (it answers misses at once and stores nothing) so each chunk is written
-and looked up once.
+(engine_adapter/integrations/adapter_config.py). LMCache's deprecated
+``remote_url: kvstore:///...`` also works, with the same plugin lines: LMCache then builds a
+second, plugin backend, which this adapter makes inert (it answers misses at once and stores
+nothing) so each chunk is written and looked up once.
 
 Each LMCache chunk (its ``MemoryObj`` bytes, ``remote_serde: naive``) is one store block,
 keyed by the chunk key's string (model, world size, worker id, chunk hash, dtype) under a
@@ -46,8 +46,8 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from client.sync_client import SyncKVClient
-from engine_adapter.adapter_config import AdapterConfig
 from engine_adapter.engine_keys import EngineKeyNamespace
+from engine_adapter.integrations.adapter_config import AdapterConfig
 
 log = logging.getLogger(__name__)
 

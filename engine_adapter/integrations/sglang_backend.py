@@ -5,7 +5,7 @@ Load it with (the README's "SGLang" section has the whole command)::
 
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-        '{"backend_name":"kvstore","module_path":"engine_adapter.sglang_backend",
+        '{"backend_name":"kvstore","module_path":"engine_adapter.integrations.sglang_backend",
           "class_name":"KVStoreHiCache","interface_v1":1,
           "cluster":"/etc/kvstore/cluster.toml","tenant":"acme",
           "token_file":"/etc/kvstore/acme.token"}'
@@ -46,9 +46,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from client.sync_client import SyncKVClient
-from engine_adapter.adapter_config import AdapterConfig
 from engine_adapter.connector import StoreFailure
 from engine_adapter.engine_keys import EngineKeyNamespace
+from engine_adapter.integrations.adapter_config import AdapterConfig
 from kvstore.errors import QuorumError
 
 log = logging.getLogger(__name__)

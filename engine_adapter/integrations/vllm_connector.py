@@ -3,7 +3,7 @@
 Load it with (the README's "vLLM" section has the whole command)::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVStoreConnector",
-        "kv_role":"kv_both","kv_connector_module_path":"engine_adapter.vllm_connector",
+        "kv_role":"kv_both","kv_connector_module_path":"engine_adapter.integrations.vllm_connector",
         "kv_load_failure_policy":"recompute",
         "kv_connector_extra_config":{"cluster":"/etc/kvstore/cluster.toml","tenant":"acme",
             "token_file":"/etc/kvstore/acme.token"}}'
@@ -58,10 +58,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from client.buffer_pool import BufferPool, BufferSlot
 from client.sync_client import SyncKVClient
-from engine_adapter.adapter_config import AdapterConfig
 from engine_adapter.connector import StoreFailure
 from engine_adapter.engine_keys import EngineKeyNamespace
 from engine_adapter.host_buffers import host_memory
+from engine_adapter.integrations.adapter_config import AdapterConfig
 from kvstore.errors import QuorumError
 
 if TYPE_CHECKING:
