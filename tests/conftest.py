@@ -25,8 +25,10 @@ _leftover_reports: list[str] = []  # the session-end sweep's, for the terminal s
 
 def _sigterm_as_interrupt(signum: int, frame: object) -> None:
     """A SIGTERM (a CI job cancelled, the runner passing one on) stops the session as Ctrl-C
-    does: fixtures tear down and the session-end sweep runs. A second one kills at once."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    does: fixtures tear down and the session-end sweep runs. Later ones are ignored, so one
+    sent to the process group and passed on by the runner too cannot cut the teardown short
+    (SIGKILL still ends it; the runner then sweeps)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 

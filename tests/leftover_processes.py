@@ -167,9 +167,10 @@ def report(
 def run(command: Sequence[str]) -> int:
     """Run ``command`` under a marker of its own, then sweep what it left behind.
 
-    SIGTERM and SIGINT are passed on to the command (pytest then tears its fixtures down);
-    this process keeps waiting, so the sweep runs however the command ends. Returns the
-    command's exit status, or 1 if it passed but left processes.
+    SIGTERM is passed on to the command (pytest then tears its fixtures down); SIGINT is not
+    (Ctrl-C reaches the whole foreground process group, the command included). This process
+    keeps waiting, so the sweep runs however the command ends. Returns the command's exit
+    status, or 1 if it passed but left processes.
     """
     marker = new_marker(os.environ.get(MARKER))
     proc = subprocess.Popen(command, env={**os.environ, MARKER: marker})
@@ -178,8 +179,8 @@ def run(command: Sequence[str]) -> int:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
     returncode = proc.wait()
     leftovers = sweep(marker)
     if not leftovers:
