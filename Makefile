@@ -63,8 +63,10 @@ system-packages:
 			>/dev/null || echo "could not install$$missing: the tests that need them skip"; \
 	else echo "not installing$$missing (needs root and apt-get): the tests that need them skip"; fi
 
+# pytest runs under a marker in its environment (tests/leftover_processes.py): whatever way it
+# ends, a process it left running (a node, a worker) is killed and named, and fails the run.
 test: install system-packages
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) tests/leftover_processes.py run -- $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The vLLM, LMCache and SGLang adapters against each engine's real code, in venvs of their
 # own (.venv-vllm, .venv-sglang; built on first use, rebuilt when pyproject.toml changes): the

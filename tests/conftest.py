@@ -1,10 +1,72 @@
-"""Fixtures that tests of several packages share."""
+"""Fixtures that tests of several packages share, and the session's check that no process a
+test started outlives it (tests/leftover_processes.py)."""
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
 
 import pytest
 
 from erasure import fastsum
+from tests import leftover_processes
+
+# Set at import, before any test starts a process: every child inherits it (the runner of
+# `make test` set an outer marker; this session nests its own under it).
+SESSION_MARKER = leftover_processes.new_marker(os.environ.get(leftover_processes.MARKER))
+os.environ[leftover_processes.MARKER] = SESSION_MARKER
+
+# pid -> the module after which it was first seen alive (the session-end report names it).
+_pid_to_first_seen: dict[int, str] = {}
+_leftover_reports: list[str] = []  # the session-end sweep's, for the terminal summary
+
+
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    """A SIGTERM (a CI job cancelled, the runner passing one on) stops the session as Ctrl-C
+    does: fixtures tear down and the session-end sweep runs. Later ones are ignored, so one
+    sent to the process group and passed on by the runner too cannot cut the teardown short
+    (SIGKILL still ends it; the runner then sweeps)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a module's last test (its module fixtures torn down), note the marked processes
+    alive then: a leftover at the session's end is reported with the module that started it.
+    Not a failure here: session-scoped fixtures keep processes across modules."""
+    yield
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    for leftover in leftover_processes.find(SESSION_MARKER):
+        _pid_to_first_seen.setdefault(leftover.pid, item.nodeid.split("::")[0])
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown of what fixtures are still set up
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill every process of this session still alive, and fail the session naming them."""
+    leftovers = leftover_processes.sweep(SESSION_MARKER)
+    if not leftovers:
+        return
+    first_seen = {pid: f"alive after {module}" for pid, module in _pid_to_first_seen.items()}
+    text = leftover_processes.report(leftovers, "the test session", first_seen)
+    _leftover_reports.append(text)
+    if session.config.pluginmanager.get_plugin("terminalreporter") is None:
+        print(text, file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for text in _leftover_reports:
+        terminalreporter.write_sep("=", "processes left behind", red=True)
+        terminalreporter.write_line(text)
 
 
 @pytest.fixture(params=["native", "python"])

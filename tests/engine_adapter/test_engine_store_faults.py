@@ -20,6 +20,7 @@ from tests.engine_adapter.store_harness import CONFIG  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPT = [(i * 53 + 5) % 1000 for i in range(170)]  # 10 full blocks and a 10-token tail
+DAY_S = 4.0  # real seconds a virtual day lasts in the TTL test
 
 
 async def prefill(engine: Engine, prompt: list[int], **kwargs):
@@ -77,8 +78,9 @@ async def test_slow_store_hits_the_deadline_and_computes(tmp_path, small_model):
 
 
 async def test_expired_blocks_are_recomputed_and_classes_keep_their_ttl(tmp_path, small_model):
-    # One real second is one virtual day: agent blocks (3 days) expire after 3 s, chat (7) not.
-    with LocalCluster.start(tmp_path, time_scale=86_400.0, fsync=False) as cluster:
+    # A virtual day lasts DAY_S real seconds: agent blocks (3 days) expire after 3 days, chat
+    # (7) not. Four seconds a day leave a loaded machine 14 s between the two expiries.
+    with LocalCluster.start(tmp_path, time_scale=86_400.0 / DAY_S, fsync=False) as cluster:
         engine = Engine(small_model, CONFIG)
         engine.open_store(cluster.cluster_toml)
         agent_prompt, chat_prompt = PROMPT, PROMPT[::-1]
@@ -86,12 +88,12 @@ async def test_expired_blocks_are_recomputed_and_classes_keep_their_ttl(tmp_path
         written_at = time.monotonic()
         await prefill(engine, agent_prompt, traffic_class="agent")
         await prefill(engine, chat_prompt, traffic_class="chat")
-        await asyncio.sleep(max(0.0, 3.5 - (time.monotonic() - written_at)))
+        await asyncio.sleep(max(0.0, 3.5 * DAY_S - (time.monotonic() - written_at)))
         engine.config = dataclasses.replace(CONFIG, write_back=False)
         expired = await prefill(engine, agent_prompt)
         alive = await prefill(engine, chat_prompt)
         await engine.close()
-    assert time.monotonic() - written_at < 6.5, "too slow to tell the two TTLs apart"
+    assert time.monotonic() - written_at < 6.5 * DAY_S, "too slow to tell the two TTLs apart"
     assert expired.num_matched_tokens == 0, "agent blocks outlived their 3-day TTL"
     assert alive.num_cached_tokens == 160, "chat blocks should live 7 days"
     assert torch.equal(expired.logits, cold.logits)

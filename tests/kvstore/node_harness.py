@@ -103,7 +103,9 @@ class NodeProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = config_path.parent / f"{node_id}.stderr.log"
 
-    def start(self, timeout_s: float = 30.0) -> NodeProcess:
+    def start(self, timeout_s: float = 300.0) -> NodeProcess:
+        """Start the node and wait (up to ``timeout_s``: a bound for a loaded machine, not a
+        speed) until it prints that it serves."""
         cmd = [sys.executable, "-m", "kvstore.cli", "node", "--config", str(self.config_path)]
         cmd += ["--id", self.node_id, "--log-level", "INFO", *self.extra_args]
         with open(self.log_path, "ab") as log:

@@ -87,7 +87,10 @@ run_tests() { # VENV FILE [ENV=VALUE...]
     shift 2
     started=$(date +%s)
     echo "== $file ($venv)"
-    if ! env "$@" "$venv/bin/python" -m pytest -q $PYTEST_ARGS "$TESTS/$file"; then
+    # Under the leftover-process sweep of `make test` (tests/leftover_processes.py): a node
+    # a timed-out test left running is killed and fails the run.
+    if ! env "$@" "$venv/bin/python" tests/leftover_processes.py run -- \
+        "$venv/bin/python" -m pytest -q $PYTEST_ARGS "$TESTS/$file"; then
         failed=1
     fi
     echo "== $file: $(($(date +%s) - started)) s"

@@ -3,21 +3,26 @@
 
 Tests that kill or restart a worker or a node put it back before they return, so every
 test starts from two healthy prefill workers, one healthy decode worker and 12 nodes.
+
+Start-up is waited for, never timed: nodes, workers and routers get ``STARTUP_TIMEOUT_S``
+(minutes) to come up, as a loaded machine (another suite on the same 2 cores) needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from deploy.local_cluster import LocalCluster
+from engine_adapter.serving.router import Router
 from engine_adapter.serving.serve import WorkerPool
 
 if TYPE_CHECKING:  # torch is imported only by the tests that need it
@@ -25,12 +30,17 @@ if TYPE_CHECKING:  # torch is imported only by the tests that need it
 
 MODEL = "random:small"  # 4 layers, vocab 1024: fast, and KV blocks of 64 KiB
 BLOCK_TOKENS = 64
+# A bound on waiting for processes to come up, not a claim about how fast they do: a 12-node
+# cluster and three model-loading workers took over a minute on a 2-core machine at load 100.
+STARTUP_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="session")
 def serving_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("serving-cluster")
-    with LocalCluster.start(root, num_nodes=12, fsync=False) as cluster:
+    with LocalCluster.start(
+        root, num_nodes=12, fsync=False, startup_timeout_s=STARTUP_TIMEOUT_S
+    ) as cluster:
         yield cluster
 
 
@@ -48,9 +58,21 @@ def worker_pool(
         # The cost model would rightly recompute this tiny model's blocks rather than fetch
         # them; the tests want every hit swapped in.
         worker_args=["--max-model-len", "1024", "--fetch-policy", "always"],
-        startup_timeout_s=120,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
     ) as pool:
         yield pool
+
+
+@contextlib.asynccontextmanager
+async def started(router: Router) -> AsyncIterator[Router]:
+    """``router`` once every worker answers Health, waited for up to ``STARTUP_TIMEOUT_S`` (a
+    plain ``async with router`` allows 30 s: tight for a worker just started on a loaded
+    machine); closed on the way out."""
+    try:
+        await router.start(STARTUP_TIMEOUT_S)
+        yield router
+    finally:
+        await router.close()
 
 
 @pytest.fixture(scope="session")
