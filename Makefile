@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP) native
 
-# The native checksum helper, erasure/fastsum.c -> erasure/_fastsum.so (README, "Native
+# The native checksum helper, erasure/fastsum.c -> erasure/_fastsum.so (docs/data-paths.md, "Native
 # helper"): built with the machine's C compiler against xxhash.h (Debian: libxxhash-dev,
 # installed when missing where that is possible: root with apt-get, as in CI). Without a
 # compiler or the header the build is skipped and says so; erasure/fastsum.py then runs the

@@ -10,11 +10,11 @@ One local 12-node cluster (fsync off unless ``--fsync``, scrub off), one client:
                    what they burn idle (measured for 3 s first), and the repair figures from
                    Stats (shards rebuilt, bytes rebuilt and read)
 
-The figures for the README's choice between degraded writes and hinted handoff: repair reads k
+The figures for the choice between degraded writes and hinted handoff: repair reads k
 survivor shards per shard it rebuilds (read bytes / rebuilt bytes ~ k) and decodes; a handoff
 would instead write each missing shard once more at put time and move it once later (2 shard
 transfers per missing shard), but on a cluster whose groups span every node it has no node to
-hand off to that does not already hold a shard of the block (README, "Repair").
+hand off to that does not already hold a shard of the block (docs/operations.md, "Repair").
 """
 
 from __future__ import annotations

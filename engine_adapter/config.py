@@ -25,7 +25,7 @@ def add_store_transport_argument(parser: argparse.ArgumentParser) -> None:
         "--store-transport",
         choices=STORE_TRANSPORTS,
         default="grpc",
-        help="how fetched KV blocks travel from the store (README, 'UCX data path')",
+        help="how fetched KV blocks travel from the store (docs/data-paths.md)",
     )
 
 
@@ -122,7 +122,7 @@ class EngineConfig:
     fetch_chunk_blocks: int = 32  # blocks per get_batch_into call: the H2D copy of a chunk
     # starts as soon as it landed, while later chunks are still on their way
     # How fetched blocks travel (KVClient.connect's transport): "grpc", "auto" (UCX to the
-    # nodes that shared memory or RDMA reach) or "ucx" (README, "UCX data path").
+    # nodes that shared memory or RDMA reach) or "ucx" (docs/data-paths.md).
     store_transport: str = "grpc"
     write_back: bool = True  # store newly computed full blocks after prefill
     write_concurrency: int = 4  # puts in flight during write-back

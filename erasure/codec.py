@@ -25,7 +25,7 @@ bottleneck of a zfec encode or decode, and it would cap a client at about an eig
 ISA-L's speed; ISA-L's kernel is faster than memcpy, so with it our encode's time goes to the
 xxh3 passes (block and shards) and the one copy into the shards it returns. At small blocks a
 call's fixed Python cost (twelve headers and checksums) dominates. The figures are in
-docs/design-measurements.md and the README's "Erasure codec" section.
+docs/design-measurements.md and docs/durability.md, "Erasure codec".
 
 Memory: encode returns k+m new ``bytes`` (protobuf takes nothing else); under glibc's default
 settings each one touches fresh pages, see :mod:`erasure.allocator` for the measurement and

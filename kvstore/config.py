@@ -72,7 +72,7 @@ MAX_PORT = 65535
 MiB = 1 << 20
 
 
-# How a client's reads travel (KVClient.connect's transport; README, "Data plane").
+# How a client's reads travel (KVClient.connect's transport; docs/data-paths.md).
 READ_TRANSPORTS = ("grpc", "auto", "ucx", "local")
 
 

@@ -13,7 +13,7 @@ connections keep theirs). Clients read their files when they connect.
 
 The UCX read path (kvstore/wire/ucx_frames.py) carries no TLS: with encryption at rest on
 (client/sealer.py) its payloads are ciphertext, but the token in a UCX request frame
-travels in the clear, so use UCX only inside a trusted network (the README says so).
+travels in the clear, so use UCX only inside a trusted network (docs/security.md says so).
 """
 
 from __future__ import annotations

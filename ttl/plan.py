@@ -52,7 +52,7 @@ SHARD_HEADER_BYTES = 48  # erasure.shard.HEADER_BYTES
 RECORD_HEADER_BYTES = 72
 # lmdb bytes per shard entry on a node: the entry and its expiry, access, by-segment and
 # by-group keys in B-tree pages, plus the pages lmdb's copy-on-write keeps free. `kvstore bench
-# index` measures it with the node's own index (docs/plan_index_bytes.json).
+# index` measures it with the node's own index (docs/runs/plan/plan_index_bytes.json).
 DEFAULT_INDEX_BYTES_PER_SHARD = 582.0
 
 # KV bytes per token of well-known models. DeepSeek V4.1-Flash: DeepSeek's published global KV

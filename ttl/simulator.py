@@ -1,6 +1,6 @@
 """The simulator core: a request trace through the store's own TTL and capacity policies.
 
-Semantics (the README quotes this list):
+Semantics (docs/simulator.md quotes this list):
 
 1. Requests are replayed in time order (ties keep trace order). At request time ``t`` every
    block whose expiry instant is ``<= t`` is gone first (``ttl.policy.is_expired``): a block

@@ -2,7 +2,7 @@
 scheme ``kvstore://``) and its ``KVStoreRemoteConnector`` (LMCache's ``RemoteConnector``).
 
 LMCache finds adapters outside its own package only through ``remote_storage_plugins``, so
-the configuration names the plugin (the README's "LMCache" section has a whole file)::
+the configuration names the plugin (docs/engine.md, "LMCache", has a whole file)::
 
     chunk_size: 256
     local_cpu: true                 # LMCache's remote backends need its CPU buffer

@@ -1,7 +1,7 @@
 """``KVStoreHiCache``: an SGLang HiCache storage backend (``HiCacheStorage``) over a kvstore
 cluster: the tier below SGLang's host (CPU) KV pool.
 
-Load it with (the README's "SGLang" section has the whole command)::
+Load it with (docs/engine.md, "SGLang", has the whole command)::
 
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\

@@ -1,6 +1,6 @@
 """``KVStoreConnector``: vLLM's KV connector (``KVConnectorBase_V1``) over a kvstore cluster.
 
-Load it with (the README's "vLLM" section has the whole command)::
+Load it with (docs/engine.md, "vLLM", has the whole command)::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVStoreConnector",
         "kv_role":"kv_both","kv_connector_module_path":"engine_adapter.integrations.vllm_connector",

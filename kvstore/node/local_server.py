@@ -17,7 +17,7 @@ per shard, all of it without the event loop; handing it to the loop and then to 
 executor would cost two thread hops per request, which is what this path exists to avoid.
 Requests of one connection are answered in order; several clients (connections) are served
 in parallel. (Four reader threads per connection measured no faster on the H200 host:
-docs/i18b, run 3.)
+docs/runs/local-channel-h200/README.md, run 3.)
 
 The socket lives in the abstract namespace (``@kvstore-<node id>-<random>``): nothing on disk
 to clean up after a crash, and a restarted node gets a fresh name, which clients learn from

@@ -4,7 +4,7 @@ one node per host, etcd in its own namespace, TLS on (the nodes are off loopback
 In that cluster: kill a host, partition one (its link down), bring both back, add a 13th
 host, drain one. Goals: no block lost, no wrong byte, shards moved = the ideal, and every
 change converging (map finished, the client on the new epoch) within the deadline. The
-figures print as JSON (``pytest -s``); the note and README quote them.
+figures print as JSON (``pytest -s``); docs/multi-host.md quotes them.
 
 Skips cleanly where namespaces cannot be made (not root, or a sandbox); everything it made
 is torn down even when it fails (tests/deploy/netns_harness.py).
