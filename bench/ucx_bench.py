@@ -30,9 +30,9 @@ So every UCX GET also pays one gRPC round trip, as a storage read will.
 
 The CUDA destinations import torch in the client process only; without torch or a CUDA
 device they are skipped with a note (in the console and the JSON's ``settings.skipped``).
-On one H200 (docs/runs/ucx-h200/ucx_h200.txt) ``cuda`` was the slowest (0.6-0.7 GB/s at 4 MiB against 2.0-2.5
-for ``cuda-pinned`` and 2.4-3.2 for ``host``): UCX cannot CMA-read into GPU memory, so the
-sender copies into shared-memory fragments that the receiver's cuda_copy moves to the GPU
+On one H200 (docs/runs/ucx-h200/ucx_h200.txt) ``cuda`` was the slowest (0.6-0.7 GB/s at 4 MiB
+against 2.0-2.5 for ``cuda-pinned`` and 2.4-3.2 for ``host``): UCX cannot CMA-read into GPU memory,
+so the sender copies into shared-memory fragments that the receiver's cuda_copy moves to the GPU
 (docs/runs/ucx-h200/ucx_h200_transports.txt has the protocols UCX chose).
 
 Each (transport, destination) pair runs ``--rounds`` times, the pairs interleaved, for
