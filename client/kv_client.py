@@ -40,6 +40,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,12 @@ from client.batch_read import BatchRead, ReadCounters
 from client.follow_ups import FollowUps
 from client.keyring import open_keyring
 from client.local.reader import LocalReads
+from client.map_follower import MapFollower
 from client.node_conn import NodeConn, NodeReader, consume_result
 from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally
+from client.transports import NodeTransports
 from client.ucx.reader import UcxReads
-from client.ucx.transport import UcxTransport
 from client.write_path import BatchWrite, WriteCounters, WritePolicy
 from erasure.codec import byte_view, make_codec
 from kvstore.auth import client_token
@@ -64,11 +66,9 @@ from kvstore.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvstore.membership import EtcdMembership, follow_map
 from kvstore.placement import Placement, check_key
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tls import channel_credentials
-from kvstore.wire.ucx_worker import INSTALL_HINT, ucx_available
 from ttl.clock import Clock, make_clock
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,8 @@ class KVClient:
         self.codec = make_codec(config.codec)
         self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
         self.placement = Placement(config)
-        self._token, self._credentials = token, credentials
-        self.conns: dict[str, NodeConn] = {}
-        self._conn_list: list[NodeConn] = []
-        # The read transport of each node, in _conn_list order: gRPC, UCX or local (connect()).
-        self.readers: list[NodeReader] = []
-        self.ucx: UcxReads | None = None  # the UCX read path, when connect() enabled it
-        self.local: LocalReads | None = None  # the local read path (same-host nodes)
+        # Each node's connection and read transport (client/transports.py).
+        self.transports = NodeTransports(self.codec, tenant, token, credentials)
         self._place(config)
         self.read_counters = ReadCounters()
         self.write_counters = WriteCounters()
@@ -128,22 +123,37 @@ class KVClient:
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"[encryption] of tenant {tenant!r}: {exc}") from None
         self._closed = False
-        self._membership: EtcdMembership | None = None
-        self._follow: asyncio.Task[None] | None = None
+        self._map_follower: MapFollower | None = None  # set by connect()
+
+    @property
+    def conns(self) -> dict[str, NodeConn]:
+        """Node id -> its gRPC connection."""
+        return self.transports.conns
+
+    @property
+    def _conn_list(self) -> list[NodeConn]:
+        return self.transports.conn_list
+
+    @property
+    def readers(self) -> list[NodeReader]:
+        """The read transport of each node, in ``conns`` order: gRPC, UCX or local."""
+        return self.transports.readers
+
+    @property
+    def ucx(self) -> UcxReads | None:
+        """The UCX read path, when connect() enabled it."""
+        return self.transports.ucx
+
+    @property
+    def local(self) -> LocalReads | None:
+        """The local read path (same-host nodes), when connect() enabled it."""
+        return self.transports.local
 
     def _place(self, config: ClusterConfig) -> None:
         """Channels to every node of ``config`` (kept for nodes already known) and its groups
         as node indexes: ``groups`` for writes and first reads, ``moving_from`` (during a map
         change) for the reads that miss."""
-        for node in config.nodes:
-            if node.id not in self.conns:
-                conn = NodeConn(node, self.tenant, self._token, config.codec.k, self._credentials)
-                self.conns[node.id] = conn
-                self._conn_list.append(conn)
-                # A node that joins later is read locally when it is on this host (its
-                # Health is asked in the background), else over gRPC.
-                local = self.local
-                self.readers.append(conn if local is None else local.reader(conn, conn))
+        self.transports.add_nodes(config)
         node_index = {node_id: i for i, node_id in enumerate(self.conns)}
         self._group_members = [[node_index[n] for n in group] for group in config.groups]
         self._previous_members = [[node_index[n] for n in g] for g in config.moving_from]
@@ -181,7 +191,7 @@ class KVClient:
         without reconnecting (kvstore/membership.py; during a move reads that miss ask the
         placement before it). Channels connect lazily; a node that is down only shows up as a
         failed RPC later.
-        ``transport`` picks how reads travel (client/ucx/reader.py): "grpc"; "ucx"
+        ``transport`` picks how reads travel (client/transports.py): "grpc"; "ucx"
         (Unavailable at connect unless ucxx is installed and some node answers with a UCX
         address this client reaches); "auto" = UCX to each node a shared-memory/RDMA UCX
         worker reaches (learned in the background), gRPC to the rest. Results are identical.
@@ -192,95 +202,48 @@ class KVClient:
             raise InvalidArgument(
                 f"transport {transport!r} is not one of {TRANSPORTS}; 'auto' picks per node"
             )
-
-        async def open_client() -> KVClient:
-            if isinstance(cluster_toml, ClusterConfig):
-                config = cluster_toml
-            else:
-                config = await asyncio.to_thread(load_cluster, cluster_toml)
-            # With [membership] etcd the map in etcd wins over the file (which only seeds it).
-            membership = EtcdMembership(config.membership) if config.membership.endpoints else None
-            try:
-                if membership is not None:
-                    got = await membership.get_map()
-                    config = got[0] if got is not None else config
-                client = cls(
-                    config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
-                )
-            except BaseException:
-                if membership is not None:
-                    await membership.close()
-                raise
-            if membership is not None:
-                client._membership = membership
-                client._follow = asyncio.create_task(
-                    follow_map(membership, config.epoch, client.apply_map)
-                )
-            if transport != "grpc":
-                try:
-                    await client._start_transports(transport)
-                except BaseException:
-                    await client.close()
-                    raise
-            return client
-
+        open_client = partial(
+            cls._open, cluster_toml, tenant, token, transport, tls_cert_file, tls_key_file
+        )
         return _Connecting(open_client)
 
-    async def _start_transports(self, transport: str) -> None:
-        """Give nodes the read transports ``transport`` asks for (see :meth:`connect`)."""
-        fallbacks: list[NodeReader] = list(self._conn_list)
-        if transport in ("ucx", "auto"):
-            fallbacks = await self._start_ucx(forced=transport == "ucx")
-        if transport in ("local", "auto"):
-            await self._start_local(fallbacks, forced=transport == "local")
-        else:
-            self.readers = fallbacks
-
-    async def _start_local(self, fallbacks: list[NodeReader], *, forced: bool) -> None:
-        """Every node gets a local reader over its fallback; with ``forced`` ("local") the
-        links are made now and at least one must work, else in the background."""
-        arena_bytes = 4 * min(n.max_batch_bytes for n in self.config.nodes)
-        self.local = LocalReads(self.codec, self.tenant, self._token, arena_bytes)
-        readers = [
-            self.local.reader(conn, fallback)
-            for conn, fallback in zip(self._conn_list, fallbacks, strict=True)
-        ]
-        self.readers = list(readers)
-        if not forced:
-            for reader in readers:
-                reader.usable()  # asks Health in the background
-            return
-        timeout_s = self.config.client.timeout_s
-        await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
-        if not any(reader.usable() for reader in readers):
-            raise Unavailable(
-                "transport='local' but no node offered a local socket on this host (nodes "
-                "down, on other hosts, in another network namespace, or started with "
-                "local_reads='off'); use transport='auto' or 'grpc'"
+    @classmethod
+    async def _open(
+        cls,
+        cluster_toml: str | Path | ClusterConfig,
+        tenant: str,
+        token: str | None,
+        transport: str,
+        tls_cert_file: str | None,
+        tls_key_file: str | None,
+    ) -> KVClient:
+        """:meth:`connect`'s steps: the map (etcd's when set), the client, then its map
+        follower and read transports."""
+        config = await _load_config(cluster_toml)
+        follower = MapFollower(config)
+        try:
+            config = await follower.current_map(config)
+            client = cls(
+                config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
             )
+        except BaseException:
+            await follower.close()
+            raise
+        client._map_follower = follower
+        follower.start(config.epoch, client.apply_map)
+        await client._start_transports(transport)
+        return client
 
-    async def _start_ucx(self, *, forced: bool) -> list[NodeReader]:
-        """Every node's UCX read transport, falling back to gRPC (see :meth:`connect`); the
-        plain gRPC connections where UCX is not installed ("auto")."""
-        if not ucx_available():
-            if forced:
-                raise Unavailable(f"transport='ucx' but ucxx is not installed; {INSTALL_HINT}")
-            return list(self._conn_list)
-        # "auto" uses UCX only where it beats gRPC: shared memory, CMA or RDMA, never TCP.
-        self.ucx = UcxReads(UcxTransport(transports=None if forced else "^tcp"))
-        readers = [self.ucx.reader(conn) for conn in self._conn_list]
-        if forced:
-            # The client's own timeout, not the background asks' 2 s: a loaded machine answers
-            # a first Health on a fresh channel slowly, and "ucx" then fails to connect.
-            timeout_s = self.config.client.timeout_s
-            await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
-            if not any(reader.usable() for reader in readers):
-                raise Unavailable(
-                    "transport='ucx' but no node answered with a UCX address this client "
-                    "reaches (nodes down, started with ucx='off', or without ucxx); use "
-                    "transport='auto' or 'grpc'"
-                )
-        return list(readers)
+    async def _start_transports(self, transport: str) -> None:
+        """The read transports ``transport`` asks for (client/transports.py); a client that
+        cannot get them is closed."""
+        if transport == "grpc":
+            return
+        try:
+            await self.transports.start(transport, self.config)
+        except BaseException:
+            await self.close()
+            raise
 
     async def __aenter__(self) -> KVClient:
         return self
@@ -611,18 +574,11 @@ class KVClient:
         if self._closed:
             return
         self._closed = True
-        if self._follow is not None:
-            self._follow.cancel()
-            await asyncio.gather(self._follow, return_exceptions=True)
-        if self._membership is not None:
-            await self._membership.close()
+        if self._map_follower is not None:
+            await self._map_follower.close()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.follow_ups.close()  # touches and hints still pending go out first
-        if self.local is not None:
-            await self.local.close()
-        if self.ucx is not None:
-            await self.ucx.close()  # its background Health asks use the channels
-        await asyncio.gather(*(conn.close() for conn in self.conns.values()))
+        await self.transports.close()
         self._decode_pool.shutdown(wait=False)
 
 
@@ -643,6 +599,13 @@ def _writable(buffer: Buffer, position: int) -> memoryview:
             "writable buffers (bytearray, numpy array, a BufferPool slot)"
         )
     return view
+
+
+async def _load_config(cluster_toml: str | Path | ClusterConfig) -> ClusterConfig:
+    """The map a client starts from: the config given, or the file's (read off the loop)."""
+    if isinstance(cluster_toml, ClusterConfig):
+        return cluster_toml
+    return await asyncio.to_thread(load_cluster, cluster_toml)
 
 
 class _Connecting:

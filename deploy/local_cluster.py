@@ -1,16 +1,9 @@
 """A cluster of storage-node processes on 127.0.0.1, for development, tests and benchmarks.
 
-::
-
-    kvstore cluster up --nodes 12 --dir DIR [--time-scale X] [--backend isal|zfec]
-                       [--max-bytes 1GiB] [--no-fsync] [--base-port P] [--auth] [--tls]
-                       [--etcd [HOST:PORT]] [--down-out-s 600]
-    kvstore cluster status --dir DIR [--json]
-    kvstore cluster add-tenant --dir DIR TENANT [--role service --tenants a,b] [--max-ttl ...]
-    kvstore cluster join --dir DIR [--id ID] [--address H:P --failure-domain D --data-dir P]
-    kvstore cluster drain --dir DIR NODE [--timeout-s 600] [--no-wait]
-    kvstore cluster remove --dir DIR NODE
-    kvstore cluster down --dir DIR
+This is the library: :class:`LocalCluster` (start, stop, kill and restart nodes, join, drain
+and remove them), ``cluster.toml`` written by :func:`local_config` and :func:`secure`, and the
+pid bookkeeping of a cluster directory. The ``kvstore cluster`` commands (up, status, down,
+join, drain, remove, add-tenant) are deploy/cluster_cli.py.
 
 With ``--etcd`` the map lives in etcd (kvstore/membership.py; without an endpoint a local etcd
 runs from DIR/etcd, deploy/local_etcd.py), and join, drain and remove change it there
@@ -42,7 +35,6 @@ per node, rotations of the node list). Programmatic use (tests, benchmarks)::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -63,12 +55,10 @@ from typing import Any
 import grpc
 
 from client.keyring import new_master_key
-from deploy.cluster_status import print_status
 from deploy.local_etcd import start_etcd, stop_etcd
 from deploy.processes import spawn_logged
-from kvstore.auth import Role, add_principal, read_token_file, set_tenant_caps, write_private
+from kvstore.auth import Role, add_principal, read_token_file, write_private
 from kvstore.certs import init_ca, issue_files
-from kvstore.cli.args import duration_arg, list_arg, size_arg
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
@@ -78,17 +68,15 @@ from kvstore.config import (
     NodeConfig,
     TLSConfig,
     TTLConfig,
-    load_cluster,
     save_cluster,
 )
-from kvstore.errors import ERRORS, InvalidArgument, Unavailable
-from kvstore.map_changes import changed_slots, drain, join, readdress, remove
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.map_changes import drain, join, readdress, remove
 from kvstore.membership import EtcdMembership
 from kvstore.placement import make_groups
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tls import channel_credentials, sync_channel
-from ttl.units import parse_duration_s
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +84,6 @@ CREDENTIALS_FILE = "credentials.toml"
 ADMIN_TOKEN_FILE = "admin.token"
 NODE_TOKEN_FILE = "node.token"
 TLS_DIR = "tls"
-MASTER_KEY_FILE = "master.key"
-KEYRING_FILE = "keyring.json"
 MASTER_KEY_FILE = "master.key"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
@@ -367,6 +353,32 @@ def _reap(pid: int) -> bool:
     return done_pid == pid
 
 
+def _refuse_running(root: Path) -> None:
+    """InvalidArgument when nodes of a cluster in ``root`` still run (one ``up`` per DIR)."""
+    if any(is_node_process(pid, n) for n, pid in read_pids(root).items()):
+        raise InvalidArgument(
+            f"a cluster is already running in {root}; run `kvstore cluster down --dir {root}`"
+        )
+
+
+def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) -> ClusterConfig:
+    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``),
+    which must hold no map yet: nodes would follow an older one, not this one."""
+    endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
+    membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
+    config = dataclasses.replace(config, membership=membership)
+    existing = etcd_call(config, _get_map)
+    if existing is not None:
+        stop_etcd(root)
+        raise InvalidArgument(
+            f"etcd {endpoint} already holds a cluster map under {membership.prefix} "
+            f"(epoch {existing.epoch}, {len(existing.nodes)} nodes): its nodes would "
+            "follow that map, not this one; use an etcd of its own (--etcd alone "
+            "starts one) or remove the old map"
+        )
+    return config
+
+
 class LocalCluster:
     """Node processes of one local cluster, started and stopped by this process."""
 
@@ -427,26 +439,21 @@ class LocalCluster:
         a startup failure the started nodes (and a started etcd) are stopped.
         """
         root = Path(root)
-        if any(is_node_process(pid, n) for n, pid in read_pids(root).items()):
-            raise InvalidArgument(
-                f"a cluster is already running in {root}; run `kvstore cluster down --dir {root}`"
-            )
+        _refuse_running(root)
         root.mkdir(parents=True, exist_ok=True)
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
         config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls, encrypt=encrypt)
         if etcd is not None:
-            endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
-            membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
-            config = dataclasses.replace(config, membership=membership)
-            existing = etcd_call(config, _get_map)
-            if existing is not None:
-                stop_etcd(root)
-                raise InvalidArgument(
-                    f"etcd {endpoint} already holds a cluster map under {membership.prefix} "
-                    f"(epoch {existing.epoch}, {len(existing.nodes)} nodes): its nodes would "
-                    "follow that map, not this one; use an etcd of its own (--etcd alone "
-                    "starts one) or remove the old map"
-                )
+            config = _on_etcd(root, config, etcd, down_out_s)
+        return cls._spawn_all(root, config, base_port is not None, startup_timeout_s)
+
+    @classmethod
+    def _spawn_all(
+        cls, root: Path, config: ClusterConfig, fixed_ports: bool, startup_timeout_s: float
+    ) -> LocalCluster:
+        """Write ``config`` as cluster.toml and start its nodes, until all serve; stop them
+        on a failure. Free ports are only free when chosen: another process may bind one
+        before a node does, so without ``fixed_ports`` a taken port means choosing again."""
         for attempt in range(1, PORT_ATTEMPTS + 1):
             save_cluster(config, root / "cluster.toml")
             cluster = cls(root, config)
@@ -458,10 +465,8 @@ class LocalCluster:
                 return cluster
             except Unavailable as exc:
                 cluster.stop()
-                # Free ports are only free when chosen: another process may bind one before a
-                # node does. With ports of our own choosing, choose again.
                 taken = any(text in str(exc) for text in _PORT_TAKEN)
-                if base_port is not None or not taken or attempt == PORT_ATTEMPTS:
+                if fixed_ports or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 log.warning("a port was taken meanwhile; starting again on other ports")
                 config = dataclasses.replace(config, nodes=_new_ports(config.nodes))
@@ -616,297 +621,6 @@ class LocalCluster:
         self.stop()
 
 
-def _add_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", required=True, type=Path, help="the cluster's directory")
-
-
-def configure_up(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster up``."""
-    _add_dir(parser)
-    parser.add_argument("--nodes", type=int, default=12, help="number of nodes (at least k+m)")
-    parser.add_argument(
-        "--time-scale", type=float, default=1.0, help="virtual seconds per real second"
-    )
-    parser.add_argument(
-        "--backend", choices=["isal", "zfec"], default="isal", help="erasure code backend"
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=size_arg,
-        default=0,
-        help="per-node limit for shard data, e.g. 1GiB; 0 = the disk's free space",
-    )
-    parser.add_argument("--no-fsync", action="store_true", help="skip fsync (tests only)")
-    parser.add_argument(
-        "--base-port", type=int, default=None, help="first port to use (default: free ports)"
-    )
-    parser.add_argument(
-        "--auth",
-        action="store_true",
-        help="require credentials: write DIR/credentials.toml and an admin token (DIR/admin.token)",
-    )
-    parser.add_argument(
-        "--tls", action="store_true", help="TLS on every channel: a dev CA and node certificates"
-    )
-    parser.add_argument(
-        "--mtls", action="store_true", help="like --tls, and clients must present certificates"
-    )
-    parser.add_argument(
-        "--encrypt",
-        type=list_arg(str),
-        default=[],
-        help="tenants whose blocks clients seal (AES-GCM; DIR/master.key, DIR/keyring.json)",
-    )
-
-    parser.add_argument(
-        "--etcd",
-        nargs="?",
-        const=LOCAL_ETCD,
-        default=None,
-        metavar="ENDPOINT",
-        help="membership on etcd at HOST:PORT; without ENDPOINT start a local etcd from the "
-        "etcd binary (DIR/etcd); absent: the static cluster.toml",
-    )
-    parser.add_argument(
-        "--down-out-s",
-        type=duration_arg,
-        default=DEFAULT_DOWN_OUT_S,
-        help="with --etcd: a node down this long (cluster clock) is marked out and replaced",
-    )
-
-
-def run_up(args: argparse.Namespace) -> int:
-    return _report_errors(_up, args)
-
-
-def configure_add_tenant(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster add-tenant``."""
-    _add_dir(parser)
-    parser.add_argument("tenant", help="the tenant (or service) name; its token is printed")
-    parser.add_argument(
-        "--role",
-        choices=[Role.TENANT.value, Role.SERVICE.value, Role.ADMIN.value, Role.NODE.value],
-        default=Role.TENANT.value,
-        help="tenant: its own blocks; service: acts for --tenants; admin: stats and purge",
-    )
-    parser.add_argument(
-        "--tenants",
-        type=list_arg(str),
-        default=[],
-        help="for --role service: the tenants it may act for, comma-separated ('*' = any)",
-    )
-    parser.add_argument(
-        "--max-ttl",
-        type=list_arg(_class_cap),
-        default=[],
-        help="retention caps for this tenant, e.g. chat=1d,agent=12h (nodes enforce them)",
-    )
-    parser.add_argument(
-        "--credentials",
-        type=Path,
-        default=None,
-        help="the credentials file to change (default: DIR/credentials.toml)",
-    )
-    parser.add_argument(
-        "--cert-identity", default="", help="common name of its mTLS client certificate"
-    )
-
-
-def _class_cap(text: str) -> tuple[str, float]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise ValueError(f"a cap is CLASS=DURATION like chat=1d, got {text!r}")
-    return name.strip(), parse_duration_s(value.strip())
-
-
-def run_add_tenant(args: argparse.Namespace) -> int:
-    return _report_errors(_add_tenant, args)
-
-
-def _add_tenant(args: argparse.Namespace) -> int:
-    path = args.credentials or args.dir / CREDENTIALS_FILE
-    role = Role(args.role)
-    token = add_principal(
-        path, args.tenant, role, frozenset(args.tenants), cert_identity=args.cert_identity
-    )
-    if args.max_ttl:
-        set_tenant_caps(path, args.tenant, dict(args.max_ttl))
-    print(token)
-    return 0
-
-
-def configure_status(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster status``."""
-    _add_dir(parser)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def run_status(args: argparse.Namespace) -> int:
-    return _report_errors(_status, args)
-
-
-def _status(args: argparse.Namespace) -> int:
-    config = load_cluster(args.dir / "cluster.toml")
-    return print_status(
-        args.dir,
-        read_pids(args.dir),
-        as_json=args.json,
-        token=local_admin_token(args.dir),
-        client_cert=local_client_cert(args.dir, config),
-    )
-
-
-def configure_join(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster join``."""
-    _add_dir(parser)
-    parser.add_argument("--id", default=None, help="the new node's id (default: the next nNN)")
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="host:port of a node started elsewhere (default: start one here on 127.0.0.1)",
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, default=0, help="with --address: its metrics port"
-    )
-    parser.add_argument("--failure-domain", default=None, help="with --address: its host or rack")
-    parser.add_argument("--data-dir", default=None, help="with --address: its data directory")
-
-
-def run_join(args: argparse.Namespace) -> int:
-    return _report_errors(_join, args)
-
-
-def _join(args: argparse.Namespace) -> int:
-    cluster = _attached(args.dir)
-    before = cluster.current_map()
-    if args.address is None:
-        node = cluster.join_node(args.id)
-        print(f"node {node.id} joined on {node.address} (pid {cluster.procs[node.id].pid})")
-    else:
-        if not (args.id and args.failure_domain and args.data_dir):
-            raise InvalidArgument("--address needs --id, --failure-domain and --data-dir too")
-        node = dataclasses.replace(
-            before.nodes[0],
-            id=args.id,
-            address=args.address,
-            metrics_port=args.metrics_port,
-            failure_domain=args.failure_domain,
-            data_dir=args.data_dir,
-            state="in",
-        )
-        cluster.change_map(lambda c: join(c, node))
-        print(
-            f"node {node.id} joined the map; start it on its host: "
-            f"`kvstore node --config cluster.toml --id {node.id}`"
-        )
-    _print_move(before, cluster.config)
-    return 0
-
-
-def _print_move(before: ClusterConfig, after: ClusterConfig) -> None:
-    slots = changed_slots(before.groups, after.groups)
-    print(
-        f"map epoch {before.epoch} -> {after.epoch}: {len(slots)} of "
-        f"{sum(map(len, after.groups))} group slots move; repair fills them, and the keeper "
-        "finishes the move once verified (`kvstore cluster status`)"
-    )
-
-
-def configure_drain(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster drain``."""
-    _add_dir(parser)
-    parser.add_argument("node", help="id of the node to drain")
-    parser.add_argument(
-        "--timeout-s", type=duration_arg, default=DRAIN_TIMEOUT_S, help="how long to wait"
-    )
-    parser.add_argument("--no-wait", action="store_true", help="start the drain and return")
-
-
-def run_drain(args: argparse.Namespace) -> int:
-    return _report_errors(_drain, args)
-
-
-def _drain(args: argparse.Namespace) -> int:
-    cluster = _attached(args.dir)
-    before = cluster.current_map()
-    if args.no_wait:
-        cluster.change_map(lambda c: drain(c, args.node))
-        _print_move(before, cluster.config)
-        return 0
-    started_s = time.monotonic()
-    after = cluster.drain_node(args.node, args.timeout_s)
-    print(
-        f"node {args.node} drained in {time.monotonic() - started_s:.1f} s: its shards are on "
-        f"their new nodes (verified), map epoch {after.epoch}; remove it with "
-        f"`kvstore cluster remove --dir {args.dir} {args.node}`"
-    )
-    return 0
-
-
-def configure_remove(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster remove``."""
-    _add_dir(parser)
-    parser.add_argument("node", help="id of a drained ('left') node")
-
-
-def run_remove(args: argparse.Namespace) -> int:
-    return _report_errors(_remove, args)
-
-
-def _remove(args: argparse.Namespace) -> int:
-    cluster = _attached(args.dir)
-    pid = read_pids(args.dir).get(args.node)
-    after = cluster.remove_node(args.node)
-    stopped = ""
-    if pid is not None and is_node_process(pid, args.node):
-        stop_pids({args.node: pid})
-        stopped = f"; stopped its process (pid {pid})"
-        write_pids(args.dir, {n: p for n, p in read_pids(args.dir).items() if n != args.node})
-    print(f"node {args.node} removed from the map (epoch {after.epoch}){stopped}")
-    return 0
-
-
-def _attached(root: Path) -> LocalCluster:
-    """The cluster of ``root`` as the CLI sees it (its processes are not ours)."""
-    return LocalCluster(root, load_cluster(root / "cluster.toml"))
-
-
-def configure_down(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster down``."""
-    _add_dir(parser)
-
-
-def run_down(args: argparse.Namespace) -> int:
-    return _report_errors(_down, args)
-
-
-def _report_errors(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run one cluster action; errors are printed, not raised."""
-    try:
-        return action(args)
-    except (*ERRORS, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-
-def _down(args: argparse.Namespace) -> int:
-    node_to_pid = read_pids(args.dir)
-    running = {n: pid for n, pid in node_to_pid.items() if is_node_process(pid, n)}
-    stop_pids(node_to_pid)
-    write_pids(args.dir, {})
-    if running:
-        print(
-            f"stopped {len(running)} node{'s' if len(running) != 1 else ''}: "
-            + ", ".join(f"{n} (pid {p})" for n, p in sorted(running.items()))
-        )
-    else:
-        print(f"no node of {args.dir} was running")
-    etcd = stop_etcd(args.dir)
-    if etcd is not None:
-        print(f"stopped etcd (pid {etcd}); its data stays in {args.dir / 'etcd'}")
-    return 0
-
-
 def etcd_call(config: ClusterConfig, action: Callable[[EtcdMembership], Awaitable[Any]]) -> Any:
     """Run one etcd action for ``config``'s membership to completion (CLI and tests)."""
 
@@ -931,35 +645,3 @@ def _next_node_id(config: ClusterConfig, root: Path) -> str:
         for i in range(len(taken) + 1000)
         if f"n{i:02d}" not in taken and not (root / f"n{i:02d}").exists()
     )
-
-
-def _up(args: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {"max_bytes": args.max_bytes}
-    if args.no_fsync:
-        overrides["fsync"] = False
-    cluster = LocalCluster.start(
-        args.dir,
-        args.nodes,
-        args.time_scale,
-        backend=args.backend,
-        base_port=args.base_port,
-        auth=args.auth,
-        tls=args.tls,
-        mtls=args.mtls,
-        encrypt=args.encrypt,
-        etcd=args.etcd,
-        down_out_s=args.down_out_s,
-        **overrides,
-    )
-    print(f"{len(cluster.procs)} nodes serving; cluster map: {cluster.cluster_toml}")
-    if cluster.config.membership.endpoints:
-        print(
-            f"membership on etcd {cluster.config.membership.etcd} (map epoch "
-            f"{cluster.config.epoch}, down->out after {args.down_out_s:g} s)"
-        )
-    if args.auth:
-        print(
-            f"auth on: admin token in {args.dir / ADMIN_TOKEN_FILE}; add tenants with "
-            f"`kvstore cluster add-tenant --dir {args.dir} TENANT`"
-        )
-    return 0

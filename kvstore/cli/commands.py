@@ -27,17 +27,17 @@ from kvstore.cli.args import HelpFormatter
 # Command path -> ("module" or "module:name", one-line help).
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("node",): ("kvstore.node.main", "run one storage node in the foreground"),
-    ("cluster", "up"): ("deploy.local_cluster:up", "start a local cluster in the background"),
-    ("cluster", "status"): ("deploy.local_cluster:status", "each node's and class's figures"),
-    ("cluster", "down"): ("deploy.local_cluster:down", "stop a local cluster's nodes"),
-    ("cluster", "join"): ("deploy.local_cluster:join", "add a node to an etcd cluster map"),
+    ("cluster", "up"): ("deploy.cluster_cli:up", "start a local cluster in the background"),
+    ("cluster", "status"): ("deploy.cluster_cli:status", "each node's and class's figures"),
+    ("cluster", "down"): ("deploy.cluster_cli:down", "stop a local cluster's nodes"),
+    ("cluster", "join"): ("deploy.cluster_cli:join", "add a node to an etcd cluster map"),
     ("cluster", "drain"): (
-        "deploy.local_cluster:drain",
+        "deploy.cluster_cli:drain",
         "move a node's shards to other nodes (verified) until it has none",
     ),
-    ("cluster", "remove"): ("deploy.local_cluster:remove", "remove a drained node from the map"),
+    ("cluster", "remove"): ("deploy.cluster_cli:remove", "remove a drained node from the map"),
     ("cluster", "add-tenant"): (
-        "deploy.local_cluster:add_tenant",
+        "deploy.cluster_cli:add_tenant",
         "add a tenant (or service) principal and print its new token",
     ),
     ("certs", "init"): ("kvstore.certs:init", "make a development CA for TLS"),

@@ -1,0 +1,133 @@
+"""``NodeTransports``: each node's gRPC connection and the transport its reads travel by.
+
+Every node gets a :class:`~client.node_conn.NodeConn` (gRPC: writes, control calls, and reads
+unless another transport serves them). ``start`` then gives the nodes the read transport a
+client's ``transport`` asks for (``KVClient.connect`` documents the choices):
+
+    "grpc"   every read over the NodeConn
+    "ucx"    UCX to every node that offers an address this client reaches (client/ucx/);
+             Unavailable at start when none does or ucxx is missing
+    "local"  a local socket and shared memory to every node on this host (client/local/);
+             Unavailable at start when none offers one
+    "auto"   UCX where shared memory, CMA or RDMA reach the node (never TCP), local where
+             the node is on this host, gRPC for the rest; learned in the background
+
+Each transport falls back to the one below it per read, so results are identical whatever
+was picked. This module assembles the transports; the client only reads ``readers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from client.local.reader import LocalReads
+from client.node_conn import NodeConn, NodeReader
+from client.ucx.reader import UcxReads
+from client.ucx.transport import UcxTransport
+from erasure.codec import Codec
+from kvstore.config import ClusterConfig
+from kvstore.errors import Unavailable
+from kvstore.wire.ucx_worker import INSTALL_HINT, ucx_available
+
+
+class NodeTransports:
+    """The connections of one client, one per node in the order nodes were first seen."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        tenant: str,
+        token: str | None,
+        credentials: grpc.ChannelCredentials | None,
+    ) -> None:
+        self.codec = codec
+        self.tenant = tenant
+        self._token, self._credentials = token, credentials
+        self.conns: dict[str, NodeConn] = {}
+        self.conn_list: list[NodeConn] = []
+        # The read transport of each node, in conn_list order: gRPC, UCX or local (start()).
+        self.readers: list[NodeReader] = []
+        self.ucx: UcxReads | None = None  # the UCX read path, when start() enabled it
+        self.local: LocalReads | None = None  # the local read path (same-host nodes)
+
+    def add_nodes(self, config: ClusterConfig) -> None:
+        """A connection to every node of ``config`` not connected yet (a map epoch adds
+        nodes; the ones already known keep theirs)."""
+        for node in config.nodes:
+            if node.id not in self.conns:
+                conn = NodeConn(node, self.tenant, self._token, config.codec.k, self._credentials)
+                self.conns[node.id] = conn
+                self.conn_list.append(conn)
+                # A node that joins later is read locally when it is on this host (its
+                # Health is asked in the background), else over gRPC.
+                local = self.local
+                self.readers.append(conn if local is None else local.reader(conn, conn))
+
+    async def start(self, transport: str, config: ClusterConfig) -> None:
+        """Give nodes the read transports ``transport`` asks for (see the module doc)."""
+        fallbacks: list[NodeReader] = list(self.conn_list)
+        if transport in ("ucx", "auto"):
+            fallbacks = await self._start_ucx(config, forced=transport == "ucx")
+        if transport in ("local", "auto"):
+            await self._start_local(config, fallbacks, forced=transport == "local")
+        else:
+            self.readers = fallbacks
+
+    async def _start_local(
+        self, config: ClusterConfig, fallbacks: list[NodeReader], *, forced: bool
+    ) -> None:
+        """Every node gets a local reader over its fallback; with ``forced`` ("local") the
+        links are made now and at least one must work, else in the background."""
+        arena_bytes = 4 * min(n.max_batch_bytes for n in config.nodes)
+        self.local = LocalReads(self.codec, self.tenant, self._token, arena_bytes)
+        readers = [
+            self.local.reader(conn, fallback)
+            for conn, fallback in zip(self.conn_list, fallbacks, strict=True)
+        ]
+        self.readers = list(readers)
+        if not forced:
+            for reader in readers:
+                reader.usable()  # asks Health in the background
+            return
+        timeout_s = config.client.timeout_s
+        await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
+        if not any(reader.usable() for reader in readers):
+            raise Unavailable(
+                "transport='local' but no node offered a local socket on this host (nodes "
+                "down, on other hosts, in another network namespace, or started with "
+                "local_reads='off'); use transport='auto' or 'grpc'"
+            )
+
+    async def _start_ucx(self, config: ClusterConfig, *, forced: bool) -> list[NodeReader]:
+        """Every node's UCX read transport, falling back to gRPC; the plain gRPC connections
+        where UCX is not installed ("auto")."""
+        if not ucx_available():
+            if forced:
+                raise Unavailable(f"transport='ucx' but ucxx is not installed; {INSTALL_HINT}")
+            return list(self.conn_list)
+        # "auto" uses UCX only where it beats gRPC: shared memory, CMA or RDMA, never TCP.
+        self.ucx = UcxReads(UcxTransport(transports=None if forced else "^tcp"))
+        readers = [self.ucx.reader(conn) for conn in self.conn_list]
+        if forced:
+            # The client's own timeout, not the background asks' 2 s: a loaded machine answers
+            # a first Health on a fresh channel slowly, and "ucx" then fails to connect.
+            timeout_s = config.client.timeout_s
+            await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
+            if not any(reader.usable() for reader in readers):
+                raise Unavailable(
+                    "transport='ucx' but no node answered with a UCX address this client "
+                    "reaches (nodes down, started with ucx='off', or without ucxx); use "
+                    "transport='auto' or 'grpc'"
+                )
+        return list(readers)
+
+    async def close(self) -> None:
+        """Close the local and UCX paths, then every channel (the UCX path's background
+        Health asks use the channels)."""
+        if self.local is not None:
+            await self.local.close()
+        if self.ucx is not None:
+            await self.ucx.close()
+        await asyncio.gather(*(conn.close() for conn in self.conns.values()))
