@@ -196,7 +196,7 @@ class KVClient:
         address this client reaches); "auto" = UCX to each node a shared-memory/RDMA UCX
         worker reaches (learned in the background), gRPC to the rest. Results are identical.
         The default is "grpc": on the 2-core machine we measure on, with 12 nodes sharing the
-        cores, the UCX path was slower at every block size (README, "UCX data path").
+        cores, the UCX path was slower at every block size (docs/data-paths.md).
         """
         if transport not in TRANSPORTS:
             raise InvalidArgument(

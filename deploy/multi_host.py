@@ -14,7 +14,7 @@ The map is secure by default: TLS on every channel (``[tls]``; each host's nodes
 host's certificate, ``/etc/kvstore/tls/node.pem``, issued for its name by ``kvstore certs
 issue``), and principals from ``/etc/kvstore/credentials.toml`` (the same file on every host,
 mode 0600, readable by the nodes only), with the nodes' own token in
-``/etc/kvstore/node.token``. The README's security section has the set-up commands.
+``/etc/kvstore/node.token``. docs/security.md has the set-up commands.
 """
 
 from __future__ import annotations
