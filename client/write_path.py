@@ -20,13 +20,12 @@ write quorum, or degraded at min_write_shards.
 Every put goes to all k+m nodes, a node that failed recently too: a restarted node takes the
 next write as soon as it answers, and a dead one fails fast (a hung one costs the hedge delay).
 
-Degraded writes, not hinted handoff (docs/operations.md, "Repair"): with two nodes of a group down a put
-succeeds with k shards on the k nodes that are up, and the group's leader rebuilds the two
-missing shards on their owners once they are back. Handing the shards to other nodes instead
-would keep 12 shards, but in a group that spans every node (12 nodes, groups of 12) the only
-other nodes already hold a shard of the block, so a node holding two would make its loss cost
-two shards: no redundancy gained for the extra bookkeeping, reads of misplaced shards, and
-the move back.
+Degraded writes, not hinted handoff (docs/operations.md, "Repair"): with two nodes of a group down a
+put succeeds with k shards on the k nodes that are up, and the group's leader rebuilds the two
+missing shards on their owners once they are back. Handing the shards to other nodes instead would
+keep 12 shards, but in a group that spans every node (12 nodes, groups of 12) the only other nodes
+already hold a shard of the block, so a node holding two would make its loss cost two shards: no
+redundancy gained for the extra bookkeeping, reads of misplaced shards, and the move back.
 
 A node stores its request all or nothing (one index transaction), so a key counts one shard
 stored per node whose request succeeded. A key that fails stored fewer than k shards, so it is
