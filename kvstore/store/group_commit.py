@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 from erasure.shard import HEADER_BYTES, ShardHeader
 from kvstore.errors import CapacityExhausted
 from kvstore.store.eviction import Evictor
-from kvstore.store.index import Entry, Index, IndexView, IndexWriter
+from kvstore.store.index import Index, IndexView, IndexWriter
+from kvstore.store.index_codec import Entry
 from kvstore.store.read_state import ReadState
 from kvstore.store.segment_appender import SegmentAppender
 from ttl.policy import Retention, is_expired

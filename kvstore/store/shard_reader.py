@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from erasure.shard import HEADER_BYTES, SplitShard, verify_shard
 from kvstore.byte_arena import Region
 from kvstore.errors import ChecksumMismatch, CodecError, InvalidArgument
-from kvstore.store.index import Entry, Index, tenant_hash
+from kvstore.store.index import Index
+from kvstore.store.index_codec import Entry, tenant_hash
 from kvstore.store.read_state import ReadState
 from kvstore.store.segments import SegmentFiles
 from kvstore.wire import batch_answer
