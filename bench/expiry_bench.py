@@ -22,7 +22,7 @@ from erasure.shard import ShardHeader, block_checksum, pack_header
 from kvstore.cli.progress import ProgressReporter
 from kvstore.cli.tables import print_fitted
 from kvstore.config import NodeConfig, TTLConfig
-from kvstore.store.index import MemoryBackend
+from kvstore.store.index_backends import MemoryBackend
 from kvstore.store.shard_store import ShardStore
 from ttl.clock import ManualClock
 from ttl.policy import DAY_S

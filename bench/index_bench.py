@@ -23,7 +23,9 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.store.index import DBS, Entry, Index, LmdbBackend
+from kvstore.store.index import Index
+from kvstore.store.index_backends import LmdbBackend
+from kvstore.store.index_codec import DBS, Entry
 
 _PER_TXN = 1000
 

@@ -59,7 +59,7 @@ from kvstore.node.repair import (
     repair_order,
 )
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store.index import tenant_hash
+from kvstore.store.index_codec import tenant_hash
 from ttl.clock import Clock
 
 log = logging.getLogger(__name__)

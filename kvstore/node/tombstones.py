@@ -29,7 +29,7 @@ from kvstore.auth import read_token_file
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
-from kvstore.store.index import Tombstone
+from kvstore.store.index_codec import Tombstone
 from kvstore.store.shard_store import ShardStore
 from kvstore.tls import aio_channel, node_channel_credentials
 

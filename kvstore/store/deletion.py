@@ -31,7 +31,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.store.index import Entry, Index, IndexWriter, Tombstone
+from kvstore.store.index import Index, IndexWriter
+from kvstore.store.index_codec import Entry, Tombstone
 from kvstore.store.segments import SegmentFiles
 
 log = logging.getLogger(__name__)

@@ -2,19 +2,19 @@
 
 The byte limit is the smaller of ``NodeConfig.max_bytes`` (0 = none) and the disk's free space
 plus what the node already uses, so a disk that fills up (other data, a misjudged limit) makes
-the node evict rather than fail. The index's allocated files (kvstore/store/index.py keeps a reserve
-allocated for it) count inside the limit: segment data may use the limit less the index, and
-the watermarks apply to that. When a put would pass ``high_watermark`` of it, the store
-expires, then evicts entries in the configured order (``[ttl] eviction_order``,
+the node evict rather than fail. The index's allocated files (kvstore/store/index_backends.py
+keeps a reserve allocated for it) count inside the limit: segment data may use the limit less
+the index, and the watermarks apply to that. When a put would pass ``high_watermark`` of it,
+the store expires, then evicts entries in the configured order (``[ttl] eviction_order``,
 ttl/policy.py) until usage is under ``low_watermark``:
 
     lru      least recently accessed first, whatever the class (the default: the simulator
              showed earliest expiry first starves short-TTL traffic; ttl/policy.py has figures)
     expiry   earliest expiry first (within a class that is least recently accessed first)
 
-Each order is a range scan of its own index order (kvstore/store/index.py), never a scan of every
-entry. The last access is the one persisted in the index: a read hit counts once the read-side
-state is flushed, which every write does first. Blocks a put re-puts (touches) are never
+Each order is a range scan of its own index order (kvstore/store/index_codec.py), never a scan
+of every entry. The last access is the one persisted in the index: a read hit counts once the
+read-side state is flushed, which every write does first. Blocks a put re-puts (touches) are never
 evicted to make room for that put's own group commit: the touch is an access.
 
 Evicting an entry leaves dead bytes in its segment; segments with no live entry are deleted,
@@ -38,7 +38,8 @@ from collections.abc import Collection
 
 from kvstore.config import NodeConfig
 from kvstore.errors import CapacityExhausted
-from kvstore.store.index import Entry, Index, IndexView, IndexWriter, SegmentMeta, class_counter
+from kvstore.store.index import Index, IndexView, IndexWriter, class_counter
+from kvstore.store.index_codec import Entry, SegmentMeta
 from kvstore.store.reclaimer import Reclaimer
 from kvstore.store.segments import SegmentFiles
 from ttl.policy import EvictionOrder

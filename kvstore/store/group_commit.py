@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 from erasure.shard import HEADER_BYTES, ShardHeader
 from kvstore.errors import CapacityExhausted
 from kvstore.store.eviction import Evictor
-from kvstore.store.index import Entry, Index, IndexView, IndexWriter
+from kvstore.store.index import Index, IndexView, IndexWriter
+from kvstore.store.index_codec import Entry
 from kvstore.store.read_state import ReadState
 from kvstore.store.segment_appender import SegmentAppender
 from ttl.policy import Retention, is_expired
@@ -149,7 +150,8 @@ class GroupCommit:
         entry the group re-puts: the re-put is an access, and the put reports it stored.
         """
         planned = {(e.tenant, e.key, e.version) for e, _ in appends}
-        new_entries, touched = [], []
+        new_entries: list[tuple[Entry, bytes]] = []
+        touched: list[tuple[Entry, float]] = []
         with self._index.read() as view:
             for key, header, shard, written_at_s in request.items:
                 if (request.tenant, key, header.block_checksum) in planned:
@@ -158,36 +160,49 @@ class GroupCommit:
                     request.num_fenced += 1
                     continue
                 entry = self._new_entry(request, key, header, shard, written_at_s)
-                live = [
-                    e
-                    for e in view.versions(request.tenant, key)
-                    if not is_expired(e.expires_at_s, request.now)
-                ]
-                # The same version as another shard index is a node that moved within the
-                # group (a map change, kvstore/map_changes.py): the new shard replaces it.
-                same = [
-                    e
-                    for e in live
-                    if e.version == entry.version and e.shard_index == entry.shard_index
-                ]
-                if same:
-                    touched.append((same[0], request.now))
-                    # The same version written again, later: it is now as new as that write.
-                    # Keeping its first write time would let a version written in between
-                    # win here but lose on nodes that saw the writes in another order, and
-                    # the block would split between two versions (neither readable).
-                    if entry.created_s > same[0].created_s:
-                        rewritten.append((same[0], entry.created_s))
-                elif any(e.order > entry.order for e in live):
-                    request.num_superseded += 1
-                else:
-                    new_entries.append((entry, shard))
+                self._plan_shard(view, request, entry, shard, new_entries, touched, rewritten)
         need_bytes = sum(e.record_bytes for e, _ in [*appends, *new_entries])
         keep = {e.index_key for e, _ in [*refreshed, *touched]}
         self._evictor.make_room(need_bytes, request.now, keep)
         appends.extend(new_entries)
         refreshed.extend(touched)
         request.num_stored = len(new_entries)
+
+    @staticmethod
+    def _plan_shard(
+        view: IndexView,
+        request: PutRequest,
+        entry: Entry,
+        shard: bytes,
+        new_entries: list[tuple[Entry, bytes]],
+        touched: list[tuple[Entry, float]],
+        rewritten: list[tuple[Entry, float]],
+    ) -> None:
+        """File one shard against the live versions held of its key: a re-put of the held
+        version (``touched``, and ``rewritten`` when written later), superseded by a newer
+        held version (counted), or new (``new_entries``)."""
+        live = [
+            e
+            for e in view.versions(request.tenant, entry.key)
+            if not is_expired(e.expires_at_s, request.now)
+        ]
+        # The same version as another shard index is a node that moved within the
+        # group (a map change, kvstore/map_changes.py): the new shard replaces it.
+        same = [
+            e for e in live if e.version == entry.version and e.shard_index == entry.shard_index
+        ]
+        if same:
+            touched.append((same[0], request.now))
+            # The same version written again, later: it is now as new as that write.
+            # Keeping its first write time would let a version written in between
+            # win here but lose on nodes that saw the writes in another order, and
+            # the block would split between two versions (neither readable).
+            if entry.created_s > same[0].created_s:
+                rewritten.append((same[0], entry.created_s))
+        elif any(e.order > entry.order for e in live):
+            request.num_superseded += 1
+        else:
+            new_entries.append((entry, shard))
 
     def _index_reserve_short(self) -> bool:
         backend = self._index.backend

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 from erasure.shard import verify_shard
 from kvstore.errors import CodecError, UnknownTrafficClass
-from kvstore.store.index import CURRENT_INDEX_FORMAT, INDEX_FORMAT, Entry, Index, IndexWriter
+from kvstore.store.index import CURRENT_INDEX_FORMAT, INDEX_FORMAT, Index, IndexWriter
+from kvstore.store.index_codec import Entry
 from kvstore.store.segment_appender import window_id
 from kvstore.store.segments import (
     RECORD_FORMAT,

@@ -1,4 +1,4 @@
-"""Start-up migration of an index of format 1 to format 2 (kvstore/store/index.py), and the
+"""Start-up migration of an index of format 1 to format 2 (kvstore/store/index_codec.py), and the
 rewrite of format-1 segment records into format 2 (kvstore/store/segments.py).
 
 Index format 1 entries lack the record format and the shard index, and format 1 had no
@@ -26,11 +26,10 @@ from kvstore.store.index import (
     CURRENT_INDEX_FORMAT,
     INDEX_FORMAT,
     RETIRED_VERSIONS,
-    Entry,
     Index,
     IndexWriter,
-    decode_entry_v1,
 )
+from kvstore.store.index_codec import Entry, decode_entry_v1
 from kvstore.store.reclaimer import Reclaimer
 from kvstore.store.segments import LEGACY_HEADER_BYTES, SegmentFiles
 

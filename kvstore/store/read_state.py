@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from kvstore.errors import UnknownTrafficClass
-from kvstore.store.index import Entry, Index, IndexWriter, class_counter
+from kvstore.store.index import Index, IndexWriter, class_counter
+from kvstore.store.index_codec import Entry
 from kvstore.store.store_stats import CORRUPT_SHARDS, NODE_MISSES
 from ttl.policy import Retention
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from kvstore.store.index import Entry, Index, class_counter
+from kvstore.store.index import Index, class_counter
+from kvstore.store.index_codec import Entry
 from kvstore.store.read_state import ReadState, quarantine
 from kvstore.store.segment_appender import SegmentAppender, window_end_s
 from kvstore.store.segments import SegmentFiles

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.errors import IndexUnusable, InvalidArgument
-from kvstore.store.index import Backend, Index, IndexWriter, LmdbBackend, SegmentMeta
+from kvstore.store.index import Index, IndexWriter
+from kvstore.store.index_backends import Backend, LmdbBackend
+from kvstore.store.index_codec import SegmentMeta
 from kvstore.store.index_rebuild import rebuild_index
 from kvstore.store.migration import migrate_index
 from kvstore.store.segments import SegmentFiles

@@ -27,7 +27,8 @@ import threading
 from dataclasses import dataclass, replace
 
 from kvstore.config import NodeConfig
-from kvstore.store.index import Entry, Index
+from kvstore.store.index import Index
+from kvstore.store.index_codec import Entry
 from kvstore.store.read_state import ReadState
 from kvstore.store.shard_reader import ShardReader
 from kvstore.store.store_stats import ScrubProgress

@@ -23,7 +23,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvstore.store.index import Entry, Index, IndexWriter, tenant_hash
+from kvstore.store.index import Index, IndexWriter
+from kvstore.store.index_codec import Entry, tenant_hash
 from kvstore.store.segments import RECORD_FORMAT, SegmentFiles, pack_record_header
 
 INF_WINDOW = 1 << 62  # window of shards that never expire: never retired

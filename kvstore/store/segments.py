@@ -3,7 +3,7 @@
 A node's data directory::
 
     DATA_DIR/
-      index/              lmdb environment (kvstore/store/index.py): the commit point
+      index/              lmdb environment (kvstore/store/index_backends.py): the commit point
       segments/
         000000000001.seg  one append-only file per (expiry window, fill): records back to back
         000000000002.seg
@@ -20,7 +20,7 @@ header + payload), so a read returns them with one ``pread`` and no re-encoding.
          0     4  magic b"KVR2"
          4     4  shard length in bytes (n)
          8    16  block key
-        24     8  tenant hash (first 8 bytes of the index key, see kvstore/store/index.py)
+        24     8  tenant hash (first 8 bytes of the index key, see kvstore/store/index_codec.py)
         32     8  written_at_s (f64): when the block version was written (newest wins)
         40     8  expires_at_s (f64, inf = never) when this record was written
         48     1  traffic class length (c)

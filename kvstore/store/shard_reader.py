@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from erasure.shard import HEADER_BYTES, SplitShard, verify_shard
 from kvstore.byte_arena import Region
 from kvstore.errors import ChecksumMismatch, CodecError, InvalidArgument
-from kvstore.store.index import Entry, Index, tenant_hash
+from kvstore.store.index import Index
+from kvstore.store.index_codec import Entry, tenant_hash
 from kvstore.store.read_state import ReadState
 from kvstore.store.segments import SegmentFiles
 from kvstore.wire import batch_answer
@@ -136,37 +137,48 @@ class ShardReader:
         read again into private memory before it is taken for corrupt, so a client cannot make the
         node drop good shards.
         """
-        positions: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            positions.setdefault(bytes(key), []).append(i)
+        positions = _positions_by_key(keys)
         distinct = list(positions)
         live = self._live_batch(tenant, distinct, version, now)
-        payload_bytes = sum(
-            (e.shard_bytes - HEADER_BYTES) * len(positions[key])
-            for key, found in zip(distinct, live, strict=True)
-            for e in found[0]
-        )
-        if max_payload_bytes is not None and payload_bytes > max_payload_bytes:
-            raise InvalidArgument(
-                f"reply of {payload_bytes} bytes for {len(keys)} keys ({len(distinct)} "
-                f"distinct) exceeds max_batch_bytes {max_payload_bytes}; ask for fewer keys "
-                "per request"
-            )
+        payload_bytes = _reply_bytes(live, distinct, positions, range(len(distinct)))
+        _check_reply_size(payload_bytes, max_payload_bytes, len(keys), len(distinct))
         out = _BatchOut(take(payload_bytes), shared)
         retry = self._read_entries(tenant, live, range(len(distinct)), out)
         if retry:
-            fresh = self._live_batch(tenant, [distinct[d] for d in retry], version, now)
-            for d, found in zip(retry, fresh, strict=True):
-                live[d] = found
-            out.grow(
-                sum(
-                    (e.shard_bytes - HEADER_BYTES) * len(positions[distinct[d]])
-                    for d in retry
-                    for e in live[d][0]
-                )
-            )
-            for d in self._read_entries(tenant, live, retry, out):
-                live[d] = ([], [], live[d][2])  # gone twice: a miss
+            self._read_again(tenant, distinct, positions, live, retry, version, now, out)
+        self._record_outcomes(live, out, now)
+        out.spread_to_positions([positions[key] for key in distinct])
+        return BatchRead(out.entries, out.staging, out.position)
+
+    def _read_again(
+        self,
+        tenant: str,
+        distinct: list[bytes],
+        positions: dict[bytes, list[int]],
+        live: list[tuple[list[Entry], list[Entry], list[Entry]]],
+        retry: list[int],
+        version: bytes,
+        now: float,
+        out: _BatchOut,
+    ) -> None:
+        """Look the keys whose segment was gone (``retry``) up on a fresh snapshot and read
+        them once more, the staging grown for what the fresh entries hold; a key gone twice
+        is a miss."""
+        fresh = self._live_batch(tenant, [distinct[d] for d in retry], version, now)
+        for d, found in zip(retry, fresh, strict=True):
+            live[d] = found
+        out.grow(_reply_bytes(live, distinct, positions, retry))
+        for d in self._read_entries(tenant, live, retry, out):
+            live[d] = ([], [], live[d][2])  # gone twice: a miss
+
+    def _record_outcomes(
+        self,
+        live: list[tuple[list[Entry], list[Entry], list[Entry]]],
+        out: _BatchOut,
+        now: float,
+    ) -> None:
+        """Count each distinct key as one hit or miss; a key nothing was served of gets a
+        CORRUPT entry (it had a live entry that failed) or a MISS entry in the table."""
         for d, (found, _, expired) in enumerate(live):
             served = out.served.get(d, [])
             if served:
@@ -175,8 +187,6 @@ class ShardReader:
                 self._reads.record_miss({e.traffic_class for e in found + expired})
                 status = Status.CORRUPT if found else Status.MISS
                 out.entries.append(batch_answer.Entry(d, int(status), b"", 0))
-        out.spread_to_positions([positions[key] for key in distinct])
-        return BatchRead(out.entries, out.staging, out.position)
 
     def live_versions(self, tenant: str, keys: Sequence[bytes], now: float) -> list[list[bytes]]:
         """Live versions of each key, newest first, from one index snapshot (Contains); a key
@@ -317,6 +327,41 @@ class ShardReader:
             return GetResult(Status.HIT, tuple(s for _, s in hits))
         self._reads.record_miss({e.traffic_class for e in plan.to_read + plan.unserved})
         return GetResult(Status.CORRUPT if plan.to_read else Status.MISS)
+
+
+def _positions_by_key(keys: Sequence[bytes]) -> dict[bytes, list[int]]:
+    """Each distinct key (in first-seen order) -> where it stands in the request."""
+    positions: dict[bytes, list[int]] = {}
+    for i, key in enumerate(keys):
+        positions.setdefault(bytes(key), []).append(i)
+    return positions
+
+
+def _reply_bytes(
+    live: list[tuple[list[Entry], list[Entry], list[Entry]]],
+    distinct: list[bytes],
+    positions: dict[bytes, list[int]],
+    indices: Sequence[int],
+) -> int:
+    """Payload bytes the reply holds for the distinct keys at ``indices``: each live entry's
+    payload once per position its key is named at."""
+    return sum(
+        (e.shard_bytes - HEADER_BYTES) * len(positions[distinct[d]])
+        for d in indices
+        for e in live[d][0]
+    )
+
+
+def _check_reply_size(
+    payload_bytes: int, max_payload_bytes: int | None, num_keys: int, num_distinct: int
+) -> None:
+    """InvalidArgument, before any byte is read, for a reply above ``max_payload_bytes``."""
+    if max_payload_bytes is not None and payload_bytes > max_payload_bytes:
+        raise InvalidArgument(
+            f"reply of {payload_bytes} bytes for {num_keys} keys ({num_distinct} "
+            f"distinct) exceeds max_batch_bytes {max_payload_bytes}; ask for fewer keys "
+            "per request"
+        )
 
 
 def _read_checked(

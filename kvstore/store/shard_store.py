@@ -44,15 +44,9 @@ from kvstore.errors import CapacityExhausted, IndexUnusable, InvalidArgument, Un
 from kvstore.store.deletion import Deleter, Erased
 from kvstore.store.eviction import Evictor
 from kvstore.store.group_commit import GroupCommit, PutRequest
-from kvstore.store.index import (
-    DEFAULT_RESERVE_BYTES,
-    LAST_TOMBSTONE_SEQ,
-    RETIRED_VERSIONS,
-    Backend,
-    Entry,
-    Index,
-    Tombstone,
-)
+from kvstore.store.index import LAST_TOMBSTONE_SEQ, RETIRED_VERSIONS, Index
+from kvstore.store.index_backends import DEFAULT_RESERVE_BYTES, Backend
+from kvstore.store.index_codec import Entry, Tombstone
 from kvstore.store.migration import rewrite_legacy_segments
 from kvstore.store.read_state import ReadState
 from kvstore.store.reclaimer import Reclaimer

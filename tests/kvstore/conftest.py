@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import NodeConfig, TTLConfig
-from kvstore.store.index import MemoryBackend
+from kvstore.store.index_backends import MemoryBackend
 from kvstore.store.shard_store import ShardStore
 from tests.kvstore.node_harness import NodeProcess
 from tests.kvstore.store_harness import (

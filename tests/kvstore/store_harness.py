@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.store.index import LmdbBackend
+from kvstore.store.index_backends import LmdbBackend
 from kvstore.store.shard_store import ShardStore
 from tests.kvstore.node_harness import DAY_S
 from ttl.policy import TrafficClasses

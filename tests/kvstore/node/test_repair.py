@@ -20,7 +20,7 @@ from kvstore.node.repair import (
     repair_order,
 )
 from kvstore.node.tombstones import TombstoneSync
-from kvstore.store.index import Tombstone
+from kvstore.store.index_codec import Tombstone
 from kvstore.store.shard_store import PutOptions
 from tests.kvstore.node_harness import DAY_S, make_shard
 from tests.kvstore.store_harness import MakeStore

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.store.index import Tombstone
+from kvstore.store.index_codec import Tombstone
 from kvstore.store.shard_store import ShardStore, Status
 from tests.kvstore.node_harness import make_shard
 from tests.kvstore.store_harness import MakeStore

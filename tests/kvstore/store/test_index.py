@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.store.index import (
-    USED_BYTES,
-    Entry,
-    Index,
-    LmdbBackend,
-    MemoryBackend,
-    class_counter,
-    decode_entry,
-    encode_entry,
-)
+from kvstore.store.index import USED_BYTES, Index, class_counter
+from kvstore.store.index_backends import LmdbBackend, MemoryBackend
+from kvstore.store.index_codec import Entry, decode_entry, encode_entry
 from kvstore.store.segments import record_bytes
 
 

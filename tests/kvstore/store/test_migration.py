@@ -17,7 +17,9 @@ from pathlib import Path
 import xxhash
 
 from kvstore.config import NodeConfig, TTLConfig
-from kvstore.store.index import LmdbBackend, class_counter, tenant_hash
+from kvstore.store.index import class_counter
+from kvstore.store.index_backends import LmdbBackend
+from kvstore.store.index_codec import tenant_hash
 from kvstore.store.shard_store import ShardStore, Status
 from tests.kvstore.node_harness import DAY_S, make_shard
 from tests.kvstore.store_harness import CLASSES, T0

@@ -1,0 +1,337 @@
+"""The index's backends: a small ordered key-value store with transactions, one byte map per
+sub-database (:data:`kvstore.store.index_codec.DBS`).
+
+lmdb on a node (:class:`LmdbBackend`) and a sorted in-memory twin (:class:`MemoryBackend`) for
+unit tests and the simulator: both keep the same :class:`Txn` semantics, so the index logic
+(kvstore/store/index.py) is written once and one test suite runs against both.
+
+Disk space (lmdb only, :class:`LmdbBackend`): the index never writes into a page the filesystem
+has not allocated. lmdb maps its files; a page of a sparse file that a full disk cannot back
+kills the process with SIGBUS (seen on a full tmpfs: lock.mdb's reader table). So ``lock.mdb`` is
+allocated whole at open, and ``data.mdb`` is kept allocated ``reserve_bytes`` ahead of lmdb's
+last page (``posix_fallocate``): the index's own writes land in space the node already holds,
+puts are refused (CapacityExhausted) once that reserve cannot be kept, and deletes, expiry and
+eviction still commit from what is left. The allocated size counts inside the node's byte limit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import lmdb
+
+from kvstore.errors import CapacityExhausted, IndexUnusable
+from kvstore.store.index_codec import DBS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RESERVE_BYTES = 32 << 20
+# Page-level lmdb failures that mean the file is damaged, not that a request was wrong.
+_CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
+
+
+class Txn(Protocol):
+    """The backend's transaction: an ordered byte map per named sub-database."""
+
+    def get(self, db: str, key: bytes) -> bytes | None: ...
+
+    def put(self, db: str, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, db: str, key: bytes) -> None: ...
+
+    def scan(
+        self, db: str, start: bytes, stop: bytes | None, limit: int
+    ) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` items with ``start <= key < stop`` (no stop: to the end), ascending."""
+        ...
+
+
+class Backend(Protocol):
+    reserve_bytes: int  # write space kept allocated ahead (0: none needed)
+
+    def begin(self, *, write: bool) -> AbstractContextManager[Txn]:
+        """A transaction: commits when the block exits normally, aborts on an exception."""
+        ...
+
+    def allocated_bytes(self) -> int:
+        """Disk bytes the backend holds (0 in memory)."""
+        ...
+
+    def ensure_reserve(self) -> bool:
+        """Keep write space allocated ahead; False when the disk cannot give it."""
+        ...
+
+    def headroom_bytes(self) -> int:
+        """Space allocated ahead that writes can still use."""
+        ...
+
+    def verify(self) -> None:
+        """Read everything once; IndexUnusable if the backend is damaged."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _LmdbTxn:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+        self.txn: lmdb.Transaction | None = txn  # None once the transaction ended
+        self._dbs = dbs
+
+    @property
+    def _txn(self) -> lmdb.Transaction:
+        assert self.txn is not None, "index view used after its transaction ended"
+        return self.txn
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        return self._txn.get(key, db=self._dbs[db])
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self._txn.put(key, value, db=self._dbs[db])
+
+    def delete(self, db: str, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs[db])
+
+    def scan(
+        self, db: str, start: bytes, stop: bytes | None, limit: int
+    ) -> list[tuple[bytes, bytes]]:
+        items: list[tuple[bytes, bytes]] = []
+        cursor = self._txn.cursor(db=self._dbs[db])
+        if not cursor.set_range(start):
+            return items
+        for key, value in cursor.iternext():
+            if (stop is not None and key >= stop) or len(items) >= limit:
+                break
+            items.append((key, value))
+        return items
+
+
+class LmdbBackend:
+    """lmdb environment under ``path``; ``sync`` = fsync on every commit (durability).
+
+    ``reserve_bytes``: disk space kept allocated ahead of lmdb's last page (module docstring).
+    The map itself is a large virtual reservation (``map_size_bytes``); only the file's
+    allocated size costs disk. Raises IndexUnusable if the files are not a readable lmdb
+    environment.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        sync: bool,
+        map_size_bytes: int = 1 << 40,
+        reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    ) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.reserve_bytes = reserve_bytes
+        try:
+            self._env = lmdb.open(
+                str(path), map_size=map_size_bytes, max_dbs=len(DBS), sync=sync, readahead=False
+            )
+            self._dbs = {name: self._env.open_db(name.encode()) for name in DBS}
+        except (*_CORRUPT_ERRORS, lmdb.VersionMismatchError) as exc:
+            raise IndexUnusable(f"the index in {path} cannot be opened: {exc}") from exc
+        _allocate_whole(path / "lock.mdb")  # the reader table is written through a mapping
+        self._data_fd = os.open(path / "data.mdb", os.O_RDWR)
+        self.ensure_reserve()
+
+    @contextmanager
+    def begin(self, *, write: bool) -> Iterator[Txn]:
+        try:
+            wrapper = _LmdbTxn(self._env.begin(write=write), self._dbs)
+            try:
+                with wrapper.txn:
+                    yield wrapper
+            finally:
+                # py-lmdb frees a read txn's reader slot only when the Transaction object is
+                # freed, and a view may outlive its block (an exception's traceback holds the
+                # frames that used it: a failed put's). Enough of those filled lmdb's reader
+                # table (MDB_READERS_FULL), so the wrapper lets go of the txn here.
+                wrapper.txn = None
+        except lmdb.MapFullError as exc:
+            raise CapacityExhausted(
+                f"the lmdb index is full ({exc}); raise its map size or free entries"
+            ) from None
+        except _CORRUPT_ERRORS as exc:
+            raise IndexUnusable(f"the index in {self.path} is damaged: {exc}") from exc
+        except lmdb.Error as exc:  # lmdb reports errno failures by their strerror text
+            if not _disk_full(exc, self.path):
+                raise
+            raise CapacityExhausted(f"disk full while committing the index: {exc}") from exc
+
+    def used_bytes(self) -> int:
+        """Bytes of the data file up to lmdb's last page (what the index occupies)."""
+        info, stat = self._env.info(), self._env.stat()
+        return (info["last_pgno"] + 1) * stat["psize"]
+
+    def allocated_bytes(self) -> int:
+        """Disk bytes the index's files hold (its share of the node's byte limit)."""
+        return sum(_allocated(self.path / name) for name in ("data.mdb", "lock.mdb"))
+
+    def ensure_reserve(self) -> bool:
+        """Keep the data file allocated ``reserve_bytes`` past lmdb's last page; False when the
+        disk cannot give that much (then only the space left ahead remains for writes)."""
+        want = self.used_bytes() + self.reserve_bytes
+        if os.fstat(self._data_fd).st_size >= want - self.reserve_bytes // 2:
+            return True
+        try:
+            os.posix_fallocate(self._data_fd, 0, want)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            return False
+        return True
+
+    def headroom_bytes(self) -> int:
+        """Allocated bytes past lmdb's last page: what index writes can still use."""
+        return os.fstat(self._data_fd).st_size - self.used_bytes()
+
+    def verify(self) -> None:
+        """Read every page of every sub-database; IndexUnusable if any fails."""
+        with self.begin(write=False) as txn:
+            for name in DBS:
+                start = b""
+                while items := txn.scan(name, start, None, 4096):
+                    start = items[-1][0] + b"\x00"
+
+    def close(self) -> None:
+        self._env.close()
+        os.close(self._data_fd)
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _allocate_whole(path: Path) -> None:
+    """Allocate every byte of an existing file (no holes for a mapping to fault on). On a disk
+    already full that is not possible: the node starts anyway (a full disk must not keep it
+    from serving reads) and says so, since more concurrent readers than the allocated part of
+    the table holds could then fault."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, 1))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.warning("disk full: %s could not be allocated whole (%s)", path, exc)
+    finally:
+        os.close(fd)
+
+
+def _disk_full(exc: lmdb.Error, path: Path) -> bool:
+    """Whether an lmdb write failure is the disk running out: ENOSPC, or the EIO lmdb reports
+    for a short write, on a filesystem with (almost) nothing left."""
+    text = str(exc)
+    if os.strerror(errno.ENOSPC) in text:
+        return True
+    return os.strerror(errno.EIO) in text and shutil.disk_usage(path).free < 1 << 20
+
+
+class _SortedMap:
+    """A dict with its keys kept sorted, for range scans in the in-memory twin."""
+
+    def __init__(self) -> None:
+        self.items: dict[bytes, bytes] = {}
+        self.keys: list[bytes] = []
+
+    def put(self, key: bytes, value: bytes) -> None:
+        if key not in self.items:
+            bisect.insort(self.keys, key)
+        self.items[key] = value
+
+    def delete(self, key: bytes) -> None:
+        if self.items.pop(key, None) is not None:
+            del self.keys[bisect.bisect_left(self.keys, key)]
+
+
+class _MemoryTxn:
+    def __init__(self, maps: dict[str, _SortedMap], undo: list | None) -> None:
+        self._maps = maps
+        self._undo = undo  # None: read-only
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        return self._maps[db].items.get(key)
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self._record(db, key)
+        self._maps[db].put(key, value)
+
+    def delete(self, db: str, key: bytes) -> None:
+        self._record(db, key)
+        self._maps[db].delete(key)
+
+    def scan(
+        self, db: str, start: bytes, stop: bytes | None, limit: int
+    ) -> list[tuple[bytes, bytes]]:
+        smap = self._maps[db]
+        first = bisect.bisect_left(smap.keys, start)
+        last = len(smap.keys) if stop is None else bisect.bisect_left(smap.keys, stop)
+        keys = smap.keys[first : min(last, first + limit)]
+        return [(k, smap.items[k]) for k in keys]
+
+    def _record(self, db: str, key: bytes) -> None:
+        if self._undo is None:
+            raise RuntimeError("write in a read-only transaction (open it with write=True)")
+        self._undo.append((db, key, self._maps[db].items.get(key)))
+
+    def rollback(self) -> None:
+        for db, key, old in reversed(self._undo or []):
+            if old is None:
+                self._maps[db].delete(key)
+            else:
+                self._maps[db].put(key, old)
+
+
+class MemoryBackend:
+    """The in-memory twin of :class:`LmdbBackend`: same semantics, no durability.
+
+    Transactions are serialized by one lock (a twin for tests and the simulator, not a server).
+    """
+
+    reserve_bytes = 0
+
+    def __init__(self) -> None:
+        self._maps = {name: _SortedMap() for name in DBS}
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def begin(self, *, write: bool) -> Iterator[Txn]:
+        with self._lock:
+            txn = _MemoryTxn(self._maps, [] if write else None)
+            try:
+                yield txn
+            except BaseException:
+                txn.rollback()
+                raise
+
+    def used_bytes(self) -> int:
+        return 0
+
+    def allocated_bytes(self) -> int:
+        return 0
+
+    def ensure_reserve(self) -> bool:
+        return True
+
+    def headroom_bytes(self) -> int:
+        return 1 << 62
+
+    def verify(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._maps = {name: _SortedMap() for name in DBS}
