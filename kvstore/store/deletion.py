@@ -11,7 +11,7 @@ A delete removes the index entries *and* destroys the records' bytes on disk::
 So a committed delete's bytes are unreadable on disk before the call returns. A crash in
 between, or an erase that failed (an I/O error), leaves the record queued, and the next upkeep
 tick (at most a second later) or the start-up erases it: well inside the 60 s bound the
-README promises.
+docs/security.md promises.
 
 Nodes that were down or cut off during a delete learn it from the delete log: each node pulls
 its peers' tombstones (kvstore/node/tombstones.py) and applies them here. A tombstone deletes the
