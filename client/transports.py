@@ -19,12 +19,13 @@ was picked. This module assembles the transports; the client only reads ``reader
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import grpc
 
-from client.local.reader import LocalReads
+from client.local.reader import LocalReader, LocalReads
 from client.node_conn import NodeConn, NodeReader
-from client.ucx.reader import UcxReads
+from client.ucx.reader import UcxReader, UcxReads
 from client.ucx.transport import UcxTransport
 from erasure.codec import Codec
 from kvstore.config import ClusterConfig
@@ -91,14 +92,13 @@ class NodeTransports:
             for reader in readers:
                 reader.usable()  # asks Health in the background
             return
-        timeout_s = config.client.timeout_s
-        await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
-        if not any(reader.usable() for reader in readers):
-            raise Unavailable(
-                "transport='local' but no node offered a local socket on this host (nodes "
-                "down, on other hosts, in another network namespace, or started with "
-                "local_reads='off'); use transport='auto' or 'grpc'"
-            )
+        await _require_one_usable(
+            readers,
+            config.client.timeout_s,
+            "transport='local' but no node offered a local socket on this host (nodes "
+            "down, on other hosts, in another network namespace, or started with "
+            "local_reads='off'); use transport='auto' or 'grpc'",
+        )
 
     async def _start_ucx(self, config: ClusterConfig, *, forced: bool) -> list[NodeReader]:
         """Every node's UCX read transport, falling back to gRPC; the plain gRPC connections
@@ -113,14 +113,13 @@ class NodeTransports:
         if forced:
             # The client's own timeout, not the background asks' 2 s: a loaded machine answers
             # a first Health on a fresh channel slowly, and "ucx" then fails to connect.
-            timeout_s = config.client.timeout_s
-            await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
-            if not any(reader.usable() for reader in readers):
-                raise Unavailable(
-                    "transport='ucx' but no node answered with a UCX address this client "
-                    "reaches (nodes down, started with ucx='off', or without ucxx); use "
-                    "transport='auto' or 'grpc'"
-                )
+            await _require_one_usable(
+                readers,
+                config.client.timeout_s,
+                "transport='ucx' but no node answered with a UCX address this client "
+                "reaches (nodes down, started with ucx='off', or without ucxx); use "
+                "transport='auto' or 'grpc'",
+            )
         return list(readers)
 
     async def close(self) -> None:
@@ -131,3 +130,13 @@ class NodeTransports:
         if self.ucx is not None:
             await self.ucx.close()
         await asyncio.gather(*(conn.close() for conn in self.conns.values()))
+
+
+async def _require_one_usable(
+    readers: Sequence[LocalReader | UcxReader], timeout_s: float, refusal: str
+) -> None:
+    """Ask every reader's node now (a transport the caller forced) and raise Unavailable with
+    ``refusal`` unless at least one can be used."""
+    await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
+    if not any(reader.usable() for reader in readers):
+        raise Unavailable(refusal)
