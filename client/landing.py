@@ -98,18 +98,9 @@ def verify_landed(
     The transports call this right after a payload landed, while its bytes are in cache.
     """
     hits = entries[entries["status"] == batch_answer.HIT]
-    fits = (
-        (hits["magic"].view("<u4") == _MAGIC)
-        & (hits["format"] == FORMAT_VERSION)
-        & (hits["backend"] == BACKEND_IDS[codec.backend])
-        & (hits["k"] == codec.k)
-        & (hits["m"] == codec.m)
-        & (hits["shard_index"] < codec.k + codec.m)
-        & (hits["payload_len"] == (hits["block_len"] + (codec.k - 1)) // codec.k)
-    ).tolist()
     raw = hits.tobytes()
     columns = zip(
-        fits,
+        _headers_fit(codec, hits),
         hits["shard_index"].tolist(),
         hits["block_len"].tolist(),
         hits["payload_len"].tolist(),
@@ -136,6 +127,19 @@ def verify_landed(
                 continue
         headers.append(None)
     return headers
+
+
+def _headers_fit(codec: Codec, hits: np.ndarray) -> list[bool]:
+    """Per HIT entry, whether its shard header is one of this codec's (one numpy pass)."""
+    return (
+        (hits["magic"].view("<u4") == _MAGIC)
+        & (hits["format"] == FORMAT_VERSION)
+        & (hits["backend"] == BACKEND_IDS[codec.backend])
+        & (hits["k"] == codec.k)
+        & (hits["m"] == codec.m)
+        & (hits["shard_index"] < codec.k + codec.m)
+        & (hits["payload_len"] == (hits["block_len"] + (codec.k - 1)) // codec.k)
+    ).tolist()
 
 
 def checksum_fields(entries: np.ndarray) -> tuple[bytes, np.ndarray]:

@@ -178,6 +178,14 @@ def add_grid_arguments(
         default=0.0,
         help="fraction of the trace's time span simulated but not counted (default 0)",
     )
+    add_sizing_arguments(grid, default_bytes_per_token)
+    add_partition_arguments(parser)
+
+
+def add_sizing_arguments(
+    grid: argparse._ArgumentGroup, default_bytes_per_token: str | None
+) -> None:
+    """What turns blocks into bytes and rates: ``--bytes-per-token``, ``--rate-window``."""
     grid.add_argument(
         "--bytes-per-token",
         type=bytes_per_token_arg,
@@ -196,7 +204,6 @@ def add_grid_arguments(
         help="peak read and write rates are the busiest window of this length (seconds, or "
         "1h, 5m): the busy hour by default",
     )
-    add_partition_arguments(parser)
 
 
 def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
