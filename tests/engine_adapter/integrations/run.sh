@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test-integrations`: the vLLM, LMCache and SGLang adapters against each engine's real
-# code, in venvs of their own (docs/engine.md, "Testing the integrations"). Plain `make test` needs none
-# of this: there the engines are not installed and these tests skip.
+# code, in venvs of their own (docs/engine.md, "Testing the integrations"). Plain `make test`
+# needs none of this: there the engines are not installed and these tests skip.
 #
 #   .venv-vllm    torch 2.13.0 (the project's), vLLM and LMCache: test_vllm_connector.py,
 #                 test_lmcache_backend.py
