@@ -51,6 +51,8 @@ class Request:
     request_id: str = field(default_factory=_new_request_id)
 
     def __post_init__(self) -> None:
+        if not self.request_id:  # one id for the router, its logs and the workers alike
+            object.__setattr__(self, "request_id", _new_request_id())
         if bool(self.messages) == bool(self.token_ids):
             raise InvalidArgument(
                 "a request needs either a non-empty conversation messages=[{'role': ..., "
@@ -73,9 +75,8 @@ class Request:
             )
 
     def to_proto(self) -> pb.GenerateRequest:
-        """The wire message; an empty ``request_id`` gets a new one (as in ``from_proto``)."""
         return pb.GenerateRequest(
-            request_id=self.request_id or _new_request_id(),
+            request_id=self.request_id,
             tenant=self.tenant,
             traffic_class=self.traffic_class,
             messages=[
@@ -113,7 +114,7 @@ class Request:
             stop=tuple(request.stop),
             cache_salt=request.cache_salt,
             timeout_s=request.timeout_s,
-            request_id=request.request_id or _new_request_id(),
+            request_id=request.request_id,
         )
 
 

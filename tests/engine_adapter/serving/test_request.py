@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_adapter.serving.api_keys import ApiKeys
-from engine_adapter.serving.request import StopMatcher
+from engine_adapter.serving.request import Request, StopMatcher
 from kvstore.errors import InvalidArgument, PermissionDenied
 
 
@@ -53,3 +53,10 @@ def test_bad_api_key_files_are_refused(tmp_path, text):
     path.write_text(text)
     with pytest.raises(InvalidArgument):
         ApiKeys.load(path)
+
+
+def test_an_empty_request_id_gets_one_id_that_the_wire_message_keeps() -> None:
+    request = Request(tenant="acme", traffic_class="chat", token_ids=[1, 2], request_id="")
+    assert request.request_id, "an empty request_id must be replaced by a generated one"
+    assert request.to_proto().request_id == request.request_id, "router and workers differ"
+    assert Request.from_proto(request.to_proto()).request_id == request.request_id
