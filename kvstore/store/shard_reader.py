@@ -4,14 +4,13 @@ Reads run concurrently: each takes an lmdb read snapshot and one ``pread`` per s
 every read checks the record header (right key and tenant at that offset,
 kvstore/store/segments.py), the shard checksum and the version against the index. A key's read is
 planned from the index first (its newest live version only, or the one asked for:
-:meth:`ShardReader.plan`), so a
-request's reply size is known, and refused when too large, before any byte is read; a key
-named twice in one request is read once. :meth:`ShardReader.read_batch` serves a whole batch
-read: one index snapshot for every key, one descriptor per segment, one ``preadv`` per shard
-straight into the caller's staging (the payload stream of kvstore/wire/batch_answer.py).
-A shard that fails is reported CORRUPT, counted, never served, and removed from the index by
-the next write (kvstore/store/read_state.py) so a repair can store it again.
-:meth:`ShardReader.read_batch` and :meth:`ShardReader.read_verified` are the hot paths.
+:meth:`ShardReader.plan`), so a request's reply size is known, and refused when too large, before
+any byte is read; a key named twice in one request is read once. :meth:`ShardReader.read_batch`
+serves a whole batch read: one index snapshot for every key, one descriptor per segment, one
+``preadv`` per shard straight into the caller's staging (the payload stream of
+kvstore/wire/batch_answer.py). A shard that fails is reported CORRUPT, counted, never served, and
+removed from the index by the next write (kvstore/store/read_state.py) so a repair can store it
+again. :meth:`ShardReader.read_batch` and :meth:`ShardReader.read_verified` are the hot paths.
 
 A segment may be moved (carry-forward, compaction) or deleted (expiry) between our index
 snapshot and our ``open``: that shows up as ``FileNotFoundError``, and the lookup is repeated
