@@ -6,27 +6,37 @@ block, every checksum verified.
     keys -> their groups (placement) -> per group: plan_read (ask 11 nodes, 1 in reserve)
          -> per node: ONE request for every key it is asked for (client/landing.Wanted)
     answers arrive node by node, each landed by its transport (local, UCX or gRPC): data shards at
-    their place in the caller's blocks, the rest apart (client/landing.py)
-         -> every HIT shard verified (codec.verify), tallied per key by version
+    their place in the caller's blocks, the rest apart (client/landing.py); local nodes put
+    them there themselves when the blocks lie in a landing pool (client/landing_pool.py)
+         -> ``on_landed``: which data shards of which blocks are in place (engines start
+            copying those bytes to the GPU)
+         -> every HIT shard's header checked, tallied per key by version
          -> a key is decided when one version has k shards, or when the requests still
             pending for it cannot give k: then its group's reserve nodes are asked, once;
             keys still undecided hedge_delay_s after the start ask their reserves too
     every key decided -> cancel the requests still out (their transports stop writing first)
-         -> decode each complete key into its buffer (data shards already there: no copy)
+         -> decode each complete key into its buffer (data shards already there: no copy),
+            the block checksum verified: ONE pass over every byte. Only when it fails are the
+            shards' own checksums checked, to find the bad one: it is dropped and counted,
+            and the block decoded again from the others (parity) or reported a miss
          -> per hit, in the background (client/follow_ups.py): touch the block's shard on
             the group's nodes not heard from (so no shard of a read block expires early),
             and hint repair if a node answered without the version's shard
+
+Never wrong bytes: a block is returned only once its checksum (its version, which the writer
+computed) matches; shard checksums are a node's own claim and only point at the bad shard.
 
 A slow or dead node never holds the batch: each key needs any k of the 11 asked, so the
 batch ends when the other ten have answered, and the slow node's request is cancelled. Two
 hung nodes among the 11 cost the hedge delay: then the 12th is asked. The
 client's Python work per batch is per node (a request, an answer, a table decoded with numpy)
-plus a short loop per shard (one checksum call, one tally update); it never creates a future
-or a message per shard.
+plus a short loop per shard (one tally update); it never creates a future or a message per
+shard, and hashes nothing but the blocks.
 
 This is the module's one dense hot path. Decoding runs on the event loop thread, or for
 batches of DECODE_POOL_MIN_BYTES and more in the client's decode pool: with ISA-L and every
-data shard in place it is one xxh3 pass over the block.
+data shard in place it is one xxh3 pass over the block. A block in a landing pool slot that a
+late node may still write (client/landing_pool.py ``is_tainted``) is a miss.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from client.landing import NodeAnswer, Wanted
+from client.landing import NodeAnswer, Wanted, header_rows
+from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result, finish_despite_cancel
 from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
@@ -69,6 +80,11 @@ class ReadCounters:
     num_hedged: int = 0  # batches that finished without waiting for every asked node
     num_reserve_asks: int = 0  # requests to nodes beyond the first fan-out
     num_decode_failures: int = 0  # versions whose k shards did not rebuild a valid block
+    num_rechecks: int = 0  # blocks whose checksum failed, then their shards were checked
+    num_tainted: int = 0  # blocks dropped: their pool slot may still be written late
+
+
+OnLanded = Callable[[list[tuple[int, int]]], None]
 
 
 class FollowUpSink(Protocol):
@@ -104,6 +120,7 @@ class BatchRead:
         follow_ups: FollowUpSink | None = None,
         *,
         decode_pool: Executor | None = None,
+        landing_pool: LandingPool | None = None,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -115,6 +132,9 @@ class BatchRead:
         self.hedge_delay_s = hedge_delay_s  # 0 = ask reserves only for hopeless keys
         self.follow_ups = follow_ups
         self.decode_pool = decode_pool  # decodes (a block checksum pass each) run here
+        self.landing_pool = landing_pool  # where local nodes may write blocks themselves
+        # After run(): positions whose bytes decoding wrote after on_landed announced them.
+        self.rewritten: set[int] = set()
 
     async def run(
         self,
@@ -122,12 +142,19 @@ class BatchRead:
         groups: Sequence[int],
         outs: Sequence[memoryview | None],
         timeout_s: float,
+        on_landed: OnLanded | None = None,
     ) -> list[bytes | memoryview | None]:
-        """Each key's block (written into its ``outs`` entry when one is given), or None."""
+        """Each key's block (written into its ``outs`` entry when one is given), or None.
+
+        ``on_landed(pairs)``, on the event loop, once per node answer: the (batch position,
+        data shard index) of each shard that landed at its place in ``outs`` (its bytes
+        ``[i*P, (i+1)*P)`` of the block, not verified yet: the block is, before it is
+        returned, and any range written again by decoding is in :attr:`rewritten`).
+        """
         deadline_s = asyncio.get_running_loop().time() + timeout_s
         self.counters.num_batches += 1
         self.counters.num_reads += len(keys)
-        state = _State(self, keys, groups, outs, deadline_s)
+        state = _State(self, keys, groups, outs, deadline_s, on_landed)
         try:
             async with asyncio.timeout(timeout_s):
                 await state.gather()
@@ -141,6 +168,7 @@ class BatchRead:
             state.release()
         if self.follow_ups is not None:
             state.follow_up(blocks, self.follow_ups)
+        self.rewritten = state.rewritten
         return blocks
 
 
@@ -154,10 +182,15 @@ class _State:
         groups: Sequence[int],
         outs: Sequence[memoryview | None],
         deadline_s: float,
+        on_landed: OnLanded | None = None,
     ) -> None:
         self.read = read
         self.keys, self.groups, self.outs = keys, groups, outs
         self.deadline_s = deadline_s  # on the event loop's clock
+        self.on_landed = on_landed
+        # Positions whose block bytes decoding wrote after shards landed there (a recovered
+        # data shard, or one copied into place): engines copy those blocks again.
+        self.rewritten: set[int] = set()
         k = read.codec.k
         self.collectors = [ShardCollector(read.codec) for _ in keys]
         self.complete: list[bytes | None] = [None] * len(keys)  # the version that reached k
@@ -303,7 +336,8 @@ class _State:
             heard[wanted.positions[key_index]].add(wanted.shard_indexes[key_index])
 
     def _tally(self, answer: NodeAnswer, request: _Request) -> None:
-        """Verify and count every HIT shard of one node's answer (the per-shard loop)."""
+        """Count every HIT shard of one node's answer by version (the per-shard loop): its
+        header checked, its checksum left to the block's unless the transport checked it."""
         entries = answer.entries
         statuses = entries["status"]
         self.read.counters.num_corrupt_shards += int((statuses == batch_answer.CORRUPT).sum())
@@ -312,28 +346,35 @@ class _State:
             return
         raw = entries.tobytes()
         key_indexes = entries["key_index"].tolist()
+        shard_indexes = entries["shard_index"].tolist()
         positions = request.wanted.positions
         header_start = batch_answer.ENTRY_BYTES - 48
-        headers = answer.headers  # verified by the transport where the payloads landed
+        headers = (
+            answer.headers if answer.headers is not None else header_rows(self.read.codec, entries)
+        )
+        checked = answer.checked or [answer.headers is not None] * len(hit_rows)
+        landed: list[tuple[int, int]] = []
         for i, (row, payload, in_place) in enumerate(
             zip(hit_rows, answer.payloads, answer.in_place, strict=True)
         ):
             position = positions[key_indexes[row]]
-            if self.decided[position] and not in_place:
-                continue  # a late parity or misplaced shard: not worth a checksum pass
-            start = row * batch_answer.ENTRY_BYTES + header_start
-            shard = SplitShard(raw[start : start + 48], payload)
+            header = headers[i]
             collector = self.collectors[position]
-            if headers is None:
-                version = collector.add(shard)  # verifies the shard checksum
-            elif (header := headers[i]) is None:
+            if header is None:
                 collector.num_corrupt += 1
                 continue
-            else:
-                version = collector.add_verified(header, shard)
+            if in_place and shard_indexes[row] < self.k:
+                landed.append((position, shard_indexes[row]))
+            start = row * batch_answer.ENTRY_BYTES + header_start
+            shard = SplitShard(raw[start : start + 48], payload)
+            # Late shards are kept too (no hashing, a dict entry): a block that fails its
+            # checksum is decoded again from them once the bad shard is found.
+            version = collector.add_verified(header, shard, checked=checked[i])
             if version is not None and not self.decided[position]:
                 self.complete[position] = version
                 self._decide(position)
+        if landed and self.on_landed is not None:
+            self.on_landed(landed)
 
     def _hopeless(self, position: int) -> bool:
         """The requests still out for this key cannot give it k shards of one version."""
@@ -423,13 +464,45 @@ class _State:
                 f"{self.keys[position].hex()} is {block_len} bytes; pass a writable buffer of "
                 "exactly the block's size"
             )
-        try:
-            # The collector ran codec.verify on every shard as it arrived.
-            return self.read.codec.decode(collector.shards(version), out=out, verified=True)
-        except CodecError as exc:
-            log.warning("dropping version %s: %s", version.hex(), exc)
-            self.read.counters.num_decode_failures += 1
+        if self._tainted(out):
             return None
+        codec, counters = self.read.codec, self.read.counters
+        if any(not in_place for in_place in self._placed(position, version)):
+            self.rewritten.add(position)
+        try:
+            # One pass: the block checksum covers every byte (shard checksums unchecked).
+            return codec.decode(collector.shards(version), out=out, verified=True)
+        except CodecError as exc:
+            failure: CodecError = exc
+        # The block failed: find the bad shards by their own checksums, decode without them.
+        counters.num_rechecks += 1
+        self.rewritten.add(position)
+        if collector.recheck(version) and len(collector.version_to_shards[version]) >= self.k:
+            try:
+                return codec.decode(collector.shards(version), out=out, verified=True)
+            except CodecError as exc:
+                failure = exc
+        log.warning("dropping version %s: %s", version.hex(), failure)
+        counters.num_decode_failures += 1
+        return None
+
+    def _placed(self, position: int, version: bytes) -> list[bool]:
+        """Per data shard the block needs, whether a shard of ``version`` landed in place."""
+        header = self.collectors[position].version_to_header[version]
+        shards = self.collectors[position].version_to_shards[version]
+        num_data = min(self.k, -(-header.block_len // max(header.payload_len, 1)))
+        out = self.outs[position]
+        return [out is not None and i in shards and _is_in(shards[i], out) for i in range(num_data)]
+
+    def _tainted(self, out: memoryview | None) -> bool:
+        pool = self.read.landing_pool
+        if out is None or pool is None:
+            return False
+        offset = pool.locate(out)
+        if offset is None or not pool.is_tainted(offset):
+            return False
+        self.read.counters.num_tainted += 1
+        return True
 
     def follow_up(self, blocks: list[bytes | memoryview | None], sink: FollowUpSink) -> None:
         """Per hit: touch the version's shard on the group's nodes not heard from for the key
@@ -465,6 +538,12 @@ class _State:
         """Free the scratch of every answer (after decoding: parity shards live there)."""
         for answer in self.answers:
             answer.release()
+
+
+def _is_in(shard: SplitShard | bytes, out: memoryview) -> bool:
+    """Whether a collected shard's payload lies in ``out`` (it landed at its place)."""
+    payload = shard.payload if isinstance(shard, SplitShard) else None
+    return payload is not None and payload.obj is out.obj
 
 
 async def run_in_pool(pool: Executor, calls: Sequence[Callable[[], Any]]) -> list[Any]:

@@ -6,6 +6,13 @@ boot id as this host. Then one :class:`~client.local.link.LocalLink` per node ca
 batch read to it (one READ and one ANSWER per node per batch; the payloads land through the
 link's arena, copied and verified off the event loop).
 
+Landing in place: with a landing pool (client/landing_pool.py), every request whose buffers
+lie in the pool names, per key, the place its data shard goes there (kvstore/wire/landing.py),
+and the node writes it there: nobody copies it. A request given up (hedging, a deadline) has
+its permit revoked, so no node writes into a slot after the read returned; one whose node is
+caught writing is waited for up to ``POOL_WRITE_WAIT_S``, and past that its slots are held
+(the read reports their blocks as misses: client/batch_read.py).
+
 Fallbacks, as over UCX: a link that cannot be made, is lost (node killed or restarted), or
 leaves a request unanswered past half its time makes the request go over the fallback
 transport within the same deadline; a lost link is made again from a fresh Health reply
@@ -25,12 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from client.landing import NodeAnswer, Wanted
+from client.landing_pool import LandingPool
 from client.local.link import LocalLink, PendingRead, RegionTooSmall
 from client.node_conn import BackgroundTasks, NodeConn, NodeReader, finish_despite_cancel
 from erasure.codec import Codec
 from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import local_frames as frames
+from kvstore.wire.landing import Place
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +48,7 @@ HEALTH_RETRY_S = 2.0  # at most one Health ask (and link attempt) per node this 
 WAIT_SHARE = 0.5  # of the time left that a local wait may use (the rest is for the fallback)
 REGION_SLACK = 2  # a request's region holds this many times its payload estimate
 MIN_ARENA_BYTES = 64 << 20
+POOL_WRITE_WAIT_S = 0.1  # how long a cancel waits for a node caught writing into the pool
 
 
 @dataclass
@@ -51,13 +61,23 @@ class LocalCounters:
     num_fallbacks: int = 0  # node requests that went to the fallback after the channel failed
     num_links: int = 0  # links opened (a restarted node makes a new one)
     num_arena_full: int = 0  # requests read over the fallback for want of arena space
+    num_placed: int = 0  # payloads the node put straight at their place in the landing pool
+    num_held_requests: int = 0  # cancelled requests whose node was caught writing (slots held)
 
 
 class LocalReads:
     """What every node's local reader shares: who we are, the counters, the background asks."""
 
-    def __init__(self, codec: Codec, tenant: str, token: str | None, arena_bytes: int) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        tenant: str,
+        token: str | None,
+        arena_bytes: int,
+        pool: LandingPool | None = None,
+    ) -> None:
         self.codec, self.tenant, self.token = codec, tenant, token
+        self.pool = pool  # the landing pool every link shares with its node
         self.arena_bytes = max(arena_bytes, MIN_ARENA_BYTES)
         self.boot_id = frames.boot_id()
         self.counters = LocalCounters()
@@ -119,6 +139,7 @@ class LocalReader:
                 shared.tenant,
                 shared.arena_bytes,
                 shared.codec,
+                shared.pool,
             )
         except PermissionDenied:
             raise
@@ -148,7 +169,7 @@ class LocalReader:
             counters.num_arena_full += 1
             return await self.fallback.read_batch(keys, wanted, outs, timeout_s)
         try:
-            pending = link.submit(keys, b"", wanted, outs, region)
+            pending = link.submit(keys, b"", wanted, outs, region, self._places(link, wanted, outs))
         except Unavailable as exc:
             region.release()  # never sent: the node cannot write it
             return await self._fall_back(keys, wanted, outs, deadline_s, exc)
@@ -163,12 +184,36 @@ class LocalReader:
         try:
             answer = pending.future.result()
         except (Unavailable, RegionTooSmall) as exc:
+            # A link lost while its node wrote into the pool: that node may live on and finish
+            # the write, so its slots wait until it did (or is gone) before anyone reads them.
+            if not link.alive and not link.pool_write_over(pending):
+                await self._wait_for_pool_write(link, pending)
             return await self._fall_back(keys, wanted, outs, deadline_s, exc)
         self.conn.health.record_success()
         counters.num_local_replies += 1
         counters.num_local_shards += len(answer.payloads)
         counters.num_landed_in_place += sum(answer.in_place)
+        counters.num_placed += int((answer.entries["placed"] != 0).sum())
         return answer
+
+    def _places(
+        self, link: LocalLink, wanted: Wanted, outs: Sequence[memoryview | None]
+    ) -> list[Place | None] | None:
+        """Per request key, where its data shard goes in the landing pool (None: through the
+        arena); None when the link has no pool."""
+        pool, k = link.pool, self._shared.codec.k
+        if pool is None:
+            return None
+        places: list[Place | None] = []
+        for position, shard_index in zip(wanted.positions, wanted.shard_indexes, strict=True):
+            out = outs[position]
+            offset = pool.locate(out) if out is not None and shard_index < k else None
+            if offset is None:
+                places.append(None)
+                continue
+            payload_bytes = self._shared.codec.payload_bytes(len(out))
+            places.append(Place(offset, pool.capacity_at(offset), shard_index, payload_bytes))
+        return places if any(p is not None for p in places) else None
 
     def _estimate(self, wanted: Wanted, outs: Sequence[memoryview | None]) -> int:
         codec = self._shared.codec
@@ -177,20 +222,37 @@ class LocalReader:
             for out in (outs[p] for p in wanted.positions)
         )
 
-    @staticmethod
-    async def _abandon(link: LocalLink, pending: PendingRead) -> None:
-        """Give up a request; if its landing is under way, wait until it is done (it writes
-        into the caller's buffers) and drop its answer."""
+    async def _abandon(self, link: LocalLink, pending: PendingRead) -> None:
+        """Give up a request. If our receiver is landing its answer into the caller's
+        buffers, wait until it is done and drop the answer; if the node was caught writing
+        into the pool, wait up to POOL_WRITE_WAIT_S for it to finish, and hold the slots of
+        the request past that (client/landing_pool.py)."""
         if not link.abandon(pending):
             return
-        future = pending.future
-        try:
-            await finish_despite_cancel(future)
-        except KVStoreError:
-            pass
-        finally:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                future.result().release()
+        if pending.landing:
+            future = pending.future
+            try:
+                await finish_despite_cancel(future)
+            except KVStoreError:
+                pass
+            finally:
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    future.result().release()
+            return
+        await finish_despite_cancel(self._wait_for_pool_write(link, pending))
+
+    async def _wait_for_pool_write(self, link: LocalLink, pending: PendingRead) -> None:
+        loop = asyncio.get_running_loop()
+        give_up_s = loop.time() + POOL_WRITE_WAIT_S
+        pause_s = 0.0002
+        while not link.pool_write_over(pending):
+            if loop.time() >= give_up_s:
+                assert link.pool is not None
+                self._shared.counters.num_held_requests += 1
+                link.pool.hold(link.pool_offsets(pending), lambda: link.pool_write_over(pending))
+                return
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, 0.01)
 
     async def _fall_back(
         self,

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from erasure.shard import HEADER_BYTES, SplitShard, verify_shard
+import numpy as np
+
+from erasure.shard import HEADER_BYTES, verify_shard
 from kvstore.byte_arena import Region
 from kvstore.errors import ChecksumMismatch, CodecError, InvalidArgument
 from kvstore.store.index import Index
 from kvstore.store.index_codec import Entry, tenant_hash
 from kvstore.store.read_state import ReadState
+from kvstore.store.record_reads import Outcome, RecordRead, read_records
 from kvstore.store.segments import SegmentFiles
 from kvstore.wire import batch_answer
+from kvstore.wire.landing import PoolLanding
 from ttl.policy import is_expired
 
 log = logging.getLogger(__name__)
@@ -122,6 +125,7 @@ class ShardReader:
         max_payload_bytes: int | None = None,
         *,
         shared: bool = False,
+        pool: PoolLanding | None = None,
     ) -> BatchRead:
         """The newest live version of each key (or ``version``), payloads read into one
         staging region from ``take``, each distinct key read once and counted as one hit or
@@ -129,20 +133,26 @@ class ShardReader:
 
         The payload bytes are summed from the index first: above ``max_payload_bytes`` the
         request gets InvalidArgument having read nothing. This is the node's hot path for
-        batch reads: one index snapshot, then per shard one ``preadv`` and one checksum
-        pass. A segment gone under us (moved or expired) makes its keys be looked up once
-        more, as in :meth:`read`. ``shared``: the staging is memory the client can write too
-        (the local channel, kvstore/node/local_server.py); a shard that fails its check there is
-        read again into private memory before it is taken for corrupt, so a client cannot make the
-        node drop good shards.
+        batch reads: one index snapshot, then every record read in one native call
+        (kvstore/store/record_reads.py). A segment gone under us (moved or expired) makes its
+        keys be looked up once more, as in :meth:`read`. ``shared``: the staging is memory
+        the client can write too (the local channel, kvstore/node/local_server.py); a shard
+        that fails its check there is read again into private memory before it is taken for
+        corrupt, so a client cannot make the node drop good shards. ``pool``: a local
+        client's landing pool and the places its request names (kvstore/wire/landing.py): a
+        data shard whose index and length are the place's lands there instead of the staging
+        (its table entry says so), and nothing lands there once the request's permit was
+        revoked.
         """
         positions = _positions_by_key(keys)
         distinct = list(positions)
         live = self._live_batch(tenant, distinct, version, now)
         payload_bytes = _reply_bytes(live, distinct, positions, range(len(distinct)))
         _check_reply_size(payload_bytes, max_payload_bytes, len(keys), len(distinct))
-        out = _BatchOut(take(payload_bytes), shared)
-        retry = self._read_entries(tenant, live, range(len(distinct)), out)
+        places = _pool_places(pool, distinct, positions, live)
+        placed_bytes = sum(len(view) for view in places.values())
+        out = _BatchOut(take(payload_bytes - placed_bytes), shared)
+        retry = self._read_entries(tenant, live, range(len(distinct)), out, places, pool)
         if retry:
             self._read_again(tenant, distinct, positions, live, retry, version, now, out)
         self._record_outcomes(live, out, now)
@@ -161,13 +171,13 @@ class ShardReader:
         out: _BatchOut,
     ) -> None:
         """Look the keys whose segment was gone (``retry``) up on a fresh snapshot and read
-        them once more, the staging grown for what the fresh entries hold; a key gone twice
-        is a miss."""
+        them once more (into the staging, never a pool), the staging grown for what the
+        fresh entries hold; a key gone twice is a miss."""
         fresh = self._live_batch(tenant, [distinct[d] for d in retry], version, now)
         for d, found in zip(retry, fresh, strict=True):
             live[d] = found
         out.grow(_reply_bytes(live, distinct, positions, retry))
-        for d in self._read_entries(tenant, live, retry, out):
+        for d in self._read_entries(tenant, live, retry, out, {}, None):
             live[d] = ([], [], live[d][2])  # gone twice: a miss
 
     def _record_outcomes(
@@ -233,52 +243,34 @@ class ShardReader:
         live: list[tuple[list[Entry], list[Entry], list[Entry]]],
         positions: Sequence[int],
         out: _BatchOut,
+        places: dict[int, memoryview],
+        pool: PoolLanding | None,
     ) -> list[int]:
-        """Read the live entries of the keys at ``positions`` into ``out``; the positions
-        whose segment was gone (to look up again)."""
+        """Read the live entries of the keys at ``positions`` (into ``places`` of the pool,
+        or ``out``'s staging); the positions whose segment was gone (to look up again)."""
+        reads = [
+            RecordRead(i, entry, places[i], True) if i in places else out.plan(i, entry)
+            for i in positions
+            for entry in live[i][0]
+        ]
+        read_records(
+            self._files,
+            tenant,
+            reads,
+            shared=out.shared,
+            permit=pool.permit if pool is not None else None,
+        )
         retry: list[int] = []
-        fds: dict[int, int] = {}
-        longest = max((e.header_bytes for i in positions for e in live[i][0]), default=0)
-        head = bytearray(longest + HEADER_BYTES)
-        owner = tenant_hash(tenant)
-        try:
-            for i in positions:
-                try:
-                    for entry in live[i][0]:
-                        self._read_one(entry, i, tenant, owner, fds, head, out)
-                except FileNotFoundError:
-                    out.served.pop(i, None)
-                    out.drop_key(i)
-                    retry.append(i)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        for read in reads:
+            if read.outcome is Outcome.GONE:
+                retry.append(read.position)
+            elif read.outcome is Outcome.CORRUPT:
+                log.error(
+                    "corrupt shard %s in segment %d", read.entry.key.hex(), read.entry.segment_id
+                )
+                self._reads.mark_corrupt(read.entry)
+        out.keep_served(reads)
         return retry
-
-    def _read_one(
-        self,
-        entry: Entry,
-        position: int,
-        tenant: str,
-        owner: bytes,
-        fds: dict[int, int],
-        head: bytearray,
-        out: _BatchOut,
-    ) -> None:
-        fd = fds.get(entry.segment_id)
-        if fd is None:
-            fd = fds[entry.segment_id] = self._files.open_reader(entry.segment_id)
-        payload = out.next_payload(entry.shard_bytes - HEADER_BYTES)
-        try:
-            header = _read_checked(fd, entry, payload, tenant, owner, head)
-        except CodecError as exc:
-            if out.shared and _intact_in_private(fd, entry, len(payload), tenant, owner):
-                log.warning("shard %s changed in shared staging: not served", entry.key.hex())
-                return
-            log.error("corrupt shard %s in segment %d: %s", entry.key.hex(), entry.segment_id, exc)
-            self._reads.mark_corrupt(entry)
-            return
-        out.keep(position, entry, bytes(header), len(payload))
 
     def live_entries(self, tenant: str, key: bytes, now: float) -> tuple[list[Entry], list[Entry]]:
         """(live entries newest first, expired entries) of a key, TTL refreshes applied.
@@ -363,29 +355,27 @@ def _check_reply_size(
         )
 
 
-def _read_checked(
-    fd: int, entry: Entry, payload: memoryview, tenant: str, owner: bytes, head: bytearray
-) -> memoryview:
-    """Read one record's shard (payload into ``payload``), its record header checked for
-    the key and ``tenant``, and verify it; its shard header."""
-    header = SegmentFiles.read_into(
-        fd, entry.offset, entry.header_bytes, payload, entry.key, owner, tenant, head
-    )
-    if verify_shard(SplitShard(header, payload)).block_checksum != entry.version:
-        raise ChecksumMismatch("shard version differs from the indexed version")
-    return header
-
-
-def _intact_in_private(
-    fd: int, entry: Entry, payload_bytes: int, tenant: str, owner: bytes
-) -> bool:
-    """Whether the record verifies when read into memory only this process sees."""
-    head = bytearray(entry.header_bytes + HEADER_BYTES)
-    try:
-        _read_checked(fd, entry, memoryview(bytearray(payload_bytes)), tenant, owner, head)
-    except CodecError:
-        return False
-    return True
+def _pool_places(
+    pool: PoolLanding | None,
+    distinct: list[bytes],
+    positions: dict[bytes, list[int]],
+    live: list[tuple[list[Entry], list[Entry], list[Entry]]],
+) -> dict[int, memoryview]:
+    """Distinct key -> the range of the client's pool its shard goes to, for keys named once
+    whose place fits the shard they serve (kvstore/wire/landing.py ``Place.range_for``)."""
+    if pool is None:
+        return {}
+    places: dict[int, memoryview] = {}
+    for d, key in enumerate(distinct):
+        request_positions = positions[key]
+        place = pool.places[request_positions[0]] if len(request_positions) == 1 else None
+        if place is None or len(live[d][0]) != 1:
+            continue
+        entry = live[d][0][0]
+        span = place.range_for(entry.shard_index, entry.shard_bytes - HEADER_BYTES)
+        if span is not None and span[1] <= len(pool.memory):
+            places[d] = pool.memory[span[0] : span[1]]
+    return places
 
 
 class _BatchOut:
@@ -397,30 +387,39 @@ class _BatchOut:
         self.position = 0  # payload bytes kept so far
         self.entries: list[batch_answer.Entry] = []
         self.served: dict[int, list[Entry]] = {}  # key position -> entries served
+        self._planned = 0  # stream bytes handed to planned reads not yet kept
 
-    def next_payload(self, num_bytes: int) -> memoryview:
-        """Where the next payload goes; it counts only once :meth:`keep` is called."""
-        return self.staging.view[self.position : self.position + num_bytes]
+    def plan(self, position: int, entry: Entry) -> RecordRead:
+        """A read of ``entry`` whose payload goes to the next free part of the stream."""
+        start = self.position + self._planned
+        num_bytes = entry.shard_bytes - HEADER_BYTES
+        self._planned += num_bytes
+        return RecordRead(position, entry, self.staging.view[start : start + num_bytes])
 
-    def keep(self, position: int, entry: Entry, header: bytes, num_bytes: int) -> None:
-        self.entries.append(batch_answer.Entry(position, batch_answer.HIT, header, num_bytes))
-        self.served.setdefault(position, []).append(entry)
-        self.position += num_bytes
-
-    def drop_key(self, position: int) -> None:
-        """Forget what was kept of one key (its segment vanished mid-read): compact."""
-        kept = list(zip(self.entries, self._offsets(), strict=True))
-        stream = self.staging.view
-        self.entries, write = [], 0
-        for entry, start in kept:
-            if entry.key_index == position:
+    def keep_served(self, reads: Sequence[RecordRead]) -> None:
+        """File every served read in the table; stream payloads of reads that failed leave
+        gaps, closed here by moving the later payloads down (rare: a corrupt or gone shard)."""
+        write = self.position
+        for read in reads:
+            if read.outcome is not Outcome.SERVED:
                 continue
-            stream[write : write + entry.payload_bytes] = stream[
-                start : start + entry.payload_bytes
-            ]
-            self.entries.append(entry)
-            write += entry.payload_bytes
-        self.position = write
+            placed = read.in_pool
+            if not placed:
+                start = _offset_in(self.staging.view, read.destination)
+                if start != write:
+                    self.staging.view[write : write + len(read.destination)] = read.destination
+                write += len(read.destination)
+            self.entries.append(
+                batch_answer.Entry(
+                    read.position,
+                    batch_answer.HIT,
+                    read.shard_header,
+                    0 if placed else len(read.destination),
+                    placed,
+                )
+            )
+            self.served.setdefault(read.position, []).append(read.entry)
+        self.position, self._planned = write, 0
 
     def grow(self, num_bytes: int) -> None:
         """Make room for ``num_bytes`` more (a retry found entries the first pass had not)."""
@@ -456,3 +455,8 @@ class _BatchOut:
             offsets.append(start)
             start += entry.payload_bytes
         return offsets
+
+
+def _offset_in(base: memoryview, view: memoryview) -> int:
+    """Where ``view`` (a slice of ``base``) starts in ``base``."""
+    return np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
