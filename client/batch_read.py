@@ -87,6 +87,17 @@ class ReadCounters:
 OnLanded = Callable[[list[tuple[int, int]]], None]
 
 
+@dataclass
+class ReadTimes:
+    """Where batch reads spent their time (seconds, summed over batches): waiting for node
+    answers (and tallying them, on the event loop), stopping the requests still out (revoking
+    their permits), and decoding, which is the block checksum pass (on the decode pool)."""
+
+    gather_s: float = 0.0
+    stop_s: float = 0.0
+    decode_s: float = 0.0
+
+
 class FollowUpSink(Protocol):
     """Where a read's follow-ups go (client/follow_ups.py FollowUps)."""
 
@@ -121,6 +132,7 @@ class BatchRead:
         *,
         decode_pool: Executor | None = None,
         landing_pool: LandingPool | None = None,
+        times: ReadTimes | None = None,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -133,6 +145,7 @@ class BatchRead:
         self.follow_ups = follow_ups
         self.decode_pool = decode_pool  # decodes (a block checksum pass each) run here
         self.landing_pool = landing_pool  # where local nodes may write blocks themselves
+        self.times = times if times is not None else ReadTimes()
         # After run(): positions whose bytes decoding wrote after on_landed announced them.
         self.rewritten: set[int] = set()
 
@@ -155,17 +168,25 @@ class BatchRead:
         self.counters.num_batches += 1
         self.counters.num_reads += len(keys)
         state = _State(self, keys, groups, outs, deadline_s, on_landed)
+        clock = asyncio.get_running_loop().time
+        started_s = clock()
         try:
             async with asyncio.timeout(timeout_s):
                 await state.gather()
         except TimeoutError:
             log.debug("batch read: deadline passed with %d keys undecided", state.num_undecided)
         finally:
+            gathered_s = clock()
             await state.stop()
+        stopped_s = clock()
         try:
             blocks = await state.decode(self.decode_pool)
         finally:
             state.release()
+        times = self.times
+        times.gather_s += gathered_s - started_s
+        times.stop_s += stopped_s - gathered_s
+        times.decode_s += clock() - stopped_s
         if self.follow_ups is not None:
             state.follow_up(blocks, self.follow_ups)
         self.rewritten = state.rewritten

@@ -44,7 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from client.batch_read import BatchRead, OnLanded, ReadCounters
+from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
 from client.follow_ups import FollowUps
 from client.keyring import open_keyring
 from client.landing_pool import LandingPool
@@ -119,6 +119,7 @@ class KVClient:
         self.transports = NodeTransports(self.codec, tenant, token, credentials, landing_pool)
         self._place(config)
         self.read_counters = ReadCounters()
+        self.read_times = ReadTimes()
         self.write_counters = WriteCounters()
         # Touches after read hits, repair hints after short reads and writes (background).
         self.follow_ups = FollowUps(self.conns, config.groups, tenant, config.client.timeout_s)
@@ -465,6 +466,7 @@ class KVClient:
             self.follow_ups,
             decode_pool=self._decode_pool,
             landing_pool=self.landing_pool,
+            times=self.read_times,
         )
 
     async def _read_placed(
@@ -624,6 +626,13 @@ class KVClient:
                     f"{timeout_s:g} s: is it in their credentials file?"
                 )
             await asyncio.sleep(0.1)
+
+    def replies_by_transport(self) -> dict[str, int]:
+        """How many node read requests each transport answered: local, ucx, grpc (the rest)."""
+        local = self.local.counters.num_local_replies if self.local else 0
+        ucx = self.ucx.counters.num_ucx_replies if self.ucx else 0
+        grpc = self.read_counters.num_node_requests - local - ucx
+        return {"local": local, "ucx": ucx, "grpc": max(grpc, 0)}
 
     def counters(self) -> dict[str, int]:
         """This client's read, write and follow-up counters (ReadCounters, WriteCounters and
