@@ -46,7 +46,7 @@ native:
 		echo "no xxhash.h (libxxhash-dev): not building $(NATIVE_LIBS); Python fallbacks run"; \
 	else for lib in $(NATIVE_LIBS); do \
 		src=$$(dirname $$lib)/$$(basename $$lib .so | sed 's/^_//').c; \
-		$(CC) $(NATIVE_CFLAGS) -shared -fPIC -Wall -Werror -o $$lib $$src \
+		$(CC) $(NATIVE_CFLAGS) -pthread -shared -fPIC -Wall -Werror -o $$lib $$src \
 			&& echo "built $$lib" || exit 1; done; fi
 
 demo: install

@@ -55,8 +55,10 @@ from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result, finish_despite_cancel
 from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
+from erasure import fastsum
 from erasure.codec import Codec
-from erasure.shard import SplitShard
+from erasure.isal_backend import buffer_address
+from erasure.shard import SplitShard, shard_payload
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.wire import batch_answer
 
@@ -450,18 +452,22 @@ class _State:
     async def decode(self, pool: Executor | None) -> list[bytes | memoryview | None]:
         """Decode every complete key into its buffer (or new bytes); None for the rest.
 
-        With a pool, a batch of at least DECODE_POOL_MIN_BYTES decodes there, its keys in
-        parallel (xxhash and ISA-L run without the GIL), so the event loop does none of the
-        block checksum passes.
+        Blocks whose data shards all lie in their buffers (the usual case: every transport
+        lands data shards at their place) are verified together, in one native call spread
+        over threads without the GIL (erasure.fastsum.verify_blocks): the one pass over their
+        bytes. The rest, and any that fail, decode key by key (parity rebuilds, rechecks),
+        in the pool for batches of DECODE_POOL_MIN_BYTES and more.
         """
         todo = [(p, v) for p, v in enumerate(self.complete) if v is not None]
-        num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in todo)
-        if pool is not None and len(todo) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:
-            calls = [functools.partial(self._decode_one, p, v) for p, v in todo]
+        position_to_block = await self._verify_assembled(self._assembled(todo), pool)
+        rest = [(p, v) for p, v in todo if p not in position_to_block]
+        num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in rest)
+        if pool is not None and len(rest) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:
+            calls = [functools.partial(self._decode_one, p, v) for p, v in rest]
             decoded = await run_in_pool(pool, calls)
         else:
-            decoded = [self._decode_one(p, v) for p, v in todo]
-        position_to_block = dict(zip((p for p, _ in todo), decoded, strict=True))
+            decoded = [self._decode_one(p, v) for p, v in rest]
+        position_to_block.update(zip((p for p, _ in rest), decoded, strict=True))
         blocks: list[bytes | memoryview | None] = []
         counters = self.read.counters
         for position in range(len(self.complete)):
@@ -474,6 +480,52 @@ class _State:
         for collector in self.collectors:
             counters.num_corrupt_shards += collector.num_corrupt
         return blocks
+
+    def _assembled(self, todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes, memoryview]]:
+        """The complete keys whose block is whole in its buffer: every data shard it needs
+        is of the key's version and lies at its place, or was copied there now (a padded last
+        shard received apart). Anything else (a missing data shard, a plain get, a buffer of
+        the wrong size or a tainted slot) is left to :meth:`_decode_one`."""
+        assembled = []
+        for position, version in todo:
+            out = self.outs[position]
+            collector = self.collectors[position]
+            header = collector.version_to_header[version]
+            if out is None or len(out) != header.block_len or self._tainted(out, count=False):
+                continue
+            shards = collector.version_to_shards[version]
+            payload_len = max(header.payload_len, 1)
+            needed = range(min(self.k, -(-header.block_len // payload_len)))
+            if any(i not in shards for i in needed):
+                continue
+            for i in needed:
+                payload = shard_payload(shards[i])
+                if not _is_in(payload, out):
+                    start = i * payload_len
+                    piece = payload[: min(payload_len, header.block_len - start)]
+                    out[start : start + len(piece)] = piece
+                    self.rewritten.add(position)
+            assembled.append((position, version, out))
+        return assembled
+
+    async def _verify_assembled(
+        self, assembled: list[tuple[int, bytes, memoryview]], pool: Executor | None
+    ) -> dict[int, bytes | memoryview | None]:
+        """Position -> its block, for the assembled blocks whose checksum is their version
+        (one native call); those that fail go to :meth:`_decode_one`."""
+        if not assembled:
+            return {}
+        addresses = [buffer_address(out) for _, _, out in assembled]
+        lengths = [len(out) for _, _, out in assembled]
+        versions = b"".join(version for _, version, _ in assembled)
+        check = functools.partial(fastsum.verify_blocks, addresses, lengths, versions)
+        if pool is not None and sum(lengths) >= DECODE_POOL_MIN_BYTES:
+            (verdicts,) = await run_in_pool(pool, [check])
+        else:
+            verdicts = check()
+        return {
+            position: out for (position, _, out), ok in zip(assembled, verdicts, strict=True) if ok
+        }
 
     def _decode_one(self, position: int, version: bytes) -> bytes | memoryview | None:
         collector = self.collectors[position]
@@ -515,14 +567,15 @@ class _State:
         out = self.outs[position]
         return [out is not None and i in shards and _is_in(shards[i], out) for i in range(num_data)]
 
-    def _tainted(self, out: memoryview | None) -> bool:
+    def _tainted(self, out: memoryview | None, *, count: bool = True) -> bool:
+        """Whether ``out`` is a pool slot a late node may still write (counted once)."""
         pool = self.read.landing_pool
         if out is None or pool is None:
             return False
         offset = pool.locate(out)
         if offset is None or not pool.is_tainted(offset):
             return False
-        self.read.counters.num_tainted += 1
+        self.read.counters.num_tainted += count
         return True
 
     def follow_up(self, blocks: list[bytes | memoryview | None], sink: FollowUpSink) -> None:
@@ -561,10 +614,12 @@ class _State:
             answer.release()
 
 
-def _is_in(shard: SplitShard | bytes, out: memoryview) -> bool:
-    """Whether a collected shard's payload lies in ``out`` (it landed at its place)."""
-    payload = shard.payload if isinstance(shard, SplitShard) else None
-    return payload is not None and payload.obj is out.obj
+def _is_in(payload: memoryview | SplitShard | bytes, out: memoryview) -> bool:
+    """Whether a payload (or a collected shard's) lies in ``out``'s memory (it landed at its
+    place): a judgement the block checksum confirms, never trusted alone."""
+    if isinstance(payload, SplitShard):
+        payload = payload.payload
+    return isinstance(payload, memoryview) and payload.obj is out.obj
 
 
 async def run_in_pool(pool: Executor, calls: Sequence[Callable[[], Any]]) -> list[Any]:

@@ -45,7 +45,8 @@ class LandingPool(BufferPool):
         self.fd = -1
 
         def allocate(num_bytes: int) -> object:
-            self.fd, self._mapping = shared_memory(num_bytes, "kvstore-landing")
+            # Every page now: nodes' first writes then take no page faults on the read path.
+            self.fd, self._mapping = shared_memory(num_bytes, "kvstore-landing", populate=True)
             return self._mapping
 
         super().__init__(slot_bytes, num_slots, allocate=allocate, slack_bytes=SLACK_BYTES)

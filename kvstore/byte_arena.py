@@ -132,14 +132,16 @@ class ByteArena:
                 del self._free_starts[i]
 
 
-def shared_memory(num_bytes: int, name: str) -> tuple[int, mmap.mmap]:
+def shared_memory(num_bytes: int, name: str, *, populate: bool = False) -> tuple[int, mmap.mmap]:
     """A fresh zero-filled memfd of ``num_bytes``, sealed against shrinking and growing so
-    whoever maps it can never lose pages under it, and its read-write mapping here."""
+    whoever maps it can never lose pages under it, and its read-write mapping here.
+    ``populate``: allocate and map every page now, not at each page's first touch."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, num_bytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
-        return fd, mmap.mmap(fd, num_bytes)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return fd, mmap.mmap(fd, num_bytes, flags=flags)
     except BaseException:
         os.close(fd)
         raise

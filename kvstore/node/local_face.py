@@ -91,4 +91,4 @@ def _pool_landing(
     if len(request.places) != len(request.keys):
         raise InvalidArgument(f"{len(request.places)} places for {len(request.keys)} keys")
     permit = landing.Permit(session.permit_address(request.permit_index), request.permit_armed)
-    return landing.PoolLanding(session.pool, request.places, permit)
+    return landing.PoolLanding(session.pool, session.pool_address, request.places, permit)

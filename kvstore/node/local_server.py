@@ -62,6 +62,7 @@ class LocalSession:
     pool: memoryview | None = None  # the client's landing pool, when it sent one
     cancelled: set[int] = field(default_factory=set)  # request ids cancelled before read
     arena_address: int = 0  # where the arena is mapped in this process
+    pool_address: int = 0  # where the pool is mapped in this process
 
     def permit_address(self, index: int) -> int:
         """Where permit word ``index`` lies in this process (the arena's first bytes)."""
@@ -212,7 +213,8 @@ class LocalServer:
                     f"an arena of {arena_bytes} bytes has no room for the permit words"
                 )
             if pool_bytes:
-                session.pool = _map_arena(fds[1], pool_bytes)
+                session.pool = _map_arena(fds[1], pool_bytes, populate=True)
+                session.pool_address = ctypes.addressof(ctypes.c_char.from_buffer(session.pool))
         except KVStoreError as exc:
             conn.sendall(frames.encode_refused(status_code(exc).value[0], str(exc)))
             return None
@@ -309,9 +311,11 @@ def _recv_with_fds(conn: socket.socket, max_bytes: int) -> tuple[bytes, list[int
     return data, list(fds)
 
 
-def _map_arena(fd: int, arena_bytes: int) -> memoryview:
+def _map_arena(fd: int, arena_bytes: int, *, populate: bool = False) -> memoryview:
     """Map a client's arena memfd read-write; InvalidArgument unless it is a sealed memfd of
-    the announced size (a shrinkable mapping could fault the node)."""
+    the announced size (a shrinkable mapping could fault the node). ``populate``: fault the
+    whole mapping in now (a landing pool: otherwise every first write to one of its pages
+    from this process takes a page fault on the read path)."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         size = os.fstat(fd).st_size
@@ -322,6 +326,7 @@ def _map_arena(fd: int, arena_bytes: int) -> memoryview:
     if not 0 < arena_bytes == size <= frames.MAX_ARENA_BYTES:
         raise InvalidArgument(f"arena of {size} bytes announced as {arena_bytes}")
     try:
-        return memoryview(mmap.mmap(fd, size))
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return memoryview(mmap.mmap(fd, size, flags=flags))
     except OSError as exc:  # e.g. sealed against writes
         raise InvalidArgument(f"cannot map the arena for writing: {exc}") from None

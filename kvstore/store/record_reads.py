@@ -21,6 +21,7 @@ good shards. The module's one dense hot path is :func:`read_records`.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import os
 from collections.abc import Sequence
@@ -47,11 +48,13 @@ class Outcome(enum.Enum):
 @dataclass
 class RecordRead:
     """One record to read: the key's position in the batch, its index entry, where its
-    payload goes, and whether that is a local client's landing pool."""
+    payload goes (a view and its address in this process), and whether that is a local
+    client's landing pool."""
 
     position: int
     entry: Entry
     destination: memoryview
+    address: int
     in_pool: bool = False
     outcome: Outcome = Outcome.GONE
     shard_header: bytes = b""  # SERVED: the 48-byte shard header
@@ -113,7 +116,7 @@ def _read_native(
         offsets=np.array([e.offset for e in entries], np.uint64),
         header_bytes=np.array([e.header_bytes for e in entries], np.uint32),
         payload_bytes=np.array([len(r.destination) for r in reads], np.uint64),
-        destinations=np.array([_address(r.destination) for r in reads], np.uint64),
+        destinations=np.array([r.address for r in reads], np.uint64),
         in_pool=np.array([r.in_pool for r in reads], np.uint8),
         keys=b"".join(e.key for e in entries),
         versions=b"".join(e.version for e in entries),
@@ -167,7 +170,8 @@ def _read_checked(fd: int, entry: Entry, read: RecordRead, tenant: str) -> bytes
 def _read_again_privately(read: RecordRead, fds: dict[int, int], tenant: str) -> None:
     """A record that failed in shared memory, read again where only this process writes: if
     it verifies there, the client changed the bytes under us (not served, not corrupt)."""
-    private = RecordRead(read.position, read.entry, memoryview(bytearray(len(read.destination))))
+    buffer = bytearray(len(read.destination))
+    private = RecordRead(read.position, read.entry, memoryview(buffer), address_of(buffer))
     try:
         _read_checked(fds[read.entry.segment_id], read.entry, private, tenant)
     except CodecError:
@@ -175,7 +179,8 @@ def _read_again_privately(read: RecordRead, fds: dict[int, int], tenant: str) ->
     read.outcome = Outcome.WITHHELD
 
 
-def _address(view: memoryview) -> int:
-    if not len(view):
+def address_of(buffer: bytearray | memoryview) -> int:
+    """Where a writable buffer's first byte lies in this process (0 for an empty one)."""
+    if not len(buffer):
         return 0
-    return np.frombuffer(view, np.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))

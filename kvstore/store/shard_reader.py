@@ -24,15 +24,13 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from erasure.shard import HEADER_BYTES, verify_shard
 from kvstore.byte_arena import Region
 from kvstore.errors import ChecksumMismatch, CodecError, InvalidArgument
 from kvstore.store.index import Index
 from kvstore.store.index_codec import Entry, tenant_hash
 from kvstore.store.read_state import ReadState
-from kvstore.store.record_reads import Outcome, RecordRead, read_records
+from kvstore.store.record_reads import Outcome, RecordRead, address_of, read_records
 from kvstore.store.segments import SegmentFiles
 from kvstore.wire import batch_answer
 from kvstore.wire.landing import PoolLanding
@@ -150,7 +148,7 @@ class ShardReader:
         payload_bytes = _reply_bytes(live, distinct, positions, range(len(distinct)))
         _check_reply_size(payload_bytes, max_payload_bytes, len(keys), len(distinct))
         places = _pool_places(pool, distinct, positions, live)
-        placed_bytes = sum(len(view) for view in places.values())
+        placed_bytes = sum(end - start for start, end in places.values())
         out = _BatchOut(take(payload_bytes - placed_bytes), shared)
         retry = self._read_entries(tenant, live, range(len(distinct)), out, places, pool)
         if retry:
@@ -243,13 +241,13 @@ class ShardReader:
         live: list[tuple[list[Entry], list[Entry], list[Entry]]],
         positions: Sequence[int],
         out: _BatchOut,
-        places: dict[int, memoryview],
+        places: dict[int, tuple[int, int]],
         pool: PoolLanding | None,
     ) -> list[int]:
         """Read the live entries of the keys at ``positions`` (into ``places`` of the pool,
         or ``out``'s staging); the positions whose segment was gone (to look up again)."""
         reads = [
-            RecordRead(i, entry, places[i], True) if i in places else out.plan(i, entry)
+            _into_pool(pool, i, entry, places[i]) if pool and i in places else out.plan(i, entry)
             for i in positions
             for entry in live[i][0]
         ]
@@ -360,12 +358,12 @@ def _pool_places(
     distinct: list[bytes],
     positions: dict[bytes, list[int]],
     live: list[tuple[list[Entry], list[Entry], list[Entry]]],
-) -> dict[int, memoryview]:
+) -> dict[int, tuple[int, int]]:
     """Distinct key -> the range of the client's pool its shard goes to, for keys named once
     whose place fits the shard they serve (kvstore/wire/landing.py ``Place.range_for``)."""
     if pool is None:
         return {}
-    places: dict[int, memoryview] = {}
+    places: dict[int, tuple[int, int]] = {}
     for d, key in enumerate(distinct):
         request_positions = positions[key]
         place = pool.places[request_positions[0]] if len(request_positions) == 1 else None
@@ -374,8 +372,13 @@ def _pool_places(
         entry = live[d][0][0]
         span = place.range_for(entry.shard_index, entry.shard_bytes - HEADER_BYTES)
         if span is not None and span[1] <= len(pool.memory):
-            places[d] = pool.memory[span[0] : span[1]]
+            places[d] = span
     return places
+
+
+def _into_pool(pool: PoolLanding, position: int, entry: Entry, span: tuple[int, int]) -> RecordRead:
+    start, end = span
+    return RecordRead(position, entry, pool.memory[start:end], pool.address + start, True)
 
 
 class _BatchOut:
@@ -383,6 +386,7 @@ class _BatchOut:
 
     def __init__(self, staging: Region, shared: bool = False) -> None:
         self.staging = staging
+        self._address = address_of(staging.view)  # where the stream starts in this process
         self.shared = shared  # the staging is a local client's arena (see read_batch)
         self.position = 0  # payload bytes kept so far
         self.entries: list[batch_answer.Entry] = []
@@ -394,7 +398,8 @@ class _BatchOut:
         start = self.position + self._planned
         num_bytes = entry.shard_bytes - HEADER_BYTES
         self._planned += num_bytes
-        return RecordRead(position, entry, self.staging.view[start : start + num_bytes])
+        view = self.staging.view[start : start + num_bytes]
+        return RecordRead(position, entry, view, self._address + start)
 
     def keep_served(self, reads: Sequence[RecordRead]) -> None:
         """File every served read in the table; stream payloads of reads that failed leave
@@ -405,7 +410,7 @@ class _BatchOut:
                 continue
             placed = read.in_pool
             if not placed:
-                start = _offset_in(self.staging.view, read.destination)
+                start = read.address - self._address
                 if start != write:
                     self.staging.view[write : write + len(read.destination)] = read.destination
                 write += len(read.destination)
@@ -430,11 +435,14 @@ class _BatchOut:
         bigger.view[: self.position] = self.staging.view[: self.position]
         self.staging.release()
         self.staging = bigger
+        self._address = address_of(bigger.view)
 
     def spread_to_positions(self, positions: Sequence[Sequence[int]]) -> None:
         """Entries were filed by distinct key (``positions[d]``: where key d stands in the
         request): file each under the key's first position, and copy it, payload included,
         for every later position (the staging has room: the reply size counted them)."""
+        if all(len(p) == 1 and p[0] == d for d, p in enumerate(positions)):
+            return  # every key named once, in order: filed right already
         self.grow(sum(e.payload_bytes * (len(positions[e.key_index]) - 1) for e in self.entries))
         kept = list(zip(self.entries, self._offsets(), strict=True))
         self.entries = []
@@ -455,8 +463,3 @@ class _BatchOut:
             offsets.append(start)
             start += entry.payload_bytes
         return offsets
-
-
-def _offset_in(base: memoryview, view: memoryview) -> int:
-    """Where ``view`` (a slice of ``base``) starts in ``base``."""
-    return np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(base, np.uint8).ctypes.data

@@ -87,6 +87,7 @@ class PoolLanding:
     permit word."""
 
     memory: memoryview
+    address: int  # where ``memory`` starts in the node's process
     places: Sequence[Place | None]
     permit: Permit | None
 
