@@ -214,6 +214,11 @@ class _State:
         # Positions whose block bytes decoding wrote after shards landed there (a recovered
         # data shard, or one copied into place): engines copy those blocks again.
         self.rewritten: set[int] = set()
+        pool = read.landing_pool
+        # Where each buffer lies in the landing pool, found once for all of its requests.
+        self.pool_offsets: list[int | None] | None = (
+            None if pool is None else [None if out is None else pool.locate(out) for out in outs]
+        )
         k = read.codec.k
         self.collectors = [ShardCollector(read.codec) for _ in keys]
         self.complete: list[bytes | None] = [None] * len(keys)  # the version that reached k
@@ -269,9 +274,13 @@ class _State:
             chunk = items[start:end]
             start = end
             positions = [p for p, _ in chunk]
-            request = _Request(
-                node, [self.keys[p] for p in positions], Wanted(positions, [s for _, s in chunk])
+            offsets = self.pool_offsets
+            wanted = Wanted(
+                positions,
+                [s for _, s in chunk],
+                None if offsets is None else [offsets[p] for p in positions],
             )
+            request = _Request(node, [self.keys[p] for p in positions], wanted)
             for position in positions:
                 self.pending[position] += 1
             reader = self.read.readers[node]
@@ -401,8 +410,10 @@ class _State:
 
     def _hopeless(self, position: int) -> bool:
         """The requests still out for this key cannot give it k shards of one version."""
+        if self.decided[position]:
+            return False
         best = self.collectors[position].best_count
-        return not self.decided[position] and not can_complete(best, self.pending[position], self.k)
+        return not can_complete(best, self.pending[position], self.k)
 
     def _decide_if_hopeless(self, position: int) -> None:
         if self._hopeless(position) and (
@@ -491,7 +502,7 @@ class _State:
             out = self.outs[position]
             collector = self.collectors[position]
             header = collector.version_to_header[version]
-            if out is None or len(out) != header.block_len or self._tainted(out, count=False):
+            if out is None or len(out) != header.block_len or self._tainted(position, count=False):
                 continue
             shards = collector.version_to_shards[version]
             payload_len = max(header.payload_len, 1)
@@ -537,7 +548,7 @@ class _State:
                 f"{self.keys[position].hex()} is {block_len} bytes; pass a writable buffer of "
                 "exactly the block's size"
             )
-        if self._tainted(out):
+        if self._tainted(position):
             return None
         codec, counters = self.read.codec, self.read.counters
         if any(not in_place for in_place in self._placed(position, version)):
@@ -567,13 +578,12 @@ class _State:
         out = self.outs[position]
         return [out is not None and i in shards and _is_in(shards[i], out) for i in range(num_data)]
 
-    def _tainted(self, out: memoryview | None, *, count: bool = True) -> bool:
-        """Whether ``out`` is a pool slot a late node may still write (counted once)."""
-        pool = self.read.landing_pool
-        if out is None or pool is None:
-            return False
-        offset = pool.locate(out)
-        if offset is None or not pool.is_tainted(offset):
+    def _tainted(self, position: int, *, count: bool = True) -> bool:
+        """Whether the buffer at ``position`` is a pool slot a late node may still write
+        (counted once)."""
+        pool, offsets = self.read.landing_pool, self.pool_offsets
+        offset = offsets[position] if offsets is not None else None
+        if pool is None or offset is None or not pool.is_tainted(offset):
             return False
         self.read.counters.num_tainted += count
         return True

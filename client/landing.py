@@ -35,10 +35,13 @@ from kvstore.wire import batch_answer
 @dataclass(frozen=True)
 class Wanted:
     """What one request asks a node for: request key i is batch key ``positions[i]``, of
-    which this node holds shard ``shard_indexes[i]``."""
+    which this node holds shard ``shard_indexes[i]``; ``pool_offsets[i]``: where that key's
+    buffer starts in the client's landing pool (None: not in the pool; the whole list None
+    when the client has no pool), located once per batch."""
 
     positions: list[int]
     shard_indexes: list[int]
+    pool_offsets: list[int | None] | None = None
 
 
 def landing_regions(

@@ -42,6 +42,7 @@ class ShardCollector:
         self.num_corrupt = 0
         self._dropped: set[bytes] = set()
         self._unchecked: dict[bytes, set[int]] = {}  # version -> indexes not checksummed
+        self.best_count = 0  # shards held of the version with the most shards
 
     def add(self, shard: Shard) -> bytes | None:
         """Offer one shard; return its version if that version now has ``k`` shards.
@@ -69,6 +70,7 @@ class ShardCollector:
         self.version_to_header.setdefault(version, header)
         if header.index not in shards:
             shards[header.index] = shard
+            self.best_count = max(self.best_count, len(shards))
             if not checked:
                 self._unchecked.setdefault(version, set()).add(header.index)
             return version if len(shards) == self.codec.k else None
@@ -86,6 +88,7 @@ class ShardCollector:
                 del shards[index]
                 num_dropped += 1
         self.num_corrupt += num_dropped
+        self._recount()
         return num_dropped
 
     def shards(self, version: bytes) -> list[Shard]:
@@ -97,11 +100,10 @@ class ShardCollector:
         """Forget a version that failed to decode, and ignore its shards from now on."""
         self._dropped.add(version)
         self.version_to_shards.pop(version, None)
+        self._recount()
 
-    @property
-    def best_count(self) -> int:
-        """Shards held of the version with the most shards."""
-        return max((len(s) for s in self.version_to_shards.values()), default=0)
+    def _recount(self) -> None:
+        self.best_count = max((len(s) for s in self.version_to_shards.values()), default=0)
 
 
 class PresenceTally:

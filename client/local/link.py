@@ -86,7 +86,7 @@ class PendingRead:
     num_keys: int
     future: asyncio.Future[NodeAnswer]
     loop: asyncio.AbstractEventLoop
-    places: list[landing.Place | None] | None = None  # per key: its place in the pool
+    places: np.ndarray | None = None  # per key: its place in the pool (PLACE_DTYPE rows)
     permit_index: int = -1  # the permit word guarding the places (-1: none)
     permit_armed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -191,7 +191,7 @@ class LocalLink:
         wanted: Wanted,
         outs: Sequence[memoryview | None],
         region: Region,
-        places: list[landing.Place | None] | None = None,
+        places: np.ndarray | None = None,
     ) -> PendingRead:
         """Send one READ whose payloads go to ``region`` (taken from ``self.arena``) and, for
         keys with a place, to the landing pool; call on the event loop. Raises Unavailable
@@ -267,7 +267,10 @@ class LocalLink:
 
     def pool_offsets(self, pending: PendingRead) -> list[int]:
         """The pool offsets of the blocks ``pending`` names places in."""
-        return [p.offset for p in pending.places or () if p is not None]
+        if pending.places is None:
+            return []
+        offsets = pending.places["offset"]
+        return offsets[offsets != landing.NO_PLACE].tolist()
 
     def _permit_address(self, index: int) -> int:
         return self.arena.address + 4 * index
@@ -346,59 +349,68 @@ class LocalLink:
         if payload_bytes > len(region.view):
             raise ValueError(f"{payload_bytes} payload bytes for a {len(region.view)}-byte region")
         hits = entries[entries["status"] == batch_answer.HIT]
-        placed = (hits["placed"] != 0).tolist()
-        if any(placed) and pending.places is None:
-            raise ValueError("the node placed payloads in a READ that named no places")
-        destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
-        payloads: list[memoryview] = []
-        sources, targets, sizes, streamed = [], [], [], []
-        source = self.arena.address + region.offset
-        start = 0
-        rows = zip(
-            placed,
-            hits["key_index"].tolist(),
-            hits["payload_bytes"].tolist(),
-            destinations,
-            strict=True,
-        )
-        for row, (in_pool, key_index, size, destination) in enumerate(rows):
-            if in_pool:
-                payloads.append(self._placed_payload(pending, key_index, hits[row]))
-                continue
-            streamed.append(row)
-            sources.append(source + start)
-            targets.append(0 if destination is None else _address(destination))
-            payloads.append(
-                destination if destination is not None else region.view[start : start + size]
-            )
-            sizes.append(size)
-            start += size
+        placed = hits["placed"] != 0
+        payloads: list[memoryview] = [memoryview(b"")] * len(hits)
+        in_place = placed.tolist()
+        for row, view in self._placed_payloads(pending, hits, placed):
+            payloads[row] = view
+        streamed = (~placed).nonzero()[0].tolist()
         headers = header_rows(self._codec, entries)
-        checked = [False] * len(payloads)
-        self._copy_streamed(entries, streamed, sources, targets, sizes, payloads, headers, checked)
-        in_place = [
-            in_pool or destination is not None
-            for in_pool, destination in zip(placed, destinations, strict=True)
-        ]
+        checked = [False] * len(hits)
         scratch = [region]
+        if streamed:
+            destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
+            sources, targets, sizes = [], [], []
+            source, start = self.arena.address + region.offset, 0
+            sizes_all = hits["payload_bytes"].tolist()
+            for row in streamed:
+                size, destination = sizes_all[row], destinations[row]
+                sources.append(source + start)
+                targets.append(0 if destination is None else _address(destination))
+                in_place[row] = destination is not None
+                payloads[row] = (
+                    destination if destination is not None else region.view[start : start + size]
+                )
+                sizes.append(size)
+                start += size
+            self._copy_streamed(
+                entries, streamed, sources, targets, sizes, payloads, headers, checked
+            )
         if all(in_place):  # nothing stays in the region: it is free again now
             region.release()
             scratch = []
         return NodeAnswer(entries, payloads, in_place, scratch, headers, checked)
 
-    def _placed_payload(
-        self, pending: PendingRead, key_index: int, entry: np.ndarray
-    ) -> memoryview:
-        """Where a placed payload lies: the range of its key's place for its shard (a node
-        that placed any other shard there answered against its own request: refused)."""
-        assert self.pool is not None and pending.places is not None
-        place = pending.places[key_index]
-        span = None
-        if place is not None:
-            span = place.range_for(int(entry["shard_index"]), int(entry["payload_len"]))
-        if span is None:
-            raise ValueError(f"the node placed key {key_index}'s shard where it had no place")
-        return self.pool.memory[span[0] : span[1]]
+    def _placed_payloads(
+        self, pending: PendingRead, hits: np.ndarray, placed: np.ndarray
+    ) -> list[tuple[int, memoryview]]:
+        """(HIT row, view of the pool) of each placed payload: the range of its key's place
+        for its shard, checked for the whole answer at once (a node that placed any other
+        shard there answered against its own request: refused)."""
+        rows = placed.nonzero()[0]
+        if not len(rows):
+            return []
+        if pending.places is None or self.pool is None:
+            raise ValueError("the node placed payloads in a READ that named no places")
+        mine = hits[rows]
+        place = pending.places[mine["key_index"]]
+        payload = mine["payload_len"].astype(np.uint64)
+        index = mine["shard_index"].astype(np.uint64)
+        fits = (
+            (place["offset"] != landing.NO_PLACE)
+            & (place["shard_index"] == mine["shard_index"])
+            & (place["payload_bytes"] == mine["payload_len"])
+            & (payload > 0)
+            & ((index + 1) * payload <= place["capacity_bytes"])
+        )
+        if not fits.all():
+            raise ValueError("the node placed a shard where its request had no place for it")
+        starts = (place["offset"] + index * payload).tolist()
+        memory = self.pool.memory
+        return [
+            (row, memory[start : start + size])
+            for row, start, size in zip(rows.tolist(), starts, payload.tolist(), strict=True)
+        ]
 
     def _copy_streamed(
         self,

@@ -31,6 +31,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from client.landing import NodeAnswer, Wanted
 from client.landing_pool import LandingPool
 from client.local.link import LocalLink, PendingRead, RegionTooSmall
@@ -39,7 +41,7 @@ from erasure.codec import Codec
 from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import local_frames as frames
-from kvstore.wire.landing import Place
+from kvstore.wire.landing import NO_PLACE, PLACE_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -198,22 +200,26 @@ class LocalReader:
 
     def _places(
         self, link: LocalLink, wanted: Wanted, outs: Sequence[memoryview | None]
-    ) -> list[Place | None] | None:
-        """Per request key, where its data shard goes in the landing pool (None: through the
-        arena); None when the link has no pool."""
+    ) -> np.ndarray | None:
+        """Per request key, where its data shard goes in the landing pool (a PLACE_DTYPE
+        row; NO_PLACE: through the arena); None when the link has no pool or nothing fits."""
         pool, k = link.pool, self._shared.codec.k
-        if pool is None:
+        if pool is None or wanted.pool_offsets is None:
             return None
-        places: list[Place | None] = []
-        for position, shard_index in zip(wanted.positions, wanted.shard_indexes, strict=True):
-            out = outs[position]
-            offset = pool.locate(out) if out is not None and shard_index < k else None
-            if offset is None:
-                places.append(None)
-                continue
-            payload_bytes = self._shared.codec.payload_bytes(len(out))
-            places.append(Place(offset, pool.capacity_at(offset), shard_index, payload_bytes))
-        return places if any(p is not None for p in places) else None
+        places = np.zeros(len(wanted.positions), PLACE_DTYPE)
+        offsets = [NO_PLACE if o is None else o for o in wanted.pool_offsets]
+        places["offset"] = offsets
+        lengths = np.array([len(outs[p] or b"") for p in wanted.positions], np.uint64)
+        places["payload_bytes"] = (lengths + k - 1) // k
+        places["shard_index"] = indexes = wanted.shard_indexes
+        stride = pool.slot_stride
+        starts = places["offset"]
+        places["capacity_bytes"] = (starts // stride + 1) * stride - starts
+        usable = (starts != NO_PLACE) & (np.asarray(indexes) < k) & (lengths > 0)
+        if not usable.any():
+            return None
+        places["offset"][~usable] = NO_PLACE
+        return places
 
     def _estimate(self, wanted: Wanted, outs: Sequence[memoryview | None]) -> int:
         codec = self._shared.codec

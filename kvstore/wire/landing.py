@@ -72,6 +72,33 @@ class Place:
         return self.offset + start, self.offset + start + payload_bytes
 
 
+# A READ's places as they travel (kvstore/wire/local_frames.py): one 24-byte row per key.
+PLACE_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),  # NO_PLACE: the key has none
+        ("capacity_bytes", "<u8"),
+        ("payload_bytes", "<u4"),
+        ("shard_index", "u1"),
+        ("_zero", "V3"),
+    ]
+)
+NO_PLACE = (1 << 64) - 1
+
+
+def places_from_rows(rows: np.ndarray) -> list[Place | None]:
+    """The :class:`Place` of each row of a PLACE_DTYPE array (None where it has none)."""
+    return [
+        None if offset == NO_PLACE else Place(offset, capacity, index, payload)
+        for offset, capacity, payload, index in zip(
+            rows["offset"].tolist(),
+            rows["capacity_bytes"].tolist(),
+            rows["payload_bytes"].tolist(),
+            rows["shard_index"].tolist(),
+            strict=True,
+        )
+    ]
+
+
 @dataclass(frozen=True)
 class Permit:
     """A request's permit word: its address in the node's mapping and its ARMED value."""

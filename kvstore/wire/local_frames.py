@@ -60,9 +60,11 @@ import socket
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstore.config import KEY_BYTES
 from kvstore.errors import InvalidArgument
-from kvstore.wire.landing import Place
+from kvstore.wire.landing import PLACE_DTYPE, Place, places_from_rows
 
 HELLO, WELCOME, REFUSED, READ, ANSWER, CANCEL = 1, 2, 3, 4, 5, 6
 OK, ERROR, TOO_BIG, CANCELLED = 0, 1, 2, 3  # ANSWER statuses
@@ -70,12 +72,10 @@ MAX_FRAME_BYTES = 1 << 20  # a READ holds keys only, an ANSWER's table 64 bytes 
 MAX_ARENA_BYTES = 1 << 40
 PERMIT_AREA_BYTES = 64 << 10  # the arena's first bytes: permit words, 4 bytes each
 NUM_PERMITS = PERMIT_AREA_BYTES // 4
-NO_PLACE = (1 << 64) - 1
 
 _HEAD = struct.Struct("<IB")  # body bytes, kind
 _READ = struct.Struct("<QQQB16sI")
 _PERMIT = struct.Struct("<II")
-_PLACE = struct.Struct("<QQIB3x")
 _ANSWER = struct.Struct("<QB")
 _CODE = struct.Struct("<B")
 _U64 = struct.Struct("<Q")
@@ -154,11 +154,11 @@ def encode_read(
     region_bytes: int,
     version: bytes,
     keys: list[bytes],
-    places: list[Place | None] | None = None,
+    places: np.ndarray | None = None,
     permit: tuple[int, int] = (0, 0),
 ) -> bytes:
-    """A READ; ``places`` (one per key) and ``permit`` (index, ARMED value) when it names
-    places in the client's landing pool."""
+    """A READ; ``places`` (one PLACE_DTYPE row per key) and ``permit`` (index, ARMED value)
+    when it names places in the client's landing pool."""
     head = _READ.pack(
         request_id,
         region_offset,
@@ -170,12 +170,7 @@ def encode_read(
     parts = [head, *keys]
     if places is not None:
         parts.append(_PERMIT.pack(*permit))
-        parts += (
-            _PLACE.pack(NO_PLACE, 0, 0, 0)
-            if p is None
-            else _PLACE.pack(p.offset, p.capacity_bytes, p.payload_bytes, p.shard_index)
-            for p in places
-        )
+        parts.append(places.astype(PLACE_DTYPE, copy=False).tobytes())
     return frame(READ, b"".join(parts))
 
 
@@ -185,7 +180,7 @@ def decode_read(body: bytes) -> ReadRequest:
         raise InvalidArgument(f"local READ frame of {len(body)} bytes is cut short")
     request_id, offset, num_bytes, has_version, version, num_keys = _READ.unpack_from(body)
     keys_end = _READ.size + num_keys * KEY_BYTES
-    with_places = keys_end + _PERMIT.size + num_keys * _PLACE.size
+    with_places = keys_end + _PERMIT.size + num_keys * PLACE_DTYPE.itemsize
     if len(body) not in (keys_end, with_places):
         raise InvalidArgument(
             f"local READ frame of {len(body)} bytes does not hold {num_keys} keys of "
@@ -198,14 +193,8 @@ def decode_read(body: bytes) -> ReadRequest:
     permit_index, permit_armed = _PERMIT.unpack_from(body, keys_end)
     if permit_index >= NUM_PERMITS:
         raise InvalidArgument(f"permit {permit_index} lies outside the {NUM_PERMITS} permits")
-    places: list[Place | None] = []
-    for at in range(keys_end + _PERMIT.size, len(body), _PLACE.size):
-        place_offset, capacity, payload_bytes, shard_index = _PLACE.unpack_from(body, at)
-        places.append(
-            None
-            if place_offset == NO_PLACE
-            else Place(place_offset, capacity, shard_index, payload_bytes)
-        )
+    rows = np.frombuffer(body, PLACE_DTYPE, num_keys, keys_end + _PERMIT.size)
+    places = places_from_rows(rows)
     return ReadRequest(
         request_id, offset, num_bytes, request.version, keys, places, permit_index, permit_armed
     )

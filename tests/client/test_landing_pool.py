@@ -280,25 +280,28 @@ async def test_two_writers_at_once_never_mix(cluster: LocalCluster) -> None:
 
 
 async def test_blocks_expiring_during_reads_read_right_or_miss(tmp_path: Path) -> None:
-    # One virtual day a second: chat blocks (7 days) expire while reads run.
-    with LocalCluster.start(tmp_path, time_scale=86_400.0, fsync=False) as cluster:
+    """Chat blocks live 7 virtual days from their last access: each block is read once, the
+    reads spread from day 5 to day 10 after the write, so they cross the expiry edge; every
+    read is right or a miss, and the last ones miss."""
+    day_s = 2.0
+    with LocalCluster.start(tmp_path, time_scale=86_400.0 / day_s, fsync=False) as cluster:
         blocks = _blocks(7, "expiry", [512 * KiB] * 16)
         await _put(cluster.cluster_toml, blocks)
-        pool = LandingPool(512 * KiB, 2 * len(blocks))
+        written_s = time.monotonic()
+        pool = LandingPool(512 * KiB, len(blocks))
+        outcomes: list[tuple[float, bool]] = []
         async with KVClient.connect(
             cluster.cluster_toml, tenant="acme", transport="local", landing_pool=pool
         ) as kv:
-            seen_miss = False
-            deadline_s = time.monotonic() + 30.0
-            while not seen_miss and time.monotonic() < deadline_s:
-                slots = _slots(pool, blocks)
-                views = [view for _, view in slots]
-                landed = await _land(kv, blocks, views)
-                _check(blocks, views, landed)
-                seen_miss = not all(landed)
-                for slot, _ in slots:
-                    slot.release()
-    assert seen_miss, "the blocks never expired within 30 virtual days"
+            for i, (_, view) in enumerate(_slots(pool, blocks)):
+                key, block = list(blocks.items())[i]
+                read_at_s = written_s + (5.0 + 5.0 * i / (len(blocks) - 1)) * day_s
+                await asyncio.sleep(max(0.0, read_at_s - time.monotonic()))
+                (ok,) = (await kv.land_batch([key], [view], timeout_s=TIMEOUT_S)).landed
+                assert not ok or bytes(view) == block, "an expiring block read WRONG BYTES"
+                outcomes.append(((time.monotonic() - written_s) / day_s, ok))
+    late = [ok for day, ok in outcomes if day > 7.5]
+    assert late and not late[-1], f"a block read {outcomes[-1][0]:.1f} days on still hit"
 
 
 async def test_a_stopped_node_caught_writing_holds_its_slots(cluster: LocalCluster) -> None:
