@@ -211,9 +211,20 @@ class StoreConnector:
             return
         await asyncio.to_thread(self._snapshot, table, indexes[: len(slots)], slots)
         batch = [keys[index] for index in indexes[: len(slots)]]
-        task = asyncio.create_task(self._put(batch, slots, tenant, traffic_class))
-        self._pending_writes.add(task)
-        task.add_done_callback(self._pending_writes.discard)
+        # One put_batch per fetch chunk: a long prompt's blocks (a 64k prompt writes 1,000
+        # of 2 MiB) would otherwise be one request per node of gigabytes, past any deadline.
+        chunk = self.config.fetch_chunk_blocks
+        for start in range(0, len(batch), chunk):
+            task = asyncio.create_task(
+                self._put(
+                    batch[start : start + chunk],
+                    slots[start : start + chunk],
+                    tenant,
+                    traffic_class,
+                )
+            )
+            self._pending_writes.add(task)
+            task.add_done_callback(self._pending_writes.discard)
 
     async def drain(self) -> None:
         """Wait until every background write-back has finished."""
@@ -342,8 +353,8 @@ class StoreConnector:
     async def _put(
         self, keys: list[bytes], slots: list[HostSlot], tenant: str, traffic_class: str
     ) -> None:
-        """One put_batch of the written-back blocks (best effort: a block not stored is just
-        not cached)."""
+        """One put_batch of written-back blocks (best effort: a block not stored is just not
+        cached)."""
         try:
             async with self._write_gate:
                 kv = await self.client(tenant)
