@@ -180,6 +180,7 @@ class BatchRead:
         finally:
             gathered_s = clock()
             await state.stop()
+            await state.settle_checks()
         stopped_s = clock()
         try:
             blocks = await state.decode(self.decode_pool)
@@ -214,6 +215,10 @@ class _State:
         # Positions whose block bytes decoding wrote after shards landed there (a recovered
         # data shard, or one copied into place): engines copy those blocks again.
         self.rewritten: set[int] = set()
+        # Blocks verified while the read goes on (whole in their buffers as soon as their
+        # data nodes answered): the futures of their block checks, and the verdicts.
+        self._checks: list[asyncio.Future[None]] = []
+        self.verified: dict[int, bool] = {}
         pool = read.landing_pool
         # Where each buffer lies in the landing pool, found once for all of its requests.
         self.pool_offsets: list[int | None] | None = (
@@ -386,6 +391,7 @@ class _State:
         )
         checked = answer.checked or [answer.headers is not None] * len(hit_rows)
         landed: list[tuple[int, int]] = []
+        completed: list[int] = []
         for i, (row, payload, in_place) in enumerate(
             zip(hit_rows, answer.payloads, answer.in_place, strict=True)
         ):
@@ -405,8 +411,61 @@ class _State:
             if version is not None and not self.decided[position]:
                 self.complete[position] = version
                 self._decide(position)
+                completed.append(position)
         if landed and self.on_landed is not None:
             self.on_landed(landed)
+        if completed:
+            self._check_whole(completed)
+
+    def _check_whole(self, positions: list[int]) -> None:
+        """Start the block check of the keys just completed whose data shards all lie at
+        their place already: no node may still write there (each data range has one writer,
+        and it answered), so the check overlaps the rest of the read. One native call for the
+        lot, in the decode pool."""
+        pool = self.read.decode_pool
+        whole = [
+            (position, self.complete[position], out)
+            for position in positions
+            if (out := self.outs[position]) is not None and self._whole(position)
+        ]
+        if pool is None or not whole:
+            return
+        addresses = [buffer_address(out) for _, _, out in whole]
+        lengths = [len(out) for _, _, out in whole]
+        versions = b"".join(version for _, version, _ in whole)  # type: ignore[misc]
+        future = asyncio.get_running_loop().run_in_executor(
+            pool, fastsum.verify_blocks, addresses, lengths, versions
+        )
+        for position, _, _ in whole:
+            self.verified[position] = False  # until the check says otherwise
+
+        def record(done: asyncio.Future[list[bool]]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            for (position, _, _), ok in zip(whole, done.result(), strict=True):
+                self.verified[position] = ok
+
+        future.add_done_callback(record)
+        self._checks.append(future)
+
+    def _whole(self, position: int) -> bool:
+        """Whether every data shard of the key's complete version lies in its buffer, the
+        buffer is the block's size, and its slot is not tainted."""
+        version = self.complete[position]
+        out = self.outs[position]
+        if version is None or out is None:
+            return False
+        header = self.collectors[position].version_to_header[version]
+        return (
+            len(out) == header.block_len
+            and all(self._placed(position, version))
+            and not self._tainted(position, count=False)
+        )
+
+    async def settle_checks(self) -> None:
+        """Wait until no block check still reads a buffer (they run in the pool)."""
+        if self._checks:
+            await finish_despite_cancel(asyncio.gather(*self._checks, return_exceptions=True))
 
     def _hopeless(self, position: int) -> bool:
         """The requests still out for this key cannot give it k shards of one version."""
@@ -470,7 +529,12 @@ class _State:
         in the pool for batches of DECODE_POOL_MIN_BYTES and more.
         """
         todo = [(p, v) for p, v in enumerate(self.complete) if v is not None]
-        position_to_block = await self._verify_assembled(self._assembled(todo), pool)
+        checked_early = {p for p, ok in self.verified.items() if ok}
+        position_to_block: dict[int, bytes | memoryview | None] = {
+            p: self.outs[p] for p in checked_early
+        }
+        unchecked = [(p, v) for p, v in todo if p not in self.verified]
+        position_to_block.update(await self._verify_assembled(self._assembled(unchecked), pool))
         rest = [(p, v) for p, v in todo if p not in position_to_block]
         num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in rest)
         if pool is not None and len(rest) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:

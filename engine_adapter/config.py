@@ -125,8 +125,8 @@ class EngineConfig:
     fetch_policy: str = "cost"  # "cost": fetch when the cost model says it is faster; "always"
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
     fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
-    fetch_concurrency: int = 128  # blocks in flight per fetch (in get_batch_into chunks)
-    fetch_chunk_blocks: int = 32  # blocks per get_batch_into call: the H2D copy of a chunk
+    fetch_concurrency: int = 512  # blocks in flight per fetch (in land_batch chunks)
+    fetch_chunk_blocks: int = 64  # blocks per land_batch call: the H2D copy of a block
     # starts as soon as it landed, while later chunks are still on their way
     # How fetched blocks travel (KVClient.connect's transport): "auto" (the local channel to
     # nodes on this host, where they write into the engine's landing pool themselves; UCX to

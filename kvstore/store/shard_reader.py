@@ -186,11 +186,9 @@ class ShardReader:
     ) -> None:
         """Count each distinct key as one hit or miss; a key nothing was served of gets a
         CORRUPT entry (it had a live entry that failed) or a MISS entry in the table."""
+        self._reads.record_hits(list(out.served.values()), now)
         for d, (found, _, expired) in enumerate(live):
-            served = out.served.get(d, [])
-            if served:
-                self._reads.record_hit(served, now)
-            else:
+            if d not in out.served:
                 self._reads.record_miss({e.traffic_class for e in found + expired})
                 status = Status.CORRUPT if found else Status.MISS
                 out.entries.append(batch_answer.Entry(d, int(status), b"", 0))
@@ -224,9 +222,13 @@ class ShardReader:
         """Per key: (live entries newest first, expired entries), in one snapshot; keys that
         look expired are looked up again on a fresh one (see :meth:`live_entries`)."""
         with self._index.read() as view:
-            per_key = [
-                [self._reads.with_refresh(e) for e in view.versions(tenant, k)] for k in keys
-            ]
+            per_key = [view.versions(tenant, k) for k in keys]
+        flat = self._reads.with_refreshes([e for entries in per_key for e in entries])
+        refreshed, at = [], 0
+        for entries in per_key:
+            refreshed.append(flat[at : at + len(entries)])
+            at += len(entries)
+        per_key = refreshed
         found = []
         for key, entries in zip(keys, per_key, strict=True):
             if any(is_expired(e.expires_at_s, now) for e in entries):
