@@ -337,6 +337,8 @@ class StoreConnector:
         stats.num_deadlines_exceeded += reason == "deadline"
         if reason in (None, "miss") and num_landed:  # every block the fetch moved counts
             self.cost_model.observe_fetch(num_landed * self.layout.block_bytes, fetch_s)
+        elif reason == "miss":  # nothing moved: the fetch's time is its fixed cost
+            self.cost_model.observe_latency(fetch_s)
         elif reason == "deadline":  # the store was slow: expect slow fetches from now on
             self.cost_model.observe_fetch(max(num_used, 1) * self.layout.block_bytes, fetch_s)
 

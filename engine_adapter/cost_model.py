@@ -3,7 +3,8 @@
 Pure code: no clock, no I/O, no torch. The connector times what it does and feeds the
 observations in; the model keeps exponentially weighted moving averages (EWMA) of
 
-* ``fetch_latency_s``: fixed cost of a fetch (one round trip, measured on ``match_prefix``),
+* ``fetch_latency_s``: fixed cost of a fetch (one round trip: measured on fetches that found
+  nothing, which move no bytes),
 * ``fetch_bytes_per_s``: bandwidth of ``get_into`` fetches beyond that latency,
 * ``compute_tokens_per_s``: prefill compute rate (tokens per second of forward passes),
 

@@ -23,6 +23,8 @@
 #include <xxhash.h>
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -100,66 +102,110 @@ static int shard_ok(const uint8_t *shard_head, const uint8_t *payload, uint64_t 
     return memcmp(shard_head + 20, version, 16) == 0 ? RL_OK : RL_WRONG_VERSION;
 }
 
+/* One record: preadv its header and payload, check both (the RL_ code of it). */
+static uint8_t read_one(int32_t fd, uint64_t offset, uint32_t hb, uint64_t payload_bytes,
+                        uint8_t *dest, const uint8_t *key, const uint8_t *version,
+                        const uint8_t *tenant_hash, const uint8_t *tenant, uint32_t tenant_len,
+                        uint8_t *shard_header, int32_t *error) {
+    uint8_t head[MAX_HEAD + SHARD_HEADER];
+    if (hb > MAX_HEAD) return RL_BAD_RECORD;
+    struct iovec iov[2] = {{head, hb + SHARD_HEADER}, {dest, payload_bytes}};
+    ssize_t want = (ssize_t)(hb + SHARD_HEADER + payload_bytes);
+    ssize_t got = preadv(fd, iov, 2, (off_t)offset);
+    if (got < 0) {
+        *error = errno;
+        return RL_IO;
+    }
+    memcpy(shard_header, head + hb, SHARD_HEADER);
+    if (got != want) return RL_SHORT;
+    if (!record_ok(head, hb, key, tenant_hash, tenant, tenant_len, SHARD_HEADER + payload_bytes))
+        return RL_BAD_RECORD;
+    return (uint8_t)shard_ok(head + hb, dest, payload_bytes, version);
+}
+
+struct read_job {
+    size_t first, step, n;
+    const int32_t *fds;
+    const uint64_t *offsets;
+    const uint32_t *header_bytes;
+    const uint64_t *payload_bytes;
+    uint8_t *const *dests;
+    const uint8_t *skip;  /* 1: not read (a pool write the permit does not allow) */
+    const uint8_t *keys, *versions, *tenant_hash, *tenant;
+    uint32_t tenant_len;
+    uint8_t *shard_headers, *status;
+    int32_t *errnos;
+};
+
+static void *read_some(void *arg) {
+    struct read_job *j = arg;
+    for (size_t i = j->first; i < j->n; i += j->step) {
+        j->errnos[i] = 0;
+        if (j->skip[i]) {
+            j->status[i] = RL_REVOKED;
+            continue;
+        }
+        j->status[i] = read_one(j->fds[i], j->offsets[i], j->header_bytes[i],
+                                j->payload_bytes[i], j->dests[i], j->keys + 16 * i,
+                                j->versions + 16 * i, j->tenant_hash, j->tenant, j->tenant_len,
+                                j->shard_headers + SHARD_HEADER * i, &j->errnos[i]);
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 16
+
 /* Read n shard records: record i lies at offsets[i] of fds[i], its header header_bytes[i]
  * long, its payload payload_bytes[i] long; the payload goes to dests[i] and the 48-byte shard
  * header to shard_headers[48 i ..]. status[i] is one of the RL_ codes (errnos[i] for RL_IO).
  *
- * A payload with in_pool[i] set goes to the client's landing pool: before the first such
- * write the permit word is moved from permit_armed to permit_armed + 1 (WRITING); if that
- * fails (revoked) no such payload is read (RL_REVOKED), and once the loop is over a claimed
- * word is set to DONE. permit may be NULL when no in_pool item is given. Returns how many
- * records are RL_OK. */
+ * Payloads with in_pool[i] set go to the client's landing pool: before anything is read the
+ * permit word is moved from permit_armed to WRITING; if that fails (revoked) none of them is
+ * read (RL_REVOKED), and once every record is read a claimed word is set to DONE. permit may
+ * be NULL when no in_pool item is given. The records are spread over up to num_threads
+ * threads (records i, i + T, ...): a node answers a large request sooner, its work the same.
+ * Returns how many records are RL_OK. */
 size_t kv_read_records(size_t n, const int32_t *fds, const uint64_t *offsets,
                        const uint32_t *header_bytes, const uint64_t *payload_bytes,
                        uint8_t *const *dests, const uint8_t *in_pool, const uint8_t *keys,
                        const uint8_t *versions, const uint8_t *tenant_hash,
                        const uint8_t *tenant, uint32_t tenant_len, uint32_t *permit,
                        uint32_t permit_armed, uint8_t *shard_headers, uint8_t *status,
-                       int32_t *errnos) {
-    uint8_t head[MAX_HEAD + SHARD_HEADER];
-    int claimed = 0, revoked = 0;
-    size_t num_ok = 0;
-    for (size_t i = 0; i < n; i++) {
-        errnos[i] = 0;
-        if (in_pool[i] && !claimed) {
-            if (revoked || permit == NULL) {
-                status[i] = RL_REVOKED;
-                continue;
-            }
-            uint32_t writing = (permit_armed & ~STATE_MASK) | WRITING;
-            if (kv_permit_cas(permit, permit_armed, writing) != permit_armed) {
-                revoked = 1;
-                status[i] = RL_REVOKED;
-                continue;
-            }
-            claimed = 1;
-        }
-        uint32_t hb = header_bytes[i];
-        if (hb > MAX_HEAD) {
-            status[i] = RL_BAD_RECORD;
-            continue;
-        }
-        struct iovec iov[2] = {{head, hb + SHARD_HEADER}, {dests[i], payload_bytes[i]}};
-        ssize_t want = (ssize_t)(hb + SHARD_HEADER + payload_bytes[i]);
-        ssize_t got = preadv(fds[i], iov, 2, (off_t)offsets[i]);
-        if (got < 0) {
-            status[i] = RL_IO;
-            errnos[i] = errno;
-            continue;
-        }
-        memcpy(shard_headers + SHARD_HEADER * i, head + hb, SHARD_HEADER);
-        if (got != want) {
-            status[i] = RL_SHORT;
-            continue;
-        }
-        if (!record_ok(head, hb, keys + 16 * i, tenant_hash, tenant, tenant_len,
-                       SHARD_HEADER + payload_bytes[i])) {
-            status[i] = RL_BAD_RECORD;
-            continue;
-        }
-        status[i] = (uint8_t)shard_ok(head + hb, dests[i], payload_bytes[i], versions + 16 * i);
-        num_ok += status[i] == RL_OK;
+                       int32_t *errnos, size_t num_threads) {
+    int wants_pool = 0, claimed = 0;
+    for (size_t i = 0; i < n; i++) wants_pool |= in_pool[i];
+    if (wants_pool && permit != NULL) {
+        uint32_t writing = (permit_armed & ~STATE_MASK) | WRITING;
+        claimed = kv_permit_cas(permit, permit_armed, writing) == permit_armed;
     }
+    /* Records the permit does not allow are skipped: in_pool without a claimed permit. */
+    const uint8_t *skip = claimed ? NULL : in_pool;
+    uint8_t none[1] = {0};
+    uint8_t *zeros = NULL;
+    if (skip == NULL) {
+        zeros = n <= 1 ? none : calloc(n, 1);
+        if (zeros == NULL) return 0;
+        skip = zeros;
+    }
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > n) num_threads = n;
+    if (num_threads < 1) num_threads = 1;
+    struct read_job jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (size_t t = 0; t < num_threads; t++) {
+        jobs[t] = (struct read_job){t, num_threads, n, fds, offsets, header_bytes,
+                                    payload_bytes, dests, skip, keys, versions, tenant_hash,
+                                    tenant, tenant_len, shard_headers, status, errnos};
+        if (t > 0) started[t] = pthread_create(&threads[t], NULL, read_some, &jobs[t]) == 0;
+        if (t > 0 && !started[t]) read_some(&jobs[t]);
+    }
+    read_some(&jobs[0]);
+    for (size_t t = 1; t < num_threads; t++)
+        if (started[t]) pthread_join(threads[t], NULL);
     if (claimed) kv_permit_store(permit, (permit_armed & ~STATE_MASK) | DONE);
+    if (zeros != NULL && zeros != none) free(zeros);
+    size_t num_ok = 0;
+    for (size_t i = 0; i < n; i++) num_ok += status[i] == RL_OK;
     return num_ok;
 }
