@@ -154,6 +154,12 @@ def configure_add_tenant(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cert-identity", default="", help="common name of its mTLS client certificate"
     )
+    parser.add_argument(
+        "--expires",
+        type=duration_arg,
+        default=0.0,
+        help="the token's lifetime, e.g. 90d (0: valid until `cluster rotate-token`)",
+    )
 
 
 def _class_cap(text: str) -> tuple[str, float]:
@@ -171,7 +177,12 @@ def _add_tenant(args: argparse.Namespace) -> int:
     path = args.credentials or args.dir / CREDENTIALS_FILE
     role = Role(args.role)
     token = add_principal(
-        path, args.tenant, role, frozenset(args.tenants), cert_identity=args.cert_identity
+        path,
+        args.tenant,
+        role,
+        frozenset(args.tenants),
+        cert_identity=args.cert_identity,
+        expires_in_s=args.expires,
     )
     if args.max_ttl:
         set_tenant_caps(path, args.tenant, dict(args.max_ttl))

@@ -190,10 +190,14 @@ def log_tail(root: Path, node_id: str, num_lines: int = 15) -> str:
 
 
 def health(
-    address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+    address: str,
+    timeout_s: float,
+    credentials: grpc.ChannelCredentials | None = None,
+    node_id: str | None = None,
 ) -> pb.HealthReply | None:
-    """The node's Health reply, or None if it does not answer within ``timeout_s``."""
-    with sync_channel(address, credentials, _HEALTH_OPTIONS) as channel:
+    """The node's Health reply, or None if it does not answer within ``timeout_s`` (with TLS
+    and ``node_id``: or if the server there is not that node)."""
+    with sync_channel(address, credentials, _HEALTH_OPTIONS, node_id=node_id) as channel:
         try:
             return ShardStoreStub(channel).Health(pb.HealthRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -214,7 +218,7 @@ def wait_healthy(
         for node_id, proc in list(waiting.items()):
             if proc.poll() is not None:
                 raise Unavailable(_startup_failure(root, node_id, f"exited with {proc.returncode}"))
-            reply = health(config.node(node_id).address, 0.5, credentials)
+            reply = health(config.node(node_id).address, 0.5, credentials, node_id)
             if reply is not None and reply.serving:
                 del waiting[node_id]
         if waiting and time.monotonic() > deadline_s:
@@ -275,8 +279,8 @@ def secure(
     if tls:
         tls_dir = root / TLS_DIR
         ca_file = init_ca(tls_dir)
-        issued = {n.id: issue_files(tls_dir, n.id, [n.host, "localhost"]) for n in nodes}
-        issue_files(tls_dir, "admin", [])
+        issued = {n.id: issue_files(tls_dir, n.id, [n.host], node=True) for n in nodes}
+        issue_files(tls_dir, "admin")
         nodes = tuple(
             dataclasses.replace(
                 n,

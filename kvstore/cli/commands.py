@@ -40,6 +40,14 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "deploy.cluster_cli:add_tenant",
         "add a tenant (or service) principal and print its new token",
     ),
+    ("cluster", "rotate-token"): (
+        "deploy.rotate_cli:token",
+        "give a principal a new token; the old one lives on for a grace period",
+    ),
+    ("cluster", "rotate-certs"): (
+        "deploy.rotate_cli:certs",
+        "issue a local cluster's node and admin certificates anew",
+    ),
     ("certs", "init"): ("kvstore.certs:init", "make a development CA for TLS"),
     ("certs", "issue"): ("kvstore.certs:issue", "issue a node or client certificate"),
     ("purge",): ("deploy.purge", "delete every block of a tenant and destroy its data key"),

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore.auth import Authenticator, Principal, Role, bearer_token
+from kvstore.auth import Authenticator, NodePeers, Principal, Role, bearer_token
 from kvstore.config import NodeConfig
 from kvstore.errors import IndexUnusable, InvalidArgument, Unavailable
 from kvstore.grpc_errors import to_grpc_status
@@ -49,7 +49,7 @@ from kvstore.node.ucx_server import UcxServer
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.request_checks import check_tenant
 from kvstore.store.shard_store import PutOptions
-from kvstore.tls import peer_identity
+from kvstore.tls import peer_certificate
 from kvstore.wire import batch_answer, local_frames
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class NodeServicer:
         auth: Authenticator | None = None,
         repair: RepairService | None = None,
         deletes_synced: Callable[[], bool] = lambda: True,
+        node_peers: NodePeers | None = None,
     ) -> None:
         self._holder = holder
         self._reads = reads
@@ -87,6 +88,7 @@ class NodeServicer:
         self._deletes_synced = deletes_synced
         self._incarnation = time.time_ns()
         self._auth = auth or Authenticator(None)
+        self._node_peers = node_peers or NodePeers(False, frozenset)
         self._ucx = ucx
         self._node = node
         self._epoch = epoch
@@ -190,11 +192,15 @@ class NodeServicer:
         return await self._reads.run(len(request.keys), handler, request, principal)
 
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
-        """Who the call comes from: its mTLS certificate's name or its bearer token."""
+        """Who the call comes from: its mTLS certificate's name or its bearer token; a node
+        principal only from a member node's certificate under mTLS (kvstore/auth.py)."""
         if not self._auth.enabled:
             return self._auth.authenticate(None)
         metadata = dict(context.invocation_metadata() or ())
-        return self._auth.authenticate(bearer_token(metadata), peer_identity(context))
+        cert = peer_certificate(context)
+        principal = self._auth.authenticate(bearer_token(metadata), cert)
+        self._node_peers.check(principal, cert)
+        return principal
 
     def _put(self, request: pb.PutShardsRequest, principal: Principal) -> pb.PutShardsReply:
         if request.repair:

@@ -77,7 +77,7 @@ def _node(hosts: Hosts, root: Path, index: int) -> NodeConfig:
     """Host ``index`` made, and its node's entry with a certificate for its address."""
     name = f"h{index:02d}"
     address = hosts.add(name, index)
-    cert, key = issue_files(root / "tls", name, [address, "localhost"])
+    cert, key = issue_files(root / "tls", name, [address, "localhost"], node=True)
     return NodeConfig(
         id=name,
         address=f"{address}:{GRPC_PORT}",
