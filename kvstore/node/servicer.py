@@ -12,9 +12,10 @@ node back to ``serving = false`` while it is rebuilt (kvstore/node/store_holder.
 
 A node principal (a peer's repair service) may read any tenant's shards and write repair puts,
 as it holds those tenants' shards on its own disk anyway; it may not write ordinary puts,
-delete or purge. A node takes repair puts, and lists its shards for repair, only once it has
-pulled its peers' delete logs since it started, so a repair cannot bring back a block deleted
-while this node was away.
+delete or purge, and its repair puts may only re-create a version k other members of the
+group hold (kvstore/node/repair_service.py): a node credential cannot mint a block. A node
+takes repair puts, and lists its shards for repair, only once it has pulled its peers' delete
+logs since it started, so a repair cannot bring back a block deleted while this node was away.
 
 Unary ``GetShards`` stays for tools that want protobuf replies, and for the repair service's
 reads of single shards; its replies are encoded by
@@ -55,6 +56,7 @@ from kvstore.wire import batch_answer, local_frames
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvstore.v1.ShardStore"
+REPAIR_CONFIRM_TIMEOUT_S = 30.0  # a repair write's listing of its group (PEER_TIMEOUT_S is 10)
 MAX_LIST_PAGE = 4096
 
 Handler = Callable[[Any, Principal], Message | bytes]
@@ -85,6 +87,7 @@ class NodeServicer:
         self._holder = holder
         self._reads = reads
         self._repair = repair
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's, for repair checks
         self._deletes_synced = deletes_synced
         self._incarnation = time.time_ns()
         self._auth = auth or Authenticator(None)
@@ -158,6 +161,7 @@ class NodeServicer:
     ) -> Message | bytes:
         """Authenticate, delay (straggler), parse and run ``handler`` in the pool, map errors."""
         start_s = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
         code, details, reply = grpc.StatusCode.OK, "", None
         try:
             principal = self._principal(context) if rpc != "Health" else None
@@ -206,6 +210,8 @@ class NodeServicer:
         if request.repair:
             tenant = principal.tenant_for_repair(request.tenant)
             self._require_deletes_synced("takes repair writes")
+            if principal.role is Role.NODE:
+                self._confirm_repair(tenant, request)
         else:
             tenant = principal.tenant_for(request.tenant)
         items = [(s.key, s.shard) for s in request.shards]
@@ -221,6 +227,22 @@ class NodeServicer:
             num_superseded=result.num_superseded,
             num_fenced=result.num_fenced,
         )
+
+    def _confirm_repair(self, tenant: str, request: pb.PutShardsRequest) -> None:
+        """A node's repair write re-creates a version its group holds, or is refused
+        (kvstore/node/repair_service.py): the check lists the peers, on the event loop, while
+        this pool thread waits for it."""
+        if self._repair is None or self._loop is None:
+            raise Unavailable(f"node {self._node.id} runs no repair service: no repair writes")
+        shards = [(s.key, s.shard) for s in request.shards]
+        check = self._repair.confirm_repair(tenant, shards, request.expires_at_s)
+        try:
+            asyncio.run_coroutine_threadsafe(check, self._loop).result(REPAIR_CONFIRM_TIMEOUT_S)
+        except TimeoutError:
+            raise Unavailable(
+                f"node {self._node.id} could not list its peers to confirm a repair write in "
+                f"{REPAIR_CONFIRM_TIMEOUT_S:g} s; retry"
+            ) from None
 
     def _require_deletes_synced(self, what: str) -> None:
         """Unavailable until the node has pulled its peers' delete logs (a repair must not

@@ -21,10 +21,12 @@ import pytest
 
 from client import KVClient
 from deploy.local_cluster import NODE_TOKEN_FILE, TLS_DIR, LocalCluster
+from erasure.codec import make_codec
 from kvstore.auth import read_token_file
 from kvstore.certs import issue_files
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.node.peers import Peers
+from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tls import channel_credentials, sync_channel
@@ -262,3 +264,60 @@ async def test_rotate_certs_keeps_the_cluster_serving(
         await kv.wait_until_accepted()
         await kv.put(KEYS[0], b"served with new certificates")
         assert await kv.get(KEYS[0]) == b"served with new certificates"
+
+
+def _forged_repair_puts(
+    cluster: LocalCluster, key: bytes, block: bytes, cert: str = "n05"
+) -> dict[str, str]:
+    """The audit's attack: with a node's certificate and the node token, a repair write of a
+    made-up block's shard i to member i of the key's group, newer than anything there and
+    never expiring. Node id -> the status each member answered."""
+    config = cluster.config
+    tls = cluster.root / TLS_DIR
+    credentials = channel_credentials(config, str(tls / f"{cert}.pem"), str(tls / f"{cert}.key"))
+    token = read_token_file(cluster.root / NODE_TOKEN_FILE)
+    shards = make_codec(config.codec).encode(block)
+    members = Placement(config).nodes_for_key(key)
+    codes = {}
+    for index, node_id in enumerate(members):
+        request = pb.PutShardsRequest(
+            tenant="acme",
+            traffic_class="chat",
+            shards=[pb.ShardPut(key=key, shard=shards[index], written_at_s=time.time() + 1e6)],
+            expires_at_s=time.time() + 1e9,
+            repair=True,
+        )
+        address = config.node(node_id).address
+        with sync_channel(address, credentials, node_id=node_id) as channel:
+            try:
+                reply = ShardStoreStub(channel).PutShards(
+                    request, timeout=30, metadata=(("authorization", f"Bearer {token}"),)
+                )
+                codes[node_id] = f"OK stored={reply.num_stored}"
+            except grpc.RpcError as exc:
+                codes[node_id] = exc.code().name
+    return codes
+
+
+async def test_the_node_credential_cannot_mint_a_version_or_plant_a_key(
+    cluster: LocalCluster, client_cert: dict[str, str]
+) -> None:
+    token = cluster.add_tenant("acme")
+    written, planted = b"w" * 16, b"p" * 16
+    genuine = random_block(7, 200_000)
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="acme", token=token, **client_cert
+    ) as kv:
+        await kv.wait_until_accepted()
+        await kv.put(written, genuine)
+    forged = random_block(8, 200_000)
+    for key in (written, planted):
+        codes = await asyncio.to_thread(_forged_repair_puts, cluster, key, forged)
+        stored = {n: c for n, c in codes.items() if c.startswith("OK")}
+        assert not stored, f"a node-token repair write of key {key!r} was stored on {stored}"
+        assert set(codes.values()) == {"PERMISSION_DENIED"}, codes
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="acme", token=token, **client_cert
+    ) as kv:
+        assert await kv.get(written) == genuine, "acme did not read its own block back"
+        assert await kv.get(planted) is None, "acme read a key it never wrote"
