@@ -144,6 +144,7 @@ class _NodeProcess:
             self.repair,
             lambda: self.sync.synced,
             NodePeers(self.cluster.tls.client_certs == "require", self._member_ids),
+            lambda: len(self.placed.cluster.groups),
         )
         servicer.register(self.server)
         add_HealthServicer_to_server(self.health, self.server)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -142,6 +143,9 @@ class RepairService:
         self._placement = Placement(cluster)
         self._throttle = Throttle(node.repair_bytes_per_s)
         self._hints: OrderedDict[tuple[str, bytes], tuple[int, float]] = OrderedDict()
+        # queue() runs in the node's request pool while the loop walks the hints: without
+        # the lock a large QueueRepair broke the walk ("OrderedDict mutated during iteration").
+        self._hints_lock = threading.Lock()
         self._incarnations: dict[str, int] = {}
         self._group_backlog: dict[int, int] = {}
         self._next_pass_s = 0.0
@@ -156,14 +160,15 @@ class RepairService:
         if not self._node.repair_bytes_per_s:
             return 0
         num_new = 0
-        for tenant, key, group in hints:
-            if not 0 <= group < len(self._cluster.groups) or len(key) != 16:
-                continue
-            num_new += (tenant, key) not in self._hints
-            self._hints[(tenant, bytes(key))] = (group, 0.0)
-            while len(self._hints) > MAX_HINTS:
-                self._hints.popitem(last=False)
-        self._set_stats(queued_hints=len(self._hints))
+        with self._hints_lock:
+            for tenant, key, group in hints:
+                if not 0 <= group < len(self._cluster.groups) or len(key) != 16:
+                    continue
+                num_new += (tenant, key) not in self._hints
+                self._hints[(tenant, bytes(key))] = (group, 0.0)
+                while len(self._hints) > MAX_HINTS:
+                    self._hints.popitem(last=False)
+            self._set_stats(queued_hints=len(self._hints))
         self._wake.set()
         return num_new
 
@@ -456,16 +461,22 @@ class RepairService:
     async def _inspect_hints(self) -> None:
         """Look at each hinted key now due: rebuild what it misses, or wait for its owner."""
         now_s = time.monotonic()
-        due = [(tk, g) for tk, (g, at_s) in self._hints.items() if at_s <= now_s]
-        for (tenant, key), group in due:
+        for (tenant, key), group in self._due_hints(now_s):
             plan = await self._inspect(tenant, key, group)
             if plan is not None and plan.missing:
                 await self._rebuild(group, plan)
-            if plan is not None and plan.waiting:
-                self._hints[(tenant, key)] = (group, now_s + HINT_RETRY_S)
-            else:
-                self._hints.pop((tenant, key), None)
-        self._set_stats(queued_hints=len(self._hints))
+            with self._hints_lock:
+                if plan is not None and plan.waiting:
+                    self._hints[(tenant, key)] = (group, now_s + HINT_RETRY_S)
+                else:
+                    self._hints.pop((tenant, key), None)
+        with self._hints_lock:
+            self._set_stats(queued_hints=len(self._hints))
+
+    def _due_hints(self, now_s: float) -> list[tuple[tuple[str, bytes], int]]:
+        """((tenant, key), group) of the hints due at ``now_s`` (monotonic)."""
+        with self._hints_lock:
+            return [(tk, g) for tk, (g, at_s) in self._hints.items() if at_s <= now_s]
 
     async def _inspect(self, tenant: str, key: bytes, group: int) -> BlockPlan | None:
         members = self._cluster.groups[group]

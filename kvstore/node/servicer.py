@@ -48,7 +48,14 @@ from kvstore.node.store_holder import StoreHolder
 from kvstore.node.tombstones import MAX_TOMBSTONES_PER_REPLY
 from kvstore.node.ucx_server import UcxServer
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store.request_checks import check_tenant
+from kvstore.store.request_checks import (
+    MAX_HINTS_PER_REQUEST,
+    check_below,
+    check_count,
+    check_keys,
+    check_seconds,
+    check_tenant,
+)
 from kvstore.store.shard_store import PutOptions
 from kvstore.tls import peer_certificate
 from kvstore.wire import batch_answer, local_frames
@@ -83,6 +90,7 @@ class NodeServicer:
         repair: RepairService | None = None,
         deletes_synced: Callable[[], bool] = lambda: True,
         node_peers: NodePeers | None = None,
+        num_groups: Callable[[], int] = lambda: 1 << 32,
     ) -> None:
         self._holder = holder
         self._reads = reads
@@ -92,6 +100,7 @@ class NodeServicer:
         self._incarnation = time.time_ns()
         self._auth = auth or Authenticator(None)
         self._node_peers = node_peers or NodePeers(False, frozenset)
+        self._num_groups = num_groups  # placement groups of the map the node follows
         self._ucx = ucx
         self._node = node
         self._epoch = epoch
@@ -214,6 +223,9 @@ class NodeServicer:
                 self._confirm_repair(tenant, request)
         else:
             tenant = principal.tenant_for(request.tenant)
+        check_seconds("expires_at_s", request.expires_at_s)
+        for i, shard in enumerate(request.shards):
+            check_seconds(f"shards[{i}].written_at_s", shard.written_at_s)
         items = [(s.key, s.shard) for s in request.shards]
         options = PutOptions(
             written_at_s=[s.written_at_s for s in request.shards],
@@ -290,6 +302,7 @@ class NodeServicer:
     def _list(self, request: pb.ListShardsRequest, principal: Principal) -> pb.ListShardsReply:
         principal.require(Role.NODE, Role.ADMIN)
         self._require_deletes_synced("lists its shards for repair")
+        check_below("group", request.group, self._num_groups(), "the map's number of groups")
         limit = max(1, min(request.limit or MAX_LIST_PAGE, MAX_LIST_PAGE))
         entries, next_after = self._holder.require().list_group(
             request.group, request.start_after, limit
@@ -317,9 +330,13 @@ class NodeServicer:
         principal.require(Role.TENANT, Role.SERVICE, Role.NODE)
         if self._repair is None:
             raise Unavailable(f"node {self._node.id} runs no repair service")
+        check_count("hints", len(request.hints), MAX_HINTS_PER_REQUEST)
+        num_groups = self._num_groups()
         hints = [(principal.tenant_for_repair(h.tenant), h.key, h.group) for h in request.hints]
-        for tenant, _, _ in hints:
+        for i, (tenant, key, group) in enumerate(hints):
             check_tenant(tenant)
+            check_keys([key])
+            check_below(f"hints[{i}].group", group, num_groups, "the map's number of groups")
         return pb.QueueRepairReply(num_queued=self._repair.queue(hints))
 
     def _purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:
