@@ -20,7 +20,8 @@ Layout of DIR::
     credentials.toml   with --auth: the nodes' principals, tokens hashed (mode 0600)
     admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
     node.token         with --auth: the credential nodes present to each other (0600)
-    tls/               with --tls: the development CA and one certificate per node
+    tls/               with --tls: the development CA and one certificate per node;
+    tls/etcd/          with --tls --etcd: etcd's own CA, its certificate and its users' ones
     etcd/, etcd.pid    with --etcd (no endpoint): the local etcd's data and pid
 
 On one machine the nodes share DIR, so they share one credentials file; on real hosts each
@@ -55,7 +56,7 @@ from typing import Any
 import grpc
 
 from client.keyring import new_master_key
-from deploy.local_etcd import start_etcd, stop_etcd
+from deploy.local_etcd import issue_etcd_certs, membership_tls, start_etcd, stop_etcd
 from deploy.processes import spawn_logged
 from kvstore.auth import Role, add_principal, read_token_file, write_private
 from kvstore.certs import init_ca, issue_files
@@ -366,12 +367,23 @@ def _refuse_running(root: Path) -> None:
 
 
 def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) -> ClusterConfig:
-    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``),
-    which must hold no map yet: nodes would follow an older one, not this one."""
-    endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
-    membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
+    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``,
+    over TLS with client certificates when the cluster has TLS, deploy/local_etcd.py), which
+    must hold no map yet: nodes would follow an older one, not this one."""
+    tls_fields: dict[str, str] = {}
+    if etcd == LOCAL_ETCD:
+        tls = issue_etcd_certs(root / TLS_DIR / "etcd") if config.tls_enabled else None
+        endpoint = start_etcd(root, *free_ports(2), tls=tls)
+        tls_fields = membership_tls(tls) if tls else {}
+    else:
+        endpoint = etcd
+    membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s, **tls_fields)
     config = dataclasses.replace(config, membership=membership)
-    existing = etcd_call(config, _get_map)
+    try:
+        existing = etcd_call(config, _get_map)
+    except BaseException:
+        stop_etcd(root)
+        raise
     if existing is not None:
         stop_etcd(root)
         raise InvalidArgument(

@@ -112,22 +112,25 @@ def issue(
     hosts: Sequence[str] = (),
     *,
     node: bool = False,
+    server: bool = False,
     days: float = 825,
     not_before: datetime.datetime | None = None,
 ) -> tuple[bytes, bytes]:
     """(certificate PEM, key PEM) for ``name``: with ``node``, node ``name``'s certificate,
-    valid for ``hosts`` (DNS names or IPs) and its id's name; else a client certificate.
+    valid for ``hosts`` (DNS names or IPs) and its id's name; with ``server``, another
+    server's (etcd's) for ``hosts``; else a client certificate.
 
     ``not_before`` moves the validity window (tests make expired certificates with it).
     """
-    if hosts and not node:
+    if hosts and not (node or server):
         raise ValueError(
             f"--host given for {name!r} without --node: only node certificates serve; a client "
             "certificate names no host"
         )
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if node:
+    if node or server:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    if node:
         hosts = [node_server_name(name), *hosts]
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
@@ -163,7 +166,13 @@ def init_ca(directory: Path, days: float = 3650) -> Path:
 
 
 def issue_files(
-    directory: Path, name: str, hosts: Sequence[str] = (), *, node: bool = False, days: float = 825
+    directory: Path,
+    name: str,
+    hosts: Sequence[str] = (),
+    *,
+    node: bool = False,
+    server: bool = False,
+    days: float = 825,
 ) -> tuple[Path, Path]:
     """Issue ``name``'s certificate (a node's with ``node``, see :func:`issue`) with the CA in
     ``directory``, replacing one there; (cert path, key path)."""
@@ -174,7 +183,9 @@ def issue_files(
         raise ValueError(
             f"no CA in {directory}: run `kvstore certs init --dir {directory}` first"
         ) from None
-    cert_pem, key_pem = issue(ca_cert_pem, ca_key_pem, name, hosts, node=node, days=days)
+    cert_pem, key_pem = issue(
+        ca_cert_pem, ca_key_pem, name, hosts, node=node, server=server, days=days
+    )
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     write_private(key_path, key_pem.decode())
     cert_path.write_bytes(cert_pem)

@@ -246,8 +246,21 @@ class MembershipConfig:
     prefix: str = "/kvstore"
     lease_ttl_s: float = 10.0
     down_out_s: float = 600.0
+    # TLS to etcd (kvstore/membership.py): the CA that signed etcd's certificate ("" =
+    # plaintext); the etcd client certificate of nodes and operators (may change the map),
+    # and of clients that only follow it (reader_*; default: the former).
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    reader_cert_file: str = ""
+    reader_key_file: str = ""
 
     def __post_init__(self) -> None:
+        pairs = ((self.cert_file, self.key_file), (self.reader_cert_file, self.reader_key_file))
+        if any(bool(c) != bool(k) or (c and not self.ca_file) for c, k in pairs):
+            raise ValueError(
+                "[membership] each cert_file goes with its key_file, and with ca_file (TLS to etcd)"
+            )
         if self.lease_ttl_s < 2 or self.down_out_s <= 0:
             raise ValueError(
                 f"[membership] needs lease_ttl_s >= 2 (etcd grants whole seconds) and "
