@@ -308,7 +308,7 @@ def write_private(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     """An exclusive lock beside ``path``: concurrent add-tenant calls never lose an entry."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -335,7 +335,7 @@ def add_principal(
     """
     path = Path(path)
     token = new_token()
-    with _locked(path):
+    with locked(path):
         creds = load_credentials(path) if path.exists() else Credentials()
         principal = Principal(
             name,
@@ -362,7 +362,7 @@ def rotate_token(
         raise ValueError(f"grace and expiry must be >= 0 s, got {grace_s} and {expires_in_s}")
     path = Path(path)
     token = new_token()
-    with _locked(path):
+    with locked(path):
         creds = load_credentials(path)
         old = next((p for p in creds.principals if p.name == name), None)
         if old is None:
@@ -391,7 +391,7 @@ def _expiry(expires_in_s: float) -> float:
 def set_tenant_caps(path: str | Path, tenant: str, class_to_max_ttl_s: Mapping[str, float]) -> None:
     """Set the retention caps of ``tenant`` (empty: none) in the credentials file."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         creds = load_credentials(path) if path.exists() else Credentials()
         caps = dict(creds.tenant_to_max_ttl_s)
         caps[tenant] = dict(class_to_max_ttl_s)

@@ -29,6 +29,8 @@
     tenants = ["acme"]
     keyring_file = "/etc/kvstore/keyring.json"
     master_key_file = "/etc/kvstore/master.key"
+    [integrity]                    # optional: keyed block versions (client/integrity.py)
+    key_file = "/etc/kvstore/integrity.json"
     [node_defaults]                # any NodeConfig field; a [[nodes]] entry may override it
     fsync = true
     [[nodes]]
@@ -331,6 +333,17 @@ class EncryptionConfig:
 
 
 @dataclass(frozen=True)
+class IntegrityConfig:
+    """End-to-end block integrity (client/integrity.py). ``[integrity]``.
+
+    ``key_file`` names a file on the client hosts (never the nodes') with each tenant's key;
+    set, every tenant that is not sealed writes and requires keyed block versions.
+    """
+
+    key_file: str = ""
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     epoch: int
     nodes: tuple[NodeConfig, ...]
@@ -341,6 +354,7 @@ class ClusterConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     # The groups before the map change in progress (same length as ``groups``), () when none:
     # reads consult them too until the move is complete; writes go to ``groups`` only.
     moving_from: tuple[tuple[str, ...], ...] = ()
@@ -457,6 +471,7 @@ _SECTIONS = (
     "tls",
     "encryption",
     "membership",
+    "integrity",
     "moving_from",
     "node_defaults",
     "nodes",
@@ -576,6 +591,9 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
         membership=MembershipConfig(
             **checked_fields("[membership]", raw.get("membership", {}), MembershipConfig)
         ),
+        integrity=IntegrityConfig(
+            **checked_fields("[integrity]", raw.get("integrity", {}), IntegrityConfig)
+        ),
         moving_from=tuple(
             _group_from_toml(i, g, "[[moving_from]]")
             for i, g in enumerate(raw.get("moving_from", []))
@@ -617,6 +635,8 @@ def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         raw["encryption"] = {**encryption, "tenants": list(cfg.encryption.tenants)}
     if cfg.membership != MembershipConfig():
         raw["membership"] = dataclasses.asdict(cfg.membership)
+    if cfg.integrity != IntegrityConfig():
+        raw["integrity"] = dataclasses.asdict(cfg.integrity)
     raw["nodes"] = [dataclasses.asdict(n) for n in cfg.nodes]
     raw["groups"] = [{"nodes": list(g)} for g in cfg.groups]
     if cfg.moving_from:

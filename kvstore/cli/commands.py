@@ -55,6 +55,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "storage"): ("bench.storage_bench", "cluster PUT/GET throughput and latency"),
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
     ("bench", "sim"): ("bench.sim_bench", "simulator block accesses per second"),
+    ("bench", "integrity"): (
+        "bench.integrity_bench",
+        "keyed block versions (BLAKE3) vs xxh3-128, CPU-s per GB",
+    ),
     ("bench", "index"): ("bench.index_bench", "lmdb index bytes per shard entry"),
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
     ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),

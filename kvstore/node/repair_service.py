@@ -394,7 +394,10 @@ class RepairService:
         if len(shards) < plan.k:
             return None
         try:
-            return bytes(self._codec.decode([shards[p] for p in sorted(shards)]))
+            # digest=None: a keyed version (client/integrity.py) is the tenant's to check; the
+            # shard checksums verified in _survivor guard what is rebuilt here.
+            survivors = [shards[p] for p in sorted(shards)]
+            return bytes(self._codec.decode(survivors, verified=True, digest=None))
         except CodecError as exc:
             log.warning("repair of %s: survivors do not decode: %s", plan.key.hex(), exc)
             return None
