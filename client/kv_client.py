@@ -46,6 +46,7 @@ from typing import Any
 
 from client.batch_read import BatchRead, ReadCounters
 from client.follow_ups import FollowUps
+from client.integrity import BlockIntegrity, load_key
 from client.keyring import open_keyring
 from client.local.reader import LocalReads
 from client.map_follower import MapFollower
@@ -122,6 +123,11 @@ class KVClient:
                 self.sealer = BlockSealer(tenant, open_keyring(config.encryption))
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"[encryption] of tenant {tenant!r}: {exc}") from None
+        # End-to-end integrity ([integrity] in cluster.toml): keyed block versions that only
+        # this tenant's clients can compute (client/integrity.py); sealed tenants have GCM.
+        self.integrity: BlockIntegrity | None = None
+        if config.integrity.key_file and self.sealer is None:
+            self.integrity = BlockIntegrity(tenant, load_key(config.integrity.key_file, tenant))
         self._closed = False
         self._map_follower: MapFollower | None = None  # set by connect()
 
@@ -307,6 +313,7 @@ class KVClient:
             self.write_counters,
             self._background,
             on_short,
+            self.integrity,
         )
         await write.run(
             keys, groups, views, traffic_class, self._timeout_s(timeout_s), self.clock.now()

@@ -38,6 +38,7 @@ from deploy.local_cluster import (
     is_node_process,
     local_admin_token,
     local_client_cert,
+    provision_integrity,
     read_pids,
     stop_pids,
     write_pids,
@@ -97,6 +98,11 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
         type=list_arg(str),
         default=[],
         help="tenants whose blocks clients seal (AES-GCM; DIR/master.key, DIR/keyring.json)",
+    )
+    parser.add_argument(
+        "--integrity",
+        action="store_true",
+        help="keyed block versions nodes cannot forge; keys in DIR/integrity.json (add-tenant)",
     )
 
 
@@ -160,6 +166,12 @@ def configure_add_tenant(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="the token's lifetime, e.g. 90d (0: valid until `cluster rotate-token`)",
     )
+    parser.add_argument(
+        "--integrity-keys",
+        type=Path,
+        default=None,
+        help="the integrity key file to add the tenant's key to (default: DIR/cluster.toml's)",
+    )
 
 
 def _class_cap(text: str) -> tuple[str, float]:
@@ -186,8 +198,21 @@ def _add_tenant(args: argparse.Namespace) -> int:
     )
     if args.max_ttl:
         set_tenant_caps(path, args.tenant, dict(args.max_ttl))
+    key_file = _integrity_key_file(args)
+    made = provision_integrity(key_file, args.tenant, role, args.tenants)
+    if made:
+        print(f"integrity keys made in {key_file}: {', '.join(made)}", file=sys.stderr)
     print(token)
     return 0
+
+
+def _integrity_key_file(args: argparse.Namespace) -> str:
+    """The integrity key file add-tenant adds keys to: ``--integrity-keys``, else DIR's
+    cluster.toml's (``[integrity] key_file``), else none."""
+    if args.integrity_keys is not None:
+        return str(args.integrity_keys)
+    toml = args.dir / "cluster.toml"
+    return load_cluster(toml).integrity.key_file if toml.exists() else ""
 
 
 def configure_status(parser: argparse.ArgumentParser) -> None:
@@ -376,6 +401,7 @@ def _up(args: argparse.Namespace) -> int:
         tls=args.tls,
         mtls=args.mtls,
         encrypt=args.encrypt,
+        integrity=args.integrity,
         etcd=args.etcd,
         down_out_s=args.down_out_s,
         **overrides,
