@@ -267,7 +267,7 @@ async def test_rotate_certs_keeps_the_cluster_serving(
 
 
 def _forged_repair_puts(
-    cluster: LocalCluster, key: bytes, block: bytes, cert: str = "n05"
+    cluster: LocalCluster, key: bytes, block: bytes, tenant: str = "acme", cert: str = "n05"
 ) -> dict[str, str]:
     """The audit's attack: with a node's certificate and the node token, a repair write of a
     made-up block's shard i to member i of the key's group, newer than anything there and
@@ -281,7 +281,7 @@ def _forged_repair_puts(
     codes = {}
     for index, node_id in enumerate(members):
         request = pb.PutShardsRequest(
-            tenant="acme",
+            tenant=tenant,
             traffic_class="chat",
             shards=[pb.ShardPut(key=key, shard=shards[index], written_at_s=time.time() + 1e6)],
             expires_at_s=time.time() + 1e9,
