@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,10 @@ def test_a_tls_cluster_runs_its_etcd_over_tls(tmp_path: Path) -> None:
     with LocalCluster.start(tmp_path, 12, fsync=False, tls=True, etcd="local") as cluster:
         membership = cluster.config.membership
         assert membership.ca_file and membership.cert_file, "the map's etcd has no TLS"
-        members = etcd_call(cluster.config, lambda m: m.live_members())
-        assert len(members) == 12, f"nodes did not register over TLS: {sorted(members)}"
+        deadline_s = time.monotonic() + 60  # nodes register once they serve
+        while len(members := etcd_call(cluster.config, lambda m: m.live_members())) < 12:
+            assert time.monotonic() < deadline_s, f"not all registered over TLS: {sorted(members)}"
+            time.sleep(0.2)
         asyncio.run(_roundtrip(cluster))
 
 
