@@ -99,11 +99,6 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="tenants whose blocks clients seal (AES-GCM; DIR/master.key, DIR/keyring.json)",
     )
-    parser.add_argument(
-        "--integrity",
-        action="store_true",
-        help="keyed block versions nodes cannot forge; keys in DIR/integrity.json (add-tenant)",
-    )
 
 
 def _add_membership_flags(parser: argparse.ArgumentParser) -> None:
@@ -401,7 +396,6 @@ def _up(args: argparse.Namespace) -> int:
         tls=args.tls,
         mtls=args.mtls,
         encrypt=args.encrypt,
-        integrity=args.integrity,
         etcd=args.etcd,
         down_out_s=args.down_out_s,
         **overrides,
