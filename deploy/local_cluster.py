@@ -18,7 +18,7 @@ Layout of DIR::
     master.key         with --encrypt: the master key that wraps tenants' data keys (0600)
     keyring.json       with --encrypt: the wrapped data keys (made on a tenant's first put)
     credentials.toml   with --auth: the nodes' principals, tokens hashed (mode 0600)
-    integrity.json     with --integrity: each tenant's integrity key (0600; clients only)
+    integrity.json     with integrity=True: each tenant's integrity key (0600; clients only)
     admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
     node.token         with --auth: the credential nodes present to each other (0600)
     tls/               with --tls: the development CA and one certificate per node;
