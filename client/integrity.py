@@ -16,10 +16,11 @@ that key fail the check and read as a miss. The tenant and the block key are ins
 digest, so a block moved to another key or tenant fails too.
 
 Keys: 32 random bytes per tenant in the integrity key file (JSON, mode 0600, on client hosts
-only: ``[integrity] key_file`` in cluster.toml), made by ``kvstore cluster add-tenant`` (and
-``cluster up --auth``). Sealed tenants (client/sealer.py) need none: their blocks' GCM tag,
-under data keys the nodes never hold, authenticates tenant, key and bytes in the pass that
-opens them, so a keyed version would only add a second pass.
+only: ``[integrity] key_file`` in cluster.toml, which ``cluster up --auth`` sets), made by
+``kvstore cluster add-tenant`` or by the tenant's first client. Sealed tenants
+(client/sealer.py) need none: their blocks' GCM tag, under data keys the nodes never hold,
+authenticates tenant, key and bytes in the pass that opens them, so a keyed version would only
+add a second pass.
 
 BLAKE3 (PyPI ``blake3``, SIMD, releases the GIL) costs more CPU per byte than xxh3; the
 measurement is in docs/security.md (``kvstore bench integrity``).
@@ -27,20 +28,61 @@ measurement is in docs/security.md (``kvstore bench integrity``).
 
 from __future__ import annotations
 
+import hmac
 import json
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import blake3
 
+from erasure import fastsum
+from erasure.isal_backend import buffer_address
+from erasure.shard import block_checksum
 from kvstore.auth import check_private, locked, write_private
 from kvstore.errors import InvalidArgument
 
 DOMAIN = b"kvstore/integrity/v1"
 KEY_BYTES = 32
 VERSION_BYTES = 16
+THREADED_BYTES = 1 << 20  # a block this large is hashed by BLAKE3's own threads too
+
+BlockDigest = Callable[[bytes | memoryview], bytes]
+
+
+class BlockCheck(Protocol):
+    """How a reader checks a block against its version: the one pass over its bytes
+    (client/batch_read.py calls it where it verifies blocks)."""
+
+    def verify(
+        self, keys: Sequence[bytes], blocks: Sequence[memoryview], versions: Sequence[bytes]
+    ) -> list[bool]:
+        """Per block, whether it is the version its shards named (blocks stay alive)."""
+        ...
+
+    def digest_for(self, key: bytes) -> BlockDigest:
+        """``block -> version`` for one block key (``Codec.decode(digest=...)``)."""
+        ...
+
+
+class Xxh3Check:
+    """A plain tenant's check: xxh3-128, one native call for many blocks, threads without the
+    GIL (erasure.fastsum.verify_blocks)."""
+
+    def verify(
+        self, keys: Sequence[bytes], blocks: Sequence[memoryview], versions: Sequence[bytes]
+    ) -> list[bool]:
+        addresses = [buffer_address(block) for block in blocks]
+        lengths = [len(block) for block in blocks]
+        return fastsum.verify_blocks(addresses, lengths, b"".join(versions))
+
+    def digest_for(self, key: bytes) -> BlockDigest:
+        return block_checksum
+
+
+XXH3_CHECK = Xxh3Check()
 
 
 class BlockIntegrity:
@@ -56,13 +98,23 @@ class BlockIntegrity:
 
     def version(self, block_key: bytes, block: bytes | memoryview) -> bytes:
         """The 16-byte keyed version of ``block`` stored under ``block_key``."""
-        hasher = blake3.blake3(self._prefix + bytes(block_key), key=self._key)
+        threads = blake3.blake3.AUTO if len(block) >= THREADED_BYTES else 1
+        hasher = blake3.blake3(self._prefix + bytes(block_key), key=self._key, max_threads=threads)
         hasher.update(block)
         return hasher.digest(VERSION_BYTES)
 
-    def digest_for(self, block_key: bytes) -> Callable[[bytes | memoryview], bytes]:
+    def digest_for(self, block_key: bytes) -> BlockDigest:
         """``block -> version`` for one block key (what ``Codec.decode(digest=...)`` takes)."""
         return lambda block: self.version(block_key, block)
+
+    def verify(
+        self, keys: Sequence[bytes], blocks: Sequence[memoryview], versions: Sequence[bytes]
+    ) -> list[bool]:
+        """:class:`BlockCheck`: each block's keyed version, compared in constant time."""
+        return [
+            hmac.compare_digest(self.version(key, block), version)
+            for key, block, version in zip(keys, blocks, versions, strict=True)
+        ]
 
 
 def load_key(path: str | Path, tenant: str) -> bytes:
@@ -81,6 +133,14 @@ def load_key(path: str | Path, tenant: str) -> bytes:
             "block end to end; `kvstore cluster add-tenant` makes the tenant's key"
         )
     return bytes.fromhex(tenants[tenant])
+
+
+def tenant_key(path: str | Path, tenant: str) -> bytes:
+    """``tenant``'s integrity key, made on first use (as a sealed tenant's data key is,
+    client/keyring.py): the key file lives on client hosts only, and a key made anew makes
+    older blocks misses, never wrong bytes."""
+    ensure_key(path, tenant)
+    return load_key(path, tenant)
 
 
 def ensure_key(path: str | Path, tenant: str) -> bool:

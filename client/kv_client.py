@@ -46,7 +46,7 @@ from typing import Any
 
 from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
 from client.follow_ups import FollowUps
-from client.integrity import BlockIntegrity, load_key
+from client.integrity import XXH3_CHECK, BlockIntegrity, tenant_key
 from client.keyring import open_keyring
 from client.landing_pool import LandingPool
 from client.local.reader import LocalReads
@@ -140,7 +140,8 @@ class KVClient:
         # this tenant's clients can compute (client/integrity.py); sealed tenants have GCM.
         self.integrity: BlockIntegrity | None = None
         if config.integrity.key_file and self.sealer is None:
-            self.integrity = BlockIntegrity(tenant, load_key(config.integrity.key_file, tenant))
+            key = tenant_key(config.integrity.key_file, tenant)
+            self.integrity = BlockIntegrity(tenant, key)
         self._closed = False
         self._map_follower: MapFollower | None = None  # set by connect()
 
@@ -474,6 +475,7 @@ class KVClient:
             decode_pool=self._decode_pool,
             landing_pool=self.landing_pool,
             times=self.read_times,
+            block_check=self.integrity or XXH3_CHECK,
         )
 
     async def _read_placed(

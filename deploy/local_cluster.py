@@ -18,7 +18,7 @@ Layout of DIR::
     master.key         with --encrypt: the master key that wraps tenants' data keys (0600)
     keyring.json       with --encrypt: the wrapped data keys (made on a tenant's first put)
     credentials.toml   with --auth: the nodes' principals, tokens hashed (mode 0600)
-    integrity.json     with integrity=True: each tenant's integrity key (0600; clients only)
+    integrity.json     with --auth: each tenant's integrity key (0600; client hosts only)
     admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
     node.token         with --auth: the credential nodes present to each other (0600)
     tls/               with --tls: the development CA and one certificate per node;
@@ -464,7 +464,7 @@ class LocalCluster:
         tls: bool = False,
         mtls: bool = False,
         encrypt: Sequence[str] = (),
-        integrity: bool = False,
+        integrity: bool | None = None,
         etcd: str | None = None,
         down_out_s: float = DEFAULT_DOWN_OUT_S,
         **node_defaults: Any,
@@ -475,10 +475,11 @@ class LocalCluster:
         ``max_bytes=...``). ``auth`` writes a credentials file with an admin and a node
         principal (``root/admin.token``); ``tls`` a CA and node certificates (``mtls``:
         clients must present one too); ``encrypt`` names tenants whose blocks clients seal
-        (a master key and keyring under ``root``); ``integrity`` keyed block versions for
-        every other tenant (client/integrity.py). ``etcd``: membership on etcd at that
-        endpoint, or ``"local"`` to start one (deploy/local_etcd.py), with ``down_out_s``. On
-        a startup failure the started nodes (and a started etcd) are stopped.
+        (a master key and keyring under ``root``); ``integrity`` (default: with ``auth``)
+        keyed block versions for every other tenant (client/integrity.py). ``etcd``:
+        membership on etcd at that endpoint, or ``"local"`` to start one
+        (deploy/local_etcd.py), with ``down_out_s``. On a startup failure the started nodes
+        (and a started etcd) are stopped.
         """
         root = Path(root)
         _refuse_running(root)
@@ -491,7 +492,7 @@ class LocalCluster:
             tls=tls or mtls,
             mtls=mtls,
             encrypt=encrypt,
-            integrity=integrity,
+            integrity=auth if integrity is None else integrity,
         )
         if etcd is not None:
             config = _on_etcd(root, config, etcd, down_out_s)

@@ -11,13 +11,11 @@ as the attacker's bytes; the tenants' own blocks stay readable where nothing rep
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Iterator
 
 import pytest
 
 from client import KVClient
-from client.batch_read import BatchRead
 from deploy.local_cluster import TLS_DIR, LocalCluster
 from erasure.codec import make_codec
 from kvstore.certs import issue_files
@@ -28,17 +26,7 @@ from tests.client.secure_cluster import random_block
 from tests.client.test_node_trust import _forged_repair_puts
 from ttl.clock import make_clock
 
-# A reader checks the keyed version where it checks every block, in client/batch_read.py (the
-# lead's one-pass verification): this test runs once BatchRead takes the tenant's digest.
-_READER_CHECKS_KEYED = "block_digest" in inspect.signature(BatchRead).parameters
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        not _READER_CHECKS_KEYED,
-        reason="client/batch_read.py does not take a keyed block digest yet (BatchRead "
-        "block_digest=): integrity tenants' reads are not wired to check it",
-    ),
-]
+pytestmark = pytest.mark.timeout(600)
 TENANTS = ("acme", "vault")  # acme: keyed versions; vault: sealed (AES-GCM)
 WRITTEN, PLANTED, OVERWRITTEN = b"w" * 16, b"p" * 16, b"o" * 16
 
@@ -47,7 +35,7 @@ WRITTEN, PLANTED, OVERWRITTEN = b"w" * 16, b"p" * 16, b"o" * 16
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("forged")
     with LocalCluster.start(
-        root, 12, fsync=False, auth=True, mtls=True, encrypt=["vault"], integrity=True
+        root, 12, fsync=False, auth=True, mtls=True, encrypt=["vault"], startup_timeout_s=180
     ) as c:
         yield c
 

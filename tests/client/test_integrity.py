@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from client.integrity import BlockIntegrity, ensure_key, load_key
+from client.integrity import XXH3_CHECK, BlockIntegrity, ensure_key, load_key
 from erasure.codec import make_codec
 from erasure.config import CodecConfig
 from erasure.errors import ChecksumMismatch, ShardHeaderError
-from erasure.shard import HEADER_BYTES, KEYED, parse_header
+from erasure.shard import HEADER_BYTES, KEYED, block_checksum, parse_header
 from kvstore.errors import InvalidArgument
 
 KEY_A, KEY_B = b"a" * 16, b"b" * 16
@@ -83,3 +83,17 @@ def test_key_file_holds_one_key_per_tenant_readable_by_its_owner_only(tmp_path: 
     assert load_key(path, "acme") != load_key(path, "globex")
     with pytest.raises(InvalidArgument, match="add-tenant"):
         load_key(path, "initech")
+
+
+def test_block_checks_verify_blocks_against_their_versions() -> None:
+    """The batch read's strategies (client/batch_read.py ``block_check``): xxh3-128 for
+    plain tenants, the keyed version for integrity tenants; neither takes the other's."""
+    acme = BlockIntegrity("acme", os.urandom(32))
+    block = memoryview(bytearray(BLOCK))
+    keyed, plain = acme.version(KEY_A, block), block_checksum(block)
+    assert XXH3_CHECK.verify([KEY_A, KEY_A], [block, block], [plain, keyed]) == [True, False]
+    assert acme.verify([KEY_A, KEY_B, KEY_A], [block] * 3, [keyed, keyed, plain]) == [
+        True,
+        False,
+        False,
+    ]
