@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from client import KVClient
-from deploy.local_cluster import TLS_DIR, LocalCluster
+from deploy.local_cluster import TLS_DIR, LocalCluster, spawn_node, wait_healthy
 from erasure.codec import make_codec
 from kvstore.certs import issue_files
 from kvstore.node.store_holder import open_store
@@ -26,7 +26,8 @@ from tests.client.secure_cluster import random_block
 from tests.client.test_node_trust import _forged_repair_puts
 from ttl.clock import make_clock
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
+STARTUP_TIMEOUT_S = 300  # twelve TLS nodes on a loaded 2-core machine
 TENANTS = ("acme", "vault")  # acme: keyed versions; vault: sealed (AES-GCM)
 WRITTEN, PLANTED, OVERWRITTEN = b"w" * 16, b"p" * 16, b"o" * 16
 
@@ -35,7 +36,13 @@ WRITTEN, PLANTED, OVERWRITTEN = b"w" * 16, b"p" * 16, b"o" * 16
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("forged")
     with LocalCluster.start(
-        root, 12, fsync=False, auth=True, mtls=True, encrypt=["vault"], startup_timeout_s=180
+        root,
+        12,
+        fsync=False,
+        auth=True,
+        mtls=True,
+        encrypt=["vault"],
+        startup_timeout_s=STARTUP_TIMEOUT_S,
     ) as c:
         yield c
 
@@ -51,25 +58,30 @@ def _client(cluster: LocalCluster, tenant: str, token: str) -> KVClient:
     )
 
 
-def _write_stores_directly(cluster: LocalCluster, tenant: str, key: bytes, block: bytes) -> None:
-    """Every node of ``key``'s group stopped, its store given the shard of ``block`` (an
-    xxh3 version, newer than anything there), and started again."""
+def _write_stores_directly(cluster: LocalCluster, writes: list[tuple[str, bytes, bytes]]) -> None:
+    """Each (tenant, key, block): every node of the key's group stopped, its store given the
+    shard of ``block`` (an xxh3 version, newer than anything there), then started again."""
     config = cluster.config
-    shards = make_codec(config.codec).encode(block)
-    members = Placement(config).nodes_for_key(key)
+    codec = make_codec(config.codec)
+    placement = Placement(config)
     clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
-    for node_id in members:
+    stopped = sorted({n for _, key, _ in writes for n in placement.nodes_for_key(key)})
+    for node_id in stopped:
         cluster.kill_node(node_id)
-    for index, node_id in enumerate(members):
-        store = open_store(config, config.node(node_id), clock)
-        try:
-            options = PutOptions(written_at_s=[clock.now() + 60])
-            stored = store.put(tenant, "chat", [(key, shards[index])], options)
-            assert stored.num_stored == 1, f"the direct write to {node_id} did not land"
-        finally:
-            store.close()
-    for node_id in members:
-        cluster.restart_node(node_id)
+    for tenant, key, block in writes:
+        shards = codec.encode(block)
+        for index, node_id in enumerate(placement.nodes_for_key(key)):
+            store = open_store(config, config.node(node_id), clock)
+            try:
+                options = PutOptions(written_at_s=[clock.now() + 60])
+                stored = store.put(tenant, "chat", [(key, shards[index])], options)
+                assert stored.num_stored == 1, f"the direct write to {node_id} did not land"
+            finally:
+                store.close()
+    for node_id in stopped:
+        cluster.procs[node_id] = spawn_node(cluster.root, node_id)
+    restarted = {n: cluster.procs[n] for n in stopped}
+    wait_healthy(cluster.root, config, restarted, timeout_s=STARTUP_TIMEOUT_S)
 
 
 async def _tokens(cluster: LocalCluster) -> dict[str, str]:
@@ -94,8 +106,9 @@ async def test_no_forged_block_reads_as_bytes(cluster: LocalCluster) -> None:
         for key in (WRITTEN, PLANTED):  # the audit's node-token repair put (refused)
             codes = await asyncio.to_thread(_forged_repair_puts, cluster, key, forged, tenant)
             assert not any(c.startswith("OK") for c in codes.values()), codes
-        for key in (OVERWRITTEN, PLANTED):  # stores written directly, every node of the group
-            await asyncio.to_thread(_write_stores_directly, cluster, tenant, key, forged)
+    # Stores written directly, every node of the group, each tenant's two keys.
+    writes = [(t, key, forged) for t in TENANTS for key in (OVERWRITTEN, PLANTED)]
+    await asyncio.to_thread(_write_stores_directly, cluster, writes)
     for tenant, token in tokens.items():
         async with _client(cluster, tenant, token) as kv:
             for key in (WRITTEN, PLANTED, OVERWRITTEN):
