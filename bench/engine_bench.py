@@ -20,10 +20,10 @@ Llama-3.2-1B's 128k context for 32k and 64k prompts):
   always recomputed). The seeding sequence stays in the engine; extending it by the rest of
   the prompt (no store) is ``suffix_compute_s``, the compute an ideal cache leaves.
 - ``ttft_s``: cache-backed prefill of the whole prompt (fetch, swap-in, compute of the rest,
-  first token), write-back off so repeats see the same cache. ``--fetch-policy cost`` (the
-  default, as the engine runs) lets the cost model choose, computing the first blocks while
-  it fetches the others where that is faster (``front_compute_s``); ``always`` swaps in
-  whatever is cached (the bare swap-in).
+  first token), write-back off so repeats see the same cache. ``--fetch-policy always`` (the
+  default, as the engine runs) swaps in whatever is cached; ``cost`` lets the cost model
+  choose, computing the first blocks while it fetches the others where it predicts that is
+  faster (``front_compute_s``).
 - One untimed round warms up first; then runs are interleaved round by round (see ``Bench``)
   and reported as medians, with every run (``ttft_cold_s_runs``, ``ttft_s_runs``) and the
   spread of each, (max - min) / median; the 1-minute load average before and after goes into
@@ -459,10 +459,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fetch-policy",
-        default="cost",
+        default="always",
         choices=["always", "cost"],
-        help="cost: the engine's default, computing the front while it fetches the rest where "
-        "that is faster (default); always: fetch every cached block (the bare swap-in)",
+        help="always: fetch every cached block, the engine's default (default); cost: compute "
+        "the front while fetching the rest where the cost model predicts that is faster",
     )
     parser.add_argument(
         "--fetch-deadline-s",

@@ -122,7 +122,9 @@ class EngineConfig:
     max_num_seqs: int = 2  # sequences that can hold KV at once (sizes the block pool)
     max_model_len: int = 0  # longest sequence in tokens; 0 = the model's context length
     traffic_class: str = "chat"  # default class of writes; a request may name its own
-    fetch_policy: str = "cost"  # "cost": fetch when the cost model says it is faster; "always"
+    # "always": fetch every cached block (the measured best on an H200: runs 4-6 in
+    # docs/runs/swapin-h200); "cost": the cost model may compute a front meanwhile, or all
+    fetch_policy: str = "always"
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
     fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
     fetch_concurrency: int = 512  # blocks in flight per fetch (in land_batch chunks)

@@ -194,7 +194,7 @@ class StoreConnector:
             reason = "no_buffer"
         num_used = self._whole_chunks(num_arrived)
         swap_in.start(num_used)
-        self._record(num_arrived, first, num_used, num_landed, reason, fetch_s)
+        self._record(num_arrived, first, num_used, num_landed, reason, fetch_s, first > 0)
         if reason is None and first:
             reason = "cost"
         return FetchOutcome(
@@ -343,6 +343,7 @@ class StoreConnector:
         num_landed: int,
         reason: str | None,
         fetch_s: float,
+        overlapped: bool,
     ) -> None:
         stats = self.stats
         stats.num_matched_blocks += num_found
@@ -350,6 +351,11 @@ class StoreConnector:
         stats.num_skipped_by_cost += num_computed
         stats.num_fetch_fallbacks += reason is not None
         stats.num_deadlines_exceeded += reason == "deadline"
+        if overlapped and reason is None:
+            # The front's compute shared the host with this fetch, so its time says less
+            # about the store than about the overlap; learning from it fed back into ever
+            # larger fronts (H200 run 5: docs/runs/swapin-h200).
+            return
         if reason in (None, "miss") and num_landed:  # every block the fetch moved counts
             self.cost_model.observe_fetch(num_landed * self.layout.block_bytes, fetch_s)
         elif reason == "miss":  # nothing moved: the fetch's time is its fixed cost

@@ -158,8 +158,9 @@ class Engine:
         ttft_s = time.perf_counter() - started
         result = self._result(seq, logits, first, outcome, ttft_s, compute_s, front_s)
         if self.connector:  # every prefill teaches the cost model the compute rate
+            # (from the compute after the fetch: the front's ran beside it, slowed by it)
             self.connector.cost_model.observe_compute(
-                result.num_computed_tokens, compute_s + front_s
+                result.num_computed_tokens - result.num_front_tokens, compute_s
             )
         if store and (self.config.write_back if write_back is None else write_back):
             first_new = outcome.first_uncached_block if outcome else 0

@@ -60,7 +60,7 @@ def engine_config(
     block_tokens: int,
     max_model_len: int,
     seed: int,
-    fetch_policy: str = "cost",
+    fetch_policy: str = "always",
     store_transport: str = "grpc",
 ) -> EngineConfig:
     """One sequence at a time; prefill fetches by ``fetch_policy`` and writes back, decode
@@ -118,8 +118,9 @@ def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fetch-policy",
         choices=["cost", "always"],
-        default="cost",
-        help="prefill: fetch cached blocks when faster than computing them (cost) or always",
+        default="always",
+        help="prefill: fetch every cached block (always) or when the cost model says it is "
+        "faster than computing them (cost)",
     )
     add_store_transport_argument(parser)
     parser.add_argument(
