@@ -22,6 +22,8 @@ Layout of DIR::
     node.token         with --auth: the credential nodes present to each other (0600)
     tls/               with --tls: the development CA and one certificate per node
     etcd/, etcd.pid    with --etcd (no endpoint): the local etcd's data and pid
+    base_port          with --base-port: the first port; the local etcd and nodes joined
+                       later take the ports after the ones in use, never free ones
 
 On one machine the nodes share DIR, so they share one credentials file; on real hosts each
 node has its own copy (the same file), and only the nodes can read it.
@@ -88,6 +90,7 @@ MASTER_KEY_FILE = "master.key"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
 LOCAL_ETCD = "local"  # `--etcd` without an endpoint: start one (deploy/local_etcd.py)
+BASE_PORT_FILE = "base_port"
 DEFAULT_DOWN_OUT_S = 600.0  # Ceph's mon_osd_down_out_interval
 DRAIN_TIMEOUT_S = 600.0
 PORT_ATTEMPTS = 3
@@ -303,6 +306,21 @@ def local_client_cert(root: Path, config: ClusterConfig) -> tuple[str | None, st
     return None, None
 
 
+def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | None:
+    """With ``--base-port`` (``root/base_port``): the ``count`` ports after every port the
+    cluster uses (its nodes' and its local etcd's); None: the cluster takes free ports."""
+    path = root / BASE_PORT_FILE
+    if not path.exists():
+        return None
+    used = [int(path.read_text()) - 1]
+    used += [int(n.address.rpartition(":")[2]) for n in config.nodes]
+    used += [n.metrics_port for n in config.nodes]
+    etcd_ports = [e.rpartition(":")[2] for e in config.membership.endpoints]
+    used += [int(port) + 1 for port in etcd_ports if port.isdigit()]  # client, then peer
+    first = max(used) + 1
+    return list(range(first, first + count))
+
+
 def read_pids(root: Path) -> dict[str, int]:
     path = root / "pids.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -362,9 +380,13 @@ def _refuse_running(root: Path) -> None:
 
 
 def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) -> ClusterConfig:
-    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``),
-    which must hold no map yet: nodes would follow an older one, not this one."""
-    endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
+    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``,
+    on the ports after the nodes' with ``--base-port``), which must hold no map yet: nodes
+    would follow an older one, not this one."""
+    if etcd == LOCAL_ETCD:
+        endpoint = start_etcd(root, *(next_ports(root, config, 2) or free_ports(2)))
+    else:
+        endpoint = etcd
     membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
     config = dataclasses.replace(config, membership=membership)
     existing = etcd_call(config, _get_map)
@@ -441,6 +463,9 @@ class LocalCluster:
         root = Path(root)
         _refuse_running(root)
         root.mkdir(parents=True, exist_ok=True)
+        (root / BASE_PORT_FILE).unlink(missing_ok=True)
+        if base_port is not None:
+            (root / BASE_PORT_FILE).write_text(str(base_port))
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
         config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls, encrypt=encrypt)
         if etcd is not None:
@@ -496,7 +521,8 @@ class LocalCluster:
         """A new node on 127.0.0.1 (its own failure domain) joined to the map and started."""
         config = self.current_map()
         node_id = node_id or _next_node_id(config, self.root)
-        grpc_port, metrics_port = free_ports(2)
+        fixed = next_ports(self.root, config, 2)
+        grpc_port, metrics_port = fixed or free_ports(2)
         template = config.nodes[0]
         node = dataclasses.replace(
             template,
@@ -516,7 +542,8 @@ class LocalCluster:
                 return self.config.node(node_id)
             except Unavailable as exc:
                 self._stop_proc(self.procs[node_id])
-                if not any(text in str(exc) for text in _PORT_TAKEN) or attempt == PORT_ATTEMPTS:
+                taken = any(text in str(exc) for text in _PORT_TAKEN)
+                if fixed or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 # Another process bound a chosen port first: the node moves to others.
                 grpc_port, metrics_port = free_ports(2)

@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from kvstore.auth import Authenticator, Principal
+from kvstore.auth import Authenticator, Principal, Role
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.config import NodeConfig
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.store_holder import StoreHolder
-from kvstore.store.shard_store import BatchRead, GetResult
+from kvstore.store.shard_store import BatchRead, GetResult, Status
 
 # Reads of at most this many keys run on the event loop (see the module docstring): with
 # 410 KiB shards that is under 2 MB of page-cache reads, a few hundred microseconds at most.
@@ -89,9 +89,14 @@ class NodeReads:
         """One result per key (GetShards), the reply size checked before any byte is read."""
         tenant = self.tenant_of(credential, claimed)
         self._metrics.get_keys.inc(len(keys))
-        return self._holder.require().get(
+        results = self._holder.require().get(
             tenant, list(keys), version, max_reply_bytes=self._max_reply_bytes
         )
+        if _for_a_client(credential):
+            hits = [r for r in results if r.status is Status.HIT]
+            num_bytes = sum(len(shard) for r in hits for shard in r.shards)
+            self._metrics.observe_reads(tenant, len(keys), len(hits), num_bytes)
+        return results
 
     def read_batch(
         self,
@@ -108,7 +113,7 @@ class NodeReads:
         ``shared``: the region is a local client's memory."""
         tenant = self.tenant_of(credential, claimed)
         self._metrics.get_keys.inc(len(keys))
-        return self._holder.require().read_batch(
+        read = self._holder.require().read_batch(
             tenant,
             keys,
             version,
@@ -116,6 +121,10 @@ class NodeReads:
             max_reply_bytes=self._max_reply_bytes,
             shared=shared,
         )
+        if _for_a_client(credential):
+            num_hits = sum(1 for e in read.entries if e.status == Status.HIT)
+            self._metrics.observe_reads(tenant, len(keys), num_hits, read.payload_bytes)
+        return read
 
     @staticmethod
     def runs_inline(num_keys: int) -> bool:
@@ -131,3 +140,8 @@ class NodeReads:
     async def in_pool(self, read: Callable[..., T], *args: object) -> T:
         """``read(*args)`` in the node's pool, whatever its size."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, read, *args)
+
+
+def _for_a_client(credential: Credential) -> bool:
+    """Whether a read counts in the tenant's figures: a peer's repair read does not."""
+    return not (isinstance(credential, Principal) and credential.role is Role.NODE)
