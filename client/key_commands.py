@@ -47,7 +47,7 @@ from kvstore.auth import read_token_file
 from kvstore.cli.args import duration_arg, is_stdout, write_json
 from kvstore.cli.tables import make_console, print_fitted
 from kvstore.config import KEY_BYTES
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
 from ttl.units import format_bytes, format_duration
 
@@ -356,10 +356,14 @@ def run_inspect(args: argparse.Namespace) -> int:
             "found": life is not None,
         }
         if not args.no_read_back:
-            block = await kv.get(key, timeout_s=args.timeout)
+            try:
+                block = await kv.get(key, timeout_s=args.timeout)
+            except PermissionDenied:  # an admin's credential sees records, reads no data
+                block, document["read_back_refused"] = None, True
             document["reads_back"] = block is not None
             document["block_bytes"] = None if block is None else len(block)
-            document["found"] = block is not None
+            if not document.get("read_back_refused"):
+                document["found"] = block is not None
         _print_inspection(document)
         return document
 
@@ -404,7 +408,9 @@ def _print_inspection(document: Document) -> None:
             f"version {life['version'][:8]}: {life['shards']} intact shards (k = {document['k']})"
             f", readable until {_when(life['expires_at_s'])}"
         )
-    if "reads_back" in document:
+    if document.get("read_back_refused"):
+        print("reads back: not tried (this credential may not read the tenant's data)")
+    elif "reads_back" in document:
         got = document["block_bytes"]
         print(f"reads back: {'yes, ' + format_bytes(got) if got is not None else 'NO'}")
 
