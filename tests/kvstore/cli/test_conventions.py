@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -54,6 +56,7 @@ HEAVY_HELP = {
 }
 COMMAND_IDS = " ".join
 UNITS = ("size", "duration", "count")  # the names of the unit-parsing argparse types (args.py)
+OUTPUT_FLAGS = ("--json", "--out", "--parquet", "--plot", "--plot-dir", "--run-dir")
 
 
 def _dummy(action: argparse.Action) -> str:
@@ -234,3 +237,22 @@ def test_heartbeat_speaks_when_the_command_is_silent(monkeypatch: pytest.MonkeyP
     ):
         reporter.advance()
     assert "running" not in quiet.getvalue() and "sim: done" in quiet.getvalue()
+
+
+def test_nothing_the_readme_runs_overwrites_a_tracked_file() -> None:
+    root = Path(__file__).resolve().parents[3]
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, timeout=60, check=True
+    )
+    tracked = set(listed.stdout.split())
+    written = []
+    for command in re.findall(r"`(kvstore [^`]*)`", (root / "README.md").read_text()):
+        words = command.split()
+        written += [value for flag, value in itertools.pairwise(words) if flag in OUTPUT_FLAGS]
+    assert written, "the README runs no command that writes a file: the scan is broken"
+    clobbered = [
+        path
+        for path in written
+        if path in tracked or any(t.startswith(path.rstrip("/") + "/") for t in tracked)
+    ]
+    assert not clobbered, f"README commands overwrite tracked files: {clobbered}; use out/"
