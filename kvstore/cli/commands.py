@@ -10,6 +10,13 @@ a help line and its default (tests/kvstore/cli/test_cli.py checks each command):
     kvstore --help                 every command
     kvstore cluster --help         the cluster subcommands
     kvstore cluster up --help      one command's flags
+    kvstore --version
+
+The table also gives every command the same conventions (tests/kvstore/cli/test_conventions.py
+walks it): ``--json PATH`` with ``-`` for standard output and ``--cluster`` with
+``$KVSTORE_CLUSTER`` (kvstore/cli/args.py ``apply_conventions``), positionals anywhere, a
+heartbeat line off a terminal (kvstore/cli/progress.py), and bad input that reaches a command
+reported in one line instead of a traceback (:func:`run_command`).
 """
 
 from __future__ import annotations
