@@ -119,6 +119,7 @@ def apply_conventions(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if "--json" in action.option_strings and action.nargs != 0:
             action.type = json_path
+            action.metavar = action.metavar or "PATH"
             if action.const == STDOUT_NAME:  # `--json` alone (an old switch): standard output
                 action.const = STDOUT_PATH
             action.help = f"{action.help}; - = standard output"
@@ -128,6 +129,7 @@ def apply_conventions(parser: argparse.ArgumentParser) -> None:
 
 def _cluster_from_env(parser: argparse.ArgumentParser, action: argparse.Action) -> None:
     action.type = cluster_path
+    action.metavar = action.metavar or "PATH"
     action.help = f"{action.help} (a cluster.toml or its directory; default: ${CLUSTER_ENV})"
     from_env = os.environ.get(CLUSTER_ENV)
     if not from_env:

@@ -168,7 +168,14 @@ def build_parser(command: tuple[str, ...]) -> tuple[argparse.ArgumentParser, Cal
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `kvstore ... | head`: the reader left; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command killed by SIGPIPE
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] in (["--version"], ["-V"]):
         print(f"kvstore {package_version()}")
         return 0
