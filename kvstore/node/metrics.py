@@ -9,7 +9,9 @@ series that has no value yet is absent (never a -1)::
 
     kvstore_requests_total{rpc,code}         kvstore_request_seconds{rpc}   (histogram)
     kvstore_put_shards_total                 kvstore_get_keys_total
-    kvstore_put_bytes_total  kvstore_read_bytes_total                (shard bytes in and out)
+    kvstore_put_bytes_total  kvstore_read_bytes_total                (shard bytes in and out;
+                                  out: in read answers, not what a same-host client's landing
+                                  pool got placed straight into it)
     kvstore_tenant_reads_total{tenant,outcome}   shard reads per tenant, outcome hit or miss
                                                  (a peer's repair reads are not counted)
     kvstore_shards  kvstore_shard_bytes  kvstore_used_bytes  kvstore_capacity_bytes
