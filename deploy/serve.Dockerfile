@@ -21,7 +21,7 @@ COPY client ./client
 COPY deploy ./deploy
 COPY bench ./bench
 COPY engine_adapter ./engine_adapter
-RUN make native NATIVE_CFLAGS=-O3 && test -f erasure/_fastsum.so
+RUN make native NATIVE_CFLAGS=-O3 && test -f erasure/_fastsum.so && test -f kvstore/wire/_landing.so
 RUN python -m venv /opt/kvstore/.venv \
     && /opt/kvstore/.venv/bin/pip install --no-cache-dir torch==2.13.0 \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
