@@ -53,10 +53,11 @@ demo: install
 	$(VENV)/bin/kvstore demo
 
 # Debian packages that tests and benchmarks run against, as package:command (the Redis
-# baseline: redis-server; membership on etcd, the many-host tests: etcd-server's etcd).
+# baseline: redis-server; membership on etcd, the many-host tests: etcd-server's etcd; the
+# alert rules of deploy/observability/: prometheus' promtool).
 # Installed when missing where that is possible (root with apt-get, as in CI); elsewhere the
 # tests and benchmarks that need them skip and say so.
-SYSTEM_PACKAGES := redis-server:redis-server etcd-server:etcd
+SYSTEM_PACKAGES := redis-server:redis-server etcd-server:etcd prometheus:promtool
 system-packages:
 	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
 		pkg=$${entry%%:*}; cmd=$${entry##*:}; \

@@ -136,7 +136,13 @@ def plan_from_args(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
 
 
 def _sim_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
-    if (args.sim is None) == (args.trace is None):
+    if args.sim is None and args.trace is None:
+        raise ValueError(
+            "what to plan from: --sim PATH (a `kvstore sim --json` result, JSON or Parquet), or "
+            "--trace PATH --format F with a grid (--ttl, --capacity) to simulate first; "
+            "e.g. kvstore plan --sim out/sim.json --bytes-per-token 890 --json out/plan.json"
+        )
+    if args.sim is not None and args.trace is not None:
         raise ValueError("give --sim (a kvstore sim result) or --trace (and a grid), not both")
     if args.trace is not None:
         if args.bytes_per_token is None:

@@ -25,6 +25,14 @@ chunk keys) keep their chains; :func:`namespaced_keys` maps each of their keys i
 
 so the same engine key under another namespace (model, dtype, layout, parallel rank, page
 size), salt or part (K and V halves of one page) is another store key.
+
+A key given as a ``str`` (the client's calls and ``kvstore get|put|del|ttl|inspect KEY``) is
+hashed by :func:`string_key`, the same way in every process and tool::
+
+    key = xxh3_128( b"kvstore.string_key.v1" || u32(len(utf8)) || utf8 )
+
+so ``kv.put("greeting", ...)`` and ``kvstore get greeting`` name one block. Tenants do not
+enter the hash: the nodes keep every tenant's keys apart anyway.
 """
 
 from __future__ import annotations
@@ -35,10 +43,12 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from kvstore.config import KEY_BYTES
 from kvstore.errors import InvalidArgument
 
 _DOMAIN_TAG = b"kvstore.block_keys.v1"
 _NAMESPACED_TAG = b"kvstore.namespaced_keys.v1"
+_STRING_TAG = b"kvstore.string_key.v1"
 _U32 = struct.Struct("<I")
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -82,6 +92,26 @@ def namespaced_keys(
     root = xxhash.xxh3_128_digest(_NAMESPACED_TAG + _prefixed(namespace) + _prefixed(salt))
     prefix = root + _prefixed(part)
     return [xxhash.xxh3_128_digest(prefix + _as_bytes(key)) for key in engine_keys]
+
+
+def string_key(name: str) -> bytes:
+    """The 16-byte store key of a string key (see the module doc)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"a string key must be a non-empty str, got {name!r}")
+    return xxhash.xxh3_128_digest(_STRING_TAG + _prefixed(name))
+
+
+def as_key(key: str | bytes) -> bytes:
+    """A store key: a 16-byte key as it is, a ``str`` hashed by :func:`string_key`."""
+    if isinstance(key, str):
+        return string_key(key)
+    if isinstance(key, bytes) and len(key) == KEY_BYTES:
+        return key
+    got = f"{len(key)} bytes" if isinstance(key, bytes | bytearray) else type(key).__name__
+    raise InvalidArgument(
+        f"a key is a str or {KEY_BYTES} bytes (an xxh3-128 digest, e.g. from "
+        f"client.block_keys), got {got}"
+    )
 
 
 def _as_bytes(field: str | bytes) -> bytes:

@@ -4,7 +4,7 @@
 
     kv = await KVClient.connect("DIR/cluster.toml", tenant="acme", token=None)
     async with KVClient.connect(...) as kv: ...          # or: async with await ...connect(...)
-    await kv.put(key, data, traffic_class="chat")        # QuorumError below k shards stored
+    await kv.put(key, data, traffic_class="chat", ttl_s=None)  # QuorumError below k stored
     await kv.get(key) -> bytes | None                    # None is a miss
     await kv.get_into(key, out) -> bool                  # decodes straight into ``out``
     await kv.contains(keys) -> list[bool]
@@ -12,7 +12,14 @@
     await kv.delete(keys); await kv.close()
     await kv.get_batch_into(keys, buffers) -> list[bool]  # the data plane (below)
     await kv.get_batch(keys) -> list[bytes | None]
-    await kv.put_batch(keys, blocks, traffic_class="chat")   # QuorumError names the keys
+    await kv.put_batch(keys, blocks, traffic_class="chat", ttl_s=None)  # QuorumError: keys
+
+A key is 16 bytes (``block_keys``) or a ``str``, hashed by ``client.keys.string_key`` exactly
+as ``kvstore get|put|del|ttl|inspect`` hash it. A block (a put's data, a ``get_into``
+destination) is any contiguous buffer: bytes, bytearray, memoryview, a numpy array, or a CPU
+tensor (torch's included, found by duck typing: client/buffers.py; torch is never imported
+here). ``ttl_s`` gives the blocks a TTL of their own, used instead of their class's when
+shorter: the nodes never keep a block longer than its class TTL or its tenant's cap.
 
 The batch calls are the data plane: one request per node per batch (client/batch_read.py,
 client/write_path.py), shard payloads landing straight in the caller's buffers. The
@@ -45,9 +52,11 @@ from pathlib import Path
 from typing import Any
 
 from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
+from client.buffers import Buffer, byte_view, writable_view
 from client.follow_ups import FollowUps
 from client.integrity import XXH3_CHECK, BlockIntegrity, tenant_key
 from client.keyring import open_keyring
+from client.keys import as_key
 from client.landing_pool import LandingPool
 from client.local.reader import LocalReads
 from client.map_follower import MapFollower
@@ -57,25 +66,24 @@ from client.shard_tally import PresenceTally
 from client.transports import NodeTransports
 from client.ucx.reader import UcxReads
 from client.write_path import BatchWrite, WriteCounters, WritePolicy
-from erasure.codec import byte_view, make_codec
+from erasure.codec import make_codec
 from kvstore.auth import client_token
 from kvstore.byte_arena import ByteArena
 from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
 from kvstore.errors import (
     InvalidArgument,
-    InvalidCodecInput,
     KVStoreError,
     PermissionDenied,
     Unavailable,
 )
-from kvstore.placement import Placement, check_key
+from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tls import channel_credentials
 from ttl.clock import Clock, make_clock
 
 log = logging.getLogger(__name__)
 
-Buffer = bytes | bytearray | memoryview
+Key = bytes | str  # 16 bytes, or a str hashed by client.keys.string_key
 TRANSPORTS = READ_TRANSPORTS
 WRITE_SPARE_BYTES = 64 << 20  # parity and padded tails of one put_batch are encoded here
 DECODE_THREADS = min(8, os.cpu_count() or 1)
@@ -294,37 +302,43 @@ class KVClient:
 
     async def put(
         self,
-        key: bytes,
+        key: Key,
         data: Buffer,
         traffic_class: str = "chat",
         *,
+        ttl_s: float | None = None,
         timeout_s: float | None = None,
     ) -> None:
         """Store ``data`` under ``key``; QuorumError if fewer than min_write_shards (k) land."""
-        await self.put_batch([key], [data], traffic_class=traffic_class, timeout_s=timeout_s)
+        await self.put_batch(
+            [key], [data], traffic_class=traffic_class, ttl_s=ttl_s, timeout_s=timeout_s
+        )
 
     async def put_batch(
         self,
-        keys: Sequence[bytes],
+        keys: Sequence[Key],
         blocks: Sequence[Buffer],
         *,
         traffic_class: str,
+        ttl_s: float | None = None,
         timeout_s: float | None = None,
     ) -> None:
         """Store ``blocks[i]`` under ``keys[i]``: one PutShards per node for the whole batch.
 
         Stores every block it can. Raises QuorumError naming the keys (also as its ``keys``
         attribute) whose blocks reached fewer than min_write_shards nodes; the other blocks
-        are stored. Misuse (bad key, unknown class, oversized block) raises before anything
-        is sent. A block stored with fewer than k+m shards is hinted to repair.
+        are stored. Misuse (bad key, unknown class, oversized block, a TTL not above 0) raises
+        before anything is sent. A block stored with fewer than k+m shards is hinted to repair.
+        ``ttl_s``: the blocks' own TTL (seconds of the cluster clock), used instead of the
+        class TTL when shorter; None = the class's (within the tenant's cap, as always).
         """
         if len(keys) != len(blocks):
             raise InvalidArgument(
                 f"put_batch got {len(keys)} keys but {len(blocks)} blocks; pass one block per key"
             )
-        for key in keys:
-            check_key(key)
+        keys = [as_key(key) for key in keys]
         self.config.ttl.classes.check(traffic_class)
+        own_ttl_s = _own_ttl_s(ttl_s)
         views = [self._block_view(block) for block in blocks]
         if self.sealer is not None:  # sealed before erasure coding (client/sealer.py)
             views = [memoryview(self.sealer.seal(k, v)) for k, v in zip(keys, views, strict=True)]
@@ -348,7 +362,13 @@ class KVClient:
             self.integrity,
         )
         await write.run(
-            keys, groups, views, traffic_class, self._timeout_s(timeout_s), self.clock.now()
+            keys,
+            groups,
+            views,
+            traffic_class,
+            self._timeout_s(timeout_s),
+            self.clock.now(),
+            own_ttl_s,
         )
 
     def _write_policy(self) -> WritePolicy:
@@ -361,7 +381,7 @@ class KVClient:
         )
 
     def _block_view(self, data: Buffer) -> memoryview:
-        view = _byte_view(data, "put data")
+        view = byte_view(data, "put data")
         max_bytes = self.config.codec.max_block_bytes - (OVERHEAD_BYTES if self.sealer else 0)
         if not 0 < len(view) <= max_bytes:
             raise InvalidArgument(
@@ -370,12 +390,12 @@ class KVClient:
             )
         return view
 
-    async def get(self, key: bytes, *, timeout_s: float | None = None) -> bytes | None:
+    async def get(self, key: Key, *, timeout_s: float | None = None) -> bytes | None:
         """The block stored under ``key``, or None (miss, too few shards, deadline)."""
         (block,) = await self.get_batch([key], timeout_s=timeout_s)
         return block
 
-    async def get_into(self, key: bytes, out: Buffer, *, timeout_s: float | None = None) -> bool:
+    async def get_into(self, key: Key, out: Buffer, *, timeout_s: float | None = None) -> bool:
         """Decode the block straight into ``out`` (writable, exactly the block's size).
 
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
@@ -385,14 +405,14 @@ class KVClient:
         return landed
 
     async def get_batch(
-        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+        self, keys: Sequence[Key], *, timeout_s: float | None = None
     ) -> list[bytes | None]:
         """Each key's block, or None (a miss): one request per node for the whole batch."""
         blocks = await self._read(keys, [None] * len(keys), timeout_s)
         return [b if b is None or isinstance(b, bytes) else bytes(b) for b in blocks]
 
     async def get_batch_into(
-        self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, timeout_s: float | None = None
+        self, keys: Sequence[Key], buffers: Sequence[Buffer], *, timeout_s: float | None = None
     ) -> list[bool]:
         """Land each key's block in its buffer: True = it landed and was verified, False = a
         miss (that buffer may then hold partial data).
@@ -427,7 +447,7 @@ class KVClient:
                 f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers; "
                 "pass one buffer per key"
             )
-        outs = [_writable(buffer, i) for i, buffer in enumerate(buffers)]
+        outs = [writable_view(buffer, f"buffer {i}") for i, buffer in enumerate(buffers)]
         rewritten: set[int] = set()
         blocks = await self._read(keys, outs, timeout_s, on_landed, rewritten)
         return Landing(
@@ -437,14 +457,13 @@ class KVClient:
 
     async def _read(
         self,
-        keys: Sequence[bytes],
+        keys: Sequence[Key],
         outs: Sequence[memoryview | None],
         timeout_s: float | None,
         on_landed: OnLanded | None = None,
         rewritten: set[int] | None = None,
     ) -> list[bytes | memoryview | None]:
-        for key in keys:
-            check_key(key)
+        keys = [as_key(key) for key in keys]
         if not keys:
             return []
         read = self._batch_read(self._group_members)
@@ -510,10 +529,9 @@ class KVClient:
             read.rewritten.add(i)
         return blocks
 
-    async def contains(
-        self, keys: Sequence[bytes], *, timeout_s: float | None = None
-    ) -> list[bool]:
+    async def contains(self, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
         """For each key: is its block readable (some version on >= k nodes)? TTLs not refreshed."""
+        keys = [as_key(key) for key in keys]
         timeout_s = self._timeout_s(timeout_s)
         node_to_positions = self._positions_by_node(keys)
         num_asked = [0] * len(keys)  # k+m, or more during a map change (both placements)
@@ -539,17 +557,18 @@ class KVClient:
         await _run_until(calls, lambda: tally.all_decided, timeout_s)
         return [bool(readable) for readable in tally.readable]
 
-    async def match_prefix(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+    async def match_prefix(self, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
         """How many leading keys have readable blocks (one batched RPC per node)."""
         readable = await self.contains(keys, timeout_s=timeout_s)
         return next((i for i, ok in enumerate(readable) if not ok), len(readable))
 
-    async def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> None:
+    async def delete(self, keys: Sequence[Key], *, timeout_s: float | None = None) -> None:
         """Delete this tenant's blocks under ``keys`` on every node of their groups.
 
         Raises Unavailable if, for some key, fewer than m+1 nodes confirmed: then up to k of
         its shards may survive and the block could still be readable; retry the delete.
         """
+        keys = [as_key(key) for key in keys]
         node_to_positions = self._positions_by_node(keys)
         request_of = {
             node_id: pb.DeleteRequest(tenant=self.tenant, keys=[keys[p] for p in positions])
@@ -665,23 +684,13 @@ class KVClient:
         self._decode_pool.shutdown(wait=False)
 
 
-def _byte_view(buffer: object, what: str) -> memoryview:
-    """The codec's flat view of a caller's buffer; misuse raised as the client's own
-    InvalidArgument (the codec, a lower layer, has its own error for it)."""
-    try:
-        return byte_view(buffer, what)
-    except InvalidCodecInput as exc:
-        raise InvalidArgument(str(exc)) from None
-
-
-def _writable(buffer: Buffer, position: int) -> memoryview:
-    view = _byte_view(buffer, f"buffer {position}")
-    if view.readonly:
-        raise InvalidArgument(
-            f"buffer {position} is read-only {type(buffer).__name__}; get_batch_into needs "
-            "writable buffers (bytearray, numpy array, a BufferPool slot)"
-        )
-    return view
+def _own_ttl_s(ttl_s: float | None) -> float:
+    """A put's own TTL as the request carries it (0 = the class's); misuse raised."""
+    if ttl_s is None:
+        return 0.0
+    if not isinstance(ttl_s, int | float) or not ttl_s > 0:
+        raise InvalidArgument(f"ttl_s must be a number of seconds above 0 (or None), got {ttl_s!r}")
+    return float(ttl_s)
 
 
 async def _load_config(cluster_toml: str | Path | ClusterConfig) -> ClusterConfig:

@@ -180,11 +180,13 @@ def encode_put_request(
     traffic_class: str,
     items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]],
     written_at_s: float = 0.0,
+    ttl_s: float = 0.0,
 ) -> bytes:
     """A serialized PutShardsRequest, byte for byte what protobuf writes; each shard is given
     as pieces (its header, its payload) and copied once, into the request. ``written_at_s``:
     when the block versions were written (every ``ShardPut.written_at_s``; 0 = the node's
-    now), which orders a key's versions on the nodes."""
+    now), which orders a key's versions on the nodes. ``ttl_s``: the blocks' own TTL (0 =
+    their class's)."""
     parts = [
         _field(1, tenant.encode()),
         _field(2, traffic_class.encode()),
@@ -199,10 +201,13 @@ def encode_put_request(
         parts += pieces
         if written_at:
             parts.append(written_at)
+    if ttl_s:  # PutShardsRequest.ttl_s: field 7, a double, after the shards (field order)
+        parts.append(_TTL_TAG + struct.pack("<d", ttl_s))
     return b"".join(parts)
 
 
 _WRITTEN_AT_TAG = bytes([3 << 3 | 1])
+_TTL_TAG = bytes([7 << 3 | 1])
 
 
 def _field(number: int, value: bytes) -> bytes:

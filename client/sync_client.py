@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from client.kv_client import Buffer, KVClient
+from client.kv_client import Buffer, Key, KVClient
 from kvstore.config import ClusterConfig
 from kvstore.errors import InvalidArgument
 
@@ -135,43 +135,43 @@ class SyncKVClient:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return _result(self.submit(method, *args, **kwargs))
 
-    def put(self, key: bytes, data: Buffer, traffic_class: str = "chat", **kw: Any) -> None:
-        """KVClient.put, blocking: QuorumError below the write quorum."""
+    def put(self, key: Key, data: Buffer, traffic_class: str = "chat", **kw: Any) -> None:
+        """KVClient.put, blocking (``ttl_s=``, ``timeout_s=``): QuorumError below the quorum."""
         self._call("put", key, data, traffic_class, **kw)
 
     def put_batch(
-        self, keys: Sequence[bytes], blocks: Sequence[Buffer], *, traffic_class: str, **kw: Any
+        self, keys: Sequence[Key], blocks: Sequence[Buffer], *, traffic_class: str, **kw: Any
     ) -> None:
-        """KVClient.put_batch, blocking: QuorumError names the keys that were not stored."""
+        """KVClient.put_batch, blocking (``ttl_s=``): QuorumError names the keys not stored."""
         self._call("put_batch", keys, blocks, traffic_class=traffic_class, **kw)
 
-    def get(self, key: bytes, **kw: Any) -> bytes | None:
+    def get(self, key: Key, **kw: Any) -> bytes | None:
         """KVClient.get, blocking: the block or None (a miss)."""
         return self._call("get", key, **kw)
 
-    def get_into(self, key: bytes, out: Buffer, **kw: Any) -> bool:
+    def get_into(self, key: Key, out: Buffer, **kw: Any) -> bool:
         """KVClient.get_into, blocking: False on a miss."""
         return self._call("get_into", key, out, **kw)
 
-    def get_batch(self, keys: Sequence[bytes], **kw: Any) -> list[bytes | None]:
+    def get_batch(self, keys: Sequence[Key], **kw: Any) -> list[bytes | None]:
         """KVClient.get_batch, blocking: each key's block or None."""
         return self._call("get_batch", keys, **kw)
 
     def get_batch_into(
-        self, keys: Sequence[bytes], buffers: Sequence[Buffer], **kw: Any
+        self, keys: Sequence[Key], buffers: Sequence[Buffer], **kw: Any
     ) -> list[bool]:
         """KVClient.get_batch_into, blocking: True where the block landed in its buffer."""
         return self._call("get_batch_into", keys, buffers, **kw)
 
-    def contains(self, keys: Sequence[bytes], **kw: Any) -> list[bool]:
+    def contains(self, keys: Sequence[Key], **kw: Any) -> list[bool]:
         """KVClient.contains, blocking (TTLs not refreshed)."""
         return self._call("contains", keys, **kw)
 
-    def match_prefix(self, keys: Sequence[bytes], **kw: Any) -> int:
+    def match_prefix(self, keys: Sequence[Key], **kw: Any) -> int:
         """KVClient.match_prefix, blocking: how many leading keys are readable."""
         return self._call("match_prefix", keys, **kw)
 
-    def delete(self, keys: Sequence[bytes], **kw: Any) -> None:
+    def delete(self, keys: Sequence[Key], **kw: Any) -> None:
         """KVClient.delete, blocking."""
         self._call("delete", keys, **kw)
 

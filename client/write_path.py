@@ -137,11 +137,12 @@ class BatchWrite:
         traffic_class: str,
         timeout_s: float,
         written_at_s: float = 0.0,
+        ttl_s: float = 0.0,
     ) -> None:
         deadline_s = time.monotonic() + timeout_s
         self.counters.num_put_batches += 1
         self.counters.num_puts += len(keys)
-        requests = self._requests(keys, groups, blocks, traffic_class, written_at_s)
+        requests = self._requests(keys, groups, blocks, traffic_class, written_at_s, ttl_s)
         tasks = {
             asyncio.ensure_future(
                 put_with_retries(self.conns[node], request, deadline_s, self.counters)
@@ -158,6 +159,7 @@ class BatchWrite:
         blocks: Sequence[memoryview],
         traffic_class: str,
         written_at_s: float,
+        ttl_s: float,
     ) -> list[tuple[int, bytes, list[int]]]:
         """(node, its encoded PutShards request, the batch positions it stores) per request:
         one per node, more where a node's shards pass half its max_batch_bytes.
@@ -188,7 +190,7 @@ class BatchWrite:
                 positions = node_to_positions[node]
                 for start, end in _spans([len(h) + len(p) for _, (h, p) in items], conn):
                     request = encode_put_request(
-                        conn.tenant, traffic_class, items[start:end], written_at_s
+                        conn.tenant, traffic_class, items[start:end], written_at_s, ttl_s
                     )
                     requests.append((node, request, positions[start:end]))
             return requests

@@ -5,7 +5,7 @@
     kvstore cluster up --nodes 12 --dir DIR [--time-scale X] [--backend isal|zfec]
                        [--max-bytes 1GiB] [--no-fsync] [--base-port P] [--auth] [--tls]
                        [--etcd [HOST:PORT]] [--down-out-s 600]
-    kvstore cluster status --dir DIR [--json]
+    kvstore cluster status (--dir DIR | --cluster PATH) [--json [PATH]]
     kvstore cluster add-tenant --dir DIR TENANT [--role service --tenants a,b] [--max-ttl ...]
     kvstore cluster join --dir DIR [--id ID] [--address H:P --failure-domain D --data-dir P]
     kvstore cluster drain --dir DIR NODE [--timeout-s 600] [--no-wait]
@@ -20,10 +20,12 @@ layout of DIR). Errors are printed, with exit status 1, not raised.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,7 @@ from deploy.local_cluster import (
 )
 from deploy.local_etcd import stop_etcd
 from kvstore.auth import Role, add_principal, set_tenant_caps
-from kvstore.cli.args import duration_arg, list_arg, size_arg
+from kvstore.cli.args import duration_arg, is_stdout, list_arg, size_arg
 from kvstore.config import ClusterConfig, load_cluster
 from kvstore.errors import ERRORS, InvalidArgument
 from kvstore.map_changes import changed_slots, drain, join
@@ -181,6 +183,8 @@ def run_add_tenant(args: argparse.Namespace) -> int:
 
 
 def _add_tenant(args: argparse.Namespace) -> int:
+    if args.credentials is None:
+        _existing_map(args.dir / "cluster.toml")
     path = args.credentials or args.dir / CREDENTIALS_FILE
     role = Role(args.role)
     token = add_principal(
@@ -212,8 +216,17 @@ def _integrity_key_file(args: argparse.Namespace) -> str:
 
 def configure_status(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore cluster status``."""
-    _add_dir(parser)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--dir", type=Path, help="the cluster's directory (cluster up)")
+    where.add_argument("--cluster", type=Path, help="or any cluster: its cluster.toml")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        type=Path,
+        metavar="PATH",
+        help="the status as JSON at PATH instead of tables (--json alone: standard output)",
+    )
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -221,13 +234,35 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    config = load_cluster(args.dir / "cluster.toml")
-    return print_status(
-        args.dir,
-        read_pids(args.dir),
-        as_json=args.json,
-        token=local_admin_token(args.dir),
-        client_cert=local_client_cert(args.dir, config),
+    cluster_toml = args.cluster or args.dir / "cluster.toml"
+    root = cluster_toml.parent
+    config = load_cluster(_existing_map(cluster_toml))
+    status = partial(
+        print_status,
+        root,
+        read_pids(root),
+        as_json=args.json is not None,
+        token=local_admin_token(root),
+        client_cert=local_client_cert(root, config),
+        cluster_toml=cluster_toml,
+    )
+    if args.json is None:
+        return status()
+    if not is_stdout(args.json):
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+    with args.json.open("w") as out, contextlib.redirect_stdout(out):
+        return status()
+
+
+def _existing_map(cluster_toml: Path) -> Path:
+    """``cluster_toml``, or InvalidArgument saying what is missing (no traceback)."""
+    if cluster_toml.is_file():
+        return cluster_toml
+    root = cluster_toml.parent
+    what = "no such directory" if not root.is_dir() else f"no {cluster_toml.name} in it"
+    raise InvalidArgument(
+        f"{root}: {what}; give the directory of a `kvstore cluster up` (--dir) or a "
+        "cluster.toml (--cluster, or $KVSTORE_CLUSTER)"
     )
 
 
@@ -343,7 +378,7 @@ def _remove(args: argparse.Namespace) -> int:
 
 def _attached(root: Path) -> LocalCluster:
     """The cluster of ``root`` as the CLI sees it (its processes are not ours)."""
-    return LocalCluster(root, load_cluster(root / "cluster.toml"))
+    return LocalCluster(root, load_cluster(_existing_map(root / "cluster.toml")))
 
 
 def configure_down(parser: argparse.ArgumentParser) -> None:
@@ -365,6 +400,7 @@ def _report_errors(action: Callable[[argparse.Namespace], int], args: argparse.N
 
 
 def _down(args: argparse.Namespace) -> int:
+    _existing_map(args.dir / "cluster.toml")
     node_to_pid = read_pids(args.dir)
     running = {n: pid for n, pid in node_to_pid.items() if is_node_process(pid, n)}
     stop_pids(node_to_pid)

@@ -1,4 +1,4 @@
-"""``kvstore cluster status --dir DIR [--json]``: one Stats RPC per node, as tables or JSON.
+"""``kvstore cluster status --dir DIR [--json [PATH]]``: one Stats RPC per node, as tables or JSON.
 
 The JSON (``--json``)::
 
@@ -275,10 +275,12 @@ def print_status(
     as_json: bool = False,
     token: str | None = None,
     client_cert: tuple[str | None, str | None] = (None, None),
+    cluster_toml: Path | None = None,
 ) -> int:
     """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise.
-    With etcd membership the map is etcd's, and nodes "left" need not answer."""
-    cluster_toml = root / "cluster.toml"
+    With etcd membership the map is etcd's, and nodes "left" need not answer.
+    ``cluster_toml``: the map, when it is not ``root/cluster.toml``."""
+    cluster_toml = cluster_toml or root / "cluster.toml"
     config, live = current_map(load_cluster(cluster_toml))
     stats = fetch_stats(config, token, client_cert)
     if as_json:

@@ -24,6 +24,8 @@ Layout of DIR::
     tls/               with --tls: the development CA and one certificate per node;
     tls/etcd/          with --tls --etcd: etcd's own CA, its certificate and its users' ones
     etcd/, etcd.pid    with --etcd (no endpoint): the local etcd's data and pid
+    base_port          with --base-port: the first port; the local etcd and nodes joined
+                       later take the ports after the ones in use, never free ones
 
 On one machine the nodes share DIR, so they share one credentials file; on real hosts each
 node has its own copy (the same file), and only the nodes can read it.
@@ -93,6 +95,7 @@ INTEGRITY_KEY_FILE = "integrity.json"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
 LOCAL_ETCD = "local"  # `--etcd` without an endpoint: start one (deploy/local_etcd.py)
+BASE_PORT_FILE = "base_port"
 DEFAULT_DOWN_OUT_S = 600.0  # Ceph's mon_osd_down_out_interval
 DRAIN_TIMEOUT_S = 600.0
 PORT_ATTEMPTS = 3
@@ -330,6 +333,21 @@ def local_client_cert(root: Path, config: ClusterConfig) -> tuple[str | None, st
     return None, None
 
 
+def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | None:
+    """With ``--base-port`` (``root/base_port``): the ``count`` ports after every port the
+    cluster uses (its nodes' and its local etcd's); None: the cluster takes free ports."""
+    path = root / BASE_PORT_FILE
+    if not path.exists():
+        return None
+    used = [int(path.read_text()) - 1]
+    used += [int(n.address.rpartition(":")[2]) for n in config.nodes]
+    used += [n.metrics_port for n in config.nodes]
+    etcd_ports = [e.rpartition(":")[2] for e in config.membership.endpoints]
+    used += [int(port) + 1 for port in etcd_ports if port.isdigit()]  # client, then peer
+    first = max(used) + 1
+    return list(range(first, first + count))
+
+
 def read_pids(root: Path) -> dict[str, int]:
     path = root / "pids.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -390,12 +408,13 @@ def _refuse_running(root: Path) -> None:
 
 def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) -> ClusterConfig:
     """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``,
-    over TLS with client certificates when the cluster has TLS, deploy/local_etcd.py), which
-    must hold no map yet: nodes would follow an older one, not this one."""
+    over TLS with client certificates when the cluster has TLS, deploy/local_etcd.py; on the
+    ports after the nodes' with ``--base-port``), which must hold no map yet: nodes would
+    follow an older one, not this one."""
     tls_fields: dict[str, str] = {}
     if etcd == LOCAL_ETCD:
         tls = issue_etcd_certs(root / TLS_DIR / "etcd") if config.tls_enabled else None
-        endpoint = start_etcd(root, *free_ports(2), tls=tls)
+        endpoint = start_etcd(root, *(next_ports(root, config, 2) or free_ports(2)), tls=tls)
         tls_fields = membership_tls(tls) if tls else {}
     else:
         endpoint = etcd
@@ -484,6 +503,9 @@ class LocalCluster:
         root = Path(root)
         _refuse_running(root)
         root.mkdir(parents=True, exist_ok=True)
+        (root / BASE_PORT_FILE).unlink(missing_ok=True)
+        if base_port is not None:
+            (root / BASE_PORT_FILE).write_text(str(base_port))
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
         config = secure(
             root,
@@ -547,7 +569,8 @@ class LocalCluster:
         """A new node on 127.0.0.1 (its own failure domain) joined to the map and started."""
         config = self.current_map()
         node_id = node_id or _next_node_id(config, self.root)
-        grpc_port, metrics_port = free_ports(2)
+        fixed = next_ports(self.root, config, 2)
+        grpc_port, metrics_port = fixed or free_ports(2)
         template = config.nodes[0]
         node = dataclasses.replace(
             template,
@@ -567,7 +590,8 @@ class LocalCluster:
                 return self.config.node(node_id)
             except Unavailable as exc:
                 self._stop_proc(self.procs[node_id])
-                if not any(text in str(exc) for text in _PORT_TAKEN) or attempt == PORT_ATTEMPTS:
+                taken = any(text in str(exc) for text in _PORT_TAKEN)
+                if fixed or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 # Another process bound a chosen port first: the node moves to others.
                 grpc_port, metrics_port = free_ports(2)

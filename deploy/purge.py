@@ -3,7 +3,7 @@
 ::
 
     kvstore purge --tenant T (--dir DIR | --cluster DIR/cluster.toml) [--wait] [--timeout 60s]
-                  [--json]
+                  [--json [PATH]]
 
 Sends ``Purge`` (an admin call) to every node at once. Each node deletes the tenant's shards,
 destroys their records' bytes on disk (kvstore/store/deletion.py) and logs the purge in its delete
@@ -20,7 +20,6 @@ The admin token comes from DIR/admin.token (``cluster up --auth``), else ``$KVST
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ from rich.table import Table
 from client.keyring import open_keyring
 from deploy.local_cluster import local_admin_token, local_client_cert
 from kvstore.auth import client_token
-from kvstore.cli.args import duration_arg
+from kvstore.cli.args import duration_arg, write_json
 from kvstore.cli.tables import make_console, print_fitted
 from kvstore.config import ClusterConfig, load_cluster
 from kvstore.grpc_errors import from_grpc_status
@@ -127,7 +126,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=duration_arg, default=60.0, help="how long --wait keeps asking, e.g. 5m"
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        type=Path,
+        metavar="PATH",
+        help="the result as JSON at PATH instead of a table (--json alone: standard output)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         "data_key_destroyed": shredded,
         "nodes": [asdict(r) for r in results.values()],
     }
-    if args.json:
-        print(json.dumps(document, indent=1))
+    if args.json is not None:
+        write_json(document, args.json)
     else:
         print_fitted(_table(args.tenant, results), make_console(), keep=("status",))
         if shredded is not None:

@@ -10,19 +10,32 @@ a help line and its default (tests/kvstore/cli/test_cli.py checks each command):
     kvstore --help                 every command
     kvstore cluster --help         the cluster subcommands
     kvstore cluster up --help      one command's flags
+    kvstore --version
+
+The table also gives every command the same conventions (tests/kvstore/cli/test_conventions.py
+walks it): ``--json PATH`` with ``-`` for standard output and ``--cluster`` with
+``$KVSTORE_CLUSTER`` (kvstore/cli/args.py ``apply_conventions``), positionals anywhere, a
+heartbeat line off a terminal (kvstore/cli/progress.py), and bad input that reaches a command
+reported in one line instead of a traceback (:func:`run_command`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from erasure.allocator import tune_glibc_malloc
-from kvstore.cli.args import HelpFormatter
+from kvstore.cli.args import HelpFormatter, apply_conventions, is_stdout
+from kvstore.cli.progress import Heartbeat
+from kvstore.errors import ERRORS
+
+log = logging.getLogger("kvstore.cli")
 
 # Command path -> ("module" or "module:name", one-line help).
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -51,6 +64,14 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("certs", "init"): ("kvstore.certs:init", "make a development CA for TLS"),
     ("certs", "issue"): ("kvstore.certs:issue", "issue a node or client certificate"),
     ("purge",): ("deploy.purge", "delete every block of a tenant and destroy its data key"),
+    ("get",): ("client.key_commands:get", "read one key's block (exit 1 on a miss)"),
+    ("put",): ("client.key_commands:put", "store a value or a file under one key"),
+    ("del",): ("client.key_commands:delete", "delete keys on every node of their groups"),
+    ("ttl",): ("client.key_commands:ttl", "how long one key's block still lives"),
+    ("inspect",): (
+        "client.key_commands:inspect",
+        "one key on each node of its group: shards, versions, times, checksums",
+    ),
     ("bench", "erasure"): ("bench.erasure_bench", "erasure codec throughput vs memcpy"),
     ("bench", "storage"): ("bench.storage_bench", "cluster PUT/GET throughput and latency"),
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
@@ -88,6 +109,9 @@ MODULE_TO_EXTRA = {
     "redis": "dev",
     "ucxx": "ucx",
 }
+NO_CREATED_SERIES_ENV = "PROMETHEUS_DISABLE_CREATED_SERIES"  # read by prometheus_client
+# Commands that run until stopped and log their own state: no heartbeat lines.
+SERVICES = {("node",), ("serve",)}
 # Command groups that are not commands themselves.
 GROUPS: dict[tuple[str, ...], str] = {
     ("cluster",): "start, inspect or stop a local cluster",
@@ -151,11 +175,22 @@ def build_parser(command: tuple[str, ...]) -> tuple[argparse.ArgumentParser, Cal
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level")
     configure(parser)
+    apply_conventions(parser)
     return parser, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `kvstore ... | head`: the reader left; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command killed by SIGPIPE
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"kvstore {package_version()}")
+        return 0
     command, length = match_command(argv)
     rest = argv[length:]
     if command not in COMMANDS:  # the top level or a group: list what is below it
@@ -167,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every command moves multi-megabyte buffers; without this each encode page-faults
     # (erasure/allocator.py has the measurements).
     tune_glibc_malloc()
+    # Counters and histograms of this process and its children (serve's workers) export no
+    # `_created` series: dashboards and alert rules never use them (deploy/observability/).
+    os.environ.setdefault(NO_CREATED_SERIES_ENV, "True")
     try:
         parser, run = build_parser(command)
     except ModuleNotFoundError as exc:
@@ -179,8 +217,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    args = parser.parse_args(rest)
+    args = parser.parse_intermixed_args(rest)  # positionals anywhere: put KEY --ttl 1h VALUE
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    return int(run(args) or 0)
+    return run_command(command, run, args)
+
+
+def run_command(command: tuple[str, ...], run: Callable[..., Any], args: argparse.Namespace) -> int:
+    """Run one parsed command: its own output to standard error when its JSON goes to standard
+    output, a heartbeat off a terminal, and bad input reported in one line, not a traceback."""
+    name = " ".join(("kvstore", *command))
+    json_to_stdout = is_stdout(getattr(args, "json", None))
+    heartbeat = contextlib.nullcontext() if command in SERVICES else Heartbeat(" ".join(command))
+    try:
+        with heartbeat, contextlib.redirect_stdout(sys.stderr if json_to_stdout else sys.stdout):
+            return int(run(args) or 0)
+    except (*ERRORS, OSError, ValueError) as exc:
+        # Bad input that reached the command (a missing or malformed file, a refused value):
+        # one line that says what; the traceback only at --log-level DEBUG.
+        log.debug("%s failed", name, exc_info=True)
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+
+
+def package_version() -> str:
+    """The installed kvstore's version (``kvstore --version``)."""
+    from importlib import metadata  # only --version needs it (a tenth of a second)
+
+    try:
+        return metadata.version("kvstore")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: run from a source tree)"

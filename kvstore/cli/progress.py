@@ -12,19 +12,27 @@ bar would print nothing useful, so a line goes to stderr at most every ``interva
     with ProgressReporter("storage", total=48) as progress:
         progress.update(description="get 4MiB x8")
         progress.advance()
+
+Every command but the long-running services runs under a :class:`Heartbeat` (the command
+table starts it): off a terminal, a command that printed no progress line for an interval gets
+one saying it still runs, so no command is silent for minutes in a CI log::
+
+    [kvstore] bench repair: running, 20 s elapsed
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import Progress
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 DEFAULT_INTERVAL_S = 10.0
+_last_line_s = time.monotonic()  # when any reporter of this process last printed a line
 
 
 def _interval_s() -> float:
@@ -59,6 +67,9 @@ class ProgressReporter:
 
     def __enter__(self) -> ProgressReporter:
         if self._enabled and self._stream.isatty():
+            from rich.console import Console  # a terminal only: rich takes a while to import
+            from rich.progress import Progress
+
             self._bar = Progress(console=Console(file=self._stream), transient=True)
             self._bar.__enter__()
             self._task = self._bar.add_task(self.description, total=self.total)
@@ -102,4 +113,42 @@ class ProgressReporter:
         return status + (f" ({self.detail})" if self.detail else "")
 
     def _line(self, text: str) -> None:
-        print(f"[kvstore] {self.description}: {text}", file=self._stream, flush=True)
+        _progress_line(f"{self.description}: {text}", self._stream)
+
+
+def _progress_line(text: str, stream: IO[str]) -> None:
+    global _last_line_s
+    _last_line_s = time.monotonic()
+    print(f"[kvstore] {text}", file=stream, flush=True)
+
+
+class Heartbeat:
+    """Off a terminal, a line on ``stream`` every ``interval_s`` in which the command printed
+    no progress line of its own (see the module docstring). A daemon thread; a context."""
+
+    def __init__(
+        self, command: str, *, stream: IO[str] | None = None, interval_s: float | None = None
+    ) -> None:
+        self.command = command
+        self._stream = stream if stream is not None else sys.stderr
+        self._interval_s = _interval_s() if interval_s is None else interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        if not self._stream.isatty():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _beat(self) -> None:
+        start_s = time.monotonic()
+        while not self._stop.wait(self._interval_s / 4):
+            now_s = time.monotonic()
+            if now_s - max(_last_line_s, start_s) >= self._interval_s:
+                elapsed = f"running, {now_s - start_s:.0f} s elapsed"
+                _progress_line(f"{self.command}: {elapsed}", self._stream)

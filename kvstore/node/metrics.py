@@ -9,6 +9,11 @@ series that has no value yet is absent (never a -1)::
 
     kvstore_requests_total{rpc,code}         kvstore_request_seconds{rpc}   (histogram)
     kvstore_put_shards_total                 kvstore_get_keys_total
+    kvstore_put_bytes_total  kvstore_read_bytes_total                (shard bytes in and out;
+                                  out: in read answers, not what a same-host client's landing
+                                  pool got placed straight into it)
+    kvstore_tenant_reads_total{tenant,outcome}   shard reads per tenant, outcome hit or miss
+                                                 (a peer's repair reads are not counted)
     kvstore_shards  kvstore_shard_bytes  kvstore_used_bytes  kvstore_capacity_bytes
     kvstore_segments  kvstore_hits_total  kvstore_misses_total  kvstore_corrupt_shards_total
     kvstore_class_shards{traffic_class}  kvstore_class_shard_bytes{traffic_class}
@@ -21,6 +26,10 @@ series that has no value yet is absent (never a -1)::
     kvstore_repair_{rebuilt_shards,rebuilt_bytes,read_bytes}_total   kvstore/node/repair_service.py;
     kvstore_repair_{skipped_expiring,unrecoverable,fenced,passes}_total  since the node started)
     kvstore_build_info{version,python}  process_*  python_info     (standard collectors)
+
+No ``_created`` series: counters and histograms export only their values, as Prometheus'
+own exporters do (prometheus_client's are turned off here, and for every process the
+``kvstore`` command starts, by kvstore/cli/commands.py).
 
 HTTP: ``/metrics`` serves the metrics and ``/healthz`` answers 200 "ok" while the node serves
 (503 otherwise); any other path is 404. With ``NodeConfig.metrics_auth`` /metrics needs an
@@ -45,6 +54,7 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -53,6 +63,7 @@ from prometheus_client.registry import Collector
 from kvstore.node.repair_service import RepairStats
 from kvstore.store.shard_store import StoreStats
 
+disable_created_metrics()  # see the module docstring
 # Loopback RPCs take ~100 us; 4 MiB batches and fsyncs take ms; stragglers take seconds.
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 _NODE_GAUGES = {
@@ -178,6 +189,18 @@ class NodeMetrics:
         )
         self.put_shards = Counter("kvstore_put_shards", "new shards stored", registry=self.registry)
         self.get_keys = Counter("kvstore_get_keys", "keys asked for", registry=self.registry)
+        self.put_bytes = Counter(
+            "kvstore_put_bytes", "shard bytes of the puts received", registry=self.registry
+        )
+        self.read_bytes = Counter(
+            "kvstore_read_bytes", "shard bytes served to reads", registry=self.registry
+        )
+        self.tenant_reads = Counter(
+            "kvstore_tenant_reads",
+            "shard reads per tenant: hit (served) or miss (not held, expired or corrupt)",
+            ["tenant", "outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_StoreCollector(stats, repair))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -189,6 +212,12 @@ class NodeMetrics:
     def observe(self, rpc: str, code: grpc.StatusCode, elapsed_s: float) -> None:
         self.requests.labels(rpc, code.name).inc()
         self.latency.labels(rpc).observe(elapsed_s)
+
+    def observe_reads(self, tenant: str, num_keys: int, num_hits: int, num_bytes: int) -> None:
+        """One read of ``num_keys`` keys for ``tenant``: how many it served, and their bytes."""
+        self.tenant_reads.labels(tenant, "hit").inc(num_hits)
+        self.tenant_reads.labels(tenant, "miss").inc(max(num_keys - num_hits, 0))
+        self.read_bytes.inc(num_bytes)
 
     def serve(
         self,

@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from kvstore.auth import Authenticator, Principal
+from kvstore.auth import Authenticator, Principal, Role
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.config import NodeConfig
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.store_holder import StoreHolder
-from kvstore.store.shard_store import BatchRead, GetResult
+from kvstore.store.shard_store import BatchRead, GetResult, Status
 from kvstore.wire.landing import PoolLanding
 
 # Reads of at most this many keys run on the event loop (see the module docstring): with
@@ -90,9 +90,14 @@ class NodeReads:
         """One result per key (GetShards), the reply size checked before any byte is read."""
         tenant = self.tenant_of(credential, claimed)
         self._metrics.get_keys.inc(len(keys))
-        return self._holder.require().get(
+        results = self._holder.require().get(
             tenant, list(keys), version, max_reply_bytes=self._max_reply_bytes
         )
+        if _for_a_client(credential):
+            hits = [r for r in results if r.status is Status.HIT]
+            num_bytes = sum(len(shard) for r in hits for shard in r.shards)
+            self._metrics.observe_reads(tenant, len(keys), len(hits), num_bytes)
+        return results
 
     def read_batch(
         self,
@@ -111,7 +116,7 @@ class NodeReads:
         client's landing pool for data shards (kvstore/wire/landing.py)."""
         tenant = self.tenant_of(credential, claimed)
         self._metrics.get_keys.inc(len(keys))
-        return self._holder.require().read_batch(
+        read = self._holder.require().read_batch(
             tenant,
             keys,
             version,
@@ -120,6 +125,10 @@ class NodeReads:
             shared=shared,
             pool=pool,
         )
+        if _for_a_client(credential):
+            num_hits = sum(1 for e in read.entries if e.status == Status.HIT)
+            self._metrics.observe_reads(tenant, len(keys), num_hits, read.payload_bytes)
+        return read
 
     @staticmethod
     def runs_inline(num_keys: int) -> bool:
@@ -135,3 +144,8 @@ class NodeReads:
     async def in_pool(self, read: Callable[..., T], *args: object) -> T:
         """``read(*args)`` in the node's pool, whatever its size."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, read, *args)
+
+
+def _for_a_client(credential: Credential) -> bool:
+    """Whether a read counts in the tenant's figures: a peer's repair read does not."""
+    return not (isinstance(credential, Principal) and credential.role is Role.NODE)

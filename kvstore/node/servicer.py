@@ -48,6 +48,7 @@ from kvstore.node.store_holder import StoreHolder
 from kvstore.node.tombstones import MAX_TOMBSTONES_PER_REPLY
 from kvstore.node.ucx_server import UcxServer
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.store.index_codec import Entry
 from kvstore.store.request_checks import (
     MAX_HINTS_PER_REQUEST,
     check_below,
@@ -121,6 +122,7 @@ class NodeServicer:
             "TouchShards": (pb.TouchShardsRequest, self._touch, True),
             "ListShards": (pb.ListShardsRequest, self._list, False),
             "QueueRepair": (pb.QueueRepairRequest, self._queue_repair, False),
+            "InspectShards": (pb.InspectShardsRequest, self._inspect, False),
         }
 
     def set_epoch(self, epoch: int) -> None:
@@ -231,9 +233,11 @@ class NodeServicer:
             written_at_s=[s.written_at_s for s in request.shards],
             expires_at_s=request.expires_at_s,
             repair=request.repair,
+            ttl_s=request.ttl_s,
         )
         result = self._holder.require().put(tenant, request.traffic_class, items, options)
         self._metrics.put_shards.inc(result.num_stored)
+        self._metrics.put_bytes.inc(sum(len(shard) for _, shard in items))
         return pb.PutShardsReply(
             num_stored=result.num_stored,
             num_superseded=result.num_superseded,
@@ -291,6 +295,21 @@ class NodeServicer:
         tenant = principal.tenant_for(request.tenant)
         num_deleted = self._holder.require().delete(tenant, list(request.keys))
         return pb.DeleteReply(num_deleted=num_deleted)
+
+    def _inspect(
+        self, request: pb.InspectShardsRequest, principal: Principal
+    ) -> pb.InspectShardsReply:
+        """``kvstore inspect``: a tenant's (or service's) own keys, or any tenant's for an admin."""
+        principal.require(Role.TENANT, Role.SERVICE, Role.ADMIN)
+        admin = principal.role is Role.ADMIN  # metadata of any tenant's keys, no bytes
+        tenant = request.tenant if admin else principal.tenant_for(request.tenant)
+        store = self._holder.require()
+        found = store.inspect(tenant, list(request.keys))
+        return pb.InspectShardsReply(
+            node_id=self._node.id,
+            now_s=store.clock.now(),
+            results=[pb.InspectedKey(shards=[_inspected(e, ok) for e, ok in f]) for f in found],
+        )
 
     def _touch(self, request: pb.TouchShardsRequest, principal: Principal) -> pb.TouchShardsReply:
         principal.require(Role.TENANT, Role.SERVICE)  # a client's follow-up to its read
@@ -386,6 +405,19 @@ class NodeServicer:
             local_socket=self.local_socket,
             boot_id=self._boot_id if self.local_socket else "",
         )
+
+
+def _inspected(entry: Entry, intact: bool) -> pb.InspectedShard:
+    return pb.InspectedShard(
+        version=entry.version,
+        shard_index=entry.shard_index,
+        shard_bytes=entry.shard_bytes,
+        traffic_class=entry.traffic_class,
+        written_at_s=entry.created_s,
+        last_access_s=entry.last_access_s,
+        expires_at_s=entry.expires_at_s,
+        status=pb.ShardStatus.HIT if intact else pb.ShardStatus.CORRUPT,
+    )
 
 
 def _serialize(message: Message | bytes) -> bytes:

@@ -27,18 +27,20 @@ class ShardPut(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., shard: _Optional[bytes] = ..., written_at_s: _Optional[float] = ...) -> None: ...
 
 class PutShardsRequest(_message.Message):
-    __slots__ = ("tenant", "traffic_class", "shards", "expires_at_s", "repair")
+    __slots__ = ("tenant", "traffic_class", "shards", "expires_at_s", "repair", "ttl_s")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_S_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     traffic_class: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardPut]
     expires_at_s: float
     repair: bool
-    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ..., expires_at_s: _Optional[float] = ..., repair: _Optional[bool] = ...) -> None: ...
+    ttl_s: float
+    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ..., expires_at_s: _Optional[float] = ..., repair: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PutShardsReply(_message.Message):
     __slots__ = ("num_stored", "num_superseded", "num_fenced")
@@ -243,6 +245,50 @@ class QueueRepairReply(_message.Message):
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     num_queued: int
     def __init__(self, num_queued: _Optional[int] = ...) -> None: ...
+
+class InspectShardsRequest(_message.Message):
+    __slots__ = ("tenant", "keys")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class InspectedShard(_message.Message):
+    __slots__ = ("version", "shard_index", "shard_bytes", "traffic_class", "written_at_s", "last_access_s", "expires_at_s", "status")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_AT_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_S_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    version: bytes
+    shard_index: int
+    shard_bytes: int
+    traffic_class: str
+    written_at_s: float
+    last_access_s: float
+    expires_at_s: float
+    status: ShardStatus
+    def __init__(self, version: _Optional[bytes] = ..., shard_index: _Optional[int] = ..., shard_bytes: _Optional[int] = ..., traffic_class: _Optional[str] = ..., written_at_s: _Optional[float] = ..., last_access_s: _Optional[float] = ..., expires_at_s: _Optional[float] = ..., status: _Optional[_Union[ShardStatus, str]] = ...) -> None: ...
+
+class InspectedKey(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[InspectedShard]
+    def __init__(self, shards: _Optional[_Iterable[_Union[InspectedShard, _Mapping]]] = ...) -> None: ...
+
+class InspectShardsReply(_message.Message):
+    __slots__ = ("node_id", "now_s", "results")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NOW_S_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    now_s: float
+    results: _containers.RepeatedCompositeFieldContainer[InspectedKey]
+    def __init__(self, node_id: _Optional[str] = ..., now_s: _Optional[float] = ..., results: _Optional[_Iterable[_Union[InspectedKey, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -94,6 +94,11 @@ class ShardStoreStub:
                 request_serializer=kvstore__pb2.QueueRepairRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.QueueRepairReply.FromString,
                 _registered_method=True)
+        self.InspectShards = channel.unary_unary(
+                '/kvstore.v1.ShardStore/InspectShards',
+                request_serializer=kvstore__pb2.InspectShardsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.InspectShardsReply.FromString,
+                _registered_method=True)
 
 
 class ShardStoreServicer:
@@ -197,6 +202,16 @@ class ShardStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InspectShards(self, request, context):
+        """What this node holds of each key, every version, with its times, each shard's bytes
+        read and verified now (``kvstore inspect``). Not an access: refreshes no TTL, counts no
+        hit or miss; a shard that fails its checksum is reported and handled as a read would.
+        Tenant or service (its tenants), or admin (any tenant).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +274,11 @@ def add_ShardStoreServicer_to_server(servicer, server):
                     servicer.QueueRepair,
                     request_deserializer=kvstore__pb2.QueueRepairRequest.FromString,
                     response_serializer=kvstore__pb2.QueueRepairReply.SerializeToString,
+            ),
+            'InspectShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectShards,
+                    request_deserializer=kvstore__pb2.InspectShardsRequest.FromString,
+                    response_serializer=kvstore__pb2.InspectShardsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -585,6 +605,33 @@ class ShardStore:
             '/kvstore.v1.ShardStore/QueueRepair',
             kvstore__pb2.QueueRepairRequest.SerializeToString,
             kvstore__pb2.QueueRepairReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InspectShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/InspectShards',
+            kvstore__pb2.InspectShardsRequest.SerializeToString,
+            kvstore__pb2.InspectShardsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,7 @@ class PutRequest:
 
     Each item carries its version's write time (0 = now). ``expires_at_s``: a repair's rebuilt
     shard keeps the block's expiry instead of a fresh TTL (0 = the class TTL from now).
+    ``ttl_s``: the block's own TTL, used instead of the class TTL when shorter (0 = none).
     ``repair``: a repair's shard is dropped when this node deleted its key (or purged its
     tenant) at or after the version was written (the repair rule, kvstore/store/deletion.py).
     """
@@ -61,6 +62,7 @@ class PutRequest:
     now: float
     expires_at_s: float = 0.0
     repair: bool = False
+    ttl_s: float = 0.0
     done: bool = False
     num_stored: int = 0
     num_superseded: int = 0
@@ -224,15 +226,17 @@ class GroupCommit:
         written_at_s: float,
     ) -> Entry:
         """The entry of a new shard, not yet placed in a segment."""
-        retention = self._retention()
-        ttl_s = retention.ttl_s(request.tenant, request.traffic_class)
+        ttl_s = self._retention().ttl_s(request.tenant, request.traffic_class)
+        if request.ttl_s > 0:  # the put's own TTL, never beyond the class's or the cap
+            ttl_s = min(ttl_s, request.ttl_s)
         if request.expires_at_s > 0:  # a repair: the block's expiry, within the tenant's cap
             expires_at_s = min(request.expires_at_s, request.now + ttl_s)
             last_access_s = request.now if math.isinf(ttl_s) else expires_at_s - ttl_s
+            if written_at_s > 0:  # as an index rebuild infers it: a block that expires
+                # sooner than its TTL after its write keeps that shorter TTL of its own
+                last_access_s = max(last_access_s, min(written_at_s, request.now))
         else:
-            expires_at_s = retention.expires_at_s(
-                request.tenant, request.traffic_class, request.now
-            )
+            expires_at_s = request.now + ttl_s
             last_access_s = request.now
         return Entry(
             tenant=request.tenant,

@@ -26,14 +26,26 @@ from kvstore.store.index_codec import Entry
 from kvstore.store.store_stats import CORRUPT_SHARDS, NODE_MISSES
 from ttl.policy import Retention
 
+# Float rounding of ``expires_at_s - last_access_s`` stays far below this (a millisecond).
+TTL_ROUNDING_S = 1e-3
+
 
 def touched(entry: Entry, now: float, retention: Retention) -> Entry:
     """``entry`` accessed at ``now``: its TTL restarts (kept if its class was removed)."""
     try:
-        expires_at_s = retention.expires_at_s(entry.tenant, entry.traffic_class, now)
+        ttl_s = retention.ttl_s(entry.tenant, entry.traffic_class)
     except UnknownTrafficClass:
         return entry
-    return replace(entry, last_access_s=now, expires_at_s=expires_at_s)
+    return replace(entry, last_access_s=now, expires_at_s=now + entry_ttl_s(entry, ttl_s))
+
+
+def entry_ttl_s(entry: Entry, ttl_s: float) -> float:
+    """The TTL ``entry`` lives by: ``ttl_s`` (its class's, within its tenant's cap), or the
+    shorter one it was stored with (a put's own ``ttl_s``, or a cap that cut it): the span
+    from its last access to its expiry. So a block keeps the shortest TTL it was stored or
+    cut under; a longer class TTL or a looser cap reaches the blocks written after it."""
+    span_s = entry.expires_at_s - entry.last_access_s
+    return span_s if span_s < ttl_s - TTL_ROUNDING_S else ttl_s
 
 
 def quarantine(w: IndexWriter, corrupt: Iterable[Entry]) -> None:

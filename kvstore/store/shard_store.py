@@ -110,11 +110,14 @@ class PutOptions:
     0 = the node's now; empty = all now). ``expires_at_s``: keep this expiry instead of a fresh
     TTL (0 = the class TTL from now). ``repair``: a repair's write, whose shards are refused for
     keys this node deleted at or after their version was written (kvstore/store/deletion.py).
+    ``ttl_s``: the block's own TTL, used instead of its class's (and its tenant's cap) when
+    shorter; 0 = none. Like every TTL it counts from the last access (read_state.entry_ttl_s).
     """
 
     written_at_s: Sequence[float] = ()
     expires_at_s: float = 0.0
     repair: bool = False
+    ttl_s: float = 0.0
 
 
 _DROP_BATCH = 512
@@ -256,6 +259,7 @@ class ShardStore:
             self.clock.now(),
             expires_at_s=options.expires_at_s,
             repair=options.repair,
+            ttl_s=options.ttl_s,
         )
         self._puts.enqueue(request)
         with self._write_lock:
@@ -328,6 +332,26 @@ class ShardStore:
         check_tenant(tenant)
         check_keys(keys)
         return self._reader.live_versions(tenant, keys, self.clock.now())
+
+    def inspect(self, tenant: str, keys: Sequence[bytes]) -> list[list[tuple[Entry, bool]]]:
+        """Each key's live entries, newest first, each with whether its bytes on disk pass
+        every check now (read and verified as the scrub does: no TTL refresh, no hit or miss
+        counted; a failing shard is handled as a read would handle it)."""
+        check_tenant(tenant)
+        check_keys(keys)
+        now = self.clock.now()
+        found = []
+        for key in keys:
+            live, _ = self._reader.live_entries(tenant, bytes(key), now)
+            found.append([(e, ok) for e in live if (ok := self._verified(e)) is not None])
+        return found
+
+    def _verified(self, entry: Entry) -> bool | None:
+        """Whether the entry's shard passes its checks; None if it went meanwhile."""
+        try:
+            return self._reader.read_verified(entry) is not None
+        except FileNotFoundError:  # its segment was freed since the lookup (moved, expired)
+            return None
 
     def touch(self, tenant: str, keys: Sequence[bytes], versions: Sequence[bytes] = ()) -> int:
         """Refresh the TTL of each key's newest live version (or of ``versions[i]``, the one

@@ -75,12 +75,13 @@ from kvstore.wire import ucp
 # ucxx sets UCX_MEMTYPE_CACHE, which this UCX release no longer knows and warns about.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-try:
-    import libucx
-    import ucxx._lib.libucxx as ucx_api
-    from ucxx._lib.arr import Array
-except ImportError:  # the optional `ucx` extra is not installed
-    ucx_api = None
+# ucxx's binding, its Array and the libucp bindings, loaded on first use (_load_ucx):
+# importing ucxx takes seconds on a busy machine, which a gRPC-only process (and every
+# `kvstore ... --help`) should not pay. None until then, and where the `ucx` extra is missing.
+ucx_api: Any = None
+Array: Any = None
+_UCP: ucp.Ucp | None = None
+_ucx_tried = False
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +98,21 @@ _TOMBSTONE_BYTES = 1  # a receive this small truncates any real message: nothing
 REQUEST_TAG = MAX_TAG
 _RESTART_PROGRESS_S = 1.0  # after progress failed, while listeners wait for messages
 DEFAULT_SPIN_S = 0.0  # polling before sleeping on the epoll fd (see Progress above)
-_UCP = ucp.load(Path(libucx.__file__).parent if ucx_api is not None else None)
 
 
 def ucx_available() -> bool:
-    """True when ucxx can be imported (the optional `ucx` extra is installed)."""
+    """True when ucxx can be imported (the optional `ucx` extra is installed); imports it."""
+    global ucx_api, Array, _UCP, _ucx_tried
+    if not _ucx_tried:
+        _ucx_tried = True
+        try:
+            import libucx
+            import ucxx._lib.libucxx as api
+            from ucxx._lib.arr import Array as array_type
+        except ImportError:  # the optional `ucx` extra is not installed
+            return False
+        _UCP = ucp.load(Path(libucx.__file__).parent)
+        ucx_api, Array = api, array_type
     return ucx_api is not None
 
 
@@ -184,7 +195,7 @@ class UcxWorker:
         busy_wait_s: float = 0.0005,
         grace_s: float = 10.0,
     ) -> None:
-        if ucx_api is None or _UCP is None:
+        if not ucx_available() or _UCP is None:
             raise Unavailable(f"UCX is not available: ucxx is not installed; {INSTALL_HINT}")
         self._ucp = _UCP
         self._context = _context(transports)

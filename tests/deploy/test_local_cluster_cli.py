@@ -117,3 +117,21 @@ def test_up_with_auth_and_tls_add_tenant_status_and_caps(tmp_path: Path) -> None
     finally:
         _kvstore("cluster", "down", "--dir", str(root))
         stop_pids(read_pids(root))
+
+
+def test_base_port_places_etcd_and_joined_nodes_after_the_nodes(tmp_path: Path) -> None:
+    """With --base-port nothing takes a free port: etcd and later nodes follow the range."""
+    from dataclasses import replace
+
+    from deploy.local_cluster import BASE_PORT_FILE, local_config, next_ports
+    from kvstore.config import MembershipConfig
+
+    config = local_config(tmp_path, 12, base_port=40_000)
+    assert next_ports(tmp_path, config, 2) is None, "without --base-port: free ports"
+    (tmp_path / BASE_PORT_FILE).write_text("40000")
+    assert next_ports(tmp_path, config, 2) == [40_024, 40_025], "etcd: after 24 node ports"
+    on_etcd = replace(config, membership=MembershipConfig(etcd="127.0.0.1:40024"))
+    assert next_ports(tmp_path, on_etcd, 2) == [40_026, 40_027], "a joined node: after etcd"
+    joined = replace(config.nodes[0], id="n12", address="127.0.0.1:40026", metrics_port=40_027)
+    grown = replace(on_etcd, nodes=(*on_etcd.nodes, joined))
+    assert next_ports(tmp_path, grown, 2) == [40_028, 40_029]

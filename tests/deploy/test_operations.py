@@ -85,6 +85,7 @@ def test_dockerfile_installs_the_store_and_exposes_the_node_ports() -> None:
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert lines[0].startswith("FROM python:3.11"), "the image must match requires-python"
     assert not any("torch" in line for line in lines), "the node image must not pull torch"
+    assert re.search(r"^USER kvstore$", text, re.M) and "--uid 10001" in text
     assert re.search(r"^EXPOSE 50100 50200$", text, re.M)
     assert re.search(r'^ENTRYPOINT \["kvstore"\]$', text, re.M)
     assert re.search(r"^USER kvstore$", text, re.M), "the node must not run as root"
