@@ -108,9 +108,7 @@ def copy_verify(
 VERIFY_THREADS = min(8, os.cpu_count() or 1)
 
 
-def verify_blocks(
-    addresses: Sequence[int], lengths: Sequence[int], versions: bytes
-) -> list[bool]:
+def verify_blocks(addresses: Sequence[int], lengths: Sequence[int], versions: bytes) -> list[bool]:
     """Per block (``lengths[i]`` bytes at address ``addresses[i]``), whether its xxh3-128 is
     ``versions[16*i : 16*i+16]``: natively in one call over up to VERIFY_THREADS threads, or
     with python-xxhash. The caller keeps every block alive across the call."""
