@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from client.node_conn import NodeConn, consume_result, encode_put_request
+from client.node_conn import NodeConn, consume_result
 from erasure.codec import Codec
 from kvstore.byte_arena import ByteArena
 from kvstore.errors import (
@@ -52,6 +52,7 @@ from kvstore.errors import (
     PermissionDenied,
     QuorumError,
 )
+from kvstore.wire.put_request import encode_put_request
 
 PUT_ATTEMPTS = 3
 FIRST_BACKOFF_S = 0.01  # then x4 per attempt
