@@ -129,6 +129,10 @@ class Workload:
 Setting = tuple[int, int, int]  # block bytes, concurrency, batch
 
 
+class BaselineError(Exception):
+    """A baseline's request failed (it counts as failed, as kvstore's errors do)."""
+
+
 class Target(Protocol):
     """One system under test: put and get batches (one key: single-key calls), clean up."""
 
@@ -198,22 +202,35 @@ class RedisTarget:
         self.ops = ("put",) if appendfsync_always else ("put", "get")
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
-        if len(keys) == 1:
-            await self.redis.set(keys[0], blocks[0])
-        else:
-            await self.redis.mset(dict(zip(keys, blocks, strict=True)))
+        """SET or MSET; a Redis error (a timeout on a loaded machine) is a failed PUT, as
+        kvstore's errors are."""
+        from redis.exceptions import RedisError
+
+        try:
+            if len(keys) == 1:
+                await self.redis.set(keys[0], blocks[0])
+            else:
+                await self.redis.mset(dict(zip(keys, blocks, strict=True)))
+        except RedisError as exc:
+            raise BaselineError(f"{self.name}: {exc}") from exc
 
     async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool:
-        if len(keys) == 1:
-            return await self.redis.get(keys[0]) is not None
-        return all(value is not None for value in await self.redis.mget(keys))
+        """GET or MGET: True if every key was found; a Redis error counts as a failed GET."""
+        from redis.exceptions import RedisError
+
+        try:
+            if len(keys) == 1:
+                return await self.redis.get(keys[0]) is not None
+            return all(value is not None for value in await self.redis.mget(keys))
+        except RedisError as exc:
+            log.warning("%s get failed: %s", self.name, exc)
+            return False
 
     def server_pids(self) -> list[int]:
         return [self._pid]
 
     async def close(self) -> None:
-        await self.redis.flushall()
-        await self.redis.aclose()
+        await self.redis.aclose()  # the server, this run's own, is stopped with its data
 
 
 class SystemUnderTest:
@@ -241,7 +258,7 @@ class SystemUnderTest:
                 ]
                 try:
                     await self.target.put(fresh, [blocks[n % len(blocks)] for n in numbers])
-                except KVStoreError as exc:
+                except (KVStoreError, BaselineError) as exc:
                     log.warning("%s put failed: %s", self.target.name, exc)
                     return False
                 keys.extend(fresh)
