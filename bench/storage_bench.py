@@ -5,7 +5,7 @@
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--batch 1,8] [--seconds S]
         [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx,local]
-        [--encryption] [--secure]
+        [--encryption] [--secure] [--puts-only]
 
 One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
 after another for ``--seconds``; ``--batch B`` makes each call carry B keys (``put_batch`` /
@@ -605,25 +605,29 @@ def _restart(cluster: LocalCluster, delay_ms: float) -> None:
 
 
 async def run_phases(
-    bench: Bench, systems: list[SystemUnderTest], cluster: LocalCluster | None
+    bench: Bench,
+    systems: list[SystemUnderTest],
+    cluster: LocalCluster | None,
+    puts_only: bool = False,
 ) -> list[str]:
-    """PUTs on every system; then per GET setting: calm, straggler, calm again (kvstore only).
+    """PUTs on every system; then per GET setting (unless ``puts_only``): calm, straggler,
+    calm again (kvstore only; no straggler phase with ``straggler_ms`` 0).
 
     Restarting the straggler around each setting keeps the calm and straggler runs seconds
     apart, so load from other processes drifts less between the runs being compared.
     """
     for setting in bench.settings():
         await bench.measure("put", setting, systems)
-    for setting in bench.settings():
+    for setting in [] if puts_only else bench.settings():
         await bench.measure("get", setting, systems)
-        if cluster is None:
-            continue
         straggler_ms = bench.workload.straggler_ms
+        if cluster is None or not straggler_ms:
+            continue
         await asyncio.to_thread(_restart, cluster, straggler_ms)
         await bench.measure("get", setting, systems[:1], straggler_ms=straggler_ms)
         await asyncio.to_thread(_restart, cluster, 0.0)
         await bench.measure("get", setting, systems[:1], repeat=1)
-    if cluster is None:
+    if cluster is None and not puts_only:
         return ["straggler GETs skipped: --cluster given, so its nodes cannot be restarted"]
     return []
 
@@ -658,9 +662,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for durable in ([False, True] if fsync == "on" else [False])
             ]
         try:
-            with ProgressReporter("storage", num_settings * 4) as progress:
+            phases_per_setting = 1 if args.puts_only else (4 if args.straggler_ms else 2)
+            with ProgressReporter("storage", num_settings * phases_per_setting) as progress:
                 runner = Bench(workload, progress)
-                notes += await run_phases(runner, systems, cluster)
+                notes += await run_phases(runner, systems, cluster, args.puts_only)
             notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
             notes += [_ucx_note(s.target) for s in systems if isinstance(s.target, KVStoreTarget)]
         finally:
@@ -849,7 +854,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per setting")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting")
-    parser.add_argument("--straggler-ms", type=float, default=50.0, help="delay of the slow node")
+    parser.add_argument(
+        "--straggler-ms",
+        type=float,
+        default=50.0,
+        help="delay of the slow node (0: no straggler phase)",
+    )
+    parser.add_argument(
+        "--puts-only",
+        action="store_true",
+        help="measure PUTs only (the write path against Redis SET, without the GET phases)",
+    )
     parser.add_argument(
         "--baseline",
         choices=["none", "redis"],
