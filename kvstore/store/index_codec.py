@@ -182,8 +182,8 @@ def decode_tombstone(seq_key: bytes, value: bytes) -> Tombstone:
 
 @functools.lru_cache(maxsize=4096)
 def tenant_hash(tenant: str) -> bytes:
-    """The 8 bytes that lead a tenant's index keys (cached: a store serves few tenants, and
-    every index key of every write and read needs it)."""
+    """The 8 bytes that stand for a tenant in index keys and record headers (cached: every
+    read and write computes it for every key it touches)."""
     return xxhash.xxh3_64_digest(tenant.encode())
 
 
