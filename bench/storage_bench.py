@@ -21,7 +21,8 @@ second. Every record gives the CPU seconds per GB of the client process, of the 
 (the nodes together, or redis-server) and of both (``total_cpu_s_per_gb``), which hold up
 where other work shares the cores, and its ``fsync`` state (kvstore's nodes "on"/"off",
 Redis "off"/"always"); ``settings.servers_idle_cpu_cores`` is what the nodes burn with no
-requests (part of every record's server CPU). The client process tunes glibc's malloc for
+requests (part of every record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at
+the record's MB/s). The client process tunes glibc's malloc for
 multi-megabyte buffers first (``--malloc tuned``, see erasure/allocator.py). With
 ``--baseline redis`` the same workload runs through redis-py asyncio against a
 ``redis-server`` this bench starts with persistence off ("redis"), and, when kvstore's nodes
@@ -112,6 +113,9 @@ class Result:
     client_cpu_s_per_gb: float = 0.0  # the client process's CPU seconds per GB moved
     server_cpu_s_per_gb: float = 0.0  # the nodes' (or redis-server's) CPU seconds per GB
     total_cpu_s_per_gb: float = 0.0  # client + servers: what a GB costs the machine
+    # The part of server_cpu_s_per_gb the nodes burn anyway, idle (settings'
+    # servers_idle_cpu_cores at this record's MB/s): large where throughput is low.
+    server_idle_cpu_s_per_gb: float = 0.0
     fsync: str = ""  # kvstore's nodes: "on" / "off"; redis: "off" or "always" (appendfsync)
 
 
@@ -389,7 +393,8 @@ class _Samples:
 def results_table(results: list[Result]) -> Table:
     table = Table(title="storage benchmark")
     columns = ("system", "op", "fsync", "block", "conc", "batch", "straggler", "MB/s", "p50 ms")
-    columns += ("p99 ms", "p999 ms", "ops", "failed", "client s/GB", "server s/GB", "total s/GB")
+    columns += ("p99 ms", "p999 ms", "ops", "failed", "client s/GB", "server s/GB", "idle s/GB")
+    columns += ("total s/GB",)
     for column in (*columns, "load"):
         table.add_column(column, justify="left" if column in ("system", "op") else "right")
     for r in results:
@@ -409,6 +414,7 @@ def results_table(results: list[Result]) -> Table:
             str(r.num_failed),
             f"{r.client_cpu_s_per_gb:.2f}",
             f"{r.server_cpu_s_per_gb:.2f}",
+            f"{r.server_idle_cpu_s_per_gb:.2f}",
             f"{r.total_cpu_s_per_gb:.2f}",
             f"{r.load_avg_1m:.1f}",
         )
@@ -671,10 +677,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for system in systems:
                 await system.target.close()
+    results = [_with_idle_share(r, idle_cpu_cores) for r in runner.results]
     return {
-        "results": [asdict(r) for r in runner.results],
-        "ratios": ratios(runner.results),
-        "best": best_of_each(runner.results),
+        "results": [asdict(r) for r in results],
+        "ratios": ratios(results),
+        "best": best_of_each(results),
         "seal_cost": seal_cost(workload.block_sizes) if args.encryption else [],
         "notes": notes,
         "settings": {
@@ -726,6 +733,13 @@ def _redis_target(stack: contextlib.ExitStack, appendfsync_always: bool) -> Redi
     """A redis-server started for the run (stopped by ``stack``) and its client."""
     port = stack.enter_context(redis_server(appendfsync_always=appendfsync_always))
     return RedisTarget(port, _redis_pid(port), appendfsync_always=appendfsync_always)
+
+
+def _with_idle_share(result: Result, idle_cpu_cores: float) -> Result:
+    if not result.system.startswith("kvstore") or result.mb_per_s <= 0:
+        return result
+    idle_s_per_gb = idle_cpu_cores * 1e3 / result.mb_per_s  # cores x s per GB at this MB/s
+    return replace(result, server_idle_cpu_s_per_gb=round(idle_s_per_gb, 3))
 
 
 async def _idle_cpu_cores(target: KVStoreTarget, seconds: float = 2.0) -> float:
