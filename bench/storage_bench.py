@@ -9,37 +9,36 @@
 
 One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
 after another for ``--seconds``; ``--batch B`` makes each call carry B keys (``put_batch`` /
-``get_batch_into``; B = 1 is the single-key ``put`` / ``get_into``; Redis gets MSET / MGET),
-so N x B blocks are in flight. Systems run interleaved in ``--rounds`` (A B, B A, ...). Order:
+``get_batch_into``; B = 1 is the single-key ``put`` / ``get_into``; Redis gets MSET / MGET), so
+N x B blocks are in flight. Systems run interleaved in ``--rounds`` (A B, B A, ...). Order:
 PUTs (fresh keys) for every setting; then per GET setting: GETs of random written keys, the
 same GETs on kvstore with one node restarted with ``--inject-delay-ms``, and again after
 restarting it without the delay (the straggler runs only when the bench started the cluster
 itself). Each measurement starts with an unmeasured warm-up (a quarter of its first round), so
 the client has learned which node is slow, as it would have in steady state. GETs land in
 preallocated buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per
-second. Every record gives the CPU seconds per GB of the client process, of the servers
-(the nodes together, or redis-server) and of both (``total_cpu_s_per_gb``), which hold up
-where other work shares the cores, and its ``fsync`` state (kvstore's nodes "on"/"off",
-Redis "off"/"always"); ``settings.servers_idle_cpu_cores`` is what the nodes burn with no
-requests (part of every record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at
-the record's MB/s). The client process tunes glibc's malloc for
-multi-megabyte buffers first (``--malloc tuned``, see erasure/allocator.py). With
-``--baseline redis`` the same workload runs through redis-py asyncio against a
-``redis-server`` this bench starts with persistence off ("redis"), and, when kvstore's nodes
-fsync, PUTs also against a second one with ``appendfsync always`` ("redis/fsync"); the JSON
-records redis-py's reply parser (``settings.redis_parser``: hiredis when it is installed).
-The report's ``best`` rows (and the "best of each" table) set each side's best setting
-against the other's: per op, block size and kvstore read transport (PUTs: over all of
-them), the MB/s ratio of the fastest settings and the CPU-per-GB ratio of the cheapest,
-with the targets of issue 29 where the pair has one (PUTs against the Redis of the same
-fsync state). With
-``--encryption`` a second kvstore client whose tenant's blocks are sealed (AES-256-GCM,
-client/sealer.py) runs the same workload interleaved with the plain one (``kvstore/sealed``;
-ratio "sealed/plain MB/s"), and the report's ``seal_cost`` gives the CPU-seconds per GB of
-sealing and opening alone, on one core. With ``--secure`` the bench also starts a second local
-cluster with tokens and mutual TLS on every channel (``cluster up --auth --mtls``) and runs the
-same workload on it, interleaved with the plain cluster (``kvstore/secure``; ratio
-"secure/plain MB/s"): what authentication and TLS cost the data plane.
+second. Every record gives the CPU seconds per GB of the client process, of the servers (the
+nodes together, or redis-server) and of both (``total_cpu_s_per_gb``), which hold up where
+other work shares the cores, and its ``fsync`` state (kvstore's nodes "on"/"off", Redis
+"off"/"always"); ``settings.servers_idle_cpu_cores`` is what the nodes burn with no requests
+(part of every record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's
+MB/s). The client process tunes glibc's malloc for multi-megabyte buffers first (``--malloc
+tuned``, see erasure/allocator.py). With ``--baseline redis`` the same workload runs through
+redis-py asyncio against a ``redis-server`` this bench starts with persistence off ("redis"),
+and, when kvstore's nodes fsync, PUTs also against a second one with ``appendfsync always``
+("redis/fsync"); the JSON records redis-py's reply parser (``settings.redis_parser``: hiredis
+when it is installed). The report's ``best`` rows (and the "best of each" table) set each
+side's best setting against the other's: per op, block size and kvstore read transport (PUTs:
+over all of them), the MB/s ratio of the fastest settings and the CPU-per-GB ratio of the
+cheapest, with the targets of issue 29 where the pair has one (PUTs against the Redis of the
+same fsync state). With ``--encryption`` a second kvstore client whose tenant's blocks are
+sealed (AES-256-GCM, client/sealer.py) runs the same workload interleaved with the plain one
+(``kvstore/sealed``; ratio "sealed/plain MB/s"), and the report's ``seal_cost`` gives the
+CPU-seconds per GB of sealing and opening alone, on one core. With ``--secure`` the bench also
+starts a second local cluster with tokens and mutual TLS on every channel (``cluster up --auth
+--mtls``) and runs the same workload on it, interleaved with the plain cluster
+(``kvstore/secure``; ratio "secure/plain MB/s"): what authentication and TLS cost the data
+plane.
 """
 
 from __future__ import annotations
