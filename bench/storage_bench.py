@@ -14,18 +14,19 @@ N x B blocks are in flight. Systems run interleaved in ``--rounds`` (A B, B A, .
 PUTs (fresh keys) for every setting; then per GET setting: GETs of random written keys, the
 same GETs on kvstore with one node restarted with ``--inject-delay-ms``, and again after
 restarting it without the delay (the straggler runs only when the bench started the cluster
-itself). Each measurement starts with an unmeasured warm-up (a quarter of its first round), so
-the client has learned which node is slow, as it would have in steady state. GETs land in
-preallocated buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per
-second. Every record gives the CPU seconds per GB of the client process, of the servers (the
-nodes together, or redis-server) and of both (``total_cpu_s_per_gb``), which hold up where
-other work shares the cores, and its ``fsync`` state (kvstore's nodes "on"/"off", Redis
-"off"/"always"); ``settings.servers_idle_cpu_cores`` is what the nodes burn with no requests
-(part of every record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's
-MB/s). The client process tunes glibc's malloc for multi-megabyte buffers first (``--malloc
-tuned``, see erasure/allocator.py). With ``--baseline redis`` the same workload runs through
-redis-py asyncio against a ``redis-server`` this bench starts with persistence off ("redis"),
-and, when kvstore's nodes fsync, PUTs also against a second one with ``appendfsync always``
+itself, and not with ``--straggler-ms 0``; ``--puts-only`` stops after the PUTs). Each
+measurement starts with an unmeasured warm-up (a quarter of its first round), so the client has
+learned which node is slow, as it would have in steady state. GETs land in preallocated
+buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per second. Every
+record gives the CPU seconds per GB of the client process, of the servers (the nodes together,
+or redis-server) and of both (``total_cpu_s_per_gb``), which hold up where other work shares
+the cores, and its ``fsync`` state (kvstore's nodes "on"/"off", Redis "off"/"always");
+``settings.servers_idle_cpu_cores`` is what the nodes burn with no requests (part of every
+record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's MB/s). The
+client process tunes glibc's malloc for multi-megabyte buffers first (``--malloc tuned``, see
+erasure/allocator.py). With ``--baseline redis`` the same workload runs through redis-py
+asyncio against a ``redis-server`` this bench starts with persistence off ("redis"), and, when
+kvstore's nodes fsync, PUTs also against a second one with ``appendfsync always``
 ("redis/fsync"); the JSON records redis-py's reply parser (``settings.redis_parser``: hiredis
 when it is installed). The report's ``best`` rows (and the "best of each" table) set each
 side's best setting against the other's: per op, block size and kvstore read transport (PUTs:
