@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+# Minutes on a loaded 2-core machine (a cluster, a sealed client, Redis, straggler restarts).
+pytestmark = pytest.mark.timeout(480)
 
 FIELDS = {"system", "op", "block_bytes", "concurrency", "straggler_ms", "mb_per_s"}
 FIELDS |= {"p50_ms", "p99_ms", "p999_ms", "batch", "client_cpu_s_per_gb", "server_cpu_s_per_gb"}
@@ -24,7 +25,7 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     command += ["--block-sizes", "64KiB", "--concurrency", "1,4", "--batch", "1,3"]
     command += ["--seconds", "0.2"]
     command += ["--straggler-ms", "20", "--baseline", baseline, "--no-fsync", "--encryption"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=170)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=450)
     assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
     assert "storage benchmark" in run.stdout, "the results table was not printed"
     report = json.loads(out.read_text())
