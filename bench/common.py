@@ -76,8 +76,13 @@ def redis_binary() -> str | None:
 
 
 @contextmanager
-def redis_server() -> Iterator[int]:
-    """A throwaway redis-server on a free 127.0.0.1 port, persistence off; yields the port."""
+def redis_server(*, appendfsync_always: bool = False) -> Iterator[int]:
+    """A throwaway redis-server on a free 127.0.0.1 port, persistence off; yields the port.
+
+    ``appendfsync_always``: the append-only file on, fsynced before every reply (Redis's
+    durable setting, the baseline for a store that fsyncs), in a temporary directory, with
+    automatic AOF rewrites off (a forked rewrite would run outside the measured process).
+    """
     (port,) = free_ports(1)
     command = [
         redis_binary() or "redis-server",
@@ -87,16 +92,21 @@ def redis_server() -> Iterator[int]:
         "127.0.0.1",
         "--save",
         "",
-        "--appendonly",
     ]
-    command += ["no", "--protected-mode", "no", "--logfile", ""]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_redis(port, proc)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    command += ["--protected-mode", "no", "--logfile", ""]
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as aof_dir:
+        if appendfsync_always:
+            command += ["--appendonly", "yes", "--appendfsync", "always", "--dir", aof_dir]
+            command += ["--auto-aof-rewrite-percentage", "0"]
+        else:
+            command += ["--appendonly", "no"]
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_for_redis(port, proc)
+            yield port
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 def _wait_for_redis(port: int, proc: subprocess.Popen[bytes]) -> None:

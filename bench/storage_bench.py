@@ -5,31 +5,41 @@
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--batch 1,8] [--seconds S]
         [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx,local]
-        [--encryption] [--secure]
+        [--encryption] [--secure] [--puts-only]
 
 One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
 after another for ``--seconds``; ``--batch B`` makes each call carry B keys (``put_batch`` /
-``get_batch_into``; B = 1 is the single-key ``put`` / ``get_into``; Redis gets MSET / MGET),
-so N x B blocks are in flight. Systems run interleaved in ``--rounds`` (A B, B A, ...). Order:
+``get_batch_into``; B = 1 is the single-key ``put`` / ``get_into``; Redis gets MSET / MGET), so
+N x B blocks are in flight. Systems run interleaved in ``--rounds`` (A B, B A, ...). Order:
 PUTs (fresh keys) for every setting; then per GET setting: GETs of random written keys, the
 same GETs on kvstore with one node restarted with ``--inject-delay-ms``, and again after
 restarting it without the delay (the straggler runs only when the bench started the cluster
-itself). Each measurement starts with an unmeasured warm-up (a quarter of its first round), so
-the client has learned which node is slow, as it would have in steady state. GETs land in
-preallocated buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per
-second. Every record gives the CPU seconds per GB of the client process and of the servers
-(the nodes together, or redis-server), which hold up where other work shares the cores. The
+itself, and not with ``--straggler-ms 0``; ``--puts-only`` stops after the PUTs). Each
+measurement starts with an unmeasured warm-up (a quarter of its first round), so the client has
+learned which node is slow, as it would have in steady state. GETs land in preallocated
+buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per second. Every
+record gives the CPU seconds per GB of the client process, of the servers (the nodes together,
+or redis-server) and of both (``total_cpu_s_per_gb``), which hold up where other work shares
+the cores, and its ``fsync`` state (kvstore's nodes "on"/"off", Redis "off"/"always");
+``settings.servers_idle_cpu_cores`` is what the nodes burn with no requests (part of every
+record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's MB/s). The
 client process tunes glibc's malloc for multi-megabyte buffers first (``--malloc tuned``, see
 erasure/allocator.py). With ``--baseline redis`` the same workload runs through redis-py
-asyncio against a ``redis-server`` this bench starts with persistence off; the JSON records
-redis-py's reply parser (``settings.redis_parser``: hiredis when it is installed). With
-``--encryption`` a second kvstore client whose tenant's blocks are sealed (AES-256-GCM,
-client/sealer.py) runs the same workload interleaved with the plain one (``kvstore/sealed``;
-ratio "sealed/plain MB/s"), and the report's ``seal_cost`` gives the CPU-seconds per GB of
-sealing and opening alone, on one core. With ``--secure`` the bench also starts a second local
-cluster with tokens and mutual TLS on every channel (``cluster up --auth --mtls``) and runs the
-same workload on it, interleaved with the plain cluster (``kvstore/secure``; ratio
-"secure/plain MB/s"): what authentication and TLS cost the data plane.
+asyncio against a ``redis-server`` this bench starts with persistence off ("redis"), and, when
+kvstore's nodes fsync, PUTs also against a second one with ``appendfsync always``
+("redis/fsync"); the JSON records redis-py's reply parser (``settings.redis_parser``: hiredis
+when it is installed). The report's ``best`` rows (and the "best of each" table) set each
+side's best setting against the other's: per op, block size and kvstore read transport (PUTs:
+over all of them), the MB/s ratio of the fastest settings and the CPU-per-GB ratio of the
+cheapest, with the targets of issue 29 where the pair has one (PUTs against the Redis of the
+same fsync state). With ``--encryption`` a second kvstore client whose tenant's blocks are
+sealed (AES-256-GCM, client/sealer.py) runs the same workload interleaved with the plain one
+(``kvstore/sealed``; ratio "sealed/plain MB/s"), and the report's ``seal_cost`` gives the
+CPU-seconds per GB of sealing and opening alone, on one core. With ``--secure`` the bench also
+starts a second local cluster with tokens and mutual TLS on every channel (``cluster up --auth
+--mtls``) and runs the same workload on it, interleaved with the plain cluster
+(``kvstore/secure``; ratio "secure/plain MB/s"): what authentication and TLS cost the data
+plane.
 """
 
 from __future__ import annotations
@@ -102,6 +112,11 @@ class Result:
     batch: int = 1  # keys per call (1: single-key calls)
     client_cpu_s_per_gb: float = 0.0  # the client process's CPU seconds per GB moved
     server_cpu_s_per_gb: float = 0.0  # the nodes' (or redis-server's) CPU seconds per GB
+    total_cpu_s_per_gb: float = 0.0  # client + servers: what a GB costs the machine
+    # The part of server_cpu_s_per_gb the nodes burn anyway, idle (settings'
+    # servers_idle_cpu_cores at this record's MB/s): large where throughput is low.
+    server_idle_cpu_s_per_gb: float = 0.0
+    fsync: str = ""  # kvstore's nodes: "on" / "off"; redis: "off" or "always" (appendfsync)
 
 
 @dataclass
@@ -118,10 +133,16 @@ class Workload:
 Setting = tuple[int, int, int]  # block bytes, concurrency, batch
 
 
+class BaselineError(Exception):
+    """A baseline's request failed (it counts as failed, as kvstore's errors do)."""
+
+
 class Target(Protocol):
     """One system under test: put and get batches (one key: single-key calls), clean up."""
 
     name: str
+    fsync: str  # Result.fsync
+    ops: tuple[str, ...]  # the operations it is measured on
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None: ...
 
@@ -142,11 +163,14 @@ class KVStoreTarget:
         transport: str,
         name: str = "kvstore",
         cluster: LocalCluster | None = None,
+        fsync: str = "",
     ) -> None:
         self.client = client
         self.transport = transport
         self.name = name
         self.cluster = cluster
+        self.fsync = fsync
+        self.ops = ("put", "get")
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
         if len(keys) == 1:
@@ -169,31 +193,48 @@ class KVStoreTarget:
 
 
 class RedisTarget:
-    name = "redis"
+    """redis-py asyncio against a redis-server: "redis" (persistence off), or "redis/fsync"
+    (``appendfsync always``, measured on PUTs only: reads do not touch the file)."""
 
-    def __init__(self, port: int, pid: int) -> None:
+    def __init__(self, port: int, pid: int, *, appendfsync_always: bool = False) -> None:
         import redis.asyncio
 
         self.redis = redis.asyncio.Redis(host="127.0.0.1", port=port, max_connections=256)
         self._pid = pid
+        self.name = "redis/fsync" if appendfsync_always else "redis"
+        self.fsync = "always" if appendfsync_always else "off"
+        self.ops = ("put",) if appendfsync_always else ("put", "get")
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
-        if len(keys) == 1:
-            await self.redis.set(keys[0], blocks[0])
-        else:
-            await self.redis.mset(dict(zip(keys, blocks, strict=True)))
+        """SET or MSET; a Redis error (a timeout on a loaded machine) is a failed PUT, as
+        kvstore's errors are."""
+        from redis.exceptions import RedisError
+
+        try:
+            if len(keys) == 1:
+                await self.redis.set(keys[0], blocks[0])
+            else:
+                await self.redis.mset(dict(zip(keys, blocks, strict=True)))
+        except RedisError as exc:
+            raise BaselineError(f"{self.name}: {exc}") from exc
 
     async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool:
-        if len(keys) == 1:
-            return await self.redis.get(keys[0]) is not None
-        return all(value is not None for value in await self.redis.mget(keys))
+        """GET or MGET: True if every key was found; a Redis error counts as a failed GET."""
+        from redis.exceptions import RedisError
+
+        try:
+            if len(keys) == 1:
+                return await self.redis.get(keys[0]) is not None
+            return all(value is not None for value in await self.redis.mget(keys))
+        except RedisError as exc:
+            log.warning("%s get failed: %s", self.name, exc)
+            return False
 
     def server_pids(self) -> list[int]:
         return [self._pid]
 
     async def close(self) -> None:
-        await self.redis.flushall()
-        await self.redis.aclose()
+        await self.redis.aclose()  # the server, this run's own, is stopped with its data
 
 
 class SystemUnderTest:
@@ -221,7 +262,7 @@ class SystemUnderTest:
                 ]
                 try:
                     await self.target.put(fresh, [blocks[n % len(blocks)] for n in numbers])
-                except KVStoreError as exc:
+                except (KVStoreError, BaselineError) as exc:
                     log.warning("%s put failed: %s", self.target.name, exc)
                     return False
                 keys.extend(fresh)
@@ -280,6 +321,7 @@ class Bench:
         straggler_ms: float,
         repeat: int,
     ) -> None:
+        systems = [s for s in systems if op in s.target.ops]
         rounds = self.workload.rounds
         round_s = self.workload.seconds / rounds
         name_to_samples = {s.target.name: _Samples() for s in systems}
@@ -298,9 +340,10 @@ class Bench:
         for system in systems:
             name = system.target.name
             transport = getattr(system.target, "transport", "")
-            self.results.append(
-                name_to_samples[name].result(name, op, setting, straggler_ms, repeat, transport)
+            result = name_to_samples[name].result(
+                name, op, setting, straggler_ms, repeat, transport
             )
+            self.results.append(replace(result, fsync=system.target.fsync))
 
 
 @dataclass
@@ -343,18 +386,22 @@ class _Samples:
             batch=batch,
             client_cpu_s_per_gb=round(self.client_cpu_s / gb, 3),
             server_cpu_s_per_gb=round(self.server_cpu_s / gb, 3),
+            total_cpu_s_per_gb=round((self.client_cpu_s + self.server_cpu_s) / gb, 3),
         )
 
 
 def results_table(results: list[Result]) -> Table:
     table = Table(title="storage benchmark")
-    columns = ("system", "op", "block", "conc", "batch", "straggler", "MB/s", "p50 ms", "p99 ms")
-    for column in (*columns, "p999 ms", "ops", "failed", "client s/GB", "server s/GB", "load"):
+    columns = ("system", "op", "fsync", "block", "conc", "batch", "straggler", "MB/s", "p50 ms")
+    columns += ("p99 ms", "p999 ms", "ops", "failed", "client s/GB", "server s/GB", "idle s/GB")
+    columns += ("total s/GB",)
+    for column in (*columns, "load"):
         table.add_column(column, justify="left" if column in ("system", "op") else "right")
     for r in results:
         table.add_row(
             r.system,
             r.op,
+            r.fsync,
             size_label(r.block_bytes),
             str(r.concurrency),
             str(r.batch),
@@ -367,14 +414,16 @@ def results_table(results: list[Result]) -> Table:
             str(r.num_failed),
             f"{r.client_cpu_s_per_gb:.2f}",
             f"{r.server_cpu_s_per_gb:.2f}",
+            f"{r.server_idle_cpu_s_per_gb:.2f}",
+            f"{r.total_cpu_s_per_gb:.2f}",
             f"{r.load_avg_1m:.1f}",
         )
     return table
 
 
 def ratios(results: list[Result]) -> list[dict[str, Any]]:
-    """kvstore/redis MB/s per setting and kvstore transport; straggler p99 / calm p99 per GET
-    setting (the first transport's).
+    """kvstore/redis (and kvstore/redis/fsync) MB/s per setting and kvstore transport;
+    straggler p99 / calm p99 per GET setting (the first transport's).
 
     The calm p99 is the mean of the calm runs before and after the straggler phase, so a
     drift in machine load between phases does not pass for a straggler effect.
@@ -395,10 +444,11 @@ def ratios(results: list[Result]) -> list[dict[str, Any]]:
             if calm_p99_ms:
                 rows.append(_ratio_row("straggler/calm p99", ours, ours.p99_ms / calm_p99_ms))
             continue
-        redis_runs = setting_to_calm.get(("redis", *setting))
-        if redis_runs and redis_runs[0].mb_per_s:
-            ratio = ours.mb_per_s / redis_runs[0].mb_per_s
-            rows.append(_ratio_row(f"{ours.system}/redis MB/s", ours, ratio))
+        for baseline in ("redis", "redis/fsync"):
+            runs = setting_to_calm.get((baseline, *setting))
+            if runs and runs[0].mb_per_s:
+                ratio = ours.mb_per_s / runs[0].mb_per_s
+                rows.append(_ratio_row(f"{ours.system}/{baseline} MB/s", ours, ratio))
         for variant in ("sealed", "secure"):
             runs = setting_to_calm.get((f"kvstore/{variant}", *setting))
             if ours.system == "kvstore" and runs and ours.mb_per_s:
@@ -420,10 +470,7 @@ def _ratio_row(kind: str, result: Result, ratio: float) -> dict[str, Any]:
 
 
 def ratios_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(
-        title="ratios (targets: kvstore/redis GET >= 1.0 over gRPC, >= 2.0 over UCX, PUT >= 1.0; "
-        "straggler/calm p99 <= 1.1)"
-    )
+    table = Table(title="ratios per setting (straggler/calm p99: target <= 1.1)")
     for column in ("ratio", "op", "block", "conc", "batch", "value"):
         table.add_column(column, justify="left" if column in ("ratio", "op") else "right")
     for row in rows:
@@ -438,31 +485,155 @@ def ratios_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+# Issue 29's targets, best setting of each side: kvstore/baseline MB/s at least this much
+# (GET per read transport), and total CPU-seconds per GB at most this multiple of the baseline's.
+GET_MB_TARGETS = {"grpc": 1.0, "ucx": 2.0, "local": 1.5}
+PUT_MB_TARGET = 1.0
+CPU_TARGETS = {"get": 2.0, "put": 3.0}
+
+
+def best_of_each(results: list[Result]) -> list[dict[str, Any]]:
+    """Per op and block size, kvstore's best setting against each Redis baseline's best: the
+    MB/s ratio of the fastest settings and the CPU-per-GB ratio of the cheapest (each side
+    picks its own, as a user tuning either system would).
+
+    GETs compare each kvstore read transport; PUTs (the same write path whatever the read
+    transport) kvstore's best over all of them. Only calm runs count (no straggler, not the
+    repeat). The ``target`` fields hold the issue's targets where this pair has one: PUTs
+    are held to the baseline whose fsync matches kvstore's (``appendfsync always`` when the
+    nodes fsync), GETs to Redis without persistence.
+    """
+    calm = [r for r in results if not r.straggler_ms and not r.repeat and r.mb_per_s > 0]
+    ours = [r for r in calm if r.system == "kvstore" or r.system == f"kvstore/{r.transport}"]
+    baselines = [r for r in calm if r.system.startswith("redis")]
+    rows = []
+    for op, block_bytes in sorted({(r.op, r.block_bytes) for r in ours}):
+        mine = [r for r in ours if (r.op, r.block_bytes) == (op, block_bytes)]
+        groups = {"any": mine} if op == "put" else _by_transport(mine)
+        for baseline in sorted({r.system for r in baselines}):
+            theirs = [
+                r
+                for r in baselines
+                if (r.system, r.op, r.block_bytes) == (baseline, op, block_bytes)
+            ]
+            if not theirs:
+                continue
+            for transport, group in groups.items():
+                rows.append(_best_row(op, block_bytes, transport, group, theirs))
+    return rows
+
+
+def _by_transport(results: list[Result]) -> dict[str, list[Result]]:
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(r.transport, []).append(r)
+    return groups
+
+
+def _best_row(
+    op: str, block_bytes: int, transport: str, ours: list[Result], theirs: list[Result]
+) -> dict[str, Any]:
+    fast, cheap = _fastest(ours), _cheapest(ours)
+    base_fast, base_cheap = _fastest(theirs), _cheapest(theirs)
+    mb_target: float | None = None
+    if op == "get" and base_fast.fsync == "off":
+        mb_target = GET_MB_TARGETS.get(transport)
+    if op == "put" and (base_fast.fsync == "always") == (fast.fsync == "on"):
+        mb_target = PUT_MB_TARGET
+    return {
+        "op": op,
+        "block_bytes": block_bytes,
+        "transport": transport,
+        "fsync": fast.fsync,
+        "baseline": base_fast.system,
+        "baseline_fsync": base_fast.fsync,
+        "mb_per_s": fast.mb_per_s,
+        "setting": _setting(fast),
+        "baseline_mb_per_s": base_fast.mb_per_s,
+        "baseline_setting": _setting(base_fast),
+        "mb_ratio": fast.mb_per_s / base_fast.mb_per_s,
+        "mb_target": mb_target,
+        "total_cpu_s_per_gb": cheap.total_cpu_s_per_gb,
+        "cpu_setting": _setting(cheap),
+        "baseline_total_cpu_s_per_gb": base_cheap.total_cpu_s_per_gb,
+        "baseline_cpu_setting": _setting(base_cheap),
+        "cpu_ratio": cheap.total_cpu_s_per_gb / max(base_cheap.total_cpu_s_per_gb, 1e-9),
+        "cpu_target": CPU_TARGETS[op] if mb_target is not None else None,
+    }
+
+
+def _fastest(results: list[Result]) -> Result:
+    return max(results, key=lambda r: r.mb_per_s)
+
+
+def _cheapest(results: list[Result]) -> Result:
+    return min(results, key=lambda r: r.total_cpu_s_per_gb)
+
+
+def _setting(r: Result) -> str:
+    return f"{r.system} x{r.concurrency} batch {r.batch}"
+
+
+def best_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(
+        title="best of each (kvstore's best setting / the baseline's best; CPU = client + "
+        "servers, CPU-seconds per GB)"
+    )
+    columns = ("op", "block", "kvstore", "fsync", "vs", "MB/s", "base MB/s", "ratio", "target")
+    for column in (*columns, "CPU s/GB", "base CPU s/GB", "CPU ratio", "CPU target"):
+        table.add_column(column, justify="left" if column in ("op", "kvstore", "vs") else "right")
+    for row in rows:
+        table.add_row(
+            row["op"],
+            size_label(row["block_bytes"]),
+            row["transport"],
+            row["fsync"],
+            f"{row['baseline']} ({row['baseline_fsync']})",
+            f"{row['mb_per_s']:,.0f}",
+            f"{row['baseline_mb_per_s']:,.0f}",
+            f"{row['mb_ratio']:.2f}",
+            _target(row["mb_target"], ">="),
+            f"{row['total_cpu_s_per_gb']:.2f}",
+            f"{row['baseline_total_cpu_s_per_gb']:.2f}",
+            f"{row['cpu_ratio']:.2f}",
+            _target(row["cpu_target"], "<="),
+        )
+    return table
+
+
+def _target(value: float | None, relation: str) -> str:
+    return "" if value is None else f"{relation} {value:g}"
+
+
 def _restart(cluster: LocalCluster, delay_ms: float) -> None:
     extra = ["--inject-delay-ms", f"{delay_ms:g}"] if delay_ms else []
     cluster.restart_node(STRAGGLER_NODE, extra)
 
 
 async def run_phases(
-    bench: Bench, systems: list[SystemUnderTest], cluster: LocalCluster | None
+    bench: Bench,
+    systems: list[SystemUnderTest],
+    cluster: LocalCluster | None,
+    puts_only: bool = False,
 ) -> list[str]:
-    """PUTs on every system; then per GET setting: calm, straggler, calm again (kvstore only).
+    """PUTs on every system; then per GET setting (unless ``puts_only``): calm, straggler,
+    calm again (kvstore only; no straggler phase with ``straggler_ms`` 0).
 
     Restarting the straggler around each setting keeps the calm and straggler runs seconds
     apart, so load from other processes drifts less between the runs being compared.
     """
     for setting in bench.settings():
         await bench.measure("put", setting, systems)
-    for setting in bench.settings():
+    for setting in [] if puts_only else bench.settings():
         await bench.measure("get", setting, systems)
-        if cluster is None:
-            continue
         straggler_ms = bench.workload.straggler_ms
+        if cluster is None or not straggler_ms:
+            continue
         await asyncio.to_thread(_restart, cluster, straggler_ms)
         await bench.measure("get", setting, systems[:1], straggler_ms=straggler_ms)
         await asyncio.to_thread(_restart, cluster, 0.0)
         await bench.measure("get", setting, systems[:1], repeat=1)
-    if cluster is None:
+    if cluster is None and not puts_only:
         return ["straggler GETs skipped: --cluster given, so its nodes cannot be restarted"]
     return []
 
@@ -475,12 +646,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     notes = [] if with_redis or args.baseline == "none" else [NO_REDIS]
     num_settings = len(workload.block_sizes) * len(workload.concurrencies) * len(workload.batches)
     with bench_cluster(args) as (cluster_toml, cluster), contextlib.ExitStack() as stack:
+        fsync = await asyncio.to_thread(_nodes_fsync, cluster_toml)
         systems = [
             SystemUnderTest(
-                await _kvstore_target(cluster_toml, transport, i, cluster), workload.rng
+                await _kvstore_target(cluster_toml, transport, i, cluster, fsync), workload.rng
             )
             for i, transport in enumerate(args.transport)
         ]
+        idle_cpu_cores = await _idle_cpu_cores(systems[0].target)
         client = systems[0].target.client
         if args.encryption:
             keys_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kv-keys-")))
@@ -490,23 +663,32 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             secure = await _secure_target(stack, args)
             systems.insert(1, SystemUnderTest(secure, workload.rng))
         if with_redis:
-            port = stack.enter_context(redis_server())
-            systems.append(SystemUnderTest(RedisTarget(port, _redis_pid(port)), workload.rng))
+            systems += [
+                SystemUnderTest(_redis_target(stack, durable), workload.rng)
+                for durable in ([False, True] if fsync == "on" else [False])
+            ]
         try:
-            with ProgressReporter("storage", num_settings * 4) as progress:
+            phases_per_setting = 1 if args.puts_only else (4 if args.straggler_ms else 2)
+            with ProgressReporter("storage", num_settings * phases_per_setting) as progress:
                 runner = Bench(workload, progress)
-                notes += await run_phases(runner, systems, cluster)
+                notes += await run_phases(runner, systems, cluster, args.puts_only)
             notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
             notes += [_ucx_note(s.target) for s in systems if isinstance(s.target, KVStoreTarget)]
         finally:
             for system in systems:
                 await system.target.close()
+    results = [_with_idle_share(r, idle_cpu_cores) for r in runner.results]
     return {
-        "results": [asdict(r) for r in runner.results],
-        "ratios": ratios(runner.results),
+        "results": [asdict(r) for r in results],
+        "ratios": ratios(results),
+        "best": best_of_each(results),
         "seal_cost": seal_cost(workload.block_sizes) if args.encryption else [],
         "notes": notes,
-        "settings": _settings(args, workload, with_redis),
+        "settings": {
+            **_settings(args, workload, with_redis),
+            "kvstore_fsync": fsync,
+            "servers_idle_cpu_cores": idle_cpu_cores,
+        },
     }
 
 
@@ -529,12 +711,44 @@ def _settings(args: argparse.Namespace, workload: Workload, with_redis: bool) ->
 
 
 async def _kvstore_target(
-    cluster_toml: Path, transport: str, position: int, cluster: LocalCluster | None
+    cluster_toml: Path,
+    transport: str,
+    position: int,
+    cluster: LocalCluster | None,
+    fsync: str,
 ) -> KVStoreTarget:
     """A client forced onto ``transport`` (Unavailable if UCX cannot work here)."""
     client = await KVClient.connect(cluster_toml, tenant="bench", transport=transport)
     name = "kvstore" if position == 0 else f"kvstore/{transport}"
-    return KVStoreTarget(client, transport, name, cluster)
+    return KVStoreTarget(client, transport, name, cluster, fsync)
+
+
+def _nodes_fsync(cluster_toml: Path) -> str:
+    """Whether the cluster's nodes fsync: "on", "off" or "mixed" (from its cluster.toml)."""
+    states = {node.fsync for node in load_cluster(cluster_toml).nodes}
+    return "mixed" if len(states) > 1 else ("on" if states.pop() else "off")
+
+
+def _redis_target(stack: contextlib.ExitStack, appendfsync_always: bool) -> RedisTarget:
+    """A redis-server started for the run (stopped by ``stack``) and its client."""
+    port = stack.enter_context(redis_server(appendfsync_always=appendfsync_always))
+    return RedisTarget(port, _redis_pid(port), appendfsync_always=appendfsync_always)
+
+
+def _with_idle_share(result: Result, idle_cpu_cores: float) -> Result:
+    if not result.system.startswith("kvstore") or result.mb_per_s <= 0:
+        return result
+    idle_s_per_gb = idle_cpu_cores * 1e3 / result.mb_per_s  # cores x s per GB at this MB/s
+    return replace(result, server_idle_cpu_s_per_gb=round(idle_s_per_gb, 3))
+
+
+async def _idle_cpu_cores(target: KVStoreTarget, seconds: float = 2.0) -> float:
+    """The nodes' CPU use with no requests (their background loops), in cores: part of every
+    record's server CPU per GB, the larger the slower the run."""
+    pids = target.server_pids()
+    before_s = sum(process_cpu_s(p) for p in pids)
+    await asyncio.sleep(seconds)
+    return round((sum(process_cpu_s(p) for p in pids) - before_s) / seconds, 3)
 
 
 def _redis_pid(port: int) -> int:
@@ -654,7 +868,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per setting")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting")
-    parser.add_argument("--straggler-ms", type=float, default=50.0, help="delay of the slow node")
+    parser.add_argument(
+        "--straggler-ms",
+        type=float,
+        default=50.0,
+        help="delay of the slow node (0: no straggler phase)",
+    )
+    parser.add_argument(
+        "--puts-only",
+        action="store_true",
+        help="measure PUTs only (the write path against Redis SET, without the GET phases)",
+    )
     parser.add_argument(
         "--baseline",
         choices=["none", "redis"],
@@ -706,6 +930,8 @@ def run(args: argparse.Namespace) -> int:
     print_fitted(results_table(results), console, keep=("MB/s",))
     if report["ratios"]:
         print_fitted(ratios_table(report["ratios"]), console)
+    if report["best"]:
+        print_fitted(best_table(report["best"]), console, keep=("ratio", "CPU ratio"))
     for row in report["seal_cost"]:
         console.print(
             f"sealing {size_label(row['block_bytes'])}: {row['seal_cpu_s_per_gb']:.2f} CPU-s/GB, "

@@ -15,7 +15,6 @@ here with one copy of each shard.
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -32,7 +31,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tls import aio_channel
 from kvstore.wire import batch_answer
-from kvstore.wire.protowire import field_head
+from kvstore.wire.put_request import encode_put_request
 
 CHANNEL_OPTIONS = (
     # Blocks are up to 16 MiB and batches larger; the node enforces its own request limit.
@@ -173,45 +172,6 @@ class NodeConn:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def encode_put_request(
-    tenant: str,
-    traffic_class: str,
-    items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]],
-    written_at_s: float = 0.0,
-    ttl_s: float = 0.0,
-) -> bytes:
-    """A serialized PutShardsRequest, byte for byte what protobuf writes; each shard is given
-    as pieces (its header, its payload) and copied once, into the request. ``written_at_s``:
-    when the block versions were written (every ``ShardPut.written_at_s``; 0 = the node's
-    now), which orders a key's versions on the nodes. ``ttl_s``: the blocks' own TTL (0 =
-    their class's)."""
-    parts = [
-        _field(1, tenant.encode()),
-        _field(2, traffic_class.encode()),
-    ]
-    # ShardPut.written_at_s: field 3, a double (wire type 1); protobuf leaves out a zero.
-    written_at = _WRITTEN_AT_TAG + struct.pack("<d", written_at_s) if written_at_s else b""
-    for key, pieces in items:
-        shard_bytes = sum(len(p) for p in pieces)
-        body = len(field_head(1, len(key))) + len(key) + len(field_head(2, shard_bytes))
-        body += len(written_at)
-        parts += (field_head(3, body + shard_bytes), _field(1, key), field_head(2, shard_bytes))
-        parts += pieces
-        if written_at:
-            parts.append(written_at)
-    if ttl_s:  # PutShardsRequest.ttl_s: field 7, a double, after the shards (field order)
-        parts.append(_TTL_TAG + struct.pack("<d", ttl_s))
-    return b"".join(parts)
-
-
-_WRITTEN_AT_TAG = bytes([3 << 3 | 1])
-_TTL_TAG = bytes([7 << 3 | 1])
-
-
-def _field(number: int, value: bytes) -> bytes:
-    return field_head(number, len(value)) + value
 
 
 T = TypeVar("T")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.integrity import BlockIntegrity
-from client.node_conn import NodeConn, consume_result, encode_put_request
+from client.node_conn import NodeConn, consume_result
 from erasure.codec import Codec
 from kvstore.byte_arena import ByteArena
 from kvstore.errors import (
@@ -53,6 +53,7 @@ from kvstore.errors import (
     PermissionDenied,
     QuorumError,
 )
+from kvstore.wire.put_request import encode_put_request
 
 PUT_ATTEMPTS = 3
 FIRST_BACKOFF_S = 0.01  # then x4 per attempt

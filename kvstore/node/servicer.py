@@ -60,6 +60,7 @@ from kvstore.store.request_checks import (
 from kvstore.store.shard_store import PutOptions
 from kvstore.tls import peer_certificate
 from kvstore.wire import batch_answer, local_frames
+from kvstore.wire.put_request import PutRequestView, parse_put_request
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ REPAIR_CONFIRM_TIMEOUT_S = 30.0  # a repair write's listing of its group (PEER_T
 MAX_LIST_PAGE = 4096
 
 Handler = Callable[[Any, Principal], Message | bytes]
+Parser = Callable[[bytes], Any]  # raw request bytes -> the request a handler takes
 
 
 class NodeServicer:
@@ -111,18 +113,19 @@ class NodeServicer:
         self.local_socket = ""  # the local read server's socket, once the node started it
         self._boot_id = local_frames.boot_id()
         self._unary = {
-            "PutShards": (pb.PutShardsRequest, self._put, True),
-            "GetShards": (pb.GetShardsRequest, self._get, True),
-            "Contains": (pb.ContainsRequest, self._contains, True),
-            "Delete": (pb.DeleteRequest, self._delete, True),
-            "Purge": (pb.PurgeRequest, self._purge, False),
-            "ListTombstones": (pb.ListTombstonesRequest, self._list_tombstones, False),
-            "Stats": (pb.StatsRequest, self._stats, False),
-            "Health": (pb.HealthRequest, self._health, False),
-            "TouchShards": (pb.TouchShardsRequest, self._touch, True),
-            "ListShards": (pb.ListShardsRequest, self._list, False),
-            "QueueRepair": (pb.QueueRepairRequest, self._queue_repair, False),
-            "InspectShards": (pb.InspectShardsRequest, self._inspect, False),
+            # Parsed by hand: protobuf would copy every shard twice (kvstore/wire/put_request.py).
+            "PutShards": (parse_put_request, self._put, True),
+            "GetShards": (pb.GetShardsRequest.FromString, self._get, True),
+            "Contains": (pb.ContainsRequest.FromString, self._contains, True),
+            "Delete": (pb.DeleteRequest.FromString, self._delete, True),
+            "Purge": (pb.PurgeRequest.FromString, self._purge, False),
+            "ListTombstones": (pb.ListTombstonesRequest.FromString, self._list_tombstones, False),
+            "Stats": (pb.StatsRequest.FromString, self._stats, False),
+            "Health": (pb.HealthRequest.FromString, self._health, False),
+            "TouchShards": (pb.TouchShardsRequest.FromString, self._touch, True),
+            "ListShards": (pb.ListShardsRequest.FromString, self._list, False),
+            "QueueRepair": (pb.QueueRepairRequest.FromString, self._queue_repair, False),
+            "InspectShards": (pb.InspectShardsRequest.FromString, self._inspect, False),
         }
 
     def set_epoch(self, epoch: int) -> None:
@@ -143,10 +146,10 @@ class NodeServicer:
         )
 
     def _unary_method(self, rpc: str) -> Callable[[bytes, Any], Awaitable[Any]]:
-        request_type, handler, delay = self._unary[rpc]
+        parse, handler, delay = self._unary[rpc]
 
         async def method(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            return await self._serve(rpc, context, request_type, handler, raw, delay=delay)
+            return await self._serve(rpc, context, parse, handler, raw, delay=delay)
 
         return method
 
@@ -155,7 +158,12 @@ class NodeServicer:
     ) -> AsyncIterator[bytes]:
         """ReadBatch: the batch answer as ReadBatchChunk messages (kvstore/wire/batch_answer.py)."""
         chunks = await self._serve(
-            "ReadBatch", context, pb.GetShardsRequest, self._read_batch_chunks, raw, delay=True
+            "ReadBatch",
+            context,
+            pb.GetShardsRequest.FromString,
+            self._read_batch_chunks,
+            raw,
+            delay=True,
         )
         for chunk in chunks:
             yield chunk
@@ -164,7 +172,7 @@ class NodeServicer:
         self,
         rpc: str,
         context: grpc.aio.ServicerContext,
-        request_type: type[Message],
+        parse: Parser,
         handler: Handler,
         raw: bytes,
         *,
@@ -178,7 +186,7 @@ class NodeServicer:
             principal = self._principal(context) if rpc != "Health" else None
             if delay and self._delay_s:
                 await asyncio.sleep(self._delay_s)
-            reply = await self._run(request_type, handler, raw, principal)
+            reply = await self._run(rpc, parse, handler, raw, principal)
         except Exception as exc:
             if isinstance(exc, IndexUnusable):
                 self._holder.rebuild_after(exc)
@@ -192,7 +200,8 @@ class NodeServicer:
 
     async def _run(
         self,
-        request_type: type[Message],
+        rpc: str,
+        parse: Parser,
         handler: Handler,
         raw: bytes,
         principal: Principal | None,
@@ -201,9 +210,9 @@ class NodeServicer:
         pool."""
         if handler not in (self._get, self._read_batch_chunks):
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor, _parse_and_call, request_type, handler, raw, principal
+                self._executor, _parse_and_call, rpc, parse, handler, raw, principal
             )
-        request = _parse(request_type, raw)  # a get request holds keys only: cheap to parse
+        request = _parse(rpc, parse, raw)  # a get request holds keys only: cheap to parse
         return await self._reads.run(len(request.keys), handler, request, principal)
 
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
@@ -217,20 +226,22 @@ class NodeServicer:
         self._node_peers.check(principal, cert)
         return principal
 
-    def _put(self, request: pb.PutShardsRequest, principal: Principal) -> pb.PutShardsReply:
+    def _put(self, parsed: PutRequestView, principal: Principal) -> pb.PutShardsReply:
+        """PutShards: the shards are views of the received message (no copy on the node)."""
+        request = parsed.fields  # every field but the shards
         if request.repair:
             tenant = principal.tenant_for_repair(request.tenant)
             self._require_deletes_synced("takes repair writes")
             if principal.role is Role.NODE:
-                self._confirm_repair(tenant, request)
+                self._confirm_repair(tenant, parsed)
         else:
             tenant = principal.tenant_for(request.tenant)
         check_seconds("expires_at_s", request.expires_at_s)
-        for i, shard in enumerate(request.shards):
+        for i, shard in enumerate(parsed.shards):
             check_seconds(f"shards[{i}].written_at_s", shard.written_at_s)
-        items = [(s.key, s.shard) for s in request.shards]
+        items = [(s.key, s.shard) for s in parsed.shards]
         options = PutOptions(
-            written_at_s=[s.written_at_s for s in request.shards],
+            written_at_s=[s.written_at_s for s in parsed.shards],
             expires_at_s=request.expires_at_s,
             repair=request.repair,
             ttl_s=request.ttl_s,
@@ -244,14 +255,14 @@ class NodeServicer:
             num_fenced=result.num_fenced,
         )
 
-    def _confirm_repair(self, tenant: str, request: pb.PutShardsRequest) -> None:
+    def _confirm_repair(self, tenant: str, parsed: PutRequestView) -> None:
         """A node's repair write re-creates a version its group holds, or is refused
         (kvstore/node/repair_service.py): the check lists the peers, on the event loop, while
         this pool thread waits for it."""
         if self._repair is None or self._loop is None:
             raise Unavailable(f"node {self._node.id} runs no repair service: no repair writes")
-        shards = [(s.key, s.shard) for s in request.shards]
-        check = self._repair.confirm_repair(tenant, shards, request.expires_at_s)
+        shards = [(s.key, s.shard) for s in parsed.shards]
+        check = self._repair.confirm_repair(tenant, shards, parsed.fields.expires_at_s)
         try:
             asyncio.run_coroutine_threadsafe(check, self._loop).result(REPAIR_CONFIRM_TIMEOUT_S)
         except TimeoutError:
@@ -424,17 +435,16 @@ def _serialize(message: Message | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def _parse(request_type: type[Message], raw: bytes) -> Message:
+def _parse(rpc: str, parse: Parser, raw: bytes) -> Any:
     try:
-        return request_type.FromString(raw)
-    except DecodeError as exc:
+        return parse(raw)
+    except (DecodeError, ValueError) as exc:
         raise InvalidArgument(
-            f"malformed {request_type.DESCRIPTOR.full_name} message: {exc}; "
-            "build requests from kvstore/proto/kvstore.proto"
+            f"malformed {rpc} request: {exc}; build requests from kvstore/proto/kvstore.proto"
         ) from None
 
 
 def _parse_and_call(
-    request_type: type[Message], handler: Handler, raw: bytes, principal: Principal | None
+    rpc: str, parse: Parser, handler: Handler, raw: bytes, principal: Principal | None
 ) -> Message | bytes:
-    return handler(_parse(request_type, raw), principal)
+    return handler(_parse(rpc, parse, raw), principal)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from erasure.shard import HEADER_BYTES, ShardHeader
 from kvstore.errors import CapacityExhausted
@@ -58,7 +58,8 @@ class PutRequest:
 
     tenant: str
     traffic_class: str
-    items: list[tuple[bytes, ShardHeader, bytes, float]]  # (key, header, shard, written_at_s)
+    # (key, header, shard, written_at_s)
+    items: list[tuple[bytes, ShardHeader, bytes | memoryview, float]]
     now: float
     expires_at_s: float = 0.0
     repair: bool = False
@@ -117,94 +118,83 @@ class GroupCommit:
                 "disk full: the index cannot keep its reserved space; the node evicts to make "
                 "room (reads and deletes still work)"
             )
-        appends: list[tuple[Entry, bytes]] = []
-        refreshed: list[tuple[Entry, float]] = []
-        rewritten: list[tuple[Entry, float]] = []
+        plan = _GroupPlan()
         for request in batch:
             try:
-                self._plan_put(request, appends, refreshed, rewritten)
+                self._plan_put(request, plan)
             except CapacityExhausted as exc:
                 request.error = exc
                 request.num_stored = 0
 
         def also(w: IndexWriter) -> None:
-            self._reads.persist_refreshes(w, refreshed)
-            for entry, written_at_s in rewritten:
+            self._reads.persist_refreshes(w, plan.refreshed)
+            for entry, written_at_s in plan.rewritten:
                 held = w.entry(entry.tenant, entry.key, entry.version)
                 if held is not None and held.created_s < written_at_s:
                     w.put_entry(replace(held, created_s=written_at_s))
-            for entry in [e for e, _ in appends]:
-                w.retire_older(entry)
+            for entry, _ in plan.appends:
+                if plan.may_retire(entry):
+                    w.retire_older(entry)
 
-        self._appender.append_and_commit(appends, also=also)
+        self._appender.append_and_commit(plan.appends, also=also)
 
-    def _plan_put(
-        self,
-        request: PutRequest,
-        appends: list[tuple[Entry, bytes]],
-        refreshed: list[tuple[Entry, float]],
-        rewritten: list[tuple[Entry, float]],
-    ) -> None:
-        """Add ``request``'s new shards to ``appends`` and re-puts to ``refreshed``; make room.
+    def _plan_put(self, request: PutRequest, plan: _GroupPlan) -> None:
+        """Add ``request``'s new shards to ``plan.appends`` and re-puts to ``plan.refreshed``;
+        make room.
 
         A re-put only refreshes the held entry (at the commit), taking the re-put's write
         time when that is later. Making room never evicts an
         entry the group re-puts: the re-put is an access, and the put reports it stored.
         """
-        planned = {(e.tenant, e.key, e.version) for e, _ in appends}
-        new_entries: list[tuple[Entry, bytes]] = []
+        new_entries: list[tuple[Entry, bytes | memoryview]] = []
         touched: list[tuple[Entry, float]] = []
+        expires_at_s, last_access_s = self._expiry(request)
         with self._index.read() as view:
             for key, header, shard, written_at_s in request.items:
-                if (request.tenant, key, header.block_checksum) in planned:
+                if (request.tenant, key, header.block_checksum) in plan.planned:
                     continue  # stored by an earlier request of this group
                 if self._fenced(view, request, key, written_at_s):
                     request.num_fenced += 1
                     continue
-                entry = self._new_entry(request, key, header, shard, written_at_s)
-                self._plan_shard(view, request, entry, shard, new_entries, touched, rewritten)
-        need_bytes = sum(e.record_bytes for e, _ in [*appends, *new_entries])
-        keep = {e.index_key for e, _ in [*refreshed, *touched]}
+                entry = Entry(
+                    request.tenant,
+                    key,
+                    header.block_checksum,
+                    request.traffic_class,
+                    0,  # segment and offset: placed by the appender
+                    0,
+                    len(shard),
+                    _shard_checksum(shard),
+                    written_at_s or request.now,
+                    _last_access_s(request, last_access_s, written_at_s),
+                    expires_at_s,
+                    header.index,
+                )
+                held = view.versions(request.tenant, key)
+                if held:
+                    plan.held_keys.add((request.tenant, key))
+                _plan_shard(held, request, entry, shard, new_entries, touched, plan.rewritten)
+        need_bytes = plan.append_bytes + sum(e.record_bytes for e, _ in new_entries)
+        keep = {e.index_key for e, _ in [*plan.refreshed, *touched]}
         self._evictor.make_room(need_bytes, request.now, keep)
-        appends.extend(new_entries)
-        refreshed.extend(touched)
+        for entry, shard in new_entries:
+            plan.add(entry, shard)
+        plan.refreshed.extend(touched)
         request.num_stored = len(new_entries)
 
-    @staticmethod
-    def _plan_shard(
-        view: IndexView,
-        request: PutRequest,
-        entry: Entry,
-        shard: bytes,
-        new_entries: list[tuple[Entry, bytes]],
-        touched: list[tuple[Entry, float]],
-        rewritten: list[tuple[Entry, float]],
-    ) -> None:
-        """File one shard against the live versions held of its key: a re-put of the held
-        version (``touched``, and ``rewritten`` when written later), superseded by a newer
-        held version (counted), or new (``new_entries``)."""
-        live = [
-            e
-            for e in view.versions(request.tenant, entry.key)
-            if not is_expired(e.expires_at_s, request.now)
-        ]
-        # The same version as another shard index is a node that moved within the
-        # group (a map change, kvstore/map_changes.py): the new shard replaces it.
-        same = [
-            e for e in live if e.version == entry.version and e.shard_index == entry.shard_index
-        ]
-        if same:
-            touched.append((same[0], request.now))
-            # The same version written again, later: it is now as new as that write.
-            # Keeping its first write time would let a version written in between
-            # win here but lose on nodes that saw the writes in another order, and
-            # the block would split between two versions (neither readable).
-            if entry.created_s > same[0].created_s:
-                rewritten.append((same[0], entry.created_s))
-        elif any(e.order > entry.order for e in live):
-            request.num_superseded += 1
-        else:
-            new_entries.append((entry, shard))
+    def _expiry(self, request: PutRequest) -> tuple[float, float]:
+        """(expires_at_s, last_access_s) of the request's new shards."""
+        retention = self._retention()
+        ttl_s = retention.ttl_s(request.tenant, request.traffic_class)
+        if request.ttl_s > 0:  # the put's own TTL, never beyond the class's or the cap
+            ttl_s = min(ttl_s, request.ttl_s)
+        if request.expires_at_s > 0:  # a repair: the block's expiry, within the tenant's cap
+            expires_at_s = min(request.expires_at_s, request.now + ttl_s)
+            return expires_at_s, request.now if math.isinf(ttl_s) else expires_at_s - ttl_s
+        expires_at_s = retention.expires_at_s(request.tenant, request.traffic_class, request.now)
+        if request.ttl_s > 0:
+            expires_at_s = min(expires_at_s, request.now + ttl_s)
+        return expires_at_s, request.now
 
     def _index_reserve_short(self) -> bool:
         backend = self._index.backend
@@ -217,38 +207,71 @@ class GroupCommit:
         deleted_at_s = view.deleted_at(request.tenant, key)
         return deleted_at_s is not None and deleted_at_s >= written_at_s
 
-    def _new_entry(
-        self,
-        request: PutRequest,
-        key: bytes,
-        header: ShardHeader,
-        shard: bytes,
-        written_at_s: float,
-    ) -> Entry:
-        """The entry of a new shard, not yet placed in a segment."""
-        ttl_s = self._retention().ttl_s(request.tenant, request.traffic_class)
-        if request.ttl_s > 0:  # the put's own TTL, never beyond the class's or the cap
-            ttl_s = min(ttl_s, request.ttl_s)
-        if request.expires_at_s > 0:  # a repair: the block's expiry, within the tenant's cap
-            expires_at_s = min(request.expires_at_s, request.now + ttl_s)
-            last_access_s = request.now if math.isinf(ttl_s) else expires_at_s - ttl_s
-            if written_at_s > 0:  # as an index rebuild infers it: a block that expires
-                # sooner than its TTL after its write keeps that shorter TTL of its own
-                last_access_s = max(last_access_s, min(written_at_s, request.now))
-        else:
-            expires_at_s = request.now + ttl_s
-            last_access_s = request.now
-        return Entry(
-            tenant=request.tenant,
-            key=key,
-            version=header.block_checksum,
-            traffic_class=request.traffic_class,
-            segment_id=0,
-            offset=0,
-            shard_bytes=len(shard),
-            shard_checksum=int.from_bytes(bytes(memoryview(shard)[SHARD_CHECKSUM_SLICE]), "little"),
-            created_s=written_at_s or request.now,
-            last_access_s=last_access_s,
-            expires_at_s=expires_at_s,
-            shard_index=header.index,
-        )
+
+@dataclass
+class _GroupPlan:
+    """What one group commit writes: new records, refreshed re-puts, re-puts written later."""
+
+    appends: list[tuple[Entry, bytes | memoryview]] = field(default_factory=list)
+    refreshed: list[tuple[Entry, float]] = field(default_factory=list)
+    rewritten: list[tuple[Entry, float]] = field(default_factory=list)
+    planned: set[tuple[str, bytes, bytes]] = field(default_factory=set)  # (tenant, key, version)
+    append_bytes: int = 0
+    # (tenant, key) of appends that may retire an older version: the key held versions, or
+    # the group writes two versions of it. A fresh key (the usual put) needs no retire scan.
+    held_keys: set[tuple[str, bytes]] = field(default_factory=set)
+    _appended_keys: set[tuple[str, bytes]] = field(default_factory=set)
+
+    def add(self, entry: Entry, shard: bytes | memoryview) -> None:
+        tenant_key = (entry.tenant, entry.key)
+        if tenant_key in self._appended_keys:
+            self.held_keys.add(tenant_key)
+        self._appended_keys.add(tenant_key)
+        self.planned.add((entry.tenant, entry.key, entry.version))
+        self.appends.append((entry, shard))
+        self.append_bytes += entry.record_bytes
+
+    def may_retire(self, entry: Entry) -> bool:
+        return (entry.tenant, entry.key) in self.held_keys
+
+
+def _plan_shard(
+    held: list[Entry],
+    request: PutRequest,
+    entry: Entry,
+    shard: bytes | memoryview,
+    new_entries: list[tuple[Entry, bytes | memoryview]],
+    touched: list[tuple[Entry, float]],
+    rewritten: list[tuple[Entry, float]],
+) -> None:
+    """File one shard against the versions held of its key: a re-put of the held version
+    (``touched``, and ``rewritten`` when written later), superseded by a newer live version
+    (counted), or new (``new_entries``)."""
+    live = [e for e in held if not is_expired(e.expires_at_s, request.now)]
+    # The same version as another shard index is a node that moved within the
+    # group (a map change, kvstore/map_changes.py): the new shard replaces it.
+    same = [e for e in live if e.version == entry.version and e.shard_index == entry.shard_index]
+    if same:
+        touched.append((same[0], request.now))
+        # The same version written again, later: it is now as new as that write.
+        # Keeping its first write time would let a version written in between
+        # win here but lose on nodes that saw the writes in another order, and
+        # the block would split between two versions (neither readable).
+        if entry.created_s > same[0].created_s:
+            rewritten.append((same[0], entry.created_s))
+    elif any(e.order > entry.order for e in live):
+        request.num_superseded += 1
+    else:
+        new_entries.append((entry, shard))
+
+
+def _last_access_s(request: PutRequest, last_access_s: float, written_at_s: float) -> float:
+    """A repaired block keeps, as an index rebuild infers it, a TTL of its own that is shorter
+    than its class's: it expires sooner than that TTL after its write."""
+    if request.expires_at_s > 0 and written_at_s > 0:
+        return max(last_access_s, min(written_at_s, request.now))
+    return last_access_s
+
+
+def _shard_checksum(shard: bytes | memoryview) -> int:
+    return int.from_bytes(memoryview(shard)[SHARD_CHECKSUM_SLICE], "little")

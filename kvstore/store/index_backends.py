@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +45,10 @@ class Txn(Protocol):
     def get(self, db: str, key: bytes) -> bytes | None: ...
 
     def put(self, db: str, key: bytes, value: bytes) -> None: ...
+
+    def put_many(self, db: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """``put`` of every ``(key, value)``, in order (a batch of rows in one call)."""
+        ...
 
     def delete(self, db: str, key: bytes) -> None: ...
 
@@ -96,6 +100,9 @@ class _LmdbTxn:
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
         self._txn.put(key, value, db=self._dbs[db])
+
+    def put_many(self, db: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        self._txn.cursor(db=self._dbs[db]).putmulti(items)
 
     def delete(self, db: str, key: bytes) -> None:
         self._txn.delete(key, db=self._dbs[db])
@@ -269,6 +276,10 @@ class _MemoryTxn:
     def put(self, db: str, key: bytes, value: bytes) -> None:
         self._record(db, key)
         self._maps[db].put(key, value)
+
+    def put_many(self, db: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        for key, value in items:
+            self.put(db, key, value)
 
     def delete(self, db: str, key: bytes) -> None:
         self._record(db, key)

@@ -7,7 +7,8 @@ open segment is sealed and a new one started when a record would take it past
 
 One append batch (a group commit of puts, or records carried forward)::
 
-    append every record to the open segment of its window (new segments as needed)
+    place every record at the end of the open segment of its window (new segments as needed)
+    write each touched segment's records with one pwritev (header, shard, header, shard, ...)
     fsync each touched segment once
     commit one index transaction: new segments, committed ends, every entry  <- commit point
     (any failure before the commit cuts every touched segment back to its committed end and
@@ -72,7 +73,7 @@ class SegmentAppender:
 
     def append_and_commit(
         self,
-        items: Sequence[tuple[Entry, bytes]],
+        items: Sequence[tuple[Entry, bytes | memoryview]],
         also: Callable[[IndexWriter], None] | None = None,
     ) -> None:
         """Append ``(entry, shard)`` records, fsync, then commit their entries in one transaction.
@@ -82,12 +83,11 @@ class SegmentAppender:
         """
         plan = _AppendPlan(window_to_open=dict(self._window_to_open))
         try:
-            placed = [self._append_one(plan, entry, shard) for entry, shard in items]
+            placed = self._append_all(plan, items)
             self._files.sync(plan.segment_to_end)
             with self._index.write() as w:
                 _register(w, plan)
-                for entry in placed:
-                    w.put_entry(entry)
+                w.put_entries(placed)
                 if also is not None:
                     also(w)
         except BaseException:
@@ -104,9 +104,32 @@ class SegmentAppender:
         for segment_id in doomed:
             self._files.close_writer(segment_id)
 
-    def _append_one(self, plan: _AppendPlan, entry: Entry, shard: bytes) -> Entry:
-        """Append one record (always in the current record format); the entry pointing at it."""
-        entry = replace(entry, record_format=RECORD_FORMAT, shard_bytes=len(shard))
+    def _append_all(
+        self, plan: _AppendPlan, items: Sequence[tuple[Entry, bytes | memoryview]]
+    ) -> list[Entry]:
+        """Place every record, then write each segment's records with one ``pwritev``
+        (records placed in one segment by one batch are contiguous); the entries pointing at
+        them."""
+        placed: list[Entry] = []
+        segment_to_chunks: dict[int, list[bytes | memoryview]] = {}
+        for entry, shard in items:
+            entry, header = self._place(plan, entry, shard)
+            segment_to_chunks.setdefault(entry.segment_id, []).extend((header, shard))
+            placed.append(entry)
+        segment_to_start = {}
+        for entry in placed:
+            segment_to_start.setdefault(entry.segment_id, entry.offset)
+        for segment_id, chunks in segment_to_chunks.items():
+            self._files.append(segment_id, segment_to_start[segment_id], chunks)
+        return placed
+
+    def _place(
+        self, plan: _AppendPlan, entry: Entry, shard: bytes | memoryview
+    ) -> tuple[Entry, bytes]:
+        """Where one record goes (always the current record format): the entry pointing at
+        it, and its record header."""
+        if entry.record_format != RECORD_FORMAT or entry.shard_bytes != len(shard):
+            entry = replace(entry, record_format=RECORD_FORMAT, shard_bytes=len(shard))
         window = window_id(entry.expires_at_s, self._expiry_window_s)
         size = entry.record_bytes
         segment_id, end = plan.window_to_open.get(window, (0, 0))
@@ -124,10 +147,9 @@ class SegmentAppender:
             written_at_s=entry.created_s,
             expires_at_s=entry.expires_at_s,
         )
-        self._files.append(segment_id, end, [header, shard])
         plan.window_to_open[window] = (segment_id, end + size)
         plan.segment_to_end[segment_id] = end + size
-        return replace(entry, segment_id=segment_id, offset=end)
+        return entry.placed(segment_id, end), header
 
     def _undo_appends(self, plan: _AppendPlan) -> None:
         """Cut every touched segment back to its committed end: the batch leaves no trace."""

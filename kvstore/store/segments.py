@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import struct
@@ -81,6 +82,7 @@ _SCAN_CHUNK_BYTES = 1 << 20
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _ZEROS = bytes(1 << 20)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 def _load_fallocate() -> ctypes._CFuncPtr | None:
@@ -136,8 +138,10 @@ class RecordHeader:
         return self.header_bytes + self.shard_bytes
 
 
+@functools.lru_cache(maxsize=4096)
 def header_bytes(tenant: str, traffic_class: str, record_format: int = RECORD_FORMAT) -> int:
-    """Bytes of the record header in front of a shard of this tenant and class."""
+    """Bytes of the record header in front of a shard of this tenant and class (cached: every
+    entry's size needs it, and a store serves few tenants and classes)."""
     if record_format == 1:
         return LEGACY_HEADER_BYTES
     return MIN_HEADER_BYTES + len(traffic_class.encode()) + len(tenant.encode())
@@ -279,26 +283,30 @@ class SegmentFiles:
             return None
 
     def append(self, segment_id: int, offset: int, chunks: Sequence[bytes | memoryview]) -> None:
-        """Write ``chunks`` at ``offset`` (the segment's end).
+        """Write ``chunks`` at ``offset`` (the segment's end): one ``pwritev`` per
+        ``IOV_MAX`` chunks, so a batch of records costs one system call.
 
         A full disk (ENOSPC, EDQUOT, or a short write, which is how a filesystem that ran out
         of space mid-write answers) raises CapacityExhausted.
         """
         fd = self._write_fd(segment_id)
-        try:
-            written = os.pwritev(fd, chunks, offset)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        for start in range(0, len(chunks), _IOV_MAX):
+            run = chunks[start : start + _IOV_MAX]
+            try:
+                written = os.pwritev(fd, run, offset)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityExhausted(
+                        f"disk full while appending to segment {segment_id}: {exc}"
+                    ) from exc
+                raise
+            expected = sum(len(c) for c in run)
+            if written != expected:
                 raise CapacityExhausted(
-                    f"disk full while appending to segment {segment_id}: {exc}"
-                ) from exc
-            raise
-        expected = sum(len(c) for c in chunks)
-        if written != expected:
-            raise CapacityExhausted(
-                f"disk full while appending to segment {segment_id}: wrote {written} of "
-                f"{expected} bytes"
-            )
+                    f"disk full while appending to segment {segment_id}: wrote {written} of "
+                    f"{expected} bytes"
+                )
+            offset += written
 
     def sync(self, segment_ids: Iterable[int]) -> None:
         """fsync each segment once (per request, not per record), if fsync is configured."""

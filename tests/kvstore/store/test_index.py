@@ -244,3 +244,44 @@ def test_counters_add_and_min(index: Index) -> None:
     with index.read() as view:
         assert view.counters() == {"hits": 5.0, "youngest": 20.0}
         assert view.counter(USED_BYTES) is None
+
+
+def _snapshot(index: Index) -> dict[str, list]:
+    """Every row of the index's sub-databases an entry touches, and every counter."""
+    with index.read() as view:
+        txn = view._txn
+        rows = {db: txn.scan(db, b"", None, 1 << 20) for db in ("entries", "expiry", "access")}
+        rows.update({db: txn.scan(db, b"", None, 1 << 20) for db in ("by_seg", "by_group")})
+        rows["segments"] = view.segments()
+        rows["counters"] = sorted(view.counters().items())
+    return rows
+
+
+def test_put_entries_is_put_entry_of_each(tmp_path: Path) -> None:
+    """The batch form (a group commit's) writes the same rows and derived figures as one
+    put_entry per entry, replacements (records moved to another segment) included."""
+    held = [_entry(1, segment=1), _entry(2, expires=math.inf, segment=2)]
+    batch = [
+        _entry(3, segment=1, offset=10),
+        _entry(4, tenant="globex", segment=2, cls="agent"),
+        replace(held[0], segment_id=2, offset=20),  # moved: replaces the held entry
+        _entry(5, expires=math.inf, segment=2),
+    ]
+    indexes = [Index(MemoryBackend(), lambda key: key[0] % 3) for _ in range(2)]
+    for index in indexes:
+        _with_segments(index, 1, 2)
+        with index.write() as w:
+            for entry in held:
+                w.put_entry(entry)
+    with indexes[0].write() as w:
+        assert w.put_entries(batch) == [None, None, held[0], None]
+    with indexes[1].write() as w:
+        for entry in batch:
+            w.put_entry(entry)
+    assert _snapshot(indexes[0]) == _snapshot(indexes[1]), "batch and one-by-one writes differ"
+
+
+def test_put_entries_refuses_repeated_entries(index: Index) -> None:
+    _with_segments(index, 1)
+    with pytest.raises(ValueError, match="distinct"), index.write() as w:
+        w.put_entries([_entry(1), replace(_entry(1), offset=5)])

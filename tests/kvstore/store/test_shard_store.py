@@ -6,6 +6,7 @@ import errno
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from kvstore.config import NodeConfig, TTLConfig
 from kvstore.errors import CapacityExhausted, InvalidArgument, UnknownTrafficClass
 from kvstore.store.shard_store import (
     INF_WINDOW,
+    PutOptions,
     ShardStore,
     Status,
     window_end_s,
@@ -190,21 +192,24 @@ def test_put_refused_only_when_space_is_pinned(make_store: MakeStore) -> None:
     assert statuses == [Status.HIT] * 12 + [Status.MISS], "reads must work when full"
 
 
+@pytest.mark.parametrize("failure", ["short write", "ENOSPC"])
 def test_disk_full_mid_put_leaves_no_trace(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failure: str
 ) -> None:
+    """The batch's one pwritev lands part of its records, then the disk is full: a short
+    write, or ENOSPC after the part was written. Nothing of the put stays."""
     store = make_store()
     store.put("acme", "chat", [(_key(0), make_shard(b"before"))])
     size_before = {i: store._files.size(i) for i in _segment_ids(tmp_path)}
-    real_pwritev, calls = os.pwritev, []
+    real_pwritev = os.pwritev
 
-    def pwritev_then_enospc(fd: int, buffers: list, offset: int) -> int:
-        calls.append(offset)
-        if len(calls) > 2:
+    def pwritev_part(fd: int, buffers: list, offset: int) -> int:
+        written = real_pwritev(fd, buffers[:3], offset)  # record 1, and record 2's header
+        if failure == "ENOSPC":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwritev(fd, buffers, offset)
+        return written
 
-    monkeypatch.setattr(kvstore.store.segments.os, "pwritev", pwritev_then_enospc)
+    monkeypatch.setattr(kvstore.store.segments.os, "pwritev", pwritev_part)
     items = [(_key(i), make_shard(bytes([i]) * 100)) for i in range(1, 6)]
     with pytest.raises(CapacityExhausted, match="disk full"):
         store.put("acme", "chat", items)
@@ -323,6 +328,60 @@ def test_concurrent_puts_group_commit_counts_each_shard_once(make_store: MakeSto
     assert sum(num_stored) == 40, "a shard put concurrently was stored twice or not at all"
     results = store.get("acme", [_key(i) for i in range(40)])
     assert [r.shards for r in results] == [(shards[i],) for i in range(40)]
+
+
+def test_a_batch_is_one_pwritev_per_segment(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    real_pwritev, calls = os.pwritev, []
+
+    def counted(fd: int, buffers: list, offset: int) -> int:
+        calls.append(len(buffers))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(kvstore.store.segments.os, "pwritev", counted)
+    items = [(_key(i), make_shard(bytes([i]) * 3000)) for i in range(8)]
+    assert store.put("acme", "chat", items).num_stored == 8
+    assert calls == [16], "a put's records must go down in one pwritev (header, shard, ...)"
+    assert [r.shards for r in store.get("acme", [k for k, _ in items])] == [(s,) for _, s in items]
+
+
+def _group_commit(store: ShardStore, puts: list[tuple[list, float]]) -> None:
+    """Run ``puts`` ((items, written_at_s) each) so that one group commit stores them all:
+    each waits queued while the test holds the write lock."""
+    threads = [
+        threading.Thread(
+            target=store.put, args=("acme", "chat", items, PutOptions([at] * len(items)))
+        )
+        for items, at in puts
+    ]
+    with store._write_lock:
+        for thread in threads:
+            thread.start()
+        while len(store._puts._queue) < len(threads):
+            time.sleep(0.001)
+    for thread in threads:
+        thread.join()
+
+
+def test_one_group_commit_keeps_the_newest_of_two_versions(
+    make_store: MakeStore, clock: ManualClock
+) -> None:
+    """Two versions of a fresh key in one group commit, and a newer version of a held key:
+    each key ends with its newest version only (the retire scan runs where it is needed)."""
+    store = make_store()
+    old, new = make_shard(b"old" * 100), make_shard(b"new" * 100)
+    store.put("acme", "chat", [(_key(2), old)], PutOptions([clock.now() - 20]))
+    _group_commit(
+        store,
+        [
+            ([(_key(1), new), (_key(2), new)], clock.now() - 5),
+            ([(_key(1), old)], clock.now() - 10),
+        ],
+    )
+    assert store.contains("acme", [_key(1), _key(2)]) == [[version_of(b"new" * 100)]] * 2
+    assert store.stats().num_shards == 2, "an older version outlived the commit of a newer one"
 
 
 def _two_shard(payload: bytes, index: int) -> bytes:
