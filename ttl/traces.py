@@ -87,8 +87,12 @@ class Trace:
     block_tokens: int
     num_blocks: int  # distinct blocks
     num_skipped: int = 0  # malformed records skipped (only with skip_bad)
-    # A partition (ttl.partition) holds some of each request's blocks: their positions in the
-    # whole request (int32 [num_accesses]) and the whole request's block counts (int64).
+    # A partition (ttl.partition) holds the requests that have blocks in it: each row's index
+    # in the whole trace (int64 [num_requests]), the first and last request times of the whole
+    # trace, and each block's position in its whole request (int32 [num_accesses]). The
+    # requests of a split trace, without blocks, carry the whole requests' block counts.
+    request_ids: np.ndarray | None = None
+    whole_span_s: tuple[float, float] | None = None
     block_positions: np.ndarray | None = None
     whole_request_blocks: np.ndarray | None = None
 
@@ -683,8 +687,9 @@ class _Columns:
         raw = self.raw(block_tokens, partial_blocks, None)
         order = np.argsort(raw.time_s, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
-        offsets, raw_ids = _reorder_segments(order, offsets, raw.ids)
-        block_ids, num_blocks = _dense_ids(raw_ids)
+        offsets, raw_ids = reorder_segments(order, offsets, raw.ids)
+        block_ids, distinct = dense_ids(raw_ids)
+        num_blocks = len(distinct)
         if chain:
             block_ids, num_blocks = chain_block_ids(offsets, block_ids)
         class_names, class_ids = self._sorted_classes(raw.class_codes[order])
@@ -708,7 +713,7 @@ class _Columns:
         return tuple(names), code_to_sorted[codes] if len(codes) else codes
 
 
-def _reorder_segments(
+def reorder_segments(
     order: np.ndarray, offsets: np.ndarray, values: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Permute the variable-length segments of a CSR array (``order[i]`` goes to slot ``i``)."""
@@ -733,17 +738,22 @@ def cut_partial_blocks(
     return np.concatenate([[0], np.cumsum(kept)]), values[keep]
 
 
-def _dense_ids(raw_ids: np.ndarray) -> tuple[np.ndarray, int]:
-    distinct, inverse = np.unique(raw_ids, return_inverse=True)
+def dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(inverse, distinct)``: ``values == distinct[inverse]``, distinct values numbered in
+    order of first appearance (int32). A hash pass (Arrow's dictionary encoding), not a sort."""
+    if not len(values):
+        return np.empty(0, np.int32), values[:0]
+    encoded = pa.array(values).dictionary_encode()
+    distinct = encoded.dictionary.to_numpy()
     if len(distinct) >= 2**31:
         raise TraceFormatError(
             f"{len(distinct):,} distinct blocks: more than the simulator's 2**31; "
             "split the trace by time"
         )
-    return inverse.astype(np.int32), len(distinct)
+    return encoded.indices.to_numpy().astype(np.int32, copy=False), distinct
 
 
-def chain_block_ids(offsets: np.ndarray, dense_ids: np.ndarray) -> tuple[np.ndarray, int]:
+def chain_block_ids(offsets: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Dense ids of (prefix, block) chains: one id per distinct run of ids from a request start.
 
     Works position by position across all requests at once: the chained id at position ``j``
@@ -753,13 +763,13 @@ def chain_block_ids(offsets: np.ndarray, dense_ids: np.ndarray) -> tuple[np.ndar
     order = np.argsort(-lengths, kind="stable")  # longest first: active requests are a prefix
     neg_sorted_lengths = -lengths[order]
     prev = np.full(len(order), -1, np.int64)
-    out = np.empty(len(dense_ids), np.int64)
+    out = np.empty(len(ids), np.int64)
     num_blocks = 0
     for position in range(int(lengths.max(initial=0))):
         num_active = int(np.searchsorted(neg_sorted_lengths, -position, side="left"))
         where = offsets[order[:num_active]] + position
-        pair = ((prev[:num_active] + 1) << 32) | dense_ids[where].astype(np.int64)
-        distinct, inverse = np.unique(pair, return_inverse=True)
+        pair = ((prev[:num_active] + 1) << 32) | ids[where].astype(np.int64)
+        inverse, distinct = dense_ids(pair)
         out[where] = prev[:num_active] = inverse + num_blocks
         num_blocks += len(distinct)
     return out.astype(np.int32), num_blocks

@@ -67,6 +67,9 @@ class RayExecutor:
         handle = self._task.options(num_returns=num_returns).remote(fn, *args)
         return list(handle) if num_returns > 1 else handle
 
+    def put(self, value: Any) -> Any:
+        return self._ray.put(value)
+
     def get(self, handles: Sequence[Any]) -> list[Any]:
         return list(self._ray.get(list(handles)))
 
