@@ -347,6 +347,8 @@ class Executor(Protocol):
 
     def get(self, handles: Sequence[Any]) -> list[Any]: ...
 
+    def task_cpu_s(self) -> float: ...
+
 
 class InlineExecutor:
     """Runs each task at once in this process (tests, and runs without a cluster)."""
@@ -361,6 +363,10 @@ class InlineExecutor:
     def get(self, handles: Sequence[Any]) -> list[Any]:
         return list(handles)
 
+    def task_cpu_s(self) -> float:
+        """CPU seconds of tasks outside this process: none (its tasks are this process's)."""
+        return 0.0
+
 
 @dataclass(frozen=True)
 class PartitionedTrace:
@@ -374,6 +380,8 @@ class PartitionedTrace:
 
 
 MAX_PARTITIONS = 2**16  # partition ids sort as uint16
+SPLITTING, ASSEMBLING = "splitting the trace (units)", "assembling partitions"
+StepProgress = Callable[[str, int, int], None]  # (step, tasks done, tasks in the step)
 
 
 def split_trace(
@@ -384,8 +392,11 @@ def split_trace(
     partition_of: PartitionFn,
     executor: Executor,
     time_scale: float = 1.0,
+    progress: StepProgress | None = None,
 ) -> PartitionedTrace:
-    """Split and assemble (module docstring) on ``executor``."""
+    """Split and assemble (module docstring) on ``executor``; ``progress`` sees each step's
+    tasks as they finish."""
+    progress = progress or (lambda step, done, total: None)
     if not 1 <= num_partitions <= MAX_PARTITIONS:
         raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}], got {num_partitions}")
     width = num_partitions + 1
@@ -395,7 +406,11 @@ def split_trace(
         )
         for u in units
     ]
-    merged = merge_requests(executor.get([split[0] for split in splits]), time_scale)
+    request_pieces = []
+    for split in splits:  # in order, one at a time: the units are about the same size
+        request_pieces += executor.get([split[0]])
+        progress(SPLITTING, len(request_pieces), len(splits))
+    merged = merge_requests(request_pieces, time_scale)
     shared = executor.put(merged)  # once, for every assembly
     partitions, sizes = [], []
     for p in range(num_partitions):
@@ -404,7 +419,10 @@ def split_trace(
         )
         partitions.append(handle[0])
         sizes.append(handle[1])
-    measured = executor.get(sizes)
+    measured = []
+    for size in sizes:
+        measured += executor.get([size])
+        progress(ASSEMBLING, len(measured), num_partitions)
     return PartitionedTrace(
         partitions,
         merged.requests,
