@@ -3,7 +3,7 @@
 ::
 
     kvstore bench sim [--json PATH] [--days 2] [--seed 0] [--rounds 3] [--capacity-share 0.25]
-    kvstore bench sim --partitions 4 --workers 1,2 --days 14 --rate-scale 3 --json PATH
+    kvstore bench sim --partitions 4,16 --workers 0,2 --days 14 --rate-scale 3 --json PATH
 
 The workload is ``kvstore sim generate``'s (chat and agent sessions, default parameters) over
 ``--days`` days (session rates times ``--rate-scale``), built in memory and also written to a
@@ -25,13 +25,18 @@ machine; ``wall_accesses_per_s`` is the wall-clock figure. Cases run interleaved
 ``--rounds`` passes and a record keeps the median pass. The target (DESIGN.md) is 3 million
 accesses per second with TTL and capacity.
 
-With ``--partitions P`` the bench measures scale-out instead: one end-to-end run in this
-process (``load-jsonl`` + simulate), then ``kvstore sim --partitions P`` on a local Ray with
-each of ``--workers`` CPUs (0: the same tasks in this process, without Ray, whose CPU seconds
-are the pipeline's own work), all on the JSONL file with one grid point, by wall clock (Ray's
-start is timed apart). ``speedup`` is the single process's wall time over the partitioned
-run's; the partitioned results are the cluster's (P groups), so their hit ratios differ
-slightly from one cache's and are reported too.
+With ``--partitions P[,P...]`` the bench measures scale-out instead: per round, one
+end-to-end run in this process (``load-jsonl`` + simulate), then ``kvstore sim --partitions P``
+for each P on a local Ray with each of ``--workers`` CPUs (0: the same tasks in this process,
+without Ray), all on the JSONL file with one grid point, for ``--rounds`` interleaved rounds
+(each record keeps its median round). ``cpu_s_total`` is every process's CPU: this one's, and
+on Ray each task's as measured in its worker (Ray's own daemons are not counted);
+``partition_cpu_ratio`` is a partitioned run's ``cpu_s_total`` over the one-process run's in
+the same round (the target is 1.1), and the JSON's top level has the worst of them, overall
+and per P. ``speedup`` is the single process's wall time over the partitioned run's (Ray's
+start is timed apart). Partitioned results are the cluster's (P groups, each with its share
+of the capacity), so their hit ratios differ slightly from one cache's:
+``block_hit_diff_points`` says by how much.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from ttl.simulator import ALL, SimConfig, sim_result, simulate
 from ttl.traces import LoadOptions, Trace, load_trace, trace_units
 
 TARGET_ACCESSES_PER_S = 3e6
+TARGET_PARTITION_CPU_RATIO = 1.1  # P partitions against one process, CPU seconds
 BASELINE = "dict-ttl"
 
 
@@ -98,8 +104,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="multiply the generator's sessions per day (more accesses per day)",
     )  # fmt: skip
     parser.add_argument(
-        "--partitions", type=int, default=0,
-        help="measure scale-out instead: kvstore sim --partitions P against one process",
+        "--partitions", type=list_arg(int), default=[],
+        help="measure scale-out instead: kvstore sim --partitions P (comma-separated Ps, "
+        "side by side) against one process, by wall clock and by every process's CPU",
     )  # fmt: skip
     parser.add_argument(
         "--workers", type=list_arg(int), default=[0, 1, 2],
@@ -117,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         if args.partitions:
             jsonl = Path(folder) / "workload.jsonl"
             write_workload(params, jsonl)
-            records = measure_scale_out(jsonl, capacity_blocks, args.partitions, args.workers)
-            table = scale_out_table(records, trace, args.partitions)
+            records = measure_scale_out(
+                jsonl, capacity_blocks, args.partitions, args.workers, args.rounds
+            )
+            table = scale_out_table(records, trace)
         else:
             cases = make_cases(trace, capacity_blocks, write_files(params, Path(folder)))
             records = measure(cases, trace.num_accesses, args.rounds)
@@ -265,86 +274,109 @@ class ScaleRecord:
     partitions: int  # 0: one process, one cache
     workers: int
     wall_s: float  # from the file to the result (Ray's start excluded, see ray_start_s)
-    cpu_s: float | None  # this process's CPU seconds (runs without Ray: the work itself)
+    cpu_s: float  # this (driver) process's CPU seconds
+    cpu_s_total: float  # every process's: the driver's and, on Ray, every task's
     ray_start_s: float
     wall_accesses_per_s: float
     speedup: float  # the one-process wall time over this one's
+    partition_cpu_ratio: float | None  # cpu_s_total over the one-process run's (same round)
     block_hit_ratio: float
     token_hit_ratio: float
+    block_hit_diff_points: float  # against the one-process run
     evicted_blocks: int
+    cpu_s_total_passes: list[float]
 
 
 def measure_scale_out(
-    jsonl: Path, capacity_blocks: int, num_partitions: int, workers: list[int]
+    jsonl: Path, capacity_blocks: int, partitions: list[int], workers: list[int], rounds: int
 ) -> list[ScaleRecord]:
-    """One process end to end, then ``num_partitions`` partitions on a local Ray per entry of
-    ``workers`` (one grid point: chat 7d, agent 3d, LRU at the capacity)."""
+    """One process end to end, then each of ``partitions`` on a local Ray per entry of
+    ``workers`` (one grid point: chat 7d, agent 3d, LRU at the capacity), interleaved for
+    ``rounds`` rounds; each record keeps its median round, and ratios are taken within a
+    round (the machine's load moves between rounds)."""
     config = SimConfig(TrafficClasses(), capacity_blocks, EvictionOrder.LRU)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    trace = load_trace(jsonl, "mooncake", _JSONL_OPTIONS)
-    result = simulate(trace, config)
-    one_wall_s, num_accesses = time.perf_counter() - start, trace.num_accesses
-    cpu_s = time.process_time() - cpu_start
-    del trace
-    records = [_scale_record("one-process", 0, 1, (one_wall_s, cpu_s), 0.0, num_accesses,
-                             one_wall_s, result)]  # fmt: skip
-    for num_workers in workers:
-        start = time.perf_counter()
-        executor = make_executor(LOCAL if num_workers else INLINE, num_workers)
-        ray_start_s = time.perf_counter() - start
-        try:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            units = trace_units(jsonl, "mooncake")
-            split = split_trace(
-                units, "mooncake", _JSONL_OPTIONS, num_partitions, placement_partitions, executor
-            )
-            (counts,) = simulate_partitioned(split, [config], executor)
-            result = sim_result(split.requests, config, counts)
-            wall_s = time.perf_counter() - start
-            cpu_s = time.process_time() - cpu_start
-        finally:
-            if isinstance(executor, RayExecutor):
-                executor.close()
-        name = f"partitions-{num_partitions}-workers-{num_workers or 'inline'}"
-        times = (wall_s, None if num_workers else cpu_s)
-        records.append(_scale_record(name, num_partitions, num_workers, times, ray_start_s,
-                                     num_accesses, one_wall_s, result))  # fmt: skip
+    runs: dict[tuple[int, int], list[tuple]] = {}
+    for _ in range(rounds):
+        one = _one_process(jsonl, config)
+        runs.setdefault((0, 1), []).append((*one, 1.0))
+        for num_partitions in partitions:
+            for num_workers in workers:
+                run = _partitioned(jsonl, config, num_partitions, num_workers)
+                runs.setdefault((num_partitions, num_workers), []).append((*run, run[2] / one[2]))
+    one_record = _scale_record("one-process", 0, 1, runs[(0, 1)], None)
+    records = [one_record]
+    for (num_partitions, num_workers), passes in runs.items():
+        if num_partitions:
+            name = f"partitions-{num_partitions}-workers-{num_workers or 'inline'}"
+            records.append(_scale_record(name, num_partitions, num_workers, passes, one_record))
     return records
 
 
+def _one_process(jsonl: Path, config: SimConfig) -> tuple:
+    """(wall s, driver CPU s, total CPU s, Ray start s, accesses, result) of one process."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    trace = load_trace(jsonl, "mooncake", _JSONL_OPTIONS)
+    result = simulate(trace, config)
+    cpu_s = time.process_time() - cpu_start
+    return time.perf_counter() - start, cpu_s, cpu_s, 0.0, trace.num_accesses, result
+
+
+def _partitioned(jsonl: Path, config: SimConfig, num_partitions: int, num_workers: int) -> tuple:
+    """The same run as ``_one_process``, over partitions, on Ray (0 workers: in process)."""
+    start = time.perf_counter()
+    executor = make_executor(LOCAL if num_workers else INLINE, num_workers)
+    ray_start_s = time.perf_counter() - start
+    try:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        units = trace_units(jsonl, "mooncake")
+        split = split_trace(
+            units, "mooncake", _JSONL_OPTIONS, num_partitions, placement_partitions, executor
+        )
+        (counts,) = simulate_partitioned(split, [config], executor)
+        result = sim_result(split.requests, config, counts)
+        wall_s = time.perf_counter() - start
+        cpu_s = time.process_time() - cpu_start
+        cpu_s_total = cpu_s + executor.task_cpu_s()
+    finally:
+        if isinstance(executor, RayExecutor):
+            executor.close()
+    return wall_s, cpu_s, cpu_s_total, ray_start_s, split.num_accesses, result
+
+
 def _scale_record(
-    name: str,
-    partitions: int,
-    workers: int,
-    times: tuple[float, float | None],
-    ray_start_s: float,
-    num_accesses: int,
-    one_wall_s: float,
-    result: Any,
+    name: str, partitions: int, workers: int, passes: list[tuple], one: ScaleRecord | None
 ) -> ScaleRecord:
+    """The median round (by total CPU) of ``passes``."""
+    ordered = sorted(passes, key=lambda run: run[2])
+    wall_s, cpu_s, cpu_s_total, ray_start_s, num_accesses, result, _ = ordered[len(ordered) // 2]
     stats = result.by_class[ALL]
-    wall_s, cpu_s = times
+    one_wall_s = wall_s if one is None else one.wall_s
+    one_hit = stats.block_hit_ratio if one is None else one.block_hit_ratio
     return ScaleRecord(
-        name, partitions, workers, wall_s, cpu_s, ray_start_s, num_accesses / wall_s,
-        one_wall_s / wall_s, stats.block_hit_ratio, stats.token_hit_ratio, stats.evicted_blocks,
+        name, partitions, workers, wall_s, cpu_s, cpu_s_total, ray_start_s,
+        num_accesses / wall_s, one_wall_s / wall_s,
+        None if one is None else statistics.median(run[-1] for run in passes),
+        stats.block_hit_ratio, stats.token_hit_ratio,
+        100 * (stats.block_hit_ratio - one_hit), stats.evicted_blocks,
+        [run[2] for run in passes],
     )  # fmt: skip
 
 
-def scale_out_table(records: list[ScaleRecord], trace: Trace, num_partitions: int) -> Table:
+def scale_out_table(records: list[ScaleRecord], trace: Trace) -> Table:
     table = Table(
         title=f"simulator scale-out: {trace.num_accesses:,} block accesses from a JSONL file, "
-        f"{num_partitions} partitions on a local Ray vs one process"
+        "partitions (in process or on a local Ray) vs one process"
     )
-    columns = ("case", "wall s", "CPU s", "Ray start s", "M accesses/s (wall)", "speedup",
-               "block hit")  # fmt: skip
-    for column in (*columns, "token hit"):
+    columns = ("case", "wall s", "CPU s (all)", "CPU vs one", "Ray start s", "speedup",
+               "block hit", "vs one (points)")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column == "case" else "right")
     for r in records:
         table.add_row(
-            r.case, f"{r.wall_s:.1f}", "-" if r.cpu_s is None else f"{r.cpu_s:.1f}",
-            f"{r.ray_start_s:.1f}",
-            f"{r.wall_accesses_per_s / 1e6:.2f}", f"{r.speedup:.2f}x",
-            f"{100 * r.block_hit_ratio:.2f}%", f"{100 * r.token_hit_ratio:.2f}%",
+            r.case, f"{r.wall_s:.1f}", f"{r.cpu_s_total:.1f}",
+            "-" if r.partition_cpu_ratio is None else f"{r.partition_cpu_ratio:.2f}x",
+            f"{r.ray_start_s:.1f}", f"{r.speedup:.2f}x",
+            f"{100 * r.block_hit_ratio:.2f}%", f"{r.block_hit_diff_points:+.3f}",
         )  # fmt: skip
     return table
 
@@ -369,5 +401,22 @@ def document(
         "rounds": args.rounds,
         "partitions": args.partitions,
         "target_accesses_per_s": TARGET_ACCESSES_PER_S,
+        **_partition_summary(records),
         "results": [asdict(r) for r in records],
+    }
+
+
+def _partition_summary(records: list[Record] | list[ScaleRecord]) -> dict[str, Any]:
+    """Scale-out runs: the worst partitioned CPU over one process's, overall and per P."""
+    ratios: dict[str, float] = {}
+    for r in records:
+        if isinstance(r, ScaleRecord) and r.partition_cpu_ratio is not None:
+            key = str(r.partitions)
+            ratios[key] = max(ratios.get(key, 0.0), r.partition_cpu_ratio)
+    if not ratios:
+        return {}
+    return {
+        "partition_cpu_ratio": max(ratios.values()),
+        "partition_cpu_ratio_by_partitions": ratios,
+        "target_partition_cpu_ratio": TARGET_PARTITION_CPU_RATIO,
     }

@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,31 +224,41 @@ class _Generator:
                 context.add(call + self.tokens(p.agent_tool_tokens))
         return context.finish(self.ids)
 
-    def sessions(self) -> list[list[Request]]:
-        """Every session's requests, sessions in order of their start."""
+    def sessions(self, progress: Progress | None = None) -> list[list[Request]]:
+        """Every session's requests, sessions in order of their start; ``progress`` sees
+        (sessions done, sessions in all) every 1,024 sessions."""
         p = self.p
         chat_prompts = self.prompts(p.chat_prompts, p.chat_prompt_tokens)
         agent_prompts = self.prompts(p.agent_prompts, p.agent_prompt_tokens)
         starts = [(t, True) for t in self.starts(p.chat_sessions_per_day)]
         starts += [(t, False) for t in self.starts(p.agent_sessions_per_day)]
         starts.sort()
-        return [
-            self.chat_session(start_s, self.pick(chat_prompts))
-            if is_chat
-            else self.agent_session(start_s, self.pick(agent_prompts))
-            for start_s, is_chat in starts
-        ]
+        sessions = []
+        for start_s, is_chat in starts:
+            if progress is not None and not len(sessions) % 1024:
+                progress(len(sessions), len(starts))
+            sessions.append(
+                self.chat_session(start_s, self.pick(chat_prompts))
+                if is_chat
+                else self.agent_session(start_s, self.pick(agent_prompts))
+            )
+        if progress is not None:
+            progress(len(sessions), len(starts))
+        return sessions
 
-    def requests(self) -> list[Request]:
+    def requests(self, progress: Progress | None = None) -> list[Request]:
         """Every request of every session, sorted by time (stable: session order on ties)."""
-        requests = [request for session in self.sessions() for request in session]
+        requests = [request for session in self.sessions(progress) for request in session]
         requests.sort(key=operator.itemgetter(0))
         return requests
 
 
-def generate_requests(params: WorkloadParams) -> list[Request]:
+Progress = Callable[[int, int], None]  # (sessions generated, sessions in all)
+
+
+def generate_requests(params: WorkloadParams, progress: Progress | None = None) -> list[Request]:
     """The workload's requests in time order (see the module docstring for the model)."""
-    return _Generator(params).requests()
+    return _Generator(params).requests(progress)
 
 
 def request_hash_ids(request: Request) -> itertools.chain[int]:
@@ -268,9 +279,11 @@ def generate_trace(params: WorkloadParams) -> Trace:
     return trace_from_records(records, params.block_tokens, chain=False)
 
 
-def write_workload(params: WorkloadParams, path: str | Path) -> int:
+def write_workload(
+    params: WorkloadParams, path: str | Path, progress: Progress | None = None
+) -> int:
     """Write the workload as Mooncake JSONL with a ``class`` field; return the request count."""
-    requests = generate_requests(params)
+    requests = generate_requests(params, progress)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -284,14 +297,16 @@ def write_workload(params: WorkloadParams, path: str | Path) -> int:
     return len(requests)
 
 
-def write_session_files(params: WorkloadParams, folder: str | Path) -> int:
+def write_session_files(
+    params: WorkloadParams, folder: str | Path, progress: Progress | None = None
+) -> int:
     """Write the workload as session files, one JSON document per conversation
     (``ttl.traces`` format ``sessions``); return the request count. Session ids are local to
     a file, so system prompts are no longer shared across sessions: a loader benchmark."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     num_requests = 0
-    for index, session in enumerate(_Generator(params).sessions()):
+    for index, session in enumerate(_Generator(params).sessions(progress)):
         if not session:
             continue
         start_ms = session[0][0]

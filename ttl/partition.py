@@ -11,13 +11,20 @@ exactly.
 Pipeline (each step a plain function, so any executor can run it: in this process, or as Ray
 tasks in ``kvstore/cli/sim_partitions.py``)::
 
-    trace --trace_units--> units --split_unit (one task per unit)--> per unit: requests and
-      one BlockPiece per partition --assemble_partition (one task per partition)--> partition
-      Traces --simulate_partition (one task per partition and grid point)--> SimCounts
-      --combine--> ttl.simulator.sim_result per grid point
+    trace --trace_units--> units --split_unit (one task per unit)--> per unit: its requests in
+      time order and one BlockPiece per partition --merge_requests (the driver)--> every
+      request's place in the whole trace --assemble_partition (one task per partition)-->
+      partition Traces --simulate_partition (one task per partition and grid point)-->
+      SimCounts --CountsTotal--> ttl.simulator.sim_result per grid point
 
-No step holds the whole trace: a split task holds one unit, a partition task its own blocks
-and the requests' metadata (tens of bytes per request against 12 per block access).
+No step holds the whole trace's blocks: a split task holds one unit, a partition task its own
+blocks and the requests that have blocks in it; the driver holds every request's metadata
+(tens of bytes per request against 8 per block access). Each step is one pass: a split dedupes
+its unit's blocks by hashing (Arrow's dictionary encoding, not a sort), places each distinct
+block once and sorts the accesses once, by partition (a stable radix sort of 16-bit keys); the
+driver merges the units' time-ordered requests (a stable sort of sorted runs is a merge); an
+assembly maps each unit's block numbers to the partition's with one more hash pass over the
+units' distinct blocks, and re-sorts nothing when the units come in time order.
 
 Block identity: Mooncake ids already name a block with its prefix; per-block ids (Bailian,
 sessions) are chained here by hashing (``chain_identities``: a 64-bit hash of the previous
@@ -28,14 +35,23 @@ their identities are, as in ``ttl.traces``' dense chaining (up to 64-bit hash co
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 
-from ttl.simulator import SimConfig, SimCounts, simulate_counts
-from ttl.traces import LoadOptions, RawRequests, Trace, TraceUnit, parse_unit
+from ttl.simulator import CountsTotal, SimConfig, SimCounts, simulate_counts
+from ttl.traces import (
+    LoadOptions,
+    RawRequests,
+    Trace,
+    TraceUnit,
+    dense_ids,
+    parse_unit,
+    reorder_segments,
+)
 
 PartitionFn = Callable[[np.ndarray, int], np.ndarray]  # identities (uint64), P -> partition ids
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -43,7 +59,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 @dataclass(frozen=True)
 class RequestPiece:
-    """One unit's requests in file order: what every partition and the merge need."""
+    """One unit's requests in time order (stable): what the driver merges."""
 
     time_s: np.ndarray  # float64
     class_labels: tuple[str, ...]
@@ -59,11 +75,14 @@ class RequestPiece:
 @dataclass(frozen=True)
 class BlockPiece:
     """One unit's block accesses that fall in one partition, in request then position order:
-    ``lengths[r]`` of them for the unit's request ``r`` (12 bytes per access travel)."""
+    ``lengths[i]`` of them for the unit's request ``rows[i]`` (8 bytes per access travel; each
+    distinct block's identity once)."""
 
-    lengths: np.ndarray  # int32 [unit requests]
+    rows: np.ndarray  # int32: the unit's requests (time order) with blocks here, increasing
+    lengths: np.ndarray  # int32 [rows]
     positions: np.ndarray  # int32: position in the whole request
-    identities: np.ndarray  # uint64
+    local_ids: np.ndarray  # int32: index into distinct
+    distinct: np.ndarray  # uint64: identities of this piece's distinct blocks
 
 
 def split_unit(
@@ -74,24 +93,70 @@ def split_unit(
     partition_of: PartitionFn,
 ) -> tuple[Any, ...]:
     """Parse ``unit`` and split its block accesses: ``(RequestPiece, BlockPiece x P)``."""
-    raw = parse_unit(unit, fmt, options)
+    raw = _in_time_order(parse_unit(unit, fmt, options))
     offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
     identities = block_identities(raw, offsets)
-    requests = np.repeat(np.arange(len(raw.lengths), dtype=np.int64), raw.lengths)
-    positions = (np.arange(len(raw.ids)) - offsets[:-1][requests]).astype(np.int32)
     # Requests share prefixes, so most accesses repeat a block: place each block once.
-    distinct, inverse = np.unique(identities, return_inverse=True)
-    where = partition_of(distinct, num_partitions)[inverse] if len(distinct) else requests
-    # One stable radix sort by partition (accesses keep their order inside each), then slices:
-    # O(accesses) whatever the number of partitions.
+    block_of_access, distinct = dense_ids(identities)
+    group = partition_of(distinct, num_partitions) if len(distinct) else np.empty(0, np.int64)
+    local_of_distinct, distinct_by_group, group_bounds = _rank_within_groups(group, num_partitions)
+    # One stable radix sort of the accesses by partition; each keeps request then position
+    # order inside its partition, and the pieces are slices.
+    where = group[block_of_access]
     order = np.argsort(where.astype(np.uint16), kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(where, minlength=num_partitions))])
+    request_of = np.repeat(np.arange(len(raw.lengths), dtype=np.int32), raw.lengths)
+    positions = (np.arange(len(identities)) - offsets[:-1][request_of]).astype(np.int32)[order]
+    request_of = request_of[order]
+    local_ids = local_of_distinct[block_of_access[order]]
     pieces = []
     for p in range(num_partitions):
-        mine = order[bounds[p] : bounds[p + 1]]
-        lengths = np.bincount(requests[mine], minlength=len(raw.lengths)).astype(np.int32)
-        pieces.append(BlockPiece(lengths, positions[mine], identities[mine]))
+        mine = slice(bounds[p], bounds[p + 1])
+        rows, lengths = _runs(request_of[mine])
+        mine_distinct = distinct[distinct_by_group[group_bounds[p] : group_bounds[p + 1]]]
+        pieces.append(BlockPiece(rows, lengths, positions[mine], local_ids[mine], mine_distinct))
     return (_request_piece(raw), *pieces)
+
+
+def _in_time_order(raw: RawRequests) -> RawRequests:
+    """The unit's requests sorted by time (stable), blocks and chain roots with them."""
+    order = np.argsort(raw.time_s, kind="stable")
+    if np.array_equal(order, np.arange(len(order))):
+        return raw
+    offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
+    _, ids = reorder_segments(order, offsets, raw.ids)
+    return replace(
+        raw,
+        time_s=raw.time_s[order],
+        class_codes=raw.class_codes[order],
+        input_tokens=raw.input_tokens[order],
+        output_tokens=raw.output_tokens[order],
+        hashed_tokens=raw.hashed_tokens[order],
+        lengths=raw.lengths[order],
+        ids=ids,
+        chain_roots=None if raw.chain_roots is None else raw.chain_roots[order],
+    )
+
+
+def _rank_within_groups(
+    group: np.ndarray, num_partitions: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each distinct block's index among its group's (int32), the distinct blocks ordered by
+    group, and the group boundaries in that order."""
+    by_group = np.argsort(group.astype(np.uint16), kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(group, minlength=num_partitions))])
+    local = np.empty(len(group), np.int32)
+    local[by_group] = np.arange(len(group)) - np.repeat(bounds[:-1], np.diff(bounds))
+    return local, by_group, bounds
+
+
+def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of equal values in a non-decreasing array: each run's value and length (int32)."""
+    if not len(values):
+        return np.empty(0, np.int32), np.empty(0, np.int32)
+    starts = np.concatenate([[0], np.flatnonzero(values[1:] != values[:-1]) + 1])
+    lengths = np.diff(np.append(starts, len(values))).astype(np.int32)
+    return values[starts].astype(np.int32), lengths
 
 
 def _request_piece(raw: RawRequests) -> RequestPiece:
@@ -143,50 +208,89 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def assemble_partition(
-    request_pieces: Sequence[RequestPiece],
-    block_pieces: Sequence[BlockPiece],
-    time_scale: float = 1.0,
-) -> Trace:
-    """One partition's ``Trace``: every request in time order (stable, as ``load_trace``), its
-    own blocks with their positions. No block pieces: the requests alone (for the merge)."""
+@dataclass(frozen=True)
+class MergedRequests:
+    """Every request of a split trace in time order (``requests``, a ``Trace`` without blocks)
+    and, per unit, where each of its requests went (int64 indexes into ``requests``)."""
+
+    requests: Trace
+    unit_request_ids: list[np.ndarray]
+
+
+def merge_requests(
+    request_pieces: Sequence[RequestPiece], time_scale: float = 1.0
+) -> MergedRequests:
+    """The units' requests merged into one time order (stable: as ``load_trace`` sorts the
+    file's lines). Each unit is in time order, so the stable sort is a merge of sorted runs."""
     requests = _concat_requests(request_pieces)
     order = np.argsort(requests["time_s"], kind="stable")
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     starts = np.cumsum([0, *(len(piece.time_s) for piece in request_pieces)])
-    if block_pieces:
-        request_of = np.concatenate(
-            [
-                np.repeat(np.arange(start, start + len(piece.lengths)), piece.lengths)
-                for piece, start in zip(block_pieces, starts, strict=False)
-            ]
-        )
-        positions = np.concatenate([piece.positions for piece in block_pieces])
-        identities = np.concatenate([piece.identities for piece in block_pieces])
-    else:
-        request_of, positions = np.empty(0, np.int64), np.empty(0, np.int32)
-        identities = np.empty(0, np.uint64)
-    new_request = rank[request_of]
-    by_request = np.argsort(new_request, kind="stable")  # keeps position order per request
-    counts = np.bincount(new_request, minlength=len(order))
-    distinct, dense = np.unique(identities[by_request], return_inverse=True)
     trace = Trace(
         time_s=requests["time_s"][order],
         class_ids=requests["class_ids"][order],
         input_tokens=requests["input_tokens"][order],
         output_tokens=requests["output_tokens"][order],
         hashed_tokens=requests["hashed_tokens"][order],
-        block_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        block_ids=dense.astype(np.int32),
+        block_offsets=np.zeros(len(order) + 1, np.int64),
+        block_ids=np.empty(0, np.int32),
         class_names=requests["class_names"],
         block_tokens=request_pieces[0].block_tokens if request_pieces else 1,
-        num_blocks=len(distinct),
+        num_blocks=0,
         num_skipped=sum(piece.num_skipped for piece in request_pieces),
-        block_positions=positions[by_request],
         whole_request_blocks=requests["num_blocks"][order],
     )
-    return trace.with_time_scale(time_scale) if time_scale != 1.0 else trace
+    if time_scale != 1.0:
+        trace = trace.with_time_scale(time_scale)
+    return MergedRequests(trace, [rank[a:b] for a, b in itertools.pairwise(starts)])
+
+
+def assemble_partition(merged: MergedRequests, block_pieces: Sequence[BlockPiece]) -> Trace:
+    """One partition's ``Trace``: the requests that have blocks in it, in time order, with its
+    blocks numbered densely and their positions in the whole request."""
+    rows = np.concatenate(
+        [ids[piece.rows] for ids, piece in zip(merged.unit_request_ids, block_pieces, strict=True)]
+    ) if block_pieces else np.empty(0, np.int64)  # fmt: skip
+    lengths = _concat([piece.lengths for piece in block_pieces], np.int64)
+    positions = _concat([piece.positions for piece in block_pieces], np.int32)
+    # The units' block numbers -> the partition's: one hash pass over their distinct blocks.
+    all_distinct = _concat([piece.distinct for piece in block_pieces], np.uint64)
+    dense_of_distinct, distinct = dense_ids(all_distinct)
+    num_blocks = len(distinct)
+    firsts = np.cumsum([0, *(len(piece.distinct) for piece in block_pieces)])
+    pieces_ids = [
+        dense_of_distinct[first + piece.local_ids]
+        for first, piece in zip(firsts, block_pieces, strict=False)
+    ]
+    block_ids = _concat(pieces_ids, np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if len(rows) > 1 and not np.all(rows[1:] > rows[:-1]):  # units not in time order
+        order = np.argsort(rows, kind="stable")
+        new_offsets, block_ids = reorder_segments(order, offsets, block_ids)
+        _, positions = reorder_segments(order, offsets, positions)
+        rows, offsets = rows[order], new_offsets
+    requests = merged.requests
+    whole = requests.time_s
+    return Trace(
+        time_s=whole[rows],
+        class_ids=requests.class_ids[rows],
+        input_tokens=requests.input_tokens[rows],
+        output_tokens=requests.output_tokens[rows],
+        hashed_tokens=requests.hashed_tokens[rows],
+        block_offsets=offsets,
+        block_ids=block_ids,
+        class_names=requests.class_names,
+        block_tokens=requests.block_tokens,
+        num_blocks=num_blocks,
+        request_ids=rows,
+        whole_span_s=(float(whole[0]), float(whole[-1])) if len(whole) else (0.0, 0.0),
+        block_positions=positions,
+    )
+
+
+def _concat(parts: Sequence[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
 
 def _concat_requests(pieces: Sequence[RequestPiece]) -> dict[str, Any]:
@@ -201,12 +305,11 @@ def _concat_requests(pieces: Sequence[RequestPiece]) -> dict[str, Any]:
     ]
 
     def cat(name: str, dtype: Any) -> np.ndarray:
-        parts = [getattr(piece, name) for piece in pieces]
-        return np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype)
+        return _concat([getattr(piece, name) for piece in pieces], dtype)
 
     return {
         "time_s": cat("time_s", np.float64),
-        "class_ids": np.concatenate(class_ids) if class_ids else np.empty(0, np.int32),
+        "class_ids": _concat(class_ids, np.int32),
         "input_tokens": cat("input_tokens", np.int64),
         "output_tokens": cat("output_tokens", np.int64),
         "hashed_tokens": cat("hashed_tokens", np.int64),
@@ -235,12 +338,16 @@ def simulate_partition(
 
 
 class Executor(Protocol):
-    """Runs plain functions as tasks; a handle from ``submit`` may be an argument of a later
-    ``submit`` (it arrives as its value), and ``get`` turns handles into values."""
+    """Runs plain functions as tasks; a handle from ``submit`` or ``put`` may be an argument
+    of a later ``submit`` (it arrives as its value), and ``get`` turns handles into values."""
 
     def submit(self, fn: Callable[..., Any], *args: Any, num_returns: int = 1) -> Any: ...
 
+    def put(self, value: Any) -> Any: ...
+
     def get(self, handles: Sequence[Any]) -> list[Any]: ...
+
+    def task_cpu_s(self) -> float: ...
 
 
 class InlineExecutor:
@@ -250,14 +357,21 @@ class InlineExecutor:
         result = fn(*args)
         return list(result) if num_returns > 1 else result
 
+    def put(self, value: Any) -> Any:
+        return value
+
     def get(self, handles: Sequence[Any]) -> list[Any]:
         return list(handles)
+
+    def task_cpu_s(self) -> float:
+        """CPU seconds of tasks outside this process: none (its tasks are this process's)."""
+        return 0.0
 
 
 @dataclass(frozen=True)
 class PartitionedTrace:
-    """A trace split over partitions: handles to each partition's ``Trace``, the requests alone
-    (for merging), and the sizes a grid needs before it runs."""
+    """A trace split over partitions: handles to each partition's ``Trace``, every request
+    (for the results), and the sizes a grid needs before it runs."""
 
     partitions: list[Any]
     requests: Trace
@@ -266,6 +380,8 @@ class PartitionedTrace:
 
 
 MAX_PARTITIONS = 2**16  # partition ids sort as uint16
+SPLITTING, ASSEMBLING = "splitting the trace (units)", "assembling partitions"
+StepProgress = Callable[[str, int, int], None]  # (step, tasks done, tasks in the step)
 
 
 def split_trace(
@@ -276,8 +392,11 @@ def split_trace(
     partition_of: PartitionFn,
     executor: Executor,
     time_scale: float = 1.0,
+    progress: StepProgress | None = None,
 ) -> PartitionedTrace:
-    """Split and assemble (module docstring) on ``executor``."""
+    """Split and assemble (module docstring) on ``executor``; ``progress`` sees each step's
+    tasks as they finish."""
+    progress = progress or (lambda step, done, total: None)
     if not 1 <= num_partitions <= MAX_PARTITIONS:
         raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}], got {num_partitions}")
     width = num_partitions + 1
@@ -287,29 +406,35 @@ def split_trace(
         )
         for u in units
     ]
-    request_handles = [split[0] for split in splits]
+    request_pieces = []
+    for split in splits:  # in order, one at a time: the units are about the same size
+        request_pieces += executor.get([split[0]])
+        progress(SPLITTING, len(request_pieces), len(splits))
+    merged = merge_requests(request_pieces, time_scale)
+    shared = executor.put(merged)  # once, for every assembly
     partitions, sizes = [], []
     for p in range(num_partitions):
         handle = executor.submit(
-            _assemble_and_size, request_handles, [split[p + 1] for split in splits], time_scale,
-            num_returns=2,
-        )  # fmt: skip
+            _assemble_and_size, shared, [split[p + 1] for split in splits], num_returns=2
+        )
         partitions.append(handle[0])
         sizes.append(handle[1])
-    requests = assemble_partition(executor.get(request_handles), [], time_scale)
-    measured = executor.get(sizes)
+    measured = []
+    for size in sizes:
+        measured += executor.get([size])
+        progress(ASSEMBLING, len(measured), num_partitions)
     return PartitionedTrace(
         partitions,
-        requests,
+        merged.requests,
         num_accesses=sum(num_accesses for num_accesses, _ in measured),
         num_blocks=sum(num_blocks for _, num_blocks in measured),
     )
 
 
 def _assemble_and_size(
-    request_pieces: Sequence[RequestPiece], block_pieces: Sequence[BlockPiece], time_scale: float
+    merged: MergedRequests, block_pieces: Sequence[BlockPiece]
 ) -> tuple[Trace, tuple[int, int]]:
-    trace = assemble_partition(request_pieces, block_pieces, time_scale)
+    trace = assemble_partition(merged, block_pieces)
     return trace, (trace.num_accesses, trace.num_blocks)
 
 
@@ -318,8 +443,8 @@ def simulate_partitioned(
     configs: Sequence[SimConfig],
     executor: Executor,
     on_done: Callable[[int], None] | None = None,
-) -> list[SimCounts]:
-    """Every grid point on every partition as its own task; the combined counts per point.
+) -> list[CountsTotal]:
+    """Every grid point on every partition as its own task; the added-up counts per point.
     ``on_done`` sees the number of finished partition tasks."""
     num_partitions = len(split.partitions)
     handles = [
@@ -329,14 +454,14 @@ def simulate_partitioned(
         ]
         for config in configs
     ]
-    combined, num_done = [], 0
+    totals, num_done = [], 0
     for point_handles in handles:
-        total = None
-        for handle in point_handles:  # one at a time: the driver holds two counts at most
+        total = CountsTotal(split.requests)
+        for handle in point_handles:  # one at a time: the driver holds one pass at most
             (counts,) = executor.get([handle])
-            total = counts if total is None else total.combine(counts)
+            total.add(counts)
             num_done += 1
             if on_done is not None:
                 on_done(num_done)
-        combined.append(total)
-    return combined
+        totals.append(total)
+    return totals

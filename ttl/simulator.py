@@ -37,27 +37,34 @@ and ``peak_written_blocks_per_s`` are the busiest ``rate_window_s`` of the count
 (whole buckets from its start; the whole window when it is shorter than one bucket), the read
 and write load a planner sizes bandwidth for.
 
-Partitions. A pass over part of the block space (``Trace.block_positions`` set: one placement
-group's blocks, every request kept) yields ``SimCounts`` that combine exactly: residency never
-depends on hits (every block of a request is touched or inserted either way), so each
-partition evolves on its own; a request's prefix hit is the earliest first-miss position over
-the partitions, and every other count adds up. ``ttl.partition`` builds the partitions.
+Partitions. A pass over part of the block space (a ``Trace`` whose rows are one placement
+group's requests, with ``request_ids``: ``ttl.partition`` builds them) yields ``SimCounts``
+that add up exactly: residency never depends on hits (every block of a request is touched or
+inserted either way), so each partition evolves on its own; a request's prefix hit is the
+earliest first-miss position over the partitions, and every other count adds up
+(``CountsTotal``).
 
-The core is pure: no clock, no I/O. Speed comes from one dense hot loop in ``_Cache.run``:
-dense int block ids in flat lists, and per class a queue of *request* indices in time order
-(the class's TTL is fixed, so time order is expiry order and LRU order) that expiry and
-eviction consume lazily; a block's live entry is the request that touched it last. Per
-access the loop does one list read and one list write (more only on inserts); expiry and
-eviction later walk each queued position once, skipping stale ones in C.
+A pass visits only the requests that have blocks in it, and expires lazily: at a visit, every
+queued entry whose expiry instant has passed goes. Resident counts are not kept per request:
+a pass records where they change (inserts and evictions at their request, expiries at their
+instant) and ``CountsTotal`` rebuilds every request's counts from those changes with one
+cumulative sum, so a partition costs its own accesses and its own requests, not the trace's.
+
+The core is pure: no clock, no I/O. Speed comes from one dense hot loop in ``_Cache.visit``:
+dense int block ids in flat lists, and per class a queue of *visits* in time order (the
+class's TTL is fixed, so time order is expiry order and LRU order) that expiry and eviction
+consume lazily; a block's live entry is the visit that touched it last. Per access the loop
+does one list read and one list write (more only on inserts); expiry and eviction later walk
+each queued position once, skipping stale ones in C.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from operator import length_hint
 
 import numpy as np
 
@@ -70,6 +77,8 @@ NO_MISS = np.int64(
 )  # first-miss position of a request none of whose blocks missed
 DEFAULT_RATE_WINDOW_S = 3600.0  # the busy hour: one user's bursts average out, the day's cycle not
 _SCAN_CHUNK = 64  # block positions searched per C call in _find_live
+_VISIT_CHUNK = 4096  # visits whose block ids become one Python list at a time
+_WINDOW = 8192  # block ids per list that expiry and eviction read queue entries from
 ProgressFn = Callable[[int], None]  # called with the number of block accesses simulated
 
 
@@ -137,46 +146,82 @@ class SimResult:
 
 @dataclass(frozen=True)
 class SimCounts:
-    """What one pass over a trace, or over one partition of its blocks, counted.
+    """What one pass over a trace, or over one partition of its blocks, counted (sparse).
 
-    Per request (``[num_requests]``, int64): ``first_miss``, the position in the request of its
-    first missing block (``NO_MISS`` if none missed); ``new_counts``, blocks inserted;
-    ``class_live_after`` and ``live_after``, resident blocks of the request's class and of all
-    classes right after it. Per class: ``window_live`` (resident right after the first counted
-    request), ``end_live`` (resident at the end) and ``deaths`` (expired and evicted blocks,
-    and the footprint terms of deaths and of the window's start). ``combine`` merges the
-    counts of disjoint partitions exactly (module docstring).
+    Requests are indexed in the whole trace. Per request with a miss in this pass:
+    ``miss_requests``, the position in the whole request of its first missing block
+    (``miss_positions``) and the blocks it inserted (``miss_inserted``); a request with no miss
+    inserted nothing. Resident-count changes: ``evict_*`` (request, class, blocks evicted right
+    after it) and ``expiry_*`` (relative instant, class, blocks whose life ended then). Per
+    class ``deaths``: the expired and evicted counts and the footprint terms of deaths and of
+    the window's start. ``CountsTotal`` adds passes up (module docstring).
     """
 
-    first_miss: np.ndarray
-    new_counts: np.ndarray
-    class_live_after: np.ndarray
-    live_after: np.ndarray
-    window_live: np.ndarray
-    end_live: np.ndarray
+    miss_requests: np.ndarray  # int64
+    miss_positions: np.ndarray  # int64
+    miss_inserted: np.ndarray  # int64
+    evict_requests: np.ndarray  # int64
+    evict_classes: np.ndarray  # int64
+    evict_counts: np.ndarray  # int64
+    expiry_s: np.ndarray  # float64, from the whole trace's first request
+    expiry_classes: np.ndarray  # int64
+    expiry_counts: np.ndarray  # int64
     deaths: tuple[ClassStats, ...]
     num_blocks: int  # distinct blocks seen
 
-    def combine(self, other: SimCounts) -> SimCounts:
-        """The counts of this partition and ``other`` (disjoint blocks, the same requests)."""
-        deaths = tuple(replace(mine) for mine in self.deaths)
-        for mine, theirs in zip(deaths, other.deaths, strict=True):
+
+class CountsTotal:
+    """The passes over disjoint parts of one trace's blocks, added up per request.
+
+    ``first_miss`` (``NO_MISS`` where no pass missed), ``new_counts`` and ``live_changes``
+    (per class and request: resident blocks gained right after it, less those that died at or
+    before it since the previous request) are dense over the trace's requests; ``deaths``
+    sums the passes' per-class death terms. The driver of a partitioned run holds this, not
+    the passes.
+    """
+
+    def __init__(self, requests: Trace) -> None:
+        num, num_classes = requests.num_requests, len(requests.class_names)
+        self.times = _relative_times(requests)
+        self.request_classes = requests.class_ids.astype(np.int64)
+        self.first_miss = np.full(num, NO_MISS, np.int64)
+        self.new_counts = np.zeros(num, np.int64)
+        self.live_changes = np.zeros((num_classes, num), np.int64)
+        self.deaths = tuple(ClassStats() for _ in range(num_classes))
+        self.num_blocks = 0
+
+    def add(self, counts: SimCounts) -> CountsTotal:
+        """Add one pass (a pass names each request at most once among its misses)."""
+        at = counts.miss_requests
+        self.first_miss[at] = np.minimum(self.first_miss[at], counts.miss_positions)
+        self.new_counts[at] += counts.miss_inserted
+        num = self.live_changes.shape[1]
+        changes = self.live_changes.reshape(-1)  # [class * num + request]
+        np.add.at(changes, self.request_classes[at] * num + at, counts.miss_inserted)
+        np.add.at(changes, counts.evict_classes * num + counts.evict_requests, -counts.evict_counts)
+        expiry_at = np.searchsorted(self.times, counts.expiry_s, side="left")  # is_expired: >=
+        np.add.at(changes, counts.expiry_classes * num + expiry_at, -counts.expiry_counts)
+        for mine, theirs in zip(self.deaths, counts.deaths, strict=True):
             mine.add(theirs)
-        return SimCounts(
-            np.minimum(self.first_miss, other.first_miss),
-            self.new_counts + other.new_counts,
-            self.class_live_after + other.class_live_after,
-            self.live_after + other.live_after,
-            self.window_live + other.window_live,
-            self.end_live + other.end_live,
-            deaths,
-            self.num_blocks + other.num_blocks,
-        )
+        self.num_blocks += counts.num_blocks
+        return self
+
+    def live_by_class(self) -> np.ndarray:
+        """int64 [classes, requests]: resident blocks of each class right after each request."""
+        return np.cumsum(self.live_changes, axis=1)
+
+    @classmethod
+    def of(cls, requests: Trace, passes: list[SimCounts]) -> CountsTotal:
+        total = cls(requests)
+        for counts in passes:
+            total.add(counts)
+        return total
 
 
 def simulate(trace: Trace, config: SimConfig, progress: ProgressFn | None = None) -> SimResult:
     """Replay ``trace`` through ``config``'s TTLs and capacity (module docstring: semantics)."""
-    return sim_result(trace, config, simulate_counts(trace, config, progress))
+    counts = simulate_counts(trace, config, progress)
+    return sim_result(trace, config, CountsTotal.of(trace, [counts]))
 
 
 def simulate_counts(
@@ -188,100 +233,144 @@ def simulate_counts(
     return cache.counts()
 
 
-def sim_result(trace: Trace, config: SimConfig, counts: SimCounts) -> SimResult:
-    """Sum ``counts`` by class over the counted window. ``trace`` gives the requests (any
-    partition of it will do: they all keep every request) and ``config`` the window."""
-    times = _relative_times(trace)
-    window_start_s = config.warmup_fraction * (float(times[-1]) if len(times) else 0.0)
+def sim_result(trace: Trace, config: SimConfig, total: CountsTotal) -> SimResult:
+    """Sum ``total`` by class over the counted window. ``trace`` gives the requests (every
+    request of the trace: the whole trace or ``ttl.partition``'s requests) and ``config`` the
+    window."""
+    times = total.times
     end_s = float(times[-1]) if len(times) else 0.0
+    window_start_s = config.warmup_fraction * end_s
     first_counted = int(np.searchsorted(times, window_start_s, side="left"))
-    per_request = _PerRequest(trace, counts, times, first_counted, window_start_s, config)
+    live = total.live_by_class()
+    per_request = _PerRequest(trace, total, live, first_counted, window_start_s, config)
     by_class: dict[str, ClassStats] = {}
-    total = ClassStats()
+    all_stats = ClassStats()
     for k, name in enumerate(trace.class_names):
-        stats = replace(counts.deaths[k])
+        stats = replace(total.deaths[k])
         mine = per_request.classes == k
         per_request.fill(stats, mine)
-        stats.block_seconds += int(counts.end_live[k]) * end_s
+        end_live = int(live[k, -1]) if len(times) else 0
+        stats.block_seconds += end_live * end_s
         stats.block_seconds = max(0.0, stats.block_seconds)  # cancellation leaves -1e-9s
-        stats.peak_blocks = max(int(counts.window_live[k]), per_request.max_class_live(mine))
+        window_live = int(live[k, first_counted]) if len(times) else 0
+        stats.peak_blocks = max(window_live, per_request.max_class_live(mine))
         by_class[name] = stats
-        total.add(stats)
-    total.peak_blocks = per_request.max_live()
-    total.peak_hit_blocks_per_s, total.peak_written_blocks_per_s = per_request.peak_rates(
+        all_stats.add(stats)
+    all_stats.peak_blocks = per_request.max_live()
+    all_stats.peak_hit_blocks_per_s, all_stats.peak_written_blocks_per_s = per_request.peak_rates(
         np.ones(len(per_request.classes), bool)
     )
-    by_class[ALL] = total
+    by_class[ALL] = all_stats
     window_s = max(end_s - window_start_s, 0.0)
-    return SimResult(config, by_class, window_s, counts.num_blocks)
+    return SimResult(config, by_class, window_s, total.num_blocks)
 
 
 def _relative_times(trace: Trace) -> np.ndarray:
-    """Request times from the first request (the simulator's clock: exact sums)."""
+    """Request times from the whole trace's first request (the simulator's clock: exact sums)."""
+    if trace.whole_span_s is not None:
+        return trace.time_s - trace.whole_span_s[0]
     return trace.time_s - trace.time_s[0] if trace.num_requests else trace.time_s
 
 
-class _Cache:
-    """Simulation state.
+def _relative_end_s(trace: Trace) -> float:
+    """The whole trace's last request time on the simulator's clock."""
+    if trace.whole_span_s is not None:
+        first_s, last_s = trace.whole_span_s
+        return float(np.float64(last_s) - np.float64(first_s))
+    return float(trace.time_s[-1] - trace.time_s[0]) if trace.num_requests else 0.0
 
-    Per block: its class (-1 = not resident) and ``block_entry = r * num_classes + k``, the
-    queue entry (request ``r`` in class ``k``'s queue) that holds its last touch. Per class: a
-    queue of request indices in time order, consumed lazily by expiry and eviction from
-    ``heads``/``cursors`` (first entry, and first block in it, not yet consumed); an entry
-    stands for the blocks whose ``block_entry`` still names it. Per request: hits, inserts and
-    resident counts, summed by class in ``result``.
+
+class _Cache:
+    """Simulation state of one pass.
+
+    Visits are the trace's rows that have blocks, in time order. Per block: its class (-1 =
+    not resident) and ``block_entry = v * num_classes + k``, the queue entry (visit ``v`` in
+    class ``k``'s queue) that holds its last touch. Per class: a queue of visits in time
+    order, consumed lazily by expiry and eviction from ``heads``/``cursors`` (first entry, and
+    first block in it, not yet consumed); an entry stands for the blocks whose ``block_entry``
+    still names it. ``next_expiry_s`` is at most the expiry of every queue's head, so a visit
+    before it has nothing to expire.
     """
 
     def __init__(self, trace: Trace, config: SimConfig) -> None:
         self.trace, self.config = trace, config
-        self.times: list[float] = _relative_times(trace).tolist()
+        lengths = np.diff(trace.block_offsets)
+        visits = np.flatnonzero(lengths)
+        self.visit_rows = visits
+        self.starts = trace.block_offsets[visits]
+        self.lengths = lengths[visits]
+        self.visit_times = _relative_times(trace)[visits]
+        self.times: list[float] = self.visit_times.tolist()
+        self.classes = trace.class_ids[visits].astype(np.int64)
         self.ttl_s = [config.classes.ttl_s(name) for name in trace.class_names]
         self.num_classes = num_classes = len(trace.class_names)
         self.block_class = [-1] * trace.num_blocks
         self.block_entry = [-1] * trace.num_blocks
         self.queues: list[list[int]] = [[] for _ in range(num_classes)]
         self.heads = [0] * num_classes
-        self.cursors = [0] * num_classes
-        self.front_blocks: list[list[int] | None] = [None] * num_classes
+        self.cursors = [0] * num_classes  # position in the trace's block ids
+        self.windows: list[list[int]] = [[] for _ in range(num_classes)]
+        self.window_starts = [0] * num_classes
+        self.front_priority: list[float | None] = [None] * num_classes  # of each front entry
+        self.start_list: list[int] = self.starts.tolist()
+        self.length_list: list[int] = self.lengths.tolist()
         self.live_by_class = [0] * num_classes
-        self.hit_counts = [0] * trace.num_requests
-        self.new_counts = [0] * trace.num_requests
-        self.class_live_after = [0] * trace.num_requests  # resident blocks of its class
-        self.live_after = [0] * trace.num_requests  # resident blocks of every class
-        self.window_live = [0] * num_classes  # per class, right after the first counted request
+        self.live = 0
+        self.miss_visits: list[int] = []
+        self.miss_indexes: list[int] = []  # in the visit's own blocks
+        self.miss_inserted: list[int] = []
+        self.evictions: list[tuple[int, int, int]] = []  # visit, class, blocks
+        self.expiries: list[tuple[float, int, int]] = []  # instant, class, blocks
         self.stats = [ClassStats() for _ in range(num_classes)]  # deaths; the rest in result()
-        self.window_start_s = config.warmup_fraction * (self.times[-1] if self.times else 0.0)
-        self.first_counted = bisect.bisect_left(self.times, self.window_start_s)
+        self.end_s = _relative_end_s(trace)
+        self.window_start_s = config.warmup_fraction * self.end_s
         self.counting = False
         self.next_expiry_s = math.inf
 
+    def run(self, progress: ProgressFn | None) -> None:
+        """Every visit, the window's start between them, then expiry up to the trace's end."""
+        edge = int(np.searchsorted(self.visit_times, self.window_start_s, side="left"))
+        done = 0
+        for begin, end in ((0, edge), (edge, len(self.times))):
+            if begin == edge:
+                self.start_window()
+            for chunk in range(begin, end, _VISIT_CHUNK):
+                done = self.visit(chunk, min(chunk + _VISIT_CHUNK, end), done)
+                if progress is not None:
+                    progress(done)
+        self.live -= self.expire(self.end_s)
+
     # --- the hot loop ---------------------------------------------------------------------
 
-    def run(self, progress: ProgressFn | None) -> None:
-        """One pass over the trace. The dense hot path of this module: per block access only
-        list indexing and compares on locals; per-request work sits around the two loops."""
-        ids, offsets = self.trace.block_ids, self.trace.block_offsets.tolist()
-        times, req_class, ttl_s = self.times, self.trace.class_ids.tolist(), self.ttl_s
+    def visit(self, begin: int, end: int, done: int) -> int:
+        """Visits ``[begin, end)``; returns the block accesses done. The dense hot path of this
+        module: per block access only list indexing and compares on locals; per visit a few
+        more around the two loops."""
+        first, last = int(self.starts[begin]), int(self.starts[end - 1] + self.lengths[end - 1])
+        ids = self.trace.block_ids[first:last].tolist()
+        classes = self.classes[begin:end]
+        entries = (np.arange(begin, end) * self.num_classes + classes).tolist()
+        ttl_s = np.array(self.ttl_s)[classes] if len(self.ttl_s) else classes
+        expiries = (self.visit_times[begin:end] + ttl_s).tolist()
         block_class, block_entry, queues = self.block_class, self.block_entry, self.queues
-        live_by_class, num_classes = self.live_by_class, self.num_classes
-        hit_counts, new_counts = self.hit_counts, self.new_counts
-        class_live_after, live_after = self.class_live_after, self.live_after
+        live_by_class, touch_foreign = self.live_by_class, self.touch_foreign
+        miss_visit, miss_index = self.miss_visits.append, self.miss_indexes.append
+        miss_inserted = self.miss_inserted.append
         capacity = self.config.capacity_blocks
         capacity = sys.maxsize if capacity is None else capacity
-        evict, touch_foreign = self.evict, self.touch_foreign
-        live, window_edge = 0, self.first_counted
-        for r in range(len(times)):
-            now, c = times[r], req_class[r]
-            if r == window_edge:  # the first counted request, then the one after it
-                window_edge = self.on_window_edge(r)
-            if is_expired(self.next_expiry_s, now):
+        live, next_expiry_s, position = self.live, self.next_expiry_s, 0
+        for v, now, c, entry, expires_s, n in zip(
+            range(begin, end), self.times[begin:end], classes.tolist(), entries, expiries,
+            self.lengths[begin:end].tolist(), strict=True,
+        ):  # fmt: skip
+            if is_expired(next_expiry_s, now):
                 live -= self.expire(now)
-            queues[c].append(r)
-            if now + ttl_s[c] < self.next_expiry_s:
-                self.next_expiry_s = now + ttl_s[c]
-            entry = r * num_classes + c
-            blocks = ids[offsets[r] : offsets[r + 1]].tolist()
-            num_hit = 0
+                next_expiry_s = self.next_expiry_s
+            queues[c].append(v)
+            if expires_s < next_expiry_s:  # queue c was empty: nothing else expires sooner
+                next_expiry_s = expires_s
+            blocks = iter(ids[position : position + n])
+            position += n
             for b in blocks:  # the prefix hit: leading resident blocks, touched
                 k = block_class[b]
                 if k == c:
@@ -289,10 +378,15 @@ class _Cache:
                 elif k < 0:
                     break
                 else:
-                    touch_foreign(b, k, r, now)
-                num_hit += 1
-            num_new = 0
-            for b in blocks[num_hit:]:  # the rest: insert missing blocks, touch resident ones
+                    touch_foreign(b, k, v)
+            else:
+                continue  # every block hit: nothing inserted
+            miss_visit(v)
+            miss_index(n - length_hint(blocks) - 1)
+            block_class[b] = c
+            block_entry[b] = entry
+            num_new = 1
+            for b in blocks:  # the rest: insert missing blocks, touch resident ones
                 k = block_class[b]
                 if k == c:
                     block_entry[b] = entry
@@ -301,41 +395,32 @@ class _Cache:
                     block_entry[b] = entry
                     num_new += 1
                 else:
-                    touch_foreign(b, k, r, now)
+                    touch_foreign(b, k, v)
+            miss_inserted(num_new)
             live_by_class[c] += num_new
             live += num_new
             if live > capacity:
-                evict(live - capacity, now)
+                self.next_expiry_s = next_expiry_s
+                self.evict(live - capacity, now, v)
                 live = capacity
-            hit_counts[r], new_counts[r] = num_hit, num_new
-            class_live_after[r], live_after[r] = live_by_class[c], live
-            if progress is not None and not r & 4095:
-                progress(offsets[r])
-        if window_edge == len(times):
-            self.on_window_edge(window_edge)
-        if progress is not None:
-            progress(len(ids))
+        self.live, self.next_expiry_s = live, next_expiry_s
+        return done + last - first
 
-    # --- per request -----------------------------------------------------------------------
+    # --- per visit -------------------------------------------------------------------------
 
-    def on_window_edge(self, r: int) -> int:
-        """Start counting at the first counted request; note each class's resident blocks
-        right after it (their first peak candidate). Returns the next request to call at."""
-        if r == self.first_counted:
-            self.counting = True
-            for stats, live in zip(self.stats, self.live_by_class, strict=True):
-                stats.block_seconds = -live * self.window_start_s
-            return r + 1
-        self.window_live = list(self.live_by_class)
-        return -1
+    def start_window(self) -> None:
+        """Start counting: the blocks resident now count from the window's start."""
+        self.counting = True
+        for stats, live in zip(self.stats, self.live_by_class, strict=True):
+            stats.block_seconds = -live * self.window_start_s
 
-    def touch_foreign(self, b: int, k: int, r: int, now: float) -> None:
-        """Request ``r`` touched block ``b`` of class ``k`` (not its own): queue it under ``k``."""
-        self.block_entry[b] = r * self.num_classes + k
+    def touch_foreign(self, b: int, k: int, v: int) -> None:
+        """Visit ``v`` touched block ``b`` of class ``k`` (not its own): queue it under ``k``.
+        Queue ``k`` holds the block, so its head expires no later: ``next_expiry_s`` stands."""
+        self.block_entry[b] = v * self.num_classes + k
         queue = self.queues[k]
-        if queue[-1] != r:  # a resident block of class k means queue k is not empty
-            queue.append(r)
-            self.next_expiry_s = min(self.next_expiry_s, now + self.ttl_s[k])
+        if queue[-1] != v:
+            queue.append(v)
 
     # --- expiry and eviction ---------------------------------------------------------------
 
@@ -343,10 +428,11 @@ class _Cache:
         """Drop every block whose expiry instant is <= now; return how many."""
         num_expired = 0
         next_expiry_s = math.inf
+        times, heads, queues = self.times, self.heads, self.queues
         for k, ttl_s in enumerate(self.ttl_s):
-            queue = self.queues[k]
-            while self.heads[k] < len(queue):
-                expires_at_s = self.times[queue[self.heads[k]]] + ttl_s
+            queue = queues[k]
+            while heads[k] < len(queue):
+                expires_at_s = times[queue[heads[k]]] + ttl_s
                 if not is_expired(expires_at_s, now):
                     next_expiry_s = min(next_expiry_s, expires_at_s)
                     break
@@ -356,85 +442,104 @@ class _Cache:
 
     def drop_front(self, k: int, expires_at_s: float) -> int:
         """Expire the live blocks of queue ``k``'s front entry, then pop it."""
-        entry = self.queues[k][self.heads[k]] * self.num_classes + k
+        blocks, position, end, entry = self.front(k)
         block_class, block_entry = self.block_class, self.block_entry
-        blocks, position, num = self.front(k), self.cursors[k], 0
-        while position < len(blocks):
+        num = 0
+        while position < end:
             b = blocks[position]
             if block_entry[b] == entry:
                 block_class[b] = block_entry[b] = -1
                 num += 1
                 position += 1
             else:
-                position = _find_live(blocks, position + 1, entry, block_entry)
+                position = _find_live(blocks, position + 1, end, entry, block_entry)
         self.pop_front(k)
-        self.record_deaths(k, num, expires_at_s, evicted=False)
+        if num:
+            self.expiries.append((expires_at_s, k, num))
+            self.record_deaths(k, num, expires_at_s, evicted=False)
         return num
 
-    def evict(self, num: int, now: float) -> None:
+    def evict(self, num: int, now: float, v: int) -> None:
         """Evict ``num`` resident blocks, smallest priority first (module docstring, rule 4)."""
         block_class, block_entry = self.block_class, self.block_entry
         while num:
             k = self.lowest_priority_class()  # leaves queue k's cursor on a live block
-            entry = self.queues[k][self.heads[k]] * self.num_classes + k
-            blocks, position, wanted = self.front(k), self.cursors[k], num
-            while num and position < len(blocks):  # one entry: one priority
+            blocks, position, end, entry = self.front(k)
+            wanted = num
+            while num and position < end:  # one entry: one priority
                 b = blocks[position]
                 if block_entry[b] == entry:
                     block_class[b] = block_entry[b] = -1
                     num -= 1
                     position += 1
                 else:
-                    position = _find_live(blocks, position + 1, entry, block_entry)
-            self.cursors[k] = position
+                    position = _find_live(blocks, position + 1, end, entry, block_entry)
+            self.cursors[k] = self.window_starts[k] + position
+            self.evictions.append((v, k, wanted - num))
             self.record_deaths(k, wanted - num, now, evicted=True)
 
     def lowest_priority_class(self) -> int:
-        """The class whose next live block has the smallest eviction priority."""
-        best_k, best_priority = -1, math.inf
-        for k, ttl_s in enumerate(self.ttl_s):
-            if not self.seek_live(k):
-                continue
-            last_s = self.times[self.queues[k][self.heads[k]]]
-            priority = self.config.eviction.priority(last_s, last_s + ttl_s)
-            if best_k < 0 or priority < best_priority:
-                best_k, best_priority = k, priority
-        assert best_k >= 0, "evict() with no resident block: the live count is off"
-        return best_k
+        """The class whose next live block has the smallest eviction priority.
 
-    def seek_live(self, k: int) -> bool:
-        """Move queue ``k``'s head and cursor to its first live block; False if it has none."""
-        queue = self.queues[k]
-        while self.heads[k] < len(queue):
-            entry, blocks = queue[self.heads[k]] * self.num_classes + k, self.front(k)
-            position = _find_live(blocks, self.cursors[k], entry, self.block_entry)
-            if position < len(blocks):
-                self.cursors[k] = position
-                return True
+        A queue's priorities never fall from front to back, so the priority of a class's front
+        entry bounds that of its first live block: only the winner's front needs checking."""
+        live_by_class, priorities = self.live_by_class, self.front_priority
+        while True:
+            best_k, best_priority = -1, math.inf
+            for k in range(self.num_classes):
+                if not live_by_class[k]:
+                    continue
+                priority = priorities[k]
+                if priority is None:
+                    last_s = self.times[self.queues[k][self.heads[k]]]
+                    priority = self.config.eviction.priority(last_s, last_s + self.ttl_s[k])
+                    priorities[k] = priority
+                if best_k < 0 or priority < best_priority:
+                    best_k, best_priority = k, priority
+            assert best_k >= 0, "evict() with no resident block: the live count is off"
+            blocks, position, end, entry = self.front(best_k)
+            if position < end and self.block_entry[blocks[position]] == entry:
+                return best_k
+            self.seek_live(best_k)  # moved on: its priority may have risen
+
+    def seek_live(self, k: int) -> None:
+        """Move queue ``k``'s head and cursor to its first live block (it has one)."""
+        while True:
+            blocks, position, end, entry = self.front(k)
+            position = _find_live(blocks, position, end, entry, self.block_entry)
+            if position < end:
+                self.cursors[k] = self.window_starts[k] + position
+                return
             self.pop_front(k)
-        return False
 
-    def front(self, k: int) -> list[int]:
-        """Block ids of queue ``k``'s front request (cached until it is popped)."""
-        blocks = self.front_blocks[k]
-        if blocks is None:
-            r = self.queues[k][self.heads[k]]
-            offsets = self.trace.block_offsets
-            blocks = self.trace.block_ids[offsets[r] : offsets[r + 1]].tolist()
-            self.front_blocks[k] = blocks
-        return blocks
+    def front(self, k: int) -> tuple[list[int], int, int, int]:
+        """Queue ``k``'s front entry: a list holding its blocks, the cursor's and the entry's
+        end positions in that list, and the entry. The list is a window of the trace's block
+        ids (``_WINDOW`` accesses from the entry's start), so skipping dead entries costs no
+        numpy call per entry."""
+        v = self.queues[k][self.heads[k]]
+        start = self.start_list[v]
+        end = start + self.length_list[v]
+        if self.cursors[k] < start:
+            self.cursors[k] = start
+        window_start = self.window_starts[k]
+        blocks = self.windows[k]
+        if start < window_start or end > window_start + len(blocks):
+            stop = max(start + _WINDOW, end)
+            blocks = self.windows[k] = self.trace.block_ids[start:stop].tolist()
+            window_start = self.window_starts[k] = start
+        return blocks, self.cursors[k] - window_start, end - window_start, v * self.num_classes + k
 
     def pop_front(self, k: int) -> None:
         self.heads[k] += 1
-        self.cursors[k] = 0
-        self.front_blocks[k] = None
+        self.front_priority[k] = None
         if self.heads[k] > 4096 and self.heads[k] * 2 > len(self.queues[k]):
             del self.queues[k][: self.heads[k]]  # keep queue memory proportional to live data
             self.heads[k] = 0
 
     def record_deaths(self, k: int, num: int, death_s: float, evicted: bool) -> None:
         self.live_by_class[k] -= num
-        if not self.counting or not num:
+        if not self.counting:
             return
         stats = self.stats[k]
         stats.block_seconds += num * max(death_s, self.window_start_s)
@@ -446,45 +551,46 @@ class _Cache:
     # --- result ----------------------------------------------------------------------------
 
     def counts(self) -> SimCounts:
-        """The pass's counts; first-miss positions from hit counts (numpy, once)."""
-        num_hit = np.asarray(self.hit_counts, np.int64)
-        offsets = self.trace.block_offsets
-        lengths = np.diff(offsets)
-        positions = self.trace.block_positions
-        if positions is None:  # the whole request: the first miss is at the hit count
-            first_miss = np.where(num_hit < lengths, num_hit, NO_MISS)
-        else:  # a partition: the position (in the whole request) of its first missing block
-            missed = num_hit < lengths
-            at = np.minimum(offsets[:-1] + num_hit, max(len(positions) - 1, 0))
-            at_position = positions[at].astype(np.int64) if len(positions) else 0
-            first_miss = np.where(missed, at_position, NO_MISS)
+        """The pass's counts, with requests and positions in the whole trace (numpy, once)."""
+        trace = self.trace
+        rows = self.visit_rows
+        requests = rows if trace.request_ids is None else trace.request_ids[rows]
+        misses = np.asarray(self.miss_visits, np.int64)
+        at = np.asarray(self.miss_indexes, np.int64)
+        if trace.block_positions is not None:  # a partition: positions in the whole request
+            at = trace.block_positions[self.starts[misses] + at].astype(np.int64)
+        evictions = np.asarray(self.evictions, np.int64).reshape(-1, 3)
+        expiries = np.asarray(self.expiries, np.float64).reshape(-1, 3)
         return SimCounts(
-            first_miss=first_miss.astype(np.int64),
-            new_counts=np.asarray(self.new_counts, np.int64),
-            class_live_after=np.asarray(self.class_live_after, np.int64),
-            live_after=np.asarray(self.live_after, np.int64),
-            window_live=np.asarray(self.window_live, np.int64),
-            end_live=np.asarray(self.live_by_class, np.int64),
+            miss_requests=requests[misses].astype(np.int64),
+            miss_positions=at,
+            miss_inserted=np.asarray(self.miss_inserted, np.int64),
+            evict_requests=requests[evictions[:, 0]].astype(np.int64),
+            evict_classes=evictions[:, 1],
+            evict_counts=evictions[:, 2],
+            expiry_s=expiries[:, 0],
+            expiry_classes=expiries[:, 1].astype(np.int64),
+            expiry_counts=expiries[:, 2].astype(np.int64),
             deaths=tuple(self.stats),
-            num_blocks=self.trace.num_blocks,
+            num_blocks=trace.num_blocks,
         )
 
 
-def _find_live(blocks: list[int], start: int, entry: int, block_entry: list[int]) -> int:
-    """The first position >= ``start`` whose block's live entry is ``entry``, else len(blocks).
+def _find_live(blocks: list[int], start: int, end: int, entry: int, block_entry: list[int]) -> int:
+    """The first position in ``[start, end)`` whose block's live entry is ``entry``, else end.
 
     Stale positions (blocks touched again later) are most of what expiry and eviction walk
     over, so the search runs in C: ``map`` fetches a chunk of entries, ``list.index`` finds.
     """
-    if start < len(blocks) and block_entry[blocks[start]] == entry:
+    if start < end and block_entry[blocks[start]] == entry:
         return start  # the common case when a run of live blocks is being consumed
     get = block_entry.__getitem__
-    while start < len(blocks):
-        chunk = list(map(get, blocks[start : start + _SCAN_CHUNK]))
+    while start < end:
+        chunk = list(map(get, blocks[start : min(start + _SCAN_CHUNK, end)]))
         if entry in chunk:
             return start + chunk.index(entry)
         start += len(chunk)
-    return len(blocks)
+    return end
 
 
 class _PerRequest:
@@ -493,8 +599,8 @@ class _PerRequest:
     def __init__(
         self,
         trace: Trace,
-        counts: SimCounts,
-        times: np.ndarray,
+        total: CountsTotal,
+        live: np.ndarray,
         first_counted: int,
         window_start_s: float,
         config: SimConfig,
@@ -502,13 +608,15 @@ class _PerRequest:
         counted = slice(first_counted, trace.num_requests)
         self.classes = trace.class_ids[counted]
         self.num_blocks = trace.request_blocks[counted]
-        self.num_hit = np.minimum(counts.first_miss[counted], self.num_blocks)
-        self.num_new = counts.new_counts[counted]
+        self.num_hit = np.minimum(total.first_miss[counted], self.num_blocks)
+        self.num_new = total.new_counts[counted]
         self.input_tokens = trace.input_tokens[counted]
         self.hashed_tokens = trace.hashed_tokens[counted]
+        times = total.times
         self.times = times[counted]
-        self.class_live = counts.class_live_after[counted]
-        self.live = counts.live_after[counted]
+        requests = np.arange(first_counted, trace.num_requests)
+        self.class_live = live[self.classes, requests] if len(requests) else requests
+        self.live = live[:, counted].sum(axis=0)
         self.block_tokens = trace.block_tokens
         window_s = (times[-1] if len(times) else 0.0) - window_start_s
         self.num_full_buckets = int(window_s // config.rate_window_s)

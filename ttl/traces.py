@@ -47,15 +47,18 @@ import io
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
+from msgspec import UNSET, UnsetType
 
 from ttl.errors import TraceFormatError
 
@@ -87,8 +90,12 @@ class Trace:
     block_tokens: int
     num_blocks: int  # distinct blocks
     num_skipped: int = 0  # malformed records skipped (only with skip_bad)
-    # A partition (ttl.partition) holds some of each request's blocks: their positions in the
-    # whole request (int32 [num_accesses]) and the whole request's block counts (int64).
+    # A partition (ttl.partition) holds the requests that have blocks in it: each row's index
+    # in the whole trace (int64 [num_requests]), the first and last request times of the whole
+    # trace, and each block's position in its whole request (int32 [num_accesses]). The
+    # requests of a split trace, without blocks, carry the whole requests' block counts.
+    request_ids: np.ndarray | None = None
+    whole_span_s: tuple[float, float] | None = None
     block_positions: np.ndarray | None = None
     whole_request_blocks: np.ndarray | None = None
 
@@ -141,13 +148,23 @@ class LoadOptions:
             )
 
 
-def load_trace(path: str | Path, fmt: str, options: LoadOptions | None = None) -> Trace:
-    """Load a trace file (or a folder of session files) in one of ``FORMATS``."""
+BytesProgress = Callable[[int, int], None]  # (bytes read, bytes in all)
+
+
+def load_trace(
+    path: str | Path,
+    fmt: str,
+    options: LoadOptions | None = None,
+    progress: BytesProgress | None = None,
+) -> Trace:
+    """Load a trace file (or a folder of session files) in one of ``FORMATS``; ``progress``
+    sees the bytes read as the loader goes."""
     options = options or LoadOptions()
     path = _check_source(Path(path), fmt)
+    progress = progress or (lambda done, total: None)
     if fmt == SESSIONS:
-        return _load_sessions(path, options)
-    return _load_jsonl(path, _JSONL_FORMATS[fmt], options)
+        return _load_sessions(path, options, progress)
+    return _load_jsonl(path, _JSONL_FORMATS[fmt], options, progress)
 
 
 def trace_from_records(
@@ -246,13 +263,11 @@ def parse_unit(unit: TraceUnit, fmt: str, options: LoadOptions) -> RawRequests:
     if fmt == SESSIONS:
         columns, block_sizes, roots = _Columns(), set(), []
         for index, file in unit.session_files:
-            parsed = _parse_session_file(file, options, columns)
-            if parsed is None:
-                continue
-            block_size, records = parsed
-            block_sizes.add(block_size)
-            columns.add_records(records, 1.0)
-            roots += [index] * len(records)
+            num_before = columns.num_requests()
+            block_size = _read_session_file(file, options, columns)
+            if block_size is not None:
+                block_sizes.add(block_size)
+                roots += [index] * (columns.num_requests() - num_before)
         block_tokens = _session_block_tokens(unit.path, block_sizes, options.block_tokens)
         return columns.raw(block_tokens, options.partial_blocks, np.array(roots, np.int64))
     jsonl = _JSONL_FORMATS[fmt]
@@ -321,9 +336,21 @@ _JSONL_FORMATS = {
 }
 
 
-def _load_jsonl(path: Path, fmt: _JsonlFormat, options: LoadOptions) -> Trace:
+def _load_jsonl(
+    path: Path, fmt: _JsonlFormat, options: LoadOptions, progress: BytesProgress
+) -> Trace:
     columns = _Columns()
-    _parse_jsonl_chunks(_read_line_chunks(path, options.chunk_bytes), path, fmt, options, columns)
+    total, done = path.stat().st_size, 0
+
+    def counted(chunks: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
+        nonlocal done
+        for chunk in chunks:
+            yield chunk
+            done += len(chunk[1])
+            progress(done, total)
+
+    chunks = counted(_read_line_chunks(path, options.chunk_bytes))
+    _parse_jsonl_chunks(chunks, path, fmt, options, columns)
     block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[fmt.name]
     return columns.finish(block_tokens, not fmt.chained, options.partial_blocks)
 
@@ -434,29 +461,122 @@ def _session_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_sessions(path: Path, options: LoadOptions) -> Trace:
+def _load_sessions(path: Path, options: LoadOptions, progress: BytesProgress) -> Trace:
     files = _session_files(path)
+    sizes = [file.stat().st_size for file in files]
+    total, done = sum(sizes), 0
     columns, block_sizes = _Columns(), set()
-    records: list[_Record] = []
-    file_of_record: list[int] = []
+    file_of_request: list[int] = []
     for index, file in enumerate(files):
-        parsed = _parse_session_file(file, options, columns)
-        if parsed is None:
-            continue
-        block_size, file_records = parsed
-        block_sizes.add(block_size)
-        records += file_records
-        file_of_record += [index] * len(file_records)
-    columns.add_records(records, 1.0)
-    columns.localize_ids(np.array(file_of_record, np.int64))
+        num_before = columns.num_requests()
+        block_size = _read_session_file(file, options, columns)
+        done += sizes[index]
+        if not index % 256:
+            progress(done, total)
+        if block_size is not None:
+            block_sizes.add(block_size)
+            file_of_request += [index] * (columns.num_requests() - num_before)
+    columns.localize_ids(np.array(file_of_request, np.int64))
     block_tokens = _session_block_tokens(path, block_sizes, options.block_tokens)
     return columns.finish(block_tokens, True, options.partial_blocks)
 
 
-def _parse_session_file(
-    file: Path, options: LoadOptions, columns: _Columns
-) -> tuple[int, list[_Record]] | None:
+def _read_session_file(file: Path, options: LoadOptions, columns: _Columns) -> int | None:
+    """Add one session file's requests to ``columns``; its block size, or None if skipped.
+
+    The fast path decodes with msgspec against ``_SessionDocument`` (types and ranges checked
+    in C) and parses each file's ids with numpy in one call; anything it does not take, the
+    checking path below reads again, to accept it or to say exactly what is wrong."""
     raw = file.read_bytes()
+    fast = _session_columns_fast(raw, options.default_class)
+    if fast is not None:
+        block_size, times, labels, inputs, outputs, lengths, ids = fast
+        columns.add_columns(times, labels, inputs, outputs, lengths, ids)
+        return block_size
+    parsed = _parse_session_file(file, raw, options, columns)
+    if parsed is None:
+        return None
+    block_size, records = parsed
+    columns.add_records(records, 1.0)
+    return block_size
+
+
+class _SessionEntry(msgspec.Struct):
+    """A request, or a sub-agent with ``requests`` of its own, as the fast path decodes it."""
+
+    t: float
+    requests: list[_SessionEntry] | UnsetType = UNSET
+    num_in: Annotated[int, msgspec.Meta(ge=0)] | UnsetType = msgspec.field(name="in", default=UNSET)
+    num_out: Annotated[int, msgspec.Meta(ge=0)] = msgspec.field(name="out", default=0)
+    hash_ids: msgspec.Raw | UnsetType = UNSET  # parsed by numpy, all of a file's at once
+    label: str | UnsetType = msgspec.field(name="class", default=UNSET)
+
+
+class _SessionDocument(msgspec.Struct):
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    requests: list[_SessionEntry]
+    t: float = 0.0
+    label: str | UnsetType = msgspec.field(name="class", default=UNSET)
+
+
+_SESSION_DECODER = msgspec.json.Decoder(_SessionDocument)
+_INT64_LIMITS = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)  # numpy saturates to these
+
+
+def _session_columns_fast(raw: bytes, default_class: str) -> tuple | None:
+    """One session file's columns, or None where the checking path must read it."""
+    try:
+        doc = _SESSION_DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    label = default_class if doc.label is UNSET else doc.label
+    requests: list[tuple[float, str, int, int, bytes]] = []
+    if not _walk_session_fast(doc.requests, doc.t, label, requests) or not requests:
+        return None
+    times, labels, inputs, outputs, id_lists = zip(*requests, strict=True)
+    lengths, contents = [], []
+    for ids in id_lists:  # '[1,2,3]' -> '1,2,3' and its count; '[]' -> 0
+        if ids[:1] != b"[" or ids[-1:] != b"]":
+            return None
+        inner = ids[1:-1]
+        count = inner.count(b",") + 1 if inner.strip() else 0
+        lengths.append(count)
+        if count:
+            contents.append(inner)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            flat = np.fromstring(b",".join(contents), np.int64, sep=",")
+    except (ValueError, DeprecationWarning):  # a token that is not an integer
+        return None
+    if len(flat) != sum(lengths):
+        return None
+    if len(flat) and (flat.min() == _INT64_LIMITS[0] or flat.max() == _INT64_LIMITS[1]):
+        return None  # out of range, or at its limit: the checking path tells them apart
+    return doc.block_size, times, labels, inputs, outputs, lengths, flat
+
+
+def _walk_session_fast(entries: list[_SessionEntry], start_s: float, label: str, out: list) -> bool:
+    """Append ``entries``' requests (sub-agents recursed) with absolute times, as
+    ``_walk_session`` does; False where an entry is neither a request nor a sub-agent."""
+    for entry in entries:
+        time_s = start_s + entry.t
+        entry_label = label if entry.label is UNSET else entry.label
+        if entry.requests is not UNSET:
+            if not _walk_session_fast(entry.requests, time_s, entry_label, out):
+                return False
+        elif entry.num_in is UNSET or entry.hash_ids is UNSET or not math.isfinite(time_s):
+            return False
+        else:
+            out.append((time_s, entry_label, entry.num_in, entry.num_out, bytes(entry.hash_ids)))
+    return True
+
+
+def _parse_session_file(
+    file: Path, raw: bytes, options: LoadOptions, columns: _Columns
+) -> tuple[int, list[_Record]] | None:
+    """The checking path: Python's json and a check of every field, for the files the fast
+    path does not take; a malformed file is rejected with the field that is wrong."""
     # Without a JSON boolean in the file, numpy can check id lists wholesale (a boolean is
     # the one non-integer it would take for an integer); with one, each id is checked.
     check_each_id = b"true" in raw or b"false" in raw
@@ -585,6 +705,7 @@ class _Columns:
         }
         self.label_to_code: dict[str, int] = {}
         self.num_skipped = 0
+        self._num_requests = 0
 
     def reject(self, message: str, skip_bad: bool) -> None:
         """A malformed record: raise, or count and log it when skipping is allowed."""
@@ -629,23 +750,43 @@ class _Columns:
             ids=np.concatenate([np.asarray(ids, np.int64) for ids in id_lists]),
         )
 
+    def add_columns(
+        self,
+        times: Sequence[float],
+        labels: Sequence[str],
+        inputs: Sequence[int],
+        outputs: Sequence[int],
+        lengths: Sequence[int],
+        ids: np.ndarray,
+    ) -> None:
+        """One file's requests, columns already checked (the session fast path)."""
+        self._add(
+            time_s=np.array(times, np.float64),
+            label=np.array([self.code(label) for label in labels], np.int32),
+            input=np.array(inputs, np.int64),
+            output=np.array(outputs, np.int64),
+            length=np.array(lengths, np.int64),
+            ids=ids,
+        )
+
     def _add(self, **arrays: np.ndarray) -> None:
+        self._num_requests += len(arrays["time_s"])
         for name, array in arrays.items():
             self.parts[name].append(array)
 
     def localize_ids(self, file_of_request: np.ndarray) -> None:
         """Make ids local to a file (sessions) unique across files: the pair (file, id) gets
-        one number, in two sorts over all files at once instead of one per file."""
+        one number, over all files at once (a hash pass) instead of one per file."""
         ids = self._concat("ids", np.int64)
         if not len(ids):
             return
         lengths = self._concat("length", np.int64)
-        _, rank = np.unique(ids, return_inverse=True)
+        rank, distinct = dense_ids(ids)
         files = np.repeat(file_of_request, lengths)
-        self.parts["ids"] = [files * (int(rank.max()) + 1) + rank]
+        self.parts["ids"] = [files * len(distinct) + rank]
 
     def num_requests(self) -> int:
-        return sum(len(part) for part in self.parts["time_s"])
+        return self._num_requests
 
     def raw(
         self, block_tokens: int, partial_blocks: str, chain_roots: np.ndarray | None
@@ -683,8 +824,9 @@ class _Columns:
         raw = self.raw(block_tokens, partial_blocks, None)
         order = np.argsort(raw.time_s, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
-        offsets, raw_ids = _reorder_segments(order, offsets, raw.ids)
-        block_ids, num_blocks = _dense_ids(raw_ids)
+        offsets, raw_ids = reorder_segments(order, offsets, raw.ids)
+        block_ids, distinct = dense_ids(raw_ids)
+        num_blocks = len(distinct)
         if chain:
             block_ids, num_blocks = chain_block_ids(offsets, block_ids)
         class_names, class_ids = self._sorted_classes(raw.class_codes[order])
@@ -708,7 +850,7 @@ class _Columns:
         return tuple(names), code_to_sorted[codes] if len(codes) else codes
 
 
-def _reorder_segments(
+def reorder_segments(
     order: np.ndarray, offsets: np.ndarray, values: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Permute the variable-length segments of a CSR array (``order[i]`` goes to slot ``i``)."""
@@ -733,17 +875,22 @@ def cut_partial_blocks(
     return np.concatenate([[0], np.cumsum(kept)]), values[keep]
 
 
-def _dense_ids(raw_ids: np.ndarray) -> tuple[np.ndarray, int]:
-    distinct, inverse = np.unique(raw_ids, return_inverse=True)
+def dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(inverse, distinct)``: ``values == distinct[inverse]``, distinct values numbered in
+    order of first appearance (int32). A hash pass (Arrow's dictionary encoding), not a sort."""
+    if not len(values):
+        return np.empty(0, np.int32), values[:0]
+    encoded = pa.array(values).dictionary_encode()
+    distinct = encoded.dictionary.to_numpy()
     if len(distinct) >= 2**31:
         raise TraceFormatError(
             f"{len(distinct):,} distinct blocks: more than the simulator's 2**31; "
             "split the trace by time"
         )
-    return inverse.astype(np.int32), len(distinct)
+    return encoded.indices.to_numpy().astype(np.int32, copy=False), distinct
 
 
-def chain_block_ids(offsets: np.ndarray, dense_ids: np.ndarray) -> tuple[np.ndarray, int]:
+def chain_block_ids(offsets: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Dense ids of (prefix, block) chains: one id per distinct run of ids from a request start.
 
     Works position by position across all requests at once: the chained id at position ``j``
@@ -753,13 +900,13 @@ def chain_block_ids(offsets: np.ndarray, dense_ids: np.ndarray) -> tuple[np.ndar
     order = np.argsort(-lengths, kind="stable")  # longest first: active requests are a prefix
     neg_sorted_lengths = -lengths[order]
     prev = np.full(len(order), -1, np.int64)
-    out = np.empty(len(dense_ids), np.int64)
+    out = np.empty(len(ids), np.int64)
     num_blocks = 0
     for position in range(int(lengths.max(initial=0))):
         num_active = int(np.searchsorted(neg_sorted_lengths, -position, side="left"))
         where = offsets[order[:num_active]] + position
-        pair = ((prev[:num_active] + 1) << 32) | dense_ids[where].astype(np.int64)
-        distinct, inverse = np.unique(pair, return_inverse=True)
+        pair = ((prev[:num_active] + 1) << 32) | ids[where].astype(np.int64)
+        inverse, distinct = dense_ids(pair)
         out[where] = prev[:num_active] = inverse + num_blocks
         num_blocks += len(distinct)
     return out.astype(np.int32), num_blocks

@@ -19,10 +19,12 @@ a live cluster and takes the same trace options.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -289,10 +291,11 @@ def _simulate_partitioned(args: argparse.Namespace) -> tuple[dict[str, Any], lis
     executor = make_executor(args.ray, args.workers)
     try:
         units = trace_units(args.trace, args.format, args.unit_bytes)
-        split = split_trace(
-            units, args.format, load_options(args), args.partitions, placement_partitions,
-            executor, args.time_scale,
-        )  # fmt: skip
+        with contextlib.ExitStack() as steps:
+            split = split_trace(
+                units, args.format, load_options(args), args.partitions, placement_partitions,
+                executor, args.time_scale, step_progress(steps, not args.no_progress),
+            )  # fmt: skip
         requests = split.requests
         summary = trace_summary(args, requests, split)
         print(describe_trace(summary))
@@ -309,6 +312,20 @@ def _simulate_partitioned(args: argparse.Namespace) -> tuple[dict[str, Any], lis
             close()
     results = [sim_result(requests, c, n) for c, n in zip(configs, counts, strict=True)]
     return summary, _records(args, points, results, requests.block_tokens)
+
+
+def step_progress(stack: contextlib.ExitStack, enabled: bool) -> Callable[[str, int, int], None]:
+    """A progress callback for steps of tasks: one reporter per step, opened on its first
+    report and closed with ``stack`` (a line every interval while a step runs past it)."""
+    reporters: dict[str, ProgressReporter] = {}
+
+    def report(step: str, done: int, total: int) -> None:
+        if step not in reporters:
+            reporter = ProgressReporter(step, total, enabled=enabled)
+            reporters[step] = stack.enter_context(reporter)
+        reporters[step].update(completed=done)
+
+    return report
 
 
 def _grid(
@@ -348,7 +365,12 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
 
 def load_trace_from_args(args: argparse.Namespace) -> Trace:
     """The trace :func:`add_trace_arguments` describes, summarised on stdout."""
-    trace = load_trace(args.trace, args.format, load_options(args))
+    with contextlib.ExitStack() as steps:
+        report = step_progress(steps, not getattr(args, "no_progress", False))
+        trace = load_trace(
+            args.trace, args.format, load_options(args),
+            lambda done, total: report("loading the trace (bytes)", done, total),
+        )  # fmt: skip
     if args.time_scale != 1.0:
         trace = trace.with_time_scale(args.time_scale)
     print(describe_trace(trace_summary(args, trace)))
@@ -440,6 +462,10 @@ def run_generate(args: argparse.Namespace) -> int:
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadParams)}
     )
     write = write_session_files if args.format == SESSIONS else write_workload
-    num_requests = write(params, args.out)
+    with contextlib.ExitStack() as steps:
+        report = step_progress(steps, enabled=True)
+        num_requests = write(
+            params, args.out, lambda done, total: report("generating sessions", done, total)
+        )
     print(f"wrote {num_requests} requests over {params.days:g} days to {args.out}")
     return 0

@@ -63,13 +63,17 @@ def test_trace_loads_and_longer_ttl_hits_more(tmp_path: Path) -> None:
     )
 
 
-def test_cli_writes_the_trace(tmp_path: Path, capsys) -> None:
+def test_cli_writes_the_trace(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_PROGRESS_INTERVAL_S", "0")  # a line at every report
     out = tmp_path / "g.jsonl"
     rc = main(["sim", "generate", "--out", str(out), "--days", "0.2", "--seed", "1",
                "--chat-sessions-per-day", "50", "--agent-sessions-per-day", "5"])  # fmt: skip
     assert rc == 0
     assert out.stat().st_size > 0
-    assert "wrote" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "wrote" in captured.out
+    assert "[kvstore] generating sessions:" in captured.err, "sim generate must say it is alive"
+    assert "[kvstore] generating sessions: done" in captured.err
 
 
 def test_bad_parameters_are_explained() -> None:

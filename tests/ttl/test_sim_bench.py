@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvstore.cli.commands import main
 
 
@@ -28,9 +30,20 @@ def test_bench_writes_every_case(tmp_path: Path, capsys) -> None:
 
 def test_scale_out_mode_compares_partitions_with_one_process(tmp_path: Path) -> None:
     out = tmp_path / "deep" / "scale.json"
-    rc = main(["bench", "sim", "--days", "0.05", "--partitions", "3", "--workers", "0",
-               "--json", str(out)])  # fmt: skip
+    rc = main(["bench", "sim", "--days", "0.05", "--partitions", "3,5", "--workers", "0",
+               "--rounds", "1", "--json", str(out)])  # fmt: skip
     assert rc == 0
-    results = json.loads(out.read_text())["results"]
-    assert [r["case"] for r in results] == ["one-process", "partitions-3-workers-inline"]
-    assert all(r["wall_s"] > 0 and r["speedup"] > 0 for r in results)
+    document = json.loads(out.read_text())
+    results = document["results"]
+    assert [r["case"] for r in results] == [
+        "one-process", "partitions-3-workers-inline", "partitions-5-workers-inline"
+    ]  # fmt: skip
+    assert all(r["wall_s"] > 0 and r["speedup"] > 0 and r["cpu_s_total"] > 0 for r in results)
+    one = results[0]
+    for r in results[1:]:
+        assert r["partition_cpu_ratio"] == pytest.approx(r["cpu_s_total"] / one["cpu_s_total"]), (
+            "the contract: partitioned CPU over the one-process CPU of the same round"
+        )
+        assert abs(r["block_hit_diff_points"]) < 5, "partitions must answer like one cache"
+    assert document["partition_cpu_ratio"] == max(r["partition_cpu_ratio"] for r in results[1:])
+    assert set(document["partition_cpu_ratio_by_partitions"]) == {"3", "5"}

@@ -43,6 +43,20 @@ def test_one_partition_gives_the_unpartitioned_json(trace_path: Path, tmp_path: 
     assert one == whole, "P=1 must be the unpartitioned simulation, record for record"
 
 
+def test_every_step_reports_progress(trace_path: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_PROGRESS_INTERVAL_S", "0")  # a line at every report
+    out = tmp_path / "p.json"
+    assert main(["sim", "--trace", str(trace_path), "--block-tokens", "128", "--partitions",
+                 "2", "--ray", "none", "--unit-bytes", "64KiB",
+                 "--json", str(out)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    for step in ("splitting the trace (units)", "assembling partitions", "simulating partitions"):
+        assert f"[kvstore] {step}: done" in err, f"step {step!r} reported no progress"
+    assert main(["sim", "--trace", str(trace_path), "--block-tokens", "128",
+                 "--json", str(out)]) == 0  # fmt: skip
+    assert "[kvstore] loading the trace (bytes): done" in capsys.readouterr().err
+
+
 def test_partitions_on_local_ray_match_the_same_partitions_in_process(
     trace_path: Path, tmp_path: Path
 ) -> None:
