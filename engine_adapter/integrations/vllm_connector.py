@@ -15,12 +15,20 @@ outage after the lookup, an expired block) is computed instead.
 One store block is one vLLM block (``block_size`` tokens) of every layer this worker holds,
 keyed by the request's ``block_hashes[i]`` (which vLLM chains from the prompt and the
 request's ``cache_salt``; the tenant and the salt also go into the key's salt) under a
-namespace of the model, KV dtype, layout with its shape, block size and TP rank
-(engine_adapter/engine_keys.py)::
+namespace of the model, KV dtype, layout with its shape, block size and the slice of the KV
+this worker holds (engine_adapter/engine_keys.py)::
 
     store block = [layer 0 | layer 1 | ... | layer L-1]      layers in kv_cache_groups order
     layer       = vLLM's logical [H, N, C] page of the block   H heads, N = block_size tokens,
-                                                              C = K and V of a head, C order
+                                                              C = K and V of a head (MLA: H = 1,
+                                                              C = the latent), C order
+
+Tensor parallelism: a TP rank holds KV heads ``[a, b)`` of the model's ``n``; its blocks go
+under a namespace that names that slice (``tp=<shard>/<shards>;heads=a:b/n``), so a TP-2
+engine and a TP-1 engine of one model never read each other's slices as their own. Ranks
+that hold the same heads (more ranks than KV heads) share one slice; the first of them
+writes it. MLA's latent is not split by heads: every rank holds all of it, so it is one
+slice (``heads=latent``) that TP rank 0 writes and every rank loads.
 
 The logical page is the same whatever physical layout vLLM chose (VLLM_KV_CACHE_LAYOUT), so
 instances with different layouts share blocks. Who does what::
@@ -35,8 +43,16 @@ instances with different layouts share blocks. Who does what::
 
 Loads are synchronous (``load_kv_async`` False): they finish in ``start_load_kv``, before the
 forward pass. Saves leave the step as soon as the bytes are copied out of the paged KV.
-Not supported (raise at start-up): MLA, hybrid models (several KV cache groups, sliding
-window or Mamba layers) and pipeline parallelism.
+
+What an operator sees in vLLM itself: ``get_kv_connector_stats`` (``KVStoreConnectorStats``:
+lookups, hit and missed blocks, loaded and saved blocks and bytes, load seconds; vLLM logs
+them as "KV Transfer metrics" and exports them as ``vllm:kvstore_*`` Prometheus counters),
+and KV events (``BlockStored``, medium ``STORAGE``, once every rank's slice of a block is
+stored) through vLLM's KV event publisher.
+
+Not supported (raise at start-up): hybrid models (several KV cache groups, sliding window or
+Mamba layers), sparse or compressed MLA states (DeepSeek-V4: several tokens per state) and
+pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -44,15 +60,24 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
@@ -66,10 +91,12 @@ from kvstore.errors import QuorumError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -81,16 +108,132 @@ SAVE_SLOTS_KEY = "save_slots"  # staging chunks for saves in flight (default 4)
 SAVE_DECODE_KEY = "save_decode"  # also save blocks filled by generated tokens (default False)
 OWN_KEYS = (CHUNK_BLOCKS_KEY, LOAD_SLOTS_KEY, SAVE_SLOTS_KEY, SAVE_DECODE_KEY)
 WHERE = "--kv-transfer-config kv_connector_extra_config"
+MAX_PENDING_REPORTS = 100_000  # stored-block reports waiting for the other slices' writers
 
 
 @dataclass(frozen=True)
 class BlockTransfer:
-    """Blocks of one request to load or save: vLLM block hashes and the paged block ids."""
+    """Blocks of one request to load or save: vLLM block hashes and the paged block ids
+    (saves also carry what a ``BlockStored`` event names: the parent hash and the tokens)."""
 
     req_id: str
     block_hashes: list[bytes]
     salt: bytes  # tenant and cache_salt (engine_adapter/engine_keys.py)
     block_ids: list[int]
+    parent_hash: bytes | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVSlice:
+    """The part of each block's KV one TP rank holds, and the key namespace that names it."""
+
+    namespace: EngineKeyNamespace
+    writer_rank: int  # the first TP rank holding this slice writes it
+
+
+STAT_COUNTERS = (
+    "num_lookups",  # scheduler: lookups asked of the store
+    "hit_blocks",  # scheduler: blocks the store held (for every slice), offered to vLLM
+    "miss_blocks",  # scheduler: blocks looked up past the hit run
+    "num_loads",  # worker: start_load_kv calls that loaded blocks
+    "loaded_blocks",
+    "loaded_bytes",
+    "load_failed_blocks",  # planned, did not land: vLLM recomputes them
+    "saved_blocks",
+    "saved_bytes",
+    "save_failed_blocks",
+    "save_skipped_blocks",  # every save slot was in flight
+)
+STAT_SECONDS = ("load_s",)  # worker: seconds from start_load_kv to the last byte placed
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """The connector's counters for one interval (vLLM sums workers' and the scheduler's
+    with ``aggregate``, logs ``reduce()`` as "KV Transfer metrics" and feeds Prometheus)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_COUNTERS, 0) | dict.fromkeys(STAT_SECONDS, 0.0)
+
+    def add(self, **values: float) -> None:
+        for name, value in values.items():
+            self.data[name] += value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        looked_up = self.data["hit_blocks"] + self.data["miss_blocks"]
+        load_s = self.data["load_s"]
+        return {
+            **self.data,
+            "hit_rate": round(self.data["hit_blocks"] / looked_up, 4) if looked_up else 0.0,
+            "load_gb_per_s": round(self.data["loaded_bytes"] / load_s / 1e9, 3) if load_s else 0.0,
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVStoreKVEvents(KVConnectorKVEvents):
+    """``BlockStored`` events of one step, from one or (after vLLM merges them) all workers."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:
+        self.events = list(events or [])
+        self.num_workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self.events += events
+
+    def aggregate(self) -> KVStoreKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.num_workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self.events)
+
+    def get_number_of_workers(self) -> int:
+        return self.num_workers
+
+    def clear_events(self) -> None:
+        self.events = []
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvstore_<counter>_total`` per engine, from each interval's stats."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[tuple[int, str], Any] = {}
+        for name in (*STAT_COUNTERS, *STAT_SECONDS):
+            counter = self._counter_cls(
+                name=f"vllm:kvstore_{name}",
+                documentation=f"kvstore connector: {name.replace('_', ' ')}",
+                labelnames=labelnames,
+            )
+            for engine_idx, labelvalues in per_engine_labelvalues.items():
+                self.counters[(engine_idx, name)] = counter.labels(*labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            counter = self.counters.get((engine_idx, name))
+            if counter is not None and value:
+                counter.inc(value)
 
 
 @dataclass
@@ -123,9 +266,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.chunk_blocks = int(extra.get(CHUNK_BLOCKS_KEY, 16))
         self.save_decode = bool(extra.get(SAVE_DECODE_KEY, False))
         model = self.store_config.model_id or vllm_config.model_config.model
-        self.layer_names, self.layer_page_bytes, self.namespaces = _namespaces(
+        self.layer_names, self.layer_page_bytes, self.slices = _slices(
             vllm_config, kv_cache_config, model
         )
+        self.namespaces = list(dict.fromkeys(kv_slice.namespace for kv_slice in self.slices))
+        self.stats = KVStoreConnectorStats()
         self.is_producer = self._kv_transfer_config.is_kv_producer
         self.is_consumer = self._kv_transfer_config.is_kv_consumer
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -139,9 +284,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(self)
         else:
+            rank = _tp_rank(vllm_config)
             self._worker = _WorkerSide(
                 self,
-                self.namespaces[_tp_rank(vllm_config)],
+                self.slices[rank],
+                rank,
                 int(extra.get(LOAD_SLOTS_KEY, 4)),
                 int(extra.get(SAVE_SLOTS_KEY, 4)),
             )
@@ -171,6 +318,39 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Saves copy their bytes out within the step, so the blocks can be freed now."""
         self._scheduler.forget(request.request_id)
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Collect the workers' stored-block reports (see ``take_events``)."""
+        events = connector_output.kv_cache_events
+        if isinstance(events, KVStoreKVEvents):
+            self._scheduler.collect_stored(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """``BlockStored`` (medium STORAGE) for each block every slice of which is stored."""
+        return self._scheduler.take_stored()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This interval's counters (scheduler: lookups; worker: loads and saves), reset."""
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVStoreConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # Worker side.
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -204,6 +384,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Blocks planned for loading that did not land: vLLM computes them instead."""
         return self._worker.take_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """The blocks whose puts this worker saw land since the last step."""
+        stored = self._worker.take_stored_events()
+        return KVStoreKVEvents(stored) if stored else None
+
     def shutdown(self) -> None:
         """Wait for background saves, then close the store client."""
         if self.role == KVConnectorRole.WORKER:
@@ -220,6 +405,9 @@ class _SchedulerSide:
         self._lookups: dict[str, int] = {}  # req_id -> first block the store may provide
         self._pending_loads: list[BlockTransfer] = []
         self._tracked: dict[str, _Tracked] = {}
+        # BlockStored -> how many slice writers reported it; out once every slice did.
+        self._stored_reports: Counter[KVCacheEvent] = Counter()
+        self._stored: list[KVCacheEvent] = []
 
     def num_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         c, block_size = self.c, self.c.block_size
@@ -231,16 +419,18 @@ class _SchedulerSide:
         hashes = [bytes(h) for h in request.block_hashes[first:usable]]
         salt = c.salt_of(request)
         keys = [key for ns in c.namespaces for key in ns.keys(hashes, salt)]
+        num_hashes = len(hashes)
         try:
             present = c.kv.contains(keys)
         except StoreFailure as exc:  # a lookup that fails is a miss
             log.warning("kvstore lookup failed, computing request %s: %s", request.request_id, exc)
+            c.stats.add(num_lookups=1, miss_blocks=num_hashes)
             return 0
-        # contains() answers rank after rank; a block counts when every TP rank has it.
-        num_hashes = len(hashes)
+        # contains() answers slice after slice; a block counts when every slice is there.
         num_hits = 0
         while num_hits < num_hashes and all(present[num_hits::num_hashes]):
             num_hits += 1
+        c.stats.add(num_lookups=1, hit_blocks=num_hits, miss_blocks=num_hashes - num_hits)
         self._lookups[request.request_id] = first
         return num_hits * block_size
 
@@ -298,13 +488,31 @@ class _SchedulerSide:
         hashes = [bytes(h) for h in request.block_hashes[start:end]]
         salt = self.c.salt_of(request)
         block_ids = tracked.block_ids[start:end]
-        meta.saves.append(BlockTransfer(request.request_id, hashes, salt, block_ids))
+        parent = bytes(request.block_hashes[start - 1]) if start else None
+        tokens = list(request.all_token_ids[start * block_size : end * block_size])
+        transfer = BlockTransfer(request.request_id, hashes, salt, block_ids, parent, tokens)
+        meta.saves.append(transfer)
         tracked.num_saved_blocks = end
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._tracked.pop(req_id, None)
         self._lookups.pop(req_id, None)
+
+    def collect_stored(self, events: list[KVCacheEvent]) -> None:
+        """Count the workers' reports; a block is stored once every slice writer reported."""
+        self._stored_reports.update(events)
+        num_slices = len(self.c.namespaces)
+        done = [event for event, count in self._stored_reports.items() if count >= num_slices]
+        for event in done:
+            del self._stored_reports[event]
+        self._stored += done
+        if len(self._stored_reports) > MAX_PENDING_REPORTS:  # a writer's puts keep failing
+            self._stored_reports.clear()
+
+    def take_stored(self) -> list[KVCacheEvent]:
+        stored, self._stored = self._stored, []
+        return stored
 
 
 class _WorkerSide:
@@ -313,20 +521,23 @@ class _WorkerSide:
     def __init__(
         self,
         connector: KVStoreConnector,
-        namespace: EngineKeyNamespace,
+        kv_slice: KVSlice,
+        tp_rank: int,
         num_load_slots: int,
         num_save_slots: int,
     ) -> None:
         if min(connector.chunk_blocks, num_load_slots, num_save_slots) <= 0:
             raise ValueError(f"{WHERE}: {OWN_KEYS[:3]} must be > 0")
         self.c = connector
-        self.namespace = namespace
+        self.namespace = kv_slice.namespace
+        self.writes = tp_rank == kv_slice.writer_rank  # one writer per slice (MLA: rank 0)
         self._num_slots = (num_load_slots, num_save_slots)
         self._layers: list[_PagedLayer] = []
         self._load_pool: BufferPool | None = None
         self._save_pool: BufferPool | None = None
-        self._saves: list[tuple[concurrent.futures.Future[Any], BufferSlot, int]] = []
+        self._saves: list[tuple[concurrent.futures.Future[Any], BufferSlot, list[_Block]]] = []
         self._load_errors: set[int] = set()
+        self._stored_events: list[KVCacheEvent] = []
         self.num_saves_skipped = 0  # blocks not saved: every save slot was in flight
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -356,19 +567,29 @@ class _WorkerSide:
         if not blocks:
             return
         assert self._load_pool is not None, "register_kv_caches was not called"
+        started = time.perf_counter()
+        num_failed = len(self._load_errors)
         chunks = _chunks(blocks, self.c.chunk_blocks)
         while chunks:
             in_flight = []
             while chunks and (slot := self._load_pool.try_acquire()) is not None:
                 chunk = chunks.pop(0)
                 views = self._block_views(slot, len(chunk))
-                keys = [key for key, _ in chunk]
+                keys = [block.key for block in chunk]
                 in_flight.append((chunk, slot, self.c.kv.submit("get_batch_into", keys, views)))
             for chunk, slot, future in in_flight:
                 try:
                     self._scatter(chunk, slot, self._landed(future, len(chunk)))
                 finally:
                     slot.release()
+        num_failed = len(self._load_errors) - num_failed
+        self.c.stats.add(
+            num_loads=1,
+            loaded_blocks=len(blocks) - num_failed,
+            loaded_bytes=(len(blocks) - num_failed) * self.block_bytes,
+            load_failed_blocks=num_failed,
+            load_s=time.perf_counter() - started,
+        )
 
     def _landed(self, future: concurrent.futures.Future[list[bool]], num_blocks: int) -> list[bool]:
         try:
@@ -377,18 +598,16 @@ class _WorkerSide:
             log.warning("loading %d KV blocks from kvstore failed: %s", num_blocks, exc)
             return [False] * num_blocks
 
-    def _scatter(
-        self, chunk: list[tuple[bytes, int]], slot: BufferSlot, landed: list[bool]
-    ) -> None:
+    def _scatter(self, chunk: list[_Block], slot: BufferSlot, landed: list[bool]) -> None:
         positions = [i for i, ok in enumerate(landed) if ok]
-        failed = (block_id for (_, block_id), ok in zip(chunk, landed, strict=True) if not ok)
+        failed = (block.block_id for block, ok in zip(chunk, landed, strict=True) if not ok)
         self._load_errors.update(failed)
         if not positions:
             return
         staging = self._staging(slot, len(chunk))  # [n, block_bytes]
         if len(positions) < len(chunk):
             staging = staging[positions]
-        block_ids = [chunk[i][1] for i in positions]
+        block_ids = [chunk[i].block_id for i in positions]
         offset = 0
         for layer in self._layers:
             layer.write(block_ids, staging[:, offset : offset + layer.page_bytes])
@@ -397,7 +616,7 @@ class _WorkerSide:
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
         """Gather the blocks into free save slots and put them in the background."""
         self._reap_saves(wait=False)
-        blocks = self._store_blocks(transfers)
+        blocks = self._store_blocks(transfers) if self.writes else []
         if not blocks:
             return
         assert self._save_pool is not None, "register_kv_caches was not called"
@@ -407,35 +626,46 @@ class _WorkerSide:
             if slot is None:  # best effort: a store slower than the engine skips blocks
                 num_skipped = sum(len(rest) for rest in chunks[position:])
                 self.num_saves_skipped += num_skipped
+                self.c.stats.add(save_skipped_blocks=num_skipped)
                 log.warning("kvstore saves are behind: %d KV blocks not saved", num_skipped)
                 return
             staging = self._staging(slot, len(chunk))
-            block_ids = [block_id for _, block_id in chunk]
+            block_ids = [block.block_id for block in chunk]
             offset = 0
             for layer in self._layers:
                 layer.read(block_ids, staging[:, offset : offset + layer.page_bytes])
                 offset += layer.page_bytes
             if self._layers[0].tensor.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the copies must finish first
-            keys = [key for key, _ in chunk]
+            keys = [block.key for block in chunk]
             views = self._block_views(slot, len(chunk))
             traffic_class = self.c.store_config.traffic_class
             future = self.c.kv.submit("put_batch", keys, views, traffic_class=traffic_class)
-            self._saves.append((future, slot, len(chunk)))
+            self._saves.append((future, slot, chunk))
 
     def _reap_saves(self, *, wait: bool) -> None:
         still = []
-        for future, slot, num_blocks in self._saves:
+        for future, slot, chunk in self._saves:
             if not wait and not future.done():
-                still.append((future, slot, num_blocks))
+                still.append((future, slot, chunk))
                 continue
+            failed: set[bytes] = set()
             try:
                 future.result()
             except QuorumError as exc:
-                log.warning("saving %d of %d KV blocks failed: %s", len(exc.keys), num_blocks, exc)
+                failed = set(exc.keys)
+                log.warning("saving %d of %d KV blocks failed: %s", len(failed), len(chunk), exc)
             except StoreFailure as exc:
-                log.warning("saving %d KV blocks failed: %s", num_blocks, exc)
+                failed = {block.key for block in chunk}
+                log.warning("saving %d KV blocks failed: %s", len(chunk), exc)
             slot.release()
+            stored = [block for block in chunk if block.key not in failed]
+            self._stored_events += [block.stored for block in stored if block.stored]
+            self.c.stats.add(
+                saved_blocks=len(stored),
+                saved_bytes=len(stored) * self.block_bytes,
+                save_failed_blocks=len(chunk) - len(stored),
+            )
         self._saves = still
 
     def drain(self) -> None:
@@ -445,12 +675,18 @@ class _WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _store_blocks(self, transfers: Sequence[BlockTransfer]) -> list[tuple[bytes, int]]:
-        """(store key, block id) of every block of ``transfers``."""
+    def take_stored_events(self) -> list[KVCacheEvent]:
+        self._reap_saves(wait=False)
+        events, self._stored_events = self._stored_events, []
+        return events
+
+    def _store_blocks(self, transfers: Sequence[BlockTransfer]) -> list[_Block]:
+        """Every block of ``transfers``: its store key, block id and (saves) its event."""
         blocks = []
         for transfer in transfers:
             keys = self.namespace.keys(transfer.block_hashes, transfer.salt)
-            blocks += zip(keys, transfer.block_ids, strict=True)
+            events = _stored_events(transfer, self.c.block_size)
+            blocks += map(_Block, keys, transfer.block_ids, events)
         return blocks
 
     def _staging(self, slot: BufferSlot, num_blocks: int) -> torch.Tensor:
@@ -460,6 +696,32 @@ class _WorkerSide:
     def _block_views(self, slot: BufferSlot, num_blocks: int) -> list[memoryview]:
         size = self.block_bytes
         return [slot.view[i * size : (i + 1) * size] for i in range(num_blocks)]
+
+
+@dataclass(frozen=True)
+class _Block:
+    key: bytes  # the store key
+    block_id: int  # vLLM's paged block id
+    stored: BlockStored | None  # the event once its put landed (saves only)
+
+
+def _stored_events(transfer: BlockTransfer, block_size: int) -> list[BlockStored | None]:
+    """One BlockStored per saved block (parent: the block before it); none for loads."""
+    if not transfer.token_ids:
+        return [None] * len(transfer.block_hashes)
+    parents = [transfer.parent_hash, *transfer.block_hashes[:-1]]
+    return [
+        BlockStored(
+            block_hashes=[block_hash],
+            parent_block_hash=parent,
+            token_ids=transfer.token_ids[i * block_size : (i + 1) * block_size],
+            block_size=block_size,
+            lora_id=None,
+            medium=MEDIUM_STORAGE,
+            lora_name=None,
+        )
+        for i, (block_hash, parent) in enumerate(zip(transfer.block_hashes, parents, strict=True))
+    ]
 
 
 class _PagedLayer:
@@ -514,52 +776,81 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
-    if vllm_config.parallel_config.tensor_parallel_size == 1:
+    """This worker's TP rank: from vLLM's TP group once it exists, else from the worker's
+    global rank (``parallel_config.rank``, which vLLM's WorkerBase sets; TP varies fastest)."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size == 1:
         return 0
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    from vllm.distributed import parallel_state
 
-    return get_tensor_model_parallel_rank()
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return parallel.rank % parallel.tensor_parallel_size
 
 
-def _namespaces(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str
-) -> tuple[list[str], int, list[EngineKeyNamespace]]:
-    """The layers in store-block order, the bytes of one layer's page of a block, and one key
-    namespace per TP rank."""
+def _check_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-    if spec is None or type(spec) is not FullAttentionSpec or isinstance(spec, MLAAttentionSpec):
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
         raise ValueError(
-            "KVStoreConnector supports models whose layers are all full attention with one "
-            f"KV cache group; got {[type(g.kv_cache_spec).__name__ for g in groups]} "
-            "(MLA, sliding-window and hybrid models are not supported yet)"
+            "KVStoreConnector supports models whose layers are all full attention (or all "
+            f"MLA) with one KV cache group; got {[type(g.kv_cache_spec).__name__ for g in groups]}"
+            " (sliding-window and hybrid models are not supported yet)"
         )
+    if spec.tokens_per_state != 1 or getattr(spec, "model_version", None):
+        raise ValueError(
+            "KVStoreConnector supports one KV state per token; this model's MLA cache holds "
+            f"{spec.tokens_per_state} tokens per state (DeepSeek-V4-style sparse MLA)"
+        )
+    return spec
+
+
+def _slices(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str
+) -> tuple[list[str], int, list[KVSlice]]:
+    """The layers in store-block order, the bytes of one layer's page of a block, and each
+    TP rank's slice (several ranks may share one: see the module doc)."""
+    spec = _check_spec(kv_cache_config)
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
     if vllm_config.model_config.revision:
         model += f"@{vllm_config.model_config.revision}"
-    num_layers = len(groups[0].layer_names)
+    layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
     channels = spec.state_content_size_bytes // torch.empty((), dtype=spec.dtype).element_size()
     layer_page_bytes = spec.num_heads * spec.block_size * spec.state_content_size_bytes
-    shape = f"{num_layers}x{spec.num_heads}x{spec.block_size}x{channels}"
-    dtype = str(spec.dtype).removeprefix("torch.")
+    shape = f"{len(layer_names)}x{spec.num_heads}x{spec.block_size}x{channels}"
     extra = (
         ("cache_dtype", str(vllm_config.cache_config.cache_dtype)),
         ("kv_quant", str(spec.kv_quant_mode.name)),
     )
     tp_size = parallel.tensor_parallel_size
-    namespaces = [
-        EngineKeyNamespace(
+    mla = isinstance(spec, MLAAttentionSpec)
+    total_heads = 1 if mla else vllm_config.model_config.get_total_num_kv_heads()
+    slices: list[KVSlice] = []
+    for rank in range(tp_size):
+        first, end = _head_range(rank, tp_size, total_heads)
+        shard, num_shards = (first, total_heads) if tp_size > total_heads else (rank, tp_size)
+        writer = next(r for r in range(tp_size) if _head_range(r, tp_size, total_heads)[0] == first)
+        namespace = EngineKeyNamespace(
             engine="vllm",
             model=model,
-            dtype=dtype,
-            layout=f"vllm-BHNC-v1:{shape}",
+            dtype=str(spec.dtype).removeprefix("torch."),
+            layout=f"vllm-{'MLA' if mla else 'BHNC'}-v1:{shape}",
             page_tokens=spec.block_size,
-            tp_rank=rank,
-            tp_size=tp_size,
-            extra=extra,
+            tp_rank=shard,
+            tp_size=num_shards,
+            extra=(("heads", "latent" if mla else f"{first}:{end}/{total_heads}"), *extra),
         )
-        for rank in range(tp_size)
-    ]
-    return list(groups[0].layer_names), layer_page_bytes, namespaces
+        slices.append(KVSlice(namespace, writer))
+    return layer_names, layer_page_bytes, slices
+
+
+def _head_range(rank: int, tp_size: int, total_heads: int) -> tuple[int, int]:
+    """KV heads [first, end) a TP rank holds: an equal share, or one replicated head when
+    there are more ranks than heads (vLLM's split). MLA's latent: one "head", replicated."""
+    if tp_size <= total_heads:
+        per_rank = total_heads // tp_size
+        return rank * per_rank, (rank + 1) * per_rank
+    head = rank * total_heads // tp_size
+    return head, head + 1
