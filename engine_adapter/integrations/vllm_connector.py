@@ -244,6 +244,13 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    first: int  # the first block the store may provide
+    num_hits: int  # leading blocks every slice of which is stored
+    num_asked: int
+
+
 @dataclass
 class _Tracked:
     """A running request the scheduler side saves blocks of."""
@@ -402,7 +409,7 @@ class _SchedulerSide:
     def __init__(self, connector: KVStoreConnector) -> None:
         self.c = connector
         self._requests: dict[str, Request] = {}  # every request seen, until it finishes
-        self._lookups: dict[str, int] = {}  # req_id -> first block the store may provide
+        self._lookups: dict[str, _Lookup] = {}  # req_id -> its latest lookup
         self._pending_loads: list[BlockTransfer] = []
         self._tracked: dict[str, _Tracked] = {}
         # BlockStored -> how many slice writers reported it; out once every slice did.
@@ -424,21 +431,24 @@ class _SchedulerSide:
             present = c.kv.contains(keys)
         except StoreFailure as exc:  # a lookup that fails is a miss
             log.warning("kvstore lookup failed, computing request %s: %s", request.request_id, exc)
-            c.stats.add(num_lookups=1, miss_blocks=num_hashes)
-            return 0
+            present = [False] * len(keys)
         # contains() answers slice after slice; a block counts when every slice is there.
         num_hits = 0
         while num_hits < num_hashes and all(present[num_hits::num_hashes]):
             num_hits += 1
-        c.stats.add(num_lookups=1, hit_blocks=num_hits, miss_blocks=num_hashes - num_hits)
-        self._lookups[request.request_id] = first
+        self._lookups[request.request_id] = _Lookup(first, num_hits, num_hashes)
         return num_hits * block_size
 
     def plan_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        first = self._lookups.pop(request.request_id, None)
-        if num_external_tokens <= 0 or first is None:
+        """Called once the request's blocks are allocated: count its lookup, plan its load."""
+        lookup = self._lookups.pop(request.request_id, None)
+        if lookup is None:
             return
-        num_blocks = num_external_tokens // self.c.block_size
+        num_misses = lookup.num_asked - lookup.num_hits
+        self.c.stats.add(num_lookups=1, hit_blocks=lookup.num_hits, miss_blocks=num_misses)
+        if num_external_tokens <= 0:
+            return
+        first, num_blocks = lookup.first, num_external_tokens // self.c.block_size
         block_ids = blocks.get_block_ids()[0][first : first + num_blocks]
         hashes = [bytes(h) for h in request.block_hashes[first : first + num_blocks]]
         salt = self.c.salt_of(request)
