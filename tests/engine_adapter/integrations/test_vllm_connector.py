@@ -160,16 +160,17 @@ class Instance:
             made.parallel_config.rank = rank
             return made
 
+        # A TP rank holds its share of the KV heads (all of MLA's one latent "head"); the
+        # scheduler's KV cache config is the ranks' (vLLM builds it from the workers' specs).
+        rank_spec = _rank_spec(spec, tp_size)
         self.config = config()
         self.scheduler = Scheduler(
             vllm_config=self.config,
-            kv_cache_config=_kv_cache_config(layout, spec),
+            kv_cache_config=_kv_cache_config(layout, rank_spec),
             log_stats=True,
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=BLOCK,
         )
-        # A TP rank holds its share of the KV heads (all of MLA's one latent "head").
-        rank_spec = _rank_spec(spec, tp_size)
         self.workers, self.kvs = [], []
         for rank in range(tp_size):
             kv_cache_config = _kv_cache_config(layout, rank_spec)
