@@ -34,15 +34,36 @@ The logical page is the same whatever physical layout vLLM chose (VLLM_KV_CACHE_
 instances with different layouts share blocks. Who does what::
 
     scheduler process                              each worker process
-    get_num_new_matched_tokens: contains() of the  start_load_kv: get_batch_into staging slots,
-      request's next blocks, all TP ranks; the       scatter into the paged KV; blocks that did
-      leading run that every rank has is loaded      not land -> get_block_ids_with_load_errors
-    update_state_after_alloc: the block ids        wait_for_save: gather the step's newly full
-    build_connector_meta: loads, and the blocks      blocks into staging slots, put_batch in the
-      this step fills, to save                       background (best effort; a full pool skips)
+    get_num_new_matched_tokens: contains() of the  start_load_kv: land_batch the step's loads
+      request's next blocks, all TP ranks; the       into landing-pool slots (the local nodes
+      leading run that every rank has is loaded      write their shards there), without waiting
+    update_state_after_alloc: the block ids        wait_for_layer_load(layer): until that
+    build_connector_meta: loads, and the blocks      layer of every block is in the paged KV
+      this step fills, to save                       (engine_adapter/integrations/layer_loads.py)
+                                                   save_kv_layer(layer): copy that layer of the
+                                                     step's newly full blocks out to staging
+                                                   wait_for_save: put_batch the staged blocks
+                                                     in the background (a full pool skips)
+                                                   get_block_ids_with_load_errors: blocks that
+                                                     did not land, or not verified
 
-Loads are synchronous (``load_kv_async`` False): they finish in ``start_load_kv``, before the
-forward pass. Saves leave the step as soon as the bytes are copied out of the paged KV.
+Loads, ``load_mode`` in kv_connector_extra_config:
+
+- ``"layerwise"`` (the default): ``load_kv_async`` False. The request runs in the step its
+  load starts in; the load overlaps that step's forward pass, layer by layer: attention of
+  layer l waits only for layer l. At the end of the step (``get_block_ids_with_load_errors``)
+  every block the forward pass used has been verified, or is reported to vLLM, which then
+  drops the step's output of the requests that used it and recomputes from that block. vLLM
+  runs CUDA graphs piecewise with it (``requires_piecewise_for_cudagraph``): the per-layer
+  waits must run.
+- ``"async"``: ``load_kv_async`` True. The request waits (WAITING_FOR_REMOTE_KVS) while its
+  blocks load between steps, overlapping other requests' steps; ``get_finished`` reports it
+  once every block is verified and in the paged KV, blocks that failed in the same step. No
+  step ever waits for the store; the request starts a step later.
+
+A block the store cannot deliver is computed, in both modes (``kv_load_failure_policy:
+"recompute"``). Saves copy each layer out after the forward pass computed it and leave the
+step once the last layer is copied; the put runs in the background.
 
 What an operator sees in vLLM itself: ``get_kv_connector_stats`` (``KVStoreConnectorStats``:
 lookups, hit and missed blocks, loaded and saved blocks and bytes, load seconds; vLLM logs
@@ -58,9 +79,9 @@ pipeline parallelism.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -82,11 +103,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from client.buffer_pool import BufferPool, BufferSlot
+from client.landing_pool import LandingPool
 from client.sync_client import SyncKVClient
 from engine_adapter.connector import StoreFailure
 from engine_adapter.engine_keys import EngineKeyNamespace
 from engine_adapter.host_buffers import host_memory
 from engine_adapter.integrations.adapter_config import AdapterConfig
+from engine_adapter.integrations.layer_loads import BlockLoad, LayerLoads, PagedLayer
 from kvstore.errors import QuorumError
 
 if TYPE_CHECKING:
@@ -102,11 +125,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # kv_connector_extra_config keys of this connector beyond AdapterConfig's.
-CHUNK_BLOCKS_KEY = "chunk_blocks"  # blocks per get_batch_into / put_batch (default 16)
-LOAD_SLOTS_KEY = "load_slots"  # staging chunks for loads in flight (default 4)
+CHUNK_BLOCKS_KEY = "chunk_blocks"  # blocks per land_batch / put_batch (default 16)
+LOAD_SLOTS_KEY = "load_slots"  # chunks of landing-pool slots for loads in flight (default 4)
 SAVE_SLOTS_KEY = "save_slots"  # staging chunks for saves in flight (default 4)
 SAVE_DECODE_KEY = "save_decode"  # also save blocks filled by generated tokens (default False)
-OWN_KEYS = (CHUNK_BLOCKS_KEY, LOAD_SLOTS_KEY, SAVE_SLOTS_KEY, SAVE_DECODE_KEY)
+LOAD_MODE_KEY = "load_mode"  # "layerwise" (default) or "async": see the module doc
+LOAD_MODES = ("layerwise", "async")
+OWN_KEYS = (CHUNK_BLOCKS_KEY, LOAD_SLOTS_KEY, SAVE_SLOTS_KEY, SAVE_DECODE_KEY, LOAD_MODE_KEY)
 WHERE = "--kv-transfer-config kv_connector_extra_config"
 MAX_PENDING_REPORTS = 100_000  # stored-block reports waiting for the other slices' writers
 
@@ -272,10 +297,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_blocks = int(extra.get(CHUNK_BLOCKS_KEY, 16))
         self.save_decode = bool(extra.get(SAVE_DECODE_KEY, False))
+        self.load_mode = _load_mode(extra)
+        num_load_slots = int(extra.get(LOAD_SLOTS_KEY, 4))
+        num_save_slots = int(extra.get(SAVE_SLOTS_KEY, 4))
+        if min(self.chunk_blocks, num_load_slots, num_save_slots) <= 0:
+            raise ValueError(f"{WHERE}: {OWN_KEYS[:3]} must be > 0")
         model = self.store_config.model_id or vllm_config.model_config.model
         self.layer_names, self.layer_page_bytes, self.slices = _slices(
             vllm_config, kv_cache_config, model
         )
+        self.block_bytes = self.layer_page_bytes * len(self.layer_names)
         self.namespaces = list(dict.fromkeys(kv_slice.namespace for kv_slice in self.slices))
         self.stats = KVStoreConnectorStats()
         self.is_producer = self._kv_transfer_config.is_kv_producer
@@ -286,19 +317,18 @@ class KVStoreConnector(KVConnectorBase_V1):
                 'request; set "kv_load_failure_policy":"recompute" to compute it instead',
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        self.kv: SyncKVClient = self.store_config.connect()
+        # Workers load into a landing pool the local nodes write into (client/landing_pool.py).
+        landing_pool = None
+        if role == KVConnectorRole.WORKER:
+            landing_pool = LandingPool(self.block_bytes, num_load_slots * self.chunk_blocks)
+        self.kv: SyncKVClient = self.store_config.connect(landing_pool=landing_pool)
         self.salt_prefix = self.store_config.tenant.encode() + b"\0"
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(self)
         else:
+            assert landing_pool is not None
             rank = _tp_rank(vllm_config)
-            self._worker = _WorkerSide(
-                self,
-                self.slices[rank],
-                rank,
-                int(extra.get(LOAD_SLOTS_KEY, 4)),
-                int(extra.get(SAVE_SLOTS_KEY, 4)),
-            )
+            self._worker = _WorkerSide(self, self.slices[rank], rank, landing_pool, num_save_slots)
 
     def salt_of(self, request: Request) -> bytes:
         return self.salt_prefix + (request.cache_salt or "").encode()
@@ -308,8 +338,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store holds for every TP rank (whole
-        blocks, never the prompt's last token); loads are synchronous."""
-        return self._scheduler.num_matched_tokens(request, num_computed_tokens), False
+        blocks, never the prompt's last token), and whether they load asynchronously
+        (``load_mode`` "async"; "layerwise" loads during the request's first step)."""
+        num_tokens = self._scheduler.num_matched_tokens(request, num_computed_tokens)
+        return num_tokens, num_tokens > 0 and self.load_mode == "async"
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -350,6 +382,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreConnectorStats(data=dict(data or {}))
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads wait inside the forward pass: no full CUDA graph may skip that."""
+        return _load_mode(extra_config) == "layerwise"
+
+    @classmethod
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
@@ -364,31 +401,40 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's planned blocks into the paged KV (before the forward pass)."""
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
-        self._worker.load(meta.loads)
+        """Start this step's loads (land_batch into landing-pool slots) without waiting."""
+        self._worker.start_loads(self._meta().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: start_load_kv loaded every layer."""
+        """Layer-wise loads: until this layer of every block loading is in the paged KV.
+        (Async loads are complete before their request runs: nothing to wait for.)"""
+        if self.load_mode == "layerwise":
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing per layer: one store block holds all layers, saved in wait_for_save."""
+        """Copy this layer of the step's newly full blocks out of the paged KV (the forward
+        pass has just computed it)."""
+        self._worker.save_layer(layer_name, self._meta().saves)
 
     def wait_for_save(self) -> None:
-        """Copy this step's full blocks out of the paged KV and put them in the background."""
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
-        self._worker.save(meta.saves)
+        """Copy out the layers ``save_kv_layer`` did not see, then put the step's full blocks
+        in the background."""
+        self._worker.save(self._meta().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Neither loads nor saves outlive a step: nothing is ever pending here."""
-        return None, None
+        """Async loads that are over (every block verified in the paged KV, or failed: see
+        get_block_ids_with_load_errors, same step). Saves never hold blocks past a step."""
+        if self.load_mode != "async":
+            return None, None
+        return None, self._worker.take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks planned for loading that did not land: vLLM computes them instead."""
+        """Blocks planned for loading that did not land or did not verify: vLLM computes them
+        instead. Layer-wise loads end here, at the end of their step: every block the forward
+        pass read is verified by now, or named here."""
+        if self.load_mode == "layerwise":
+            self._worker.finish_loads()
         return self._worker.take_load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
@@ -397,10 +443,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreKVEvents(stored) if stored else None
 
     def shutdown(self) -> None:
-        """Wait for background saves, then close the store client."""
+        """Wait for background saves, cancel loads, then close the store client."""
         if self.role == KVConnectorRole.WORKER:
             self._worker.drain()
+            self._worker.close_loads()
         self.kv.close()
+        if self.role == KVConnectorRole.WORKER:
+            self._worker.landing_pool.close()
+
+    def _meta(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        return meta
 
 
 class _SchedulerSide:
@@ -533,18 +587,20 @@ class _WorkerSide:
         connector: KVStoreConnector,
         kv_slice: KVSlice,
         tp_rank: int,
-        num_load_slots: int,
+        landing_pool: LandingPool,
         num_save_slots: int,
     ) -> None:
-        if min(connector.chunk_blocks, num_load_slots, num_save_slots) <= 0:
-            raise ValueError(f"{WHERE}: {OWN_KEYS[:3]} must be > 0")
         self.c = connector
         self.namespace = kv_slice.namespace
         self.writes = tp_rank == kv_slice.writer_rank  # one writer per slice (MLA: rank 0)
-        self._num_slots = (num_load_slots, num_save_slots)
-        self._layers: list[_PagedLayer] = []
-        self._load_pool: BufferPool | None = None
+        self.landing_pool = landing_pool  # loads land here (the client was given it)
+        self._num_save_slots = num_save_slots
+        self._layers: list[PagedLayer] = []
+        self._layer_index = {name: i for i, name in enumerate(connector.layer_names)}
+        self._loads: LayerLoads | None = None
         self._save_pool: BufferPool | None = None
+        self._save_stream: torch.cuda.Stream | None = None  # CUDA: saves copy out on it
+        self._staged: _StagedSaves | None = None  # this step's saves, from the first layer on
         self._saves: list[tuple[concurrent.futures.Future[Any], BufferSlot, list[_Block]]] = []
         self._load_errors: set[int] = set()
         self._stored_events: list[KVCacheEvent] = []
@@ -555,103 +611,149 @@ class _WorkerSide:
         if missing:
             raise ValueError(f"KVStoreConnector: no KV cache tensor for layers {missing}")
         num_blocks = self.c._kv_cache_config.num_blocks
-        self._layers = [_PagedLayer(kv_caches[name], num_blocks) for name in self.c.layer_names]
+        self._layers = [PagedLayer(kv_caches[name], num_blocks) for name in self.c.layer_names]
         block_bytes = sum(layer.page_bytes for layer in self._layers)
-        expected = self.c.layer_page_bytes * len(self._layers)
-        if block_bytes != expected:
+        if block_bytes != self.c.block_bytes:
             raise ValueError(
                 f"KVStoreConnector: the paged KV holds {block_bytes} bytes per block but the KV "
-                f"cache spec says {expected}; this vLLM's KV cache views are not [B, H, N, C]"
+                f"cache spec says {self.c.block_bytes}; this vLLM's KV cache views are not "
+                "[B, H, N, C]"
             )
-        pin = self._layers[0].tensor.device.type == "cuda"
-        slot_bytes = block_bytes * self.c.chunk_blocks
-        load_slots, save_slots = self._num_slots
+        device = self._layers[0].tensor.device
+        pin = device.type == "cuda"
+        self._loads = LayerLoads(self.c.kv, self.landing_pool, self._layers, self.c.chunk_blocks)
         allocate = functools.partial(host_memory, pin_memory=pin)
-        self._load_pool = BufferPool(slot_bytes, load_slots, allocate=allocate)
-        self._save_pool = BufferPool(slot_bytes, save_slots, allocate=allocate)
+        slot_bytes = block_bytes * self.c.chunk_blocks
+        self._save_pool = BufferPool(slot_bytes, self._num_save_slots, allocate=allocate)
+        if pin:
+            self._save_stream = torch.cuda.Stream(device=device)
         self.block_bytes = block_bytes
 
-    def load(self, transfers: Sequence[BlockTransfer]) -> None:
-        """get_batch_into staging chunks (several in flight), scatter what landed."""
-        blocks = self._store_blocks(transfers)
-        if not blocks:
-            return
-        assert self._load_pool is not None, "register_kv_caches was not called"
-        started = time.perf_counter()
-        num_failed = len(self._load_errors)
-        chunks = _chunks(blocks, self.c.chunk_blocks)
-        while chunks:
-            in_flight = []
-            while chunks and (slot := self._load_pool.try_acquire()) is not None:
-                chunk = chunks.pop(0)
-                views = self._block_views(slot, len(chunk))
-                keys = [block.key for block in chunk]
-                in_flight.append((chunk, slot, self.c.kv.submit("get_batch_into", keys, views)))
-            for chunk, slot, future in in_flight:
-                try:
-                    self._scatter(chunk, slot, self._landed(future, len(chunk)))
-                finally:
-                    slot.release()
-        num_failed = len(self._load_errors) - num_failed
-        self.c.stats.add(
-            num_loads=1,
-            loaded_blocks=len(blocks) - num_failed,
-            loaded_bytes=(len(blocks) - num_failed) * self.block_bytes,
-            load_failed_blocks=num_failed,
-            load_s=time.perf_counter() - started,
-        )
+    # Loads (engine_adapter/integrations/layer_loads.py).
+    def start_loads(self, transfers: Sequence[BlockTransfer]) -> None:
+        loads = self._require_loads()
+        for transfer in transfers:
+            keys = self.namespace.keys(transfer.block_hashes, transfer.salt)
+            loads.start(transfer.req_id, keys, transfer.block_ids)
+        loads.progress()
 
-    def _landed(self, future: concurrent.futures.Future[list[bool]], num_blocks: int) -> list[bool]:
-        try:
-            return future.result()
-        except StoreFailure as exc:  # the blocks are computed instead (get_block_ids...)
-            log.warning("loading %d KV blocks from kvstore failed: %s", num_blocks, exc)
-            return [False] * num_blocks
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)  # a draft model's layers are not ours
+        if layer is not None and self._loads is not None:
+            self._loads.wait_layer(layer)
 
-    def _scatter(self, chunk: list[_Block], slot: BufferSlot, landed: list[bool]) -> None:
-        positions = [i for i, ok in enumerate(landed) if ok]
-        failed = (block.block_id for block, ok in zip(chunk, landed, strict=True) if not ok)
-        self._load_errors.update(failed)
-        if not positions:
+    def finish_loads(self) -> None:
+        """Wait for every load in flight (layer-wise: the end of their step)."""
+        if self._loads is not None:
+            self._record(self._loads.finish())
+
+    def take_finished_loads(self) -> set[str]:
+        """The requests whose loads are over (async), without waiting."""
+        if self._loads is None:
+            return set()
+        self._loads.progress()
+        finished = self._loads.take_finished()
+        self._record(finished)
+        return {load.req_id for load in finished}
+
+    def _record(self, loads: list[BlockLoad]) -> None:
+        for load in loads:
+            self._load_errors |= load.failed
+            num_loaded = len(load.keys) - len(load.failed)
+            if load.failed:
+                log.warning(
+                    "request %s: %d of %d KV blocks did not load from kvstore; vLLM computes them",
+                    load.req_id,
+                    len(load.failed),
+                    len(load.keys),
+                )
+            self.c.stats.add(
+                num_loads=1,
+                loaded_blocks=num_loaded,
+                loaded_bytes=num_loaded * self.block_bytes,
+                load_failed_blocks=len(load.failed),
+                load_s=load.finished_s - load.started_s,
+            )
+
+    def _require_loads(self) -> LayerLoads:
+        assert self._loads is not None, "register_kv_caches was not called"
+        return self._loads
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close_loads(self) -> None:
+        if self._loads is not None:
+            self._loads.close()
+
+    # Saves.
+    def save_layer(self, layer_name: str, transfers: Sequence[BlockTransfer]) -> None:
+        """Copy one layer of the step's blocks to save out to their staging slots."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not transfers or not self.writes:
             return
-        staging = self._staging(slot, len(chunk))  # [n, block_bytes]
-        if len(positions) < len(chunk):
-            staging = staging[positions]
-        block_ids = [chunk[i].block_id for i in positions]
-        offset = 0
-        for layer in self._layers:
-            layer.write(block_ids, staging[:, offset : offset + layer.page_bytes])
-            offset += layer.page_bytes
+        staged = self._stage(transfers)
+        if layer not in staged.copied:
+            self._copy_out(staged, layer)
 
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Gather the blocks into free save slots and put them in the background."""
+        """The step's end: copy out the layers save_layer did not, put the staged blocks in
+        the background."""
         self._reap_saves(wait=False)
-        blocks = self._store_blocks(transfers) if self.writes else []
-        if not blocks:
+        staged, self._staged = self._staged, None
+        if staged is None and transfers and self.writes:
+            staged = self._stage(transfers)
+            self._staged = None
+        if staged is None:
             return
+        for layer in range(len(self._layers)):
+            if layer not in staged.copied:
+                self._copy_out(staged, layer)
+        if self._save_stream is not None:
+            self._save_stream.synchronize()  # the copies must finish first
+        traffic_class = self.c.store_config.traffic_class
+        for chunk, slot in staged.chunks:
+            keys = [block.key for block in chunk]
+            views = self._block_views(slot, len(chunk))
+            future = self.c.kv.submit("put_batch", keys, views, traffic_class=traffic_class)
+            self._saves.append((future, slot, chunk))
+
+    def _stage(self, transfers: Sequence[BlockTransfer]) -> _StagedSaves:
+        """This step's blocks to save in free save slots (once per step; a store slower than
+        the engine skips blocks: best effort)."""
+        if self._staged is not None:
+            return self._staged
+        self._reap_saves(wait=False)
         assert self._save_pool is not None, "register_kv_caches was not called"
-        chunks = _chunks(blocks, self.c.chunk_blocks)
+        chunks = _chunks(self._store_blocks(transfers), self.c.chunk_blocks)
+        staged = _StagedSaves()
         for position, chunk in enumerate(chunks):
             slot = self._save_pool.try_acquire()
-            if slot is None:  # best effort: a store slower than the engine skips blocks
+            if slot is None:
                 num_skipped = sum(len(rest) for rest in chunks[position:])
                 self.num_saves_skipped += num_skipped
                 self.c.stats.add(save_skipped_blocks=num_skipped)
                 log.warning("kvstore saves are behind: %d KV blocks not saved", num_skipped)
-                return
-            staging = self._staging(slot, len(chunk))
-            block_ids = [block.block_id for block in chunk]
-            offset = 0
-            for layer in self._layers:
-                layer.read(block_ids, staging[:, offset : offset + layer.page_bytes])
-                offset += layer.page_bytes
-            if self._layers[0].tensor.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the copies must finish first
-            keys = [block.key for block in chunk]
-            views = self._block_views(slot, len(chunk))
-            traffic_class = self.c.store_config.traffic_class
-            future = self.c.kv.submit("put_batch", keys, views, traffic_class=traffic_class)
-            self._saves.append((future, slot, chunk))
+                break
+            staged.chunks.append((chunk, slot))
+        self._staged = staged
+        return staged
+
+    def _copy_out(self, staged: _StagedSaves, layer: int) -> None:
+        """Layer ``layer`` of the staged blocks: paged KV -> staging (CUDA: on the save
+        stream, after the compute that wrote it)."""
+        paged = self._layers[layer]
+        start = layer * paged.page_bytes
+        stream = self._save_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(paged.tensor.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for chunk, slot in staged.chunks:
+                staging = self._staging(slot, len(chunk))[:, start : start + paged.page_bytes]
+                block_ids = [block.block_id for block in chunk]
+                paged.read(block_ids, staging, non_blocking=stream is not None)
+        staged.copied.add(layer)
 
     def _reap_saves(self, *, wait: bool) -> None:
         still = []
@@ -681,10 +783,6 @@ class _WorkerSide:
     def drain(self) -> None:
         self._reap_saves(wait=True)
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
     def take_stored_events(self) -> list[KVCacheEvent]:
         self._reap_saves(wait=False)
         events, self._stored_events = self._stored_events, []
@@ -706,6 +804,14 @@ class _WorkerSide:
     def _block_views(self, slot: BufferSlot, num_blocks: int) -> list[memoryview]:
         size = self.block_bytes
         return [slot.view[i * size : (i + 1) * size] for i in range(num_blocks)]
+
+
+@dataclass
+class _StagedSaves:
+    """A step's blocks to save, in staging slots, and the layers copied out so far."""
+
+    chunks: list[tuple[list[_Block], BufferSlot]] = field(default_factory=list)
+    copied: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -734,55 +840,15 @@ def _stored_events(transfer: BlockTransfer, block_size: int) -> list[BlockStored
     ]
 
 
-class _PagedLayer:
-    """One layer's paged KV as vLLM hands it over: a ``[B, H, N, C]`` view, blocks first,
-    any physical strides. ``B`` may count kernel blocks, ``ratio`` of them per vLLM block."""
-
-    def __init__(self, tensor: torch.Tensor, num_blocks: int) -> None:
-        if tensor.dim() != 4 or tensor.shape[0] % num_blocks:
-            raise ValueError(
-                f"KVStoreConnector expects [B, H, N, C] KV views with B a multiple of "
-                f"{num_blocks} blocks, got shape {tuple(tensor.shape)}"
-            )
-        self.tensor = tensor
-        self.ratio = tensor.shape[0] // num_blocks
-        _, self.num_heads, self.kernel_tokens, self.num_channels = tensor.shape
-        page_elements = self.ratio * self.num_heads * self.kernel_tokens * self.num_channels
-        self.page_bytes = page_elements * tensor.element_size()
-
-    def _kernel_ids(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        spread = ids[:, None] * self.ratio + torch.arange(self.ratio)  # [n, ratio]
-        return spread.flatten().to(self.tensor.device)
-
-    def _logical(self, raw: torch.Tensor) -> torch.Tensor:
-        """[n, page_bytes] uint8 -> [n * ratio, H, kernel_tokens, C] of the KV dtype, as the
-        paged view indexes it (a vLLM block's tokens run across its kernel blocks)."""
-        n = raw.shape[0]
-        heads, tokens, channels = self.num_heads, self.kernel_tokens, self.num_channels
-        pages = raw.view(self.tensor.dtype).view(n, heads, self.ratio, tokens, channels)
-        return pages.transpose(1, 2).reshape(n * self.ratio, heads, tokens, channels)
-
-    def read(self, block_ids: list[int], out: torch.Tensor) -> None:
-        """Copy the blocks' logical [H, N, C] pages into ``out`` ([n, page_bytes] uint8)."""
-        pages = self.tensor[self._kernel_ids(block_ids)]  # [n * ratio, H, kernel_tokens, C]
-        n, heads, tokens, channels = (
-            len(block_ids),
-            self.num_heads,
-            self.kernel_tokens,
-            self.num_channels,
-        )
-        shaped = pages.view(n, self.ratio, heads, tokens, channels)
-        dst = out.view(self.tensor.dtype).view(n, heads, self.ratio, tokens, channels)
-        dst.copy_(shaped.transpose(1, 2))
-
-    def write(self, block_ids: list[int], raw: torch.Tensor) -> None:
-        """Place the blocks' pages from ``raw`` ([n, page_bytes] uint8) into the paged KV."""
-        self.tensor[self._kernel_ids(block_ids)] = self._logical(raw).to(self.tensor.device)
-
-
 def _chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _load_mode(extra: dict[str, Any]) -> str:
+    mode = extra.get(LOAD_MODE_KEY, "layerwise")
+    if mode not in LOAD_MODES:
+        raise ValueError(f"{WHERE}: {LOAD_MODE_KEY} {mode!r} is not one of {LOAD_MODES}")
+    return mode
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:

@@ -3,9 +3,9 @@
 vLLM's own ``Scheduler`` builds the scheduler-side connector through
 ``kv_connector_module_path`` (the launch flag's path), ``KVConnectorFactory`` the worker side,
 and ``allocate_kv_cache`` the paged KV tensors a worker registers. A step is what vLLM's
-model runner does: bind the metadata, ``start_load_kv``, the forward pass (here: writing
-seeded KV into the blocks it computes), ``wait_for_save``, report load errors, and
-``update_from_output``.
+model runner and attention layers do: bind the metadata, ``start_load_kv``, the forward pass
+layer by layer (``wait_for_layer_load``, here writing seeded KV into the blocks it computes,
+``save_kv_layer``), ``wait_for_save``, report load errors, and ``update_from_output``.
 """
 
 from __future__ import annotations
@@ -183,29 +183,49 @@ class Instance:
             self.kvs.append(kv)
         self.worker, self.kv = self.workers[0], self.kvs[0]
         self.load_errors: set[int] = set()
+        self._recv_remaining: dict[str, int] = {}  # async loads: ranks yet to report each
         self.stats: list[dict[str, Any]] = []  # the kv_connector_stats vLLM hands its loggers
 
     def step(self, fill: Callable[[torch.Size], torch.Tensor]) -> Any:
-        """One engine step; ``fill`` makes the KV the forward pass writes (each rank its own)."""
+        """One engine step; ``fill`` makes the KV the forward pass writes (each rank its own).
+        As vLLM's model runner: loads the step's forward pass needs start before it, others
+        (``load_kv_async``) after it."""
         out = self.scheduler.schedule()
         for rank, worker in enumerate(self.workers):
             worker.bind_connector_metadata(out.kv_connector_metadata)
-            worker.start_load_kv(None)
-            for new in out.scheduled_new_reqs:  # the forward pass writes the KV it computes
-                first = new.num_computed_tokens // BLOCK
-                end = -(-(new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]) // BLOCK)
-                for block_id in new.block_ids[0][first:end]:
-                    for name in LAYERS:
+            if out.has_sync_kv_loads:
+                worker.start_load_kv(None)
+            for name in LAYERS:  # the forward pass, layer by layer, as vLLM's attention runs
+                worker.wait_for_layer_load(name)
+                for new in out.scheduled_new_reqs:  # it writes the KV it computes
+                    for block_id in self._computed_blocks(out, new):
                         view = self._block(name, block_id, rank)
                         view.copy_(fill(view.shape))
+                worker.save_kv_layer(name, self.kvs[rank][name], None)
+            if not out.has_sync_kv_loads:
+                worker.start_load_kv(None)
             worker.wait_for_save()
         return self._finish(out)
+
+    @staticmethod
+    def _computed_blocks(out: Any, new: Any) -> list[int]:
+        first = new.num_computed_tokens // BLOCK
+        end = -(-(new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]) // BLOCK)
+        return new.block_ids[0][first:end]
 
     def _finish(self, out: Any) -> Any:
         """The workers' outputs, aggregated as vLLM's KVOutputAggregator does, to the scheduler."""
         errors: set[int] = set()
+        recving: set[str] = set()
         events = stats = None
         for worker in self.workers:
+            _, worker_recving = worker.get_finished(out.finished_req_ids)
+            for req_id in worker_recving or ():  # done once every rank reported it
+                remaining = self._recv_remaining.get(req_id, len(self.workers)) - 1
+                self._recv_remaining[req_id] = remaining
+                if remaining == 0:
+                    del self._recv_remaining[req_id]
+                    recving.add(req_id)
             errors |= worker.get_block_ids_with_load_errors()
             worker_stats = worker.get_kv_connector_stats()
             if worker_stats is not None:
@@ -226,7 +246,10 @@ class Instance:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[EOS] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(
-                invalid_block_ids=errors, kv_connector_stats=stats, kv_cache_events=events
+                finished_recving=recving,
+                invalid_block_ids=errors,
+                kv_connector_stats=stats,
+                kv_cache_events=events,
             ),
         )
         for engine_output in self.scheduler.update_from_output(out, output).values():
@@ -235,13 +258,14 @@ class Instance:
                 self.stats.append(scheduler_stats.kv_connector_stats)
         return out
 
-    def idle_step(self) -> None:
-        """A step with nothing scheduled: what vLLM's loop does while saves finish."""
+    def idle_step(self) -> Any:
+        """A step with nothing scheduled: what vLLM's loop does while transfers finish."""
         out = self.scheduler.schedule()
-        for worker in self.workers:
+        for worker in self.workers:  # vLLM's kv_connector_no_forward
             worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
             worker.wait_for_save()
-        self._finish(out)
+        return self._finish(out)
 
     def _block(self, name: str, block_id: int, rank: int = 0) -> torch.Tensor:
         """Block ``block_id`` of a layer as [H, N, C] (kernel blocks joined)."""
@@ -470,14 +494,14 @@ def test_store_outage_after_lookup_ends_in_recompute(
     request = _request("D", "outage")
     d.scheduler.add_request(request)
     victims = cluster.config.groups[0][:3]  # one more than the code's 2 parities
-    real_load = d.worker._worker.load
+    real_start = d.worker._worker.start_loads
 
-    def load_after_outage(transfers: Any) -> None:
+    def start_after_outage(transfers: Any) -> None:
         for node_id in victims:
             cluster.kill_node(node_id)
-        real_load(transfers)
+        real_start(transfers)
 
-    d.worker._worker.load = load_after_outage
+    d.worker._worker.start_loads = start_after_outage
     try:
         out = d.step(_seeded(7))
     finally:
@@ -676,3 +700,95 @@ def _summed(stats: list[dict[str, Any]]) -> dict[str, float]:
         for name, value in data.items():
             total[name] = total.get(name, 0) + value
     return total
+
+
+SLOW_NODE_DELAY_MS = 2000  # below the client's 5 s read timeout
+
+
+def test_layerwise_load_hands_over_layer0_before_the_last_layer_lands(
+    instances: Callable[..., Instance], cluster: LocalCluster
+) -> None:
+    """Layer-wise loads overlap the forward pass: the nodes holding the data shards of the
+    block's last layer (and the parities) answer 2 s late; ``wait_for_layer_load`` of layer 0
+    returns with layer 0 in the paged KV while the last layer has not landed, and the step
+    ends with every layer loaded and verified."""
+    prompt = list(range(300, 300 + BLOCK + 5))  # one full block
+    a = instances()
+    a.scheduler.add_request(_request("A", "layerwise", prompt))
+    out = a.step(_seeded(31))
+    a.flush()
+    saved = a.block_bytes(out.scheduled_new_reqs[0].block_ids[0][0])
+    request = _request("B", "layerwise", prompt)
+    key = a.worker._worker.namespace.keys(
+        [bytes(request.block_hashes[0])], a.worker.salt_of(request)
+    )[0]
+    nodes = a.worker.kv.client.placement.nodes_for_key(key)
+    block_bytes = a.worker.block_bytes
+    shard_bytes = -(-block_bytes // a.worker.kv.client.codec.k)
+    layer0_shards = -(-(block_bytes // len(LAYERS)) // shard_bytes)
+    slowed = nodes[layer0_shards:]  # every shard but those of layer 0
+    try:
+        for node_id in slowed:
+            cluster.restart_node(node_id, ["--inject-delay-ms", str(SLOW_NODE_DELAY_MS)])
+        b = instances(transport="auto")  # nodes write into its landing pool
+        b.scheduler.add_request(request)
+        out = b.scheduler.schedule()
+        assert out.scheduled_new_reqs[0].num_computed_tokens == BLOCK, "the lookup missed"
+        assert out.has_sync_kv_loads, "layer-wise loads run in the request's own step"
+        block_id = out.scheduled_new_reqs[0].block_ids[0][0]
+        worker = b.worker
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        started_s = time.monotonic()
+        worker.start_load_kv(None)
+        worker.wait_for_layer_load(LAYERS[0])
+        layer0_s = time.monotonic() - started_s
+        (load,) = worker._worker._loads.in_flight
+        assert not load.has_layer(len(LAYERS) - 1), (
+            f"layer 0 was handed over only once the last layer had landed ({layer0_s:.2f} s)"
+        )
+        assert torch.equal(b.block_bytes(block_id)[0], saved[0]), "layer 0 is not in place"
+        for name in LAYERS[1:]:
+            worker.wait_for_layer_load(name)
+        all_s = time.monotonic() - started_s
+        worker.wait_for_save()
+        b._finish(out)
+    finally:
+        for node_id in slowed:
+            cluster.restart_node(node_id)
+    print(f"layer 0 handed over after {layer0_s:.2f} s, every layer after {all_s:.2f} s")
+    assert not b.load_errors, "the slowed nodes' shards did not verify"
+    for layer, (want, got) in enumerate(zip(saved, b.block_bytes(block_id), strict=True)):
+        assert torch.equal(want, got), f"layer {layer}: loaded wrong KV bytes"
+    assert all_s >= SLOW_NODE_DELAY_MS / 1000, "the last layer did not wait for the slow nodes"
+
+
+def test_async_loads_run_between_steps_and_start_the_request_loaded(
+    instances: Callable[..., Instance],
+) -> None:
+    """``load_mode`` "async": the request waits (WAITING_FOR_REMOTE_KVS) while its blocks
+    load; get_finished reports it once they are in the paged KV, and it then runs with the
+    4 blocks computed."""
+    saved = _seed_store(instances, "async")
+    b = instances(load_mode="async")
+    request = _request("B", "async")
+    b.scheduler.add_request(request)
+    out = b.step(_zeros)
+    assert not out.scheduled_new_reqs, "the request ran before its blocks loaded"
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    deadline_s = time.monotonic() + 60  # the loads' own timeout is 5 s
+    while not out.scheduled_new_reqs:  # each step hands over the loads that finished
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, request.status
+        assert time.monotonic() < deadline_s, "get_finished never reported the loaded request"
+        time.sleep(0.01)
+        out = b.step(_zeros)
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 4 * BLOCK, "the loaded blocks were not used"
+    assert not b.load_errors
+    for index, block_id in enumerate(new.block_ids[0][:4]):
+        for want, got in zip(saved[index], b.block_bytes(block_id), strict=True):
+            assert torch.equal(want, got), f"block {index}: loaded wrong KV bytes"
+
+
+def test_load_mode_is_checked(instances: Callable[..., Instance]) -> None:
+    with pytest.raises(ValueError, match="load_mode 'eager' is not one of"):
+        instances(load_mode="eager")
