@@ -50,14 +50,13 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from client.integrity import XXH3_CHECK, BlockCheck
 from client.landing import NodeAnswer, Wanted, header_rows
 from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result, finish_despite_cancel
 from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
-from erasure import fastsum
 from erasure.codec import Codec
-from erasure.isal_backend import buffer_address
 from erasure.shard import SplitShard, shard_payload
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.wire import batch_answer
@@ -135,6 +134,7 @@ class BatchRead:
         decode_pool: Executor | None = None,
         landing_pool: LandingPool | None = None,
         times: ReadTimes | None = None,
+        block_check: BlockCheck = XXH3_CHECK,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -148,6 +148,9 @@ class BatchRead:
         self.decode_pool = decode_pool  # decodes (a block checksum pass each) run here
         self.landing_pool = landing_pool  # where local nodes may write blocks themselves
         self.times = times if times is not None else ReadTimes()
+        # How each block is checked against its version: xxh3-128, or a tenant's keyed
+        # digest under end-to-end integrity (client/integrity.py). The one pass over it.
+        self.block_check = block_check
         # After run(): positions whose bytes decoding wrote after on_landed announced them.
         self.rewritten: set[int] = set()
 
@@ -430,11 +433,11 @@ class _State:
         ]
         if pool is None or not whole:
             return
-        addresses = [buffer_address(out) for _, _, out in whole]
-        lengths = [len(out) for _, _, out in whole]
-        versions = b"".join(version for _, version, _ in whole)  # type: ignore[misc]
+        keys = [self.keys[position] for position, _, _ in whole]
+        outs = [out for _, _, out in whole]
+        versions = [version for _, version, _ in whole]
         future = asyncio.get_running_loop().run_in_executor(
-            pool, fastsum.verify_blocks, addresses, lengths, versions
+            pool, self.read.block_check.verify, keys, outs, versions
         )
         for position, _, _ in whole:
             self.verified[position] = False  # until the check says otherwise
@@ -590,11 +593,11 @@ class _State:
         (one native call); those that fail go to :meth:`_decode_one`."""
         if not assembled:
             return {}
-        addresses = [buffer_address(out) for _, _, out in assembled]
-        lengths = [len(out) for _, _, out in assembled]
-        versions = b"".join(version for _, version, _ in assembled)
-        check = functools.partial(fastsum.verify_blocks, addresses, lengths, versions)
-        if pool is not None and sum(lengths) >= DECODE_POOL_MIN_BYTES:
+        keys = [self.keys[position] for position, _, _ in assembled]
+        outs = [out for _, _, out in assembled]
+        versions = [version for _, version, _ in assembled]
+        check = functools.partial(self.read.block_check.verify, keys, outs, versions)
+        if pool is not None and sum(len(out) for out in outs) >= DECODE_POOL_MIN_BYTES:
             (verdicts,) = await run_in_pool(pool, [check])
         else:
             verdicts = check()
@@ -617,9 +620,10 @@ class _State:
         codec, counters = self.read.codec, self.read.counters
         if any(not in_place for in_place in self._placed(position, version)):
             self.rewritten.add(position)
+        digest = self.read.block_check.digest_for(self.keys[position])
         try:
             # One pass: the block checksum covers every byte (shard checksums unchecked).
-            return codec.decode(collector.shards(version), out=out, verified=True)
+            return codec.decode(collector.shards(version), out=out, verified=True, digest=digest)
         except CodecError as exc:
             failure: CodecError = exc
         # The block failed: find the bad shards by their own checksums, decode without them.
@@ -627,7 +631,8 @@ class _State:
         self.rewritten.add(position)
         if collector.recheck(version) and len(collector.version_to_shards[version]) >= self.k:
             try:
-                return codec.decode(collector.shards(version), out=out, verified=True)
+                shards = collector.shards(version)
+                return codec.decode(shards, out=out, verified=True, digest=digest)
             except CodecError as exc:
                 failure = exc
         log.warning("dropping version %s: %s", version.hex(), failure)

@@ -46,6 +46,7 @@ from typing import Any
 
 from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
 from client.follow_ups import FollowUps
+from client.integrity import XXH3_CHECK, BlockIntegrity, tenant_key
 from client.keyring import open_keyring
 from client.landing_pool import LandingPool
 from client.local.reader import LocalReads
@@ -135,6 +136,12 @@ class KVClient:
                 self.sealer = BlockSealer(tenant, open_keyring(config.encryption))
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"[encryption] of tenant {tenant!r}: {exc}") from None
+        # End-to-end integrity ([integrity] in cluster.toml): keyed block versions that only
+        # this tenant's clients can compute (client/integrity.py); sealed tenants have GCM.
+        self.integrity: BlockIntegrity | None = None
+        if config.integrity.key_file and self.sealer is None:
+            key = tenant_key(config.integrity.key_file, tenant)
+            self.integrity = BlockIntegrity(tenant, key)
         self._closed = False
         self._map_follower: MapFollower | None = None  # set by connect()
 
@@ -338,6 +345,7 @@ class KVClient:
             self.write_counters,
             self._background,
             on_short,
+            self.integrity,
         )
         await write.run(
             keys, groups, views, traffic_class, self._timeout_s(timeout_s), self.clock.now()
@@ -467,6 +475,7 @@ class KVClient:
             decode_pool=self._decode_pool,
             landing_pool=self.landing_pool,
             times=self.read_times,
+            block_check=self.integrity or XXH3_CHECK,
         )
 
     async def _read_placed(

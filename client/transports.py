@@ -98,7 +98,9 @@ class NodeTransports:
         if not forced:
             # "auto": link the nodes on this host now, so the first reads are local already;
             # a node that does not answer in time is linked in the background later.
-            await asyncio.gather(*(reader.observe(AUTO_LINK_WAIT_S) for reader in readers))
+            await asyncio.gather(
+                *(reader.observe_quietly(AUTO_LINK_WAIT_S) for reader in readers)
+            )
             return
         await _require_one_usable(
             readers,

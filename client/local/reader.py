@@ -285,11 +285,13 @@ class LocalReader:
             return
         self._next_health_ask_s = now_s + HEALTH_RETRY_S
         self._asking = True
-        self._shared.background.start(self._observe_quietly())
+        self._shared.background.start(self.observe_quietly())
 
-    async def _observe_quietly(self) -> None:
+    async def observe_quietly(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        """:meth:`observe`, a refusal logged rather than raised (the reads' own calls report
+        it): for "auto", where a node that will not link is simply read another way."""
         try:
-            await self.observe()
+            await self.observe(timeout_s)
         except PermissionDenied as exc:  # the fallback's own calls report it
             log.warning("node %s refused a local link: %s", self.node_id, exc)
         finally:
