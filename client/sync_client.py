@@ -51,6 +51,7 @@ SUBMITTABLE = frozenset(
         "get_into",
         "get_batch",
         "get_batch_into",
+        "land_batch",
         "contains",
         "match_prefix",
         "delete",
@@ -120,7 +121,8 @@ class SyncKVClient:
         """Start ``KVClient.<method>(*args, **kwargs)`` without waiting: a Future of its result.
 
         For callers that overlap a store call with their own work (the engines' background
-        saves). ``method`` is one of ``SUBMITTABLE``. The Future raises what the call raises.
+        saves, and layer-wise loads: ``land_batch``'s ``on_landed`` then runs on the loop
+        thread). ``method`` is one of ``SUBMITTABLE``. The Future raises what the call raises.
         """
         if method not in SUBMITTABLE:
             raise InvalidArgument(

@@ -450,6 +450,7 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         # node id -> the command a node runs through (``ip netns exec NS``: the netns test).
         self.spawn_prefix = spawn_prefix
+        self.startup_timeout_s = STARTUP_TIMEOUT_S  # start()'s: added and restarted nodes too
 
     @property
     def cluster_toml(self) -> Path:
@@ -530,6 +531,7 @@ class LocalCluster:
         for attempt in range(1, PORT_ATTEMPTS + 1):
             save_cluster(config, root / "cluster.toml")
             cluster = cls(root, config)
+            cluster.startup_timeout_s = startup_timeout_s
             try:
                 for node in config.nodes:
                     cluster.procs[node.id] = spawn_node(root, node.id)
@@ -586,7 +588,9 @@ class LocalCluster:
             self.procs[node_id] = spawn_node(self.root, node_id, (), self.spawn_prefix(node_id))
             self._save_pids()
             try:
-                wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
+                wait_healthy(
+                    self.root, self.config, {node_id: self.procs[node_id]}, self.startup_timeout_s
+                )
                 return self.config.node(node_id)
             except Unavailable as exc:
                 self._stop_proc(self.procs[node_id])
@@ -656,7 +660,7 @@ class LocalCluster:
         self._stop_proc(self._proc(node_id))
         self.procs[node_id] = spawn_node(self.root, node_id, extra_args, self.spawn_prefix(node_id))
         self._save_pids()
-        wait_healthy(self.root, self.config, {node_id: self.procs[node_id]})
+        wait_healthy(self.root, self.config, {node_id: self.procs[node_id]}, self.startup_timeout_s)
 
     def _proc(self, node_id: str) -> subprocess.Popen[bytes]:
         if node_id not in self.procs:

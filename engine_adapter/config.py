@@ -3,8 +3,10 @@
 
 ``random:<preset>`` model specs name the seeded random-init shapes in ``RANDOM_PRESETS``:
 ``tiny`` and ``small`` for tests, ``135m`` (SmolLM2's shape) and ``1b`` (Llama-3.2-1B's
-shape, 16k context) for benchmarks; ``1b-long`` is the same shape with Llama-3.2-1B's whole
-128k context, for long prompts (32k and 64k tokens on one H200).
+shape, 16k context) for benchmarks, ``1b-long``: the same shape with Llama-3.2-1B's whole
+128k context, for long prompts (32k and 64k tokens on one H200), and ``mla-small``:
+DeepSeek-V2/V3's multi-head latent attention with its real per-layer latent (512 compressed
+KV + 64 decoupled RoPE key dims per token) in a small, dense model.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import asdict, dataclass
 from kvstore.config import READ_TRANSPORTS
 
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ATTENTIONS = ("gqa", "mla")  # Llama-style grouped-query attention; DeepSeek's latent attention
+_MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
 STORE_TRANSPORTS = READ_TRANSPORTS  # KVClient.connect's transports
 
 
@@ -33,7 +37,17 @@ def add_store_transport_argument(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Shape of a decoder: RMSNorm, RoPE, SwiGLU, and either Llama-style grouped-query
+    attention (``attention="gqa"``) or DeepSeek-V2/V3 multi-head latent attention ("mla").
+
+    MLA caches one latent vector per token and layer instead of per-head K and V: the
+    compressed KV (``kv_lora_rank``, after its RMSNorm) and the decoupled RoPE key shared by
+    all heads (``qk_rope_head_dim``, after RoPE). Each head's key is ``[nope | rope]``
+    (``qk_nope_head_dim`` + ``qk_rope_head_dim``) and its value ``v_head_dim``, both expanded
+    from the latent by ``kv_b_proj``. For MLA ``head_dim`` is the RoPE dim (as Hugging Face's
+    DeepseekV3Config has it), ``num_kv_heads`` equals ``num_heads``, and ``q_lora_rank`` 0
+    means a plain ``q_proj`` (DeepSeek-V2-Lite) instead of the low-rank ``q_a``/``q_b`` pair.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -48,6 +62,11 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    attention: str = "gqa"
+    kv_lora_rank: int = 0  # MLA only, as the fields below
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         sizes = (self.vocab_size, self.hidden_size, self.num_layers, self.num_heads)
@@ -60,22 +79,68 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention {self.attention!r}: choose one of {ATTENTIONS}")
+        if self.attention == "mla":
+            self._check_mla()
+        elif any(getattr(self, name) for name in _MLA_FIELDS):
+            raise ValueError(f"{_MLA_FIELDS} are MLA fields: set attention='mla' or leave them 0")
+
+    def _check_mla(self) -> None:
+        if min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
+            raise ValueError(
+                "an MLA model needs kv_lora_rank, qk_nope_head_dim and v_head_dim > 0 "
+                f"(DeepSeek-V3: 512, 128, 128), got {self}"
+            )
+        if self.q_lora_rank < 0 or self.num_kv_heads != self.num_heads:
+            raise ValueError("MLA needs q_lora_rank >= 0 and num_kv_heads == num_heads")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: ``[nope | rope]`` for MLA, ``head_dim`` otherwise."""
+        return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """MLA's cached values per token and layer: compressed KV, then the RoPE key."""
+        return self.kv_lora_rank + self.head_dim
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        """Bytes of K and V, all layers, for one token stored in ``dtype``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * BYTES_PER_DTYPE[dtype]
+        """Bytes of the KV cache, all layers, for one token stored in ``dtype``."""
+        per_layer = self.latent_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * BYTES_PER_DTYPE[dtype]
 
     def num_params(self) -> int:
         """Parameter count (the tied embedding counted once)."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
+        h = self.hidden_size
+        attn = self._mla_params() if self.is_mla else self._gqa_params()
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
 
+    def _gqa_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        return h * self.num_heads * self.head_dim * 2 + h * kv * 2
+
+    def _mla_params(self) -> int:
+        h, heads, q_out = self.hidden_size, self.num_heads, self.num_heads * self.qk_head_dim
+        r = self.q_lora_rank
+        q = h * r + r + r * q_out if r else h * q_out
+        kv_b = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + h * self.latent_dim + self.kv_lora_rank + kv_b + heads * self.v_head_dim * h
+
     def fingerprint(self) -> str:
-        """Short stable digest of the shape (weights are fingerprinted separately)."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """Short stable digest of the shape (weights are fingerprinted separately). A GQA
+        config leaves the MLA fields out, so its digest is what it was before they existed."""
+        shape = asdict(self)
+        if not self.is_mla:
+            for name in ("attention", *_MLA_FIELDS):
+                del shape[name]
+        blob = json.dumps(shape, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -100,6 +165,13 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
         head_dim=64, intermediate_size=8192, rope_theta=500_000.0,
         max_position_embeddings=131072,
+    ),
+    # DeepSeek-V3's attention shapes per layer (latent 512 + RoPE key 64, per head nope 128,
+    # value 128, low-rank queries) with few heads and layers and a dense MLP.
+    "mla-small": ModelConfig(
+        vocab_size=1024, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=4,
+        head_dim=64, intermediate_size=512, max_position_embeddings=4096, attention="mla",
+        kv_lora_rank=512, q_lora_rank=192, qk_nope_head_dim=128, v_head_dim=128,
     ),
 }  # fmt: skip
 

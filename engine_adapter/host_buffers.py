@@ -84,17 +84,13 @@ class HostBlockPool:
             self.buffers = BufferPool(layout.block_bytes, num_slots, allocate=self._allocate)
 
     def _register(self, address: int, num_bytes: int) -> None:
-        """Pin the pool's pages for the GPU's DMA engines (what pin_memory does for torch's
-        own allocations), once for the pool's lifetime."""
-        error = torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)
-        if int(error) != 0:
-            raise InvalidArgument(f"cudaHostRegister of the landing pool failed: error {error}")
+        register_for_dma(address, num_bytes)
         self._registered = address
 
     def close(self) -> None:
         """Unpin the pool and close its memfd (no transfer may still use it)."""
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            unregister_for_dma(self._registered)
             self._registered = 0
         if self.landing_pool is not None:
             self.landing_pool.close()
@@ -132,3 +128,16 @@ def host_tensor(num_bytes: int, pin_memory: bool) -> torch.Tensor:
 def host_memory(num_bytes: int, pin_memory: bool = False) -> memoryview:
     """:func:`host_tensor` as the writable memoryview a BufferPool's ``allocate`` returns."""
     return memoryview(host_tensor(num_bytes, pin_memory).numpy())
+
+
+def register_for_dma(address: int, num_bytes: int) -> None:
+    """Pin memory torch did not allocate (a landing pool's memfd) for the GPU's DMA engines,
+    as pin_memory does for torch's own allocations: once, for the memory's lifetime."""
+    error = torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)
+    if int(error) != 0:
+        raise InvalidArgument(f"cudaHostRegister of the landing pool failed: error {error}")
+
+
+def unregister_for_dma(address: int) -> None:
+    """Undo :func:`register_for_dma` (no transfer may still use the memory)."""
+    torch.cuda.cudart().cudaHostUnregister(address)

@@ -1,17 +1,27 @@
 """The KV block layout: how one block's KV for all layers becomes one store block.
 
-One store block holds ``block_tokens`` tokens of K and V of every layer, raw values of
-``dtype`` in native (little-endian) byte order, C order, no header::
+One store block holds ``block_tokens`` tokens of every layer's KV cache, raw values of
+``dtype`` in native (little-endian) byte order, C order, no header. Two kinds of cache:
+
+Llama-style attention (``gqa``): K and V per KV head::
 
     block = [layer 0 | layer 1 | ... | layer L-1]            L = num_layers
     layer = [K | V]                                          each [num_kv_heads, T, head_dim]
     K     = [head 0: T x head_dim | head 1 | ... ]           T = block_tokens
-
     shape (num_layers, 2, num_kv_heads, block_tokens, head_dim)
-    bytes = num_layers * 2 * num_kv_heads * block_tokens * head_dim * sizeof(dtype)
 
-Layer-major, so the first layers of a block can be placed on the device (and used) while
-later layers are still being copied. K is stored after RoPE, as attention consumes it.
+DeepSeek's multi-head latent attention (``mla``): one latent vector per token and layer,
+shared by every head (no head split)::
+
+    block  = [layer 0 | layer 1 | ... | layer L-1]
+    layer  = [token 0: latent | token 1: latent | ...]       each latent_dim values
+    latent = [compressed KV (kv_lora_rank), after its RMSNorm | RoPE key (rope dim), after RoPE]
+    shape (num_layers, 1, 1, block_tokens, latent_dim)
+
+Both are ``(num_layers, num_parts, num_kv_heads, block_tokens, head_dim)`` with
+``num_parts`` 2 (K, V) or 1 (the latent), so one paged cache, swap-in and write-back serve
+both. Layer-major, so the first layers of a block can be placed on the device (and used)
+while later layers are still being copied. K is stored after RoPE, as attention consumes it.
 The store's checksums guard the bytes; the *meaning* of the bytes is guarded by the
 namespace given to ``block_keys``: it names the model fingerprint, this layout's version and
 shape, the dtype and the block size, so a different model, layout, dtype or block size can
@@ -25,36 +35,54 @@ from dataclasses import dataclass
 from engine_adapter.config import BYTES_PER_DTYPE, ModelConfig
 
 LAYOUT_VERSION = "kv-layer-major-v1"
+MLA_LAYOUT_VERSION = "mla-latent-layer-major-v1"
 
 
 @dataclass(frozen=True)
 class KVBlockLayout:
-    """Shape, dtype and size of one serialised KV block."""
+    """Shape, dtype and size of one serialised KV block (see the module doc)."""
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # per head; for MLA the latent's width
     block_tokens: int
     dtype: str
+    latent: bool = False  # MLA: one latent per token and layer instead of per-head K and V
 
     def __post_init__(self) -> None:
         if self.dtype not in BYTES_PER_DTYPE:
             raise ValueError(f"KV dtype {self.dtype!r}: choose one of {sorted(BYTES_PER_DTYPE)}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_tokens) <= 0:
             raise ValueError(f"every KV layout dimension must be > 0, got {self}")
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA latent has no heads: num_kv_heads must be 1, got {self}")
 
     @classmethod
     def for_model(cls, model: ModelConfig, block_tokens: int, dtype: str) -> KVBlockLayout:
+        if model.is_mla:
+            return cls(model.num_layers, 1, model.latent_dim, block_tokens, dtype, latent=True)
         return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_tokens, dtype)
 
     @property
+    def num_parts(self) -> int:
+        """Tensors cached per layer and token: 2 (K and V) or 1 (MLA's latent)."""
+        return 1 if self.latent else 2
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """``(num_layers, 2, num_kv_heads, block_tokens, head_dim)``."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+        """``(num_layers, num_parts, num_kv_heads, block_tokens, head_dim)``."""
+        return (
+            self.num_layers,
+            self.num_parts,
+            self.num_kv_heads,
+            self.block_tokens,
+            self.head_dim,
+        )
 
     @property
     def num_elements(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.block_tokens * self.head_dim
+        layers, parts, heads, tokens, dim = self.shape
+        return layers * parts * heads * tokens * dim
 
     @property
     def block_bytes(self) -> int:
@@ -67,7 +95,8 @@ class KVBlockLayout:
     def namespace(self, model_fingerprint: str) -> str:
         """The ``block_keys`` namespace: model, layout version and shape, dtype, block size."""
         shape = "x".join(str(n) for n in self.shape)
+        version = MLA_LAYOUT_VERSION if self.latent else LAYOUT_VERSION
         return (
-            f"kvstore-engine;model={model_fingerprint};layout={LAYOUT_VERSION}:{shape};"
+            f"kvstore-engine;model={model_fingerprint};layout={version}:{shape};"
             f"dtype={self.dtype};block_tokens={self.block_tokens}"
         )

@@ -1,13 +1,17 @@
 """A Llama-architecture decoder in plain torch: RMSNorm, RoPE, grouped-query attention,
-SwiGLU, tied or untied embeddings, reading and writing a paged KV cache.
+SwiGLU, tied or untied embeddings, reading and writing a paged KV cache; or, with
+``attention="mla"``, DeepSeek-V2/V3's multi-head latent attention in place of GQA.
 
 Parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.0.self_attn.
-q_proj.weight`` ...), so one state dict loads into both and tests can compare logits. RoPE
-uses the Hugging Face "rotate half" convention: q/k weights from GGUF files are un-permuted
-on load (``weights.py``).
+q_proj.weight`` ...) and, for MLA, ``DeepseekV3ForCausalLM`` with dense MLPs (``q_a_proj``,
+``kv_a_proj_with_mqa``, ``kv_b_proj`` ...), so one state dict loads into both and tests can
+compare logits. RoPE uses the Hugging Face "rotate half" convention: q/k weights from GGUF
+files are un-permuted on load (``weights.py``).
 
 Shapes: ``n`` new tokens, ``S`` tokens attended to, ``H`` query heads, ``Hkv`` KV heads,
-``D`` head dim. One forward call processes one chunk of one sequence.
+``D`` head dim; MLA: ``C`` compressed KV width (kv_lora_rank), ``R`` RoPE key width,
+``Dn`` per-head key width without RoPE, ``Dv`` value width. One forward call processes one
+chunk of one sequence.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = ctx.rotary(q, ctx.start), ctx.rotary(k, ctx.start)
         ctx.before_layer(layer)
-        ctx.cache.write(layer, ctx.slots, k, v)
+        ctx.cache.write(layer, ctx.slots, k, v)  # each [n, Hkv, D]
         kv = ctx.cache.read(layer, ctx.table, ctx.end)  # [2, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
@@ -97,6 +101,67 @@ class Attention(nn.Module):
             enable_gqa=True,
         )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))  # [n, H*D]
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA), the "naive" form: the cache holds one
+    latent per token (compressed KV after its norm, and the RoPE key shared by all heads);
+    each step expands the cached latents into per-head keys and values with ``kv_b_proj``.
+    What is cached, and so what the store holds, is exactly vLLM's MLA cache content."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.rope_dim = cfg.num_heads, cfg.head_dim
+        self.kv_lora_rank, self.nope_dim, self.v_dim = (
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.v_head_dim,
+        )
+        self.scale = cfg.qk_head_dim**-0.5
+        q_out = cfg.num_heads * cfg.qk_head_dim
+        self.low_rank_q = cfg.q_lora_rank > 0
+        if self.low_rank_q:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        kv_b_out = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, kv_b_out, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.low_rank_q:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        n, heads = x.shape[0], self.num_heads
+        q = self._queries(x).view(n, heads, self.nope_dim + self.rope_dim)  # [n, H, Dn+R]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        compressed, k_rope = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )  # [n, C], [n, R]
+        k_rope = ctx.rotary(k_rope[:, None], ctx.start)  # [n, 1, R]
+        latent = torch.cat((self.kv_a_layernorm(compressed)[:, None], k_rope), dim=-1)
+        ctx.before_layer(layer)
+        ctx.cache.write(layer, ctx.slots, latent)  # [n, 1, C+R]
+        cached = ctx.cache.read(layer, ctx.table, ctx.end)[0, 0]  # [S, C+R]
+        c_kv, k_rope_all = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(-1, heads, self.nope_dim + self.v_dim)  # [S, H, Dn+Dv]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope_all[:, None].expand(-1, heads, -1)), dim=-1)  # [S, H, Dn+R]
+        q = torch.cat((q_nope, ctx.rotary(q_rope, ctx.start)), dim=-1)  # [n, H, Dn+R]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, Dn+R]
+            k.transpose(0, 1).unsqueeze(0),  # [1, H, S, Dn+R]
+            v.transpose(0, 1).unsqueeze(0),  # [1, H, S, Dv]
+            attn_mask=ctx.causal_mask,
+            scale=self.scale,
+        )
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))  # [n, H*Dv]
 
 
 class MLP(nn.Module):
@@ -113,7 +178,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.is_mla else Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -1,14 +1,14 @@
 """Paged KV cache: a pool of fixed-size blocks on the device and per-sequence block tables.
 
-The block is the store's block: ``block_tokens`` tokens of K and V for every layer. The pool
-keeps each layer's K and V in an attention-friendly layout so that a sequence whose blocks
-are consecutive (the common case: the pool hands out the lowest free ids) is read without
-a gather::
+The block is the store's block: ``block_tokens`` tokens of every layer's KV cache. The pool
+keeps each layer's parts (K and V, or MLA's one latent) in an attention-friendly layout so
+that a sequence whose blocks are consecutive (the common case: the pool hands out the lowest
+free ids) is read without a gather::
 
-    kv[layer, 0 (K) | 1 (V), kv_head, block_id * block_tokens + offset, head_dim]
+    kv[layer, part (K | V, or the latent), kv_head, block_id * block_tokens + offset, head_dim]
 
 Block ``b`` of layer ``l`` is ``kv[l, :, :, b*T:(b+1)*T, :]``, shape
-``[2, num_kv_heads, block_tokens, head_dim]``: exactly one layer of one store block
+``[num_parts, num_kv_heads, block_tokens, head_dim]``: exactly one layer of one store block
 (see ``kv_layout``), so swapping a block in or out is a strided copy per layer.
 """
 
@@ -83,24 +83,26 @@ class PagedKVCache:
     def __init__(self, layout: KVBlockLayout, num_blocks: int, device: torch.device) -> None:
         self.layout = layout
         self.pool = BlockPool(num_blocks)
-        t, h, d = layout.block_tokens, layout.num_kv_heads, layout.head_dim
+        layers, parts, heads, tokens, dim = layout.shape
         dtype = getattr(torch, layout.dtype)
-        # [layers, K|V, kv_heads, num_blocks * block_tokens, head_dim]
+        # [layers, parts, kv_heads, num_blocks * block_tokens, head_dim]
         self.kv = torch.empty(
-            layout.num_layers, 2, h, num_blocks * t, d, dtype=dtype, device=device
+            layers, parts, heads, num_blocks * tokens, dim, dtype=dtype, device=device
         )
 
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) as a device tensor (for ``write``)."""
         return torch.tensor(table.slots(start, end), device=self.kv.device)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K and V ``[n, kv_heads, head_dim]`` at pool ``slots`` ``[n]``."""
-        self.kv[layer, 0].index_copy_(1, slots, k.transpose(0, 1))  # [kv_heads, n, head_dim]
-        self.kv[layer, 1].index_copy_(1, slots, v.transpose(0, 1))
+    def write(self, layer: int, slots: torch.Tensor, *parts: torch.Tensor) -> None:
+        """Store the parts (K and V, or MLA's latent), each ``[n, kv_heads, head_dim]``, at
+        pool ``slots`` ``[n]``."""
+        assert len(parts) == self.layout.num_parts, f"{len(parts)} parts for {self.layout}"
+        for index, part in enumerate(parts):  # [kv_heads, n, head_dim] into the pool
+            self.kv[layer, index].index_copy_(1, slots, part.transpose(0, 1))
 
     def read(self, layer: int, table: BlockTable, num_tokens: int) -> torch.Tensor:
-        """K and V of positions [0, num_tokens): ``[2, kv_heads, num_tokens, head_dim]``."""
+        """The parts of positions [0, num_tokens): ``[parts, kv_heads, num_tokens, head_dim]``."""
         t = self.layout.block_tokens
         first = table.first_consecutive(table.num_blocks_for(num_tokens))
         if first is not None:
@@ -109,7 +111,7 @@ class PagedKVCache:
         return self.kv[layer].index_select(2, slots)
 
     def block(self, layer: int, block_id: int) -> torch.Tensor:
-        """One layer of one block, ``[2, kv_heads, block_tokens, head_dim]`` (a view)."""
+        """One layer of one block, ``[parts, kv_heads, block_tokens, head_dim]`` (a view)."""
         t = self.layout.block_tokens
         return self.kv[layer, :, :, block_id * t : (block_id + 1) * t]
 
@@ -122,12 +124,12 @@ class PagedKVCache:
         """
         first = _first_if_consecutive(block_ids)
         if isinstance(blocks, torch.Tensor) and first is not None:
-            n, (_, _, h, t, d) = len(block_ids), self.layout.shape
-            dest = self.kv[layer, :, :, first * t : (first + n) * t]  # [2, Hkv, n*T, D]
+            n, (_, p, h, t, d) = len(block_ids), self.layout.shape
+            dest = self.kv[layer, :, :, first * t : (first + n) * t]  # [P, Hkv, n*T, D]
             source = blocks[:, layer].permute(
                 1, 2, 0, 3, 4
-            )  # [n, 2, Hkv, T, D] -> [2, Hkv, n, T, D]
-            dest.view(2, h, n, t, d).copy_(source, non_blocking=True)
+            )  # [n, P, Hkv, T, D] -> [P, Hkv, n, T, D]
+            dest.view(p, h, n, t, d).copy_(source, non_blocking=True)
             return
         for block_id, block in zip(block_ids, blocks, strict=True):
             self.block(layer, block_id).copy_(block[layer], non_blocking=True)

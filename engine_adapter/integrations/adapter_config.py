@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from client.landing_pool import LandingPool
 from client.sync_client import SyncKVClient
 from kvstore.auth import read_token_file
 from kvstore.config import READ_TRANSPORTS
@@ -107,8 +108,9 @@ class AdapterConfig:
         fields = {_FIELD_OF_KEY[key]: mapping[key] for key in ADAPTER_KEYS & set(mapping)}
         return cls(**fields, where=where)
 
-    def connect(self) -> SyncKVClient:
-        """A SyncKVClient for this tenant, its credential checked at once.
+    def connect(self, landing_pool: LandingPool | None = None) -> SyncKVClient:
+        """A SyncKVClient for this tenant, its credential checked at once; ``landing_pool``:
+        the engine's buffers the local nodes write into (client/landing_pool.py).
 
         Raises UnknownTrafficClass when the cluster lacks the class, and PermissionDenied
         (with the fix) when the nodes refuse the credential: an engine must not start and
@@ -123,6 +125,7 @@ class AdapterConfig:
             transport=self.transport,
             tls_cert_file=self.tls_cert_file,
             tls_key_file=self.tls_key_file,
+            landing_pool=landing_pool,
         )
         try:
             kv.client.config.ttl.classes.check(self.traffic_class)

@@ -30,6 +30,12 @@ namespace of the model, dtype, memory format and chunk shape, salted by the tena
 hashes agree across processes only with ``PYTHONHASHSEED`` set, or a
 ``pre_caching_hash_algorithm`` other than "builtin" (LMCache's own caveat). Store failures
 raise into LMCache's RemoteBackend, which counts them as misses and logs them.
+
+Statistics where LMCache users look: LMCache wraps every remote connector, this one too, in
+its ``InstrumentedRemoteConnector``, so reads and writes (requests, bytes, milliseconds)
+land in its ``LMCStatsMonitor`` and its ``lmcache:`` Prometheus metrics; ``ping()`` answers
+its remote-backend health check (latency, error code: 0, or the gRPC status code of the
+failure) with one lookup.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from client.sync_client import SyncKVClient
 from engine_adapter.engine_keys import EngineKeyNamespace
-from engine_adapter.integrations.adapter_config import AdapterConfig
+from engine_adapter.integrations.adapter_config import PROBE_KEY, AdapterConfig
+from kvstore.errors import KVStoreError
+from kvstore.grpc_errors import status_code
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +161,18 @@ class KVStoreRemoteConnector(RemoteConnector):
     def remove_sync(self, key: CacheEngineKey) -> bool:
         self.kv.delete(self._store_keys([key]))
         return True
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when the cluster answers a lookup, else the failure's gRPC status code (or 1)."""
+        try:
+            await self._call("contains", [PROBE_KEY])
+        except (KVStoreError, OSError) as exc:
+            log.warning("kvstore ping failed: %s", exc)
+            return int(status_code(exc).value[0]) or 1
+        return 0
 
     async def list(self) -> list[str]:
         """Not supported: the store has no listing of an engine's keys."""

@@ -27,14 +27,20 @@ How a page is stored::
 
 ``batch_exists`` counts leading pages whose every run is stored; ``batch_get_v1`` reports a
 page True only when all of its runs landed. Store failures are misses (False, None, 0) and a
-warning in the log: HiCache then computes the tokens. Not supported (raises at start-up):
-``tp_lcm_size`` head splitting and the v2 calls of hybrid models (Mamba/SWA/DSA pools).
+warning in the log: HiCache then computes the tokens. With ``--enable-storage-metrics``
+(``storage_config.enable_storage_metrics``), ``get_stats()`` hands SGLang's metrics collector
+the pages and GB/s of every read and write, which it exports as its own
+``sglang:prefetch_pgs``, ``sglang:backup_pgs``, ``sglang:prefetch_bandwidth`` and
+``sglang:backup_bandwidth`` histograms (SGLang counts storage hits itself from
+``batch_exists``). Not supported (raises at start-up): ``tp_lcm_size`` head splitting and
+the v2 calls of hybrid models (Mamba/SWA/DSA pools).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from client.sync_client import SyncKVClient
 from engine_adapter.connector import StoreFailure
@@ -58,6 +65,8 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_
 WHERE = "--hicache-storage-backend-extra-config"
 FLAT_PART = "flat"
 MAX_RUNS_PER_PAGE = 2  # zero copy for K and V runs; finer runs (layer_first) go flat
+# The host pool's shape attributes that go into the namespace (MHA: heads; MLA: the latent).
+SHAPE_ATTRIBUTES = ("layer_num", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim")
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -79,6 +88,9 @@ class KVStoreHiCache(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.namespace: EngineKeyNamespace | None = None
         self.parts: tuple[str, ...] = (FLAT_PART,)
+        self.metrics: StorageMetrics | None = (
+            StorageMetrics() if storage_config.enable_storage_metrics else None
+        )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take the host pool and fix the key namespace and the page format from it."""
@@ -90,9 +102,7 @@ class KVStoreHiCache(HiCacheStorage):
         config = self.config
         replicated = config.is_mla_model  # every TP rank holds the whole page
         shape = "x".join(
-            f"{name[0].upper()}{getattr(host, name)}"
-            for name in ("layer_num", "head_num", "head_dim")
-            if hasattr(host, name)
+            f"{name}={getattr(host, name)}" for name in SHAPE_ATTRIBUTES if hasattr(host, name)
         )
         self.namespace = EngineKeyNamespace(
             engine="sglang",
@@ -107,6 +117,7 @@ class KVStoreHiCache(HiCacheStorage):
             extra=(
                 ("mla", str(int(replicated))),
                 ("cp", f"{config.attn_cp_rank}/{config.attn_cp_size}"),
+                ("dcp", f"{config.dcp_rank}/{config.dcp_size}"),  # MLA shards tokens by DCP
             ),
         )
         log.info(
@@ -134,7 +145,7 @@ class KVStoreHiCache(HiCacheStorage):
         if self.parts == (FLAT_PART,):
             return self._get_flat(keys, self._page_starts(host_indices, len(keys)))
         views = self._run_views(host_indices, len(keys))
-        landed = self._get_into(self._store_keys(keys), views)
+        landed = self._get_into(self._store_keys(keys), views, len(keys))
         return self._per_page(landed)
 
     def batch_set_v1(
@@ -166,7 +177,7 @@ class KVStoreHiCache(HiCacheStorage):
         targets = [
             self.mem_pool_host.get_dummy_flat_data_page() if t is None else t for t in targets
         ]
-        landed = self._get_into(self._flat_keys(keys), [_byte_view(t) for t in targets])
+        landed = self._get_into(self._flat_keys(keys), [_byte_view(t) for t in targets], len(keys))
         return [target if ok else None for target, ok in zip(targets, landed, strict=True)]
 
     def set(
@@ -243,16 +254,32 @@ class KVStoreHiCache(HiCacheStorage):
         regions = _pool_regions(self.mem_pool_host)
         return [_memory_at(p, n, regions) for p, n in zip(pointers, sizes, strict=True)]
 
-    def _get_into(self, store_keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _get_into(
+        self, store_keys: list[bytes], views: list[memoryview], num_pages: int
+    ) -> list[bool]:
+        started = time.perf_counter()
         try:
-            return self.kv.get_batch_into(store_keys, views)
+            landed = self.kv.get_batch_into(store_keys, views)
         except StoreFailure as exc:  # a page the store cannot deliver is computed instead
             log.warning("kvstore read of %d blocks failed: %s", len(store_keys), exc)
             return [False] * len(store_keys)
+        if self.metrics is not None:
+            num_bytes = sum(len(v) for v, ok in zip(views, landed, strict=True) if ok)
+            self.metrics.prefetch_pgs.append(num_pages)
+            self.metrics.prefetch_bandwidth.append(_gb_per_s(num_bytes, started))
+        return landed
+
+    def get_stats(self) -> StorageMetrics | None:
+        """The reads' and writes' pages and GB/s since the last call (SGLang's storage
+        metrics collector exports them); None without --enable-storage-metrics."""
+        if self.metrics is None:
+            return None
+        stats, self.metrics = self.metrics, StorageMetrics()
+        return stats
 
     def _get_flat(self, keys: list[str], starts: list[int]) -> list[bool]:
         pages = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        landed = self._get_into(self._flat_keys(keys), [_byte_view(p) for p in pages])
+        landed = self._get_into(self._flat_keys(keys), [_byte_view(p) for p in pages], len(keys))
         for start, page, ok in zip(starts, pages, landed, strict=True):
             if ok:
                 self.mem_pool_host.set_from_flat_data_page(start, page)
@@ -263,6 +290,7 @@ class KVStoreHiCache(HiCacheStorage):
     ) -> list[bool]:
         """put_batch the views (runs or flat pages, in _store_keys order); True per page stored."""
         store_keys = self._store_keys(keys, parts)
+        started = time.perf_counter()
         try:
             self.kv.put_batch(store_keys, views, traffic_class=self.store_config.traffic_class)
             stored = [True] * len(store_keys)
@@ -278,8 +306,16 @@ class KVStoreHiCache(HiCacheStorage):
         except StoreFailure as exc:
             log.warning("kvstore write of %d blocks failed: %s", len(store_keys), exc)
             stored = [False] * len(store_keys)
+        if self.metrics is not None:
+            num_bytes = sum(len(v) for v, ok in zip(views, stored, strict=True) if ok)
+            self.metrics.backup_pgs.append(len(keys))
+            self.metrics.backup_bandwidth.append(_gb_per_s(num_bytes, started))
         n = len(store_keys) // len(keys) if keys else 1
         return [all(stored[i : i + n]) for i in range(0, len(stored), n)]
+
+
+def _gb_per_s(num_bytes: int, started: float) -> float:
+    return num_bytes / max(time.perf_counter() - started, 1e-9) / 1e9
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:

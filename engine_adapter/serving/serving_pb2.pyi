@@ -28,7 +28,7 @@ class SamplingParams(_message.Message):
     seed: int
     ignore_eos: bool
     top_p: float
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., top_p: _Optional[float] = ...) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: bool = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "traffic_class", "messages", "token_ids", "sampling", "timeout_s", "stop", "cache_salt")
@@ -236,4 +236,4 @@ class HealthReply(_message.Message):
     calibration_s: _containers.RepeatedScalarFieldContainer[float]
     prefill_chunk_tokens: int
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_active: _Optional[int] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., calibration_tokens: _Optional[_Iterable[int]] = ..., calibration_s: _Optional[_Iterable[float]] = ..., prefill_chunk_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_active: _Optional[int] = ..., pid: _Optional[int] = ..., draining: bool = ..., max_model_len: _Optional[int] = ..., calibration_tokens: _Optional[_Iterable[int]] = ..., calibration_s: _Optional[_Iterable[float]] = ..., prefill_chunk_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from engine_adapter.serving import serving_pb2 as serving__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RouterStub:
+class RouterStub(object):
     """A user-facing entry point: runs one request through a prefill and a decode worker.
     """
 
@@ -47,7 +47,7 @@ class RouterStub:
                 _registered_method=True)
 
 
-class RouterServicer:
+class RouterServicer(object):
     """A user-facing entry point: runs one request through a prefill and a decode worker.
     """
 
@@ -84,7 +84,7 @@ def add_RouterServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Router:
+class Router(object):
     """A user-facing entry point: runs one request through a prefill and a decode worker.
     """
 
@@ -143,7 +143,7 @@ class Router:
             _registered_method=True)
 
 
-class PrefillWorkerStub:
+class PrefillWorkerStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -164,7 +164,7 @@ class PrefillWorkerStub:
                 _registered_method=True)
 
 
-class PrefillWorkerServicer:
+class PrefillWorkerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
@@ -202,7 +202,7 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class PrefillWorker:
+class PrefillWorker(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -260,7 +260,7 @@ class PrefillWorker:
             _registered_method=True)
 
 
-class DecodeWorkerStub:
+class DecodeWorkerStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -286,7 +286,7 @@ class DecodeWorkerStub:
                 _registered_method=True)
 
 
-class DecodeWorkerServicer:
+class DecodeWorkerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
@@ -336,7 +336,7 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class DecodeWorker:
+class DecodeWorker(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -40,7 +40,7 @@ class PutShardsRequest(_message.Message):
     expires_at_s: float
     repair: bool
     ttl_s: float
-    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ..., expires_at_s: _Optional[float] = ..., repair: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardPut, _Mapping]]] = ..., expires_at_s: _Optional[float] = ..., repair: bool = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PutShardsReply(_message.Message):
     __slots__ = ("num_stored", "num_superseded", "num_fenced")
@@ -420,4 +420,4 @@ class HealthReply(_message.Message):
     repair_ready: bool
     local_socket: str
     boot_id: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: _Optional[bool] = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: bool = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: bool = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...

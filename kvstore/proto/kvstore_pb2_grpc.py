@@ -5,7 +5,7 @@ import warnings
 
 from kvstore.proto import kvstore_pb2 as kvstore__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class ShardStoreStub:
+class ShardStoreStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -101,7 +101,7 @@ class ShardStoreStub:
                 _registered_method=True)
 
 
-class ShardStoreServicer:
+class ShardStoreServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def PutShards(self, request, context):
@@ -288,7 +288,7 @@ def add_ShardStoreServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ShardStore:
+class ShardStore(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -165,3 +165,71 @@ def test_seeded_random_init_is_reproducible():
     ):
         assert torch.equal(a, b), f"{name}: random init is not seeded"
     assert first.model.lm_head.weight.data_ptr() == first.model.model.embed_tokens.weight.data_ptr()
+
+
+def hf_mla_config(cfg: ModelConfig):  # -> transformers.DeepseekV3Config, every MLP dense
+    return transformers.DeepseekV3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.head_dim,
+        v_head_dim=cfg.v_head_dim,
+        first_k_dense_replace=cfg.num_layers,  # no MoE layer: the engine's MLP is dense
+        rope_interleave=False,  # the engine rotates halves, as Llama does
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attn_implementation="eager",
+    )
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+    return load_model("random:mla-small", "cpu", "float32", seed=3).model
+
+
+def test_mla_model_logits_match_transformers_deepseek_v3(mla_model):
+    """random:mla-small is DeepSeek-V3's latent attention: the same state dict in transformers'
+    DeepseekV3ForCausalLM gives the same logits, chunked prefill through the latent cache."""
+    cfg = mla_model.config
+    assert (cfg.kv_lora_rank, cfg.head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (
+        512,
+        64,
+        128,
+        128,
+    ), "mla-small must keep DeepSeek-V3's per-layer latent shapes"
+    reference = transformers.DeepseekV3ForCausalLM(hf_mla_config(cfg)).eval()
+    reference.load_state_dict(mla_model.state_dict(), strict=True)
+    token_ids = torch.randint(0, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
+    ours = paged_logits(mla_model, token_ids, chunk_tokens=32)
+    with torch.no_grad():
+        want = reference(token_ids[None]).logits[0]
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4, msg="MLA math differs")
+    assert cfg.num_params() == sum(p.numel() for p in mla_model.parameters())
+
+
+def test_mla_cache_holds_one_latent_per_token_and_layer(mla_model):
+    cfg = mla_model.config
+    layout = KVBlockLayout.for_model(cfg, BLOCK_TOKENS, "bfloat16")
+    assert layout.shape == (cfg.num_layers, 1, 1, BLOCK_TOKENS, 576)
+    assert layout.block_bytes == cfg.kv_bytes_per_token("bfloat16") * BLOCK_TOKENS
+    assert layout.layer_bytes == 576 * 2 * BLOCK_TOKENS
+    assert "mla-latent-layer-major-v1:3x1x1x16x576" in layout.namespace("fp")
+    token_ids = torch.randint(0, cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    whole = paged_logits(mla_model, token_ids, chunk_tokens=96)
+    scattered = paged_logits(mla_model, token_ids, chunk_tokens=16, block_ids=[9, 2, 7, 0, 4, 11])
+    torch.testing.assert_close(scattered, whole, atol=1e-5, rtol=1e-5, msg="latent gather wrong")
+
+
+def test_model_config_refuses_half_mla_shapes():
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        ModelConfig(64, 64, 1, 2, 2, 16, 64, attention="mla")
+    with pytest.raises(ValueError, match="MLA fields"):
+        ModelConfig(64, 64, 1, 2, 2, 16, 64, kv_lora_rank=32)

@@ -41,7 +41,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A real 12-node local cluster (node processes on 127.0.0.1) for one engine's tests, as
     a production cluster runs: credentials required, TLS on."""
     root = tmp_path_factory.mktemp("engine-cluster")
-    with LocalCluster.start(root, fsync=False, auth=True, tls=True) as c:
+    # A generous start-up wait: the engines' imports keep a small machine busy meanwhile.
+    with LocalCluster.start(root, fsync=False, auth=True, tls=True, startup_timeout_s=300) as c:
         yield c
 
 

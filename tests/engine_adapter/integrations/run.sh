@@ -9,8 +9,12 @@
 #                 torchvision; no CPU torchvision exists for torch 2.13.0): test_sglang_backend.py
 #
 # The engines go in with --no-deps (their full requirements pull CUDA stacks and other torch
-# releases) and every other pip run is constrained to the venv's torch, so pip never replaces
-# it. A venv is rebuilt when pyproject.toml or this script changed. Where a venv cannot be
+# releases); kvstore then goes in *with* its dependencies, constrained by the venv's torch, by
+# every pin the engines declare (engine_pins.py constraints: what a user's venv beside the
+# engine holds) and by the oldest grpcio and protobuf the engines allow (the other end of the
+# project's ranges: `make test` runs the newest), and `pip check` must stay clean for
+# kvstore's own requirements (engine_pins.py check). A venv is rebuilt when pyproject.toml or
+# this script changed. Where a venv cannot be
 # built (no wheels for this platform, no package index), its engines' tests are skipped with
 # the reason and the exit status stays 0; INTEGRATIONS_STRICT=1 makes that a failure. Each
 # engine's tests run in a process of their own (the engines keep process-wide state).
@@ -25,6 +29,10 @@ VLLM_VERSION=0.32.0
 LMCACHE_VERSION=0.5.6
 SGLANG_VERSION=0.5.23
 PYTEST_ARGS=${PYTEST_ARGS:-}
+# The oldest grpcio and protobuf each venv's engines accept (LMCache 0.5.6: grpcio==1.78.0
+# through grpcio-observability, protobuf>=6.31.1,<7; vLLM 0.32.0: protobuf>=6.33.5 in 6.x).
+OLDEST_VLLM="grpcio==1.78.0 grpcio-health-checking==1.78.0 protobuf==6.33.5"
+OLDEST_SGLANG="grpcio==1.78.0 grpcio-health-checking==1.78.0 protobuf==6.31.1"
 
 fingerprint() { cat pyproject.toml "$SCRIPT" | sha256sum | cut -d' ' -f1; }
 
@@ -38,24 +46,34 @@ step() {
 
 # install_vllm_venv VENV / install_sglang_venv VENV: the pip steps, on an existing venv.
 # --no-compile: modules are byte-compiled when first imported, only those a test needs.
+# constrain VENV TORCH OLDEST DIST...: the constraints file of VENV's kvstore install.
+constrain() {
+    local venv=$1 torch=$2 oldest=$3
+    shift 3
+    { echo "$torch" && tr ' ' '\n' <<<"$oldest" &&
+        "$venv/bin/python" "$TESTS/engine_pins.py" constraints "$@"; } >"$venv/constraints.txt"
+}
+
 install_vllm_venv() {
     local pip="$1/bin/python -m pip install -q --no-compile"
     step $pip --upgrade pip &&
         step $pip torch==2.13.0 &&
-        echo "torch==2.13.0" >"$1/torch-constraint.txt" &&
-        step $pip -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations]' &&
         step $pip --no-deps "vllm==$VLLM_VERSION" "lmcache==$LMCACHE_VERSION" \
-            xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+            xgrammar==0.2.8 apache-tvm-ffi==0.1.11 &&
+        constrain "$1" torch==2.13.0 "$OLDEST_VLLM" vllm lmcache &&
+        step $pip -c "$1/constraints.txt" -e '.[engine,dev,integrations]' &&
+        step "$1/bin/python" "$TESTS/engine_pins.py" check
 }
 
 install_sglang_venv() {
     local pip="$1/bin/python -m pip install -q --no-compile"
     step $pip --upgrade pip &&
         step $pip torch==2.14.1 torchvision==0.29.1 &&
-        echo "torch==2.14.1" >"$1/torch-constraint.txt" &&
-        step $pip -c "$1/torch-constraint.txt" -e '.[engine,dev,integrations-sglang]' &&
         step $pip --no-deps "sglang==$SGLANG_VERSION" apache-tvm-ffi==0.1.11 \
-            compressed-tensors==0.18.0
+            compressed-tensors==0.18.0 &&
+        constrain "$1" torch==2.14.1 "$OLDEST_SGLANG" sglang &&
+        step $pip -c "$1/constraints.txt" -e '.[engine,dev,integrations-sglang]' &&
+        step "$1/bin/python" "$TESTS/engine_pins.py" check
 }
 
 # ensure_venv NAME VENV: build VENV unless its stamp matches; 0 when it is usable.

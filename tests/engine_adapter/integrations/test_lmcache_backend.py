@@ -8,6 +8,7 @@ it: ``remote_storage_plugins`` + ``extra_config``, or the legacy ``remote_url``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Iterator
@@ -240,3 +241,27 @@ def test_config_errors_name_the_fix(
     assert "refused the credential for tenant 'acme'" in caplog.text, (
         "a refused credential was not reported at start-up"
     )
+
+
+def test_backend_traffic_and_ping_reach_lmcache_stats(engines: Any) -> None:
+    """LMCache's own stats monitor (what its Prometheus logger exports) counts this backend's
+    writes and reads, requests and bytes; its health check's ping gets 0 from the cluster."""
+    from lmcache.observability import LMCStatsMonitor
+
+    monitor = LMCStatsMonitor.GetOrCreate()
+    monitor.get_stats_and_clear()  # this test's interval only
+    tokens = _tokens(5000)
+    a = engines()
+    a.store(tokens, kvcaches=_paged(seed=6), slot_mapping=_slots(6, len(tokens)))
+    b = engines()
+    assert _wait_until_found(b, tokens) == len(tokens)
+    retrieved = b.retrieve(tokens, kvcaches=_paged(seed=None), slot_mapping=_slots(7, len(tokens)))
+    assert int(retrieved.sum()) == len(tokens)
+    stats = monitor.get_stats_and_clear()
+    chunk_bytes = 2 * LAYERS * CHUNK * HEADS * HEAD_DIM * 2  # K and V, bf16
+    assert stats.interval_remote_write_bytes == 3 * chunk_bytes, "writes missing from stats"
+    assert stats.interval_remote_read_bytes >= 3 * chunk_bytes, "reads missing from stats"
+    assert stats.interval_remote_read_requests >= 1 and stats.interval_remote_time_to_put
+    connector = next(c for c in _remote(b) if isinstance(c, KVStoreRemoteConnector))
+    assert connector.support_ping()
+    assert asyncio.run(connector.ping()) == 0, "a healthy cluster must ping 0"

@@ -22,10 +22,12 @@ pytest.importorskip(
 )
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+from sglang.srt.observability.metrics_collector import StorageMetricsCollector  # noqa: E402
 
 from deploy.local_cluster import LocalCluster  # noqa: E402
 from engine_adapter.integrations.sglang_backend import KVStoreHiCache  # noqa: E402
@@ -34,6 +36,7 @@ from kvstore.errors import PermissionDenied  # noqa: E402
 pytestmark = [pytest.mark.integrations, pytest.mark.timeout(600)]
 
 PAGE, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 16
+KV_LORA_RANK, ROPE_DIM = 32, 16  # MLA: one latent of 48 values per token and layer
 
 
 def _host_pool(layout: str = "page_first", dtype: Any = None, page: int = PAGE) -> Any:
@@ -65,8 +68,37 @@ def _host_pool(layout: str = "page_first", dtype: Any = None, page: int = PAGE) 
         )
 
 
+def _mla_host_pool(layout: str = "page_first") -> Any:
+    """SGLang's CPU host pool of an MLA model (DeepSeek's latent cache), as HiCache builds it."""
+    device = MLATokenToKVPool(
+        size=256,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_rope_head_dim=ROPE_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    with host_memory_budget_scope(1 << 30):
+        return MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            host_to_device_ratio=2.0,
+            host_size=0,
+            page_size=PAGE,
+            layout=layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            target_layer_num=LAYERS,
+        )
+
+
 def _backend(store: dict[str, str], host: Any, /, *, tp_rank: int = 0, tp_size: int = 1,
-             model: str = "tiny-llama", **extra: Any) -> KVStoreHiCache:  # fmt: skip
+             model: str = "tiny-llama", mla: bool = False, metrics: bool = False,
+             **extra: Any) -> KVStoreHiCache:  # fmt: skip
     """What HiCacheController.attach_storage_backend does with the launch flag's config."""
     extra_config = {
         "backend_name": "kvstore",
@@ -83,8 +115,8 @@ def _backend(store: dict[str, str], host: Any, /, *, tp_rank: int = 0, tp_size: 
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
+        is_mla_model=mla,
+        enable_storage_metrics=metrics,
         is_page_first_layout=host.layout.startswith("page_first"),
         model_name=model,
         extra_config=extra_config,
@@ -258,3 +290,67 @@ def test_config_errors_name_the_fix(
     no_token = {"cluster": acme["cluster"], "tenant": "acme"}
     with pytest.raises(PermissionDenied, match="KVSTORE_TOKEN"):
         _backend(no_token, host)
+
+
+def test_mla_latent_pages_rank0_writes_every_rank_reads(backends: Any) -> None:
+    """An MLA pool's page is one latent run (no head split): TP rank 0 stores it, rank 1 of
+    the same TP-2 server stores nothing and reads rank 0's bytes, as does a TP-1 server."""
+    host_0, host_1, host_single = _mla_host_pool(), _mla_host_pool(), _mla_host_pool()
+    rank_0 = backends(host_0, mla=True, tp_rank=0, tp_size=2)
+    rank_1 = backends(host_1, mla=True, tp_rank=1, tp_size=2)
+    assert rank_0.parts == ("0",), "an MLA page is one run: one store block"
+    assert "kv_lora_rank=32" in rank_0.namespace.text and "mla=1" in rank_0.namespace.text
+    keys = _keys("mla", 3)
+    assert rank_1.batch_set_v1(keys, _fill_pages(host_1, 3, seed=8)) == [True] * 3
+    assert rank_0.batch_exists(keys) == 0, "a non-writer rank stored the replicated latent"
+    written = _fill_pages(host_0, 3, seed=9)
+    assert rank_0.batch_set_v1(keys, written) == [True] * 3
+    for backend, host in ((rank_1, host_1), (backends(host_single, mla=True), host_single)):
+        target = host.alloc(3 * PAGE)
+        assert backend.batch_get_v1(keys, target) == [True] * 3
+        for want, got in zip(_pages(host_0, written), _pages(host, target), strict=True):
+            assert torch.equal(want, got), "a rank read other bytes than rank 0's latent"
+    assert backends(_host_pool()).batch_exists(keys) == 0, "an MHA pool saw MLA latents"
+
+
+def test_tp_ranks_store_their_own_head_slices(backends: Any) -> None:
+    """Two TP ranks of an MHA model each store their own heads; neither they nor a TP-1
+    server of the model read another slice as their own."""
+    hosts = [_host_pool() for _ in range(3)]
+    ranks = [backends(hosts[r], tp_rank=r, tp_size=2) for r in (0, 1)]
+    single = backends(hosts[2])
+    keys = _keys("tp-slices", 2)
+    written = [_fill_pages(hosts[r], 2, seed=10 + r) for r in (0, 1)]
+    for rank, backend in enumerate(ranks):
+        assert backend.batch_set_v1(keys, written[rank]) == [True, True]
+    assert single.batch_exists(keys) == 0, "a TP-1 server read a TP-2 server's slices"
+    for rank, backend in enumerate(ranks):
+        target = hosts[rank].alloc(2 * PAGE)
+        assert backend.batch_get_v1(keys, target) == [True, True]
+        for want, got in zip(_pages(hosts[rank], written[rank]), _pages(hosts[rank], target),
+                             strict=True):  # fmt: skip
+            assert torch.equal(want, got), f"TP rank {rank} read another rank's slice"
+
+
+def test_storage_metrics_reach_sglangs_collector(backends: Any) -> None:
+    """With --enable-storage-metrics SGLang's collector exports our reads and writes as its
+    own sglang:prefetch_pgs / backup_pgs / *_bandwidth histograms."""
+    from prometheus_client import REGISTRY
+
+    host = _host_pool()
+    backend = backends(host, metrics=True)
+    keys = _keys("metrics", 3)
+    backend.batch_set_v1(keys, _fill_pages(host, 3, seed=12))
+    backend.batch_get_v1(keys[:2], host.alloc(2 * PAGE))
+    collector = StorageMetricsCollector(labels={"storage_backend": "kvstore"})
+    collector.log_storage_metrics(backend.get_stats())
+    labels = {"storage_backend": "kvstore"}
+
+    def sample(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    assert sample("sglang:backup_pgs_sum") == 3 and sample("sglang:prefetch_pgs_sum") == 2
+    assert sample("sglang:prefetch_bandwidth_count") == 1
+    assert sample("sglang:backup_bandwidth_sum") > 0
+    assert backend.get_stats().prefetch_pgs == [], "get_stats must hand each interval once"
+    assert backends(host).get_stats() is None, "no metrics without --enable-storage-metrics"
