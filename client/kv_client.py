@@ -158,6 +158,12 @@ class KVClient:
         self._group_members = [[node_index[n] for n in group] for group in config.groups]
         self._previous_members = [[node_index[n] for n in g] for g in config.moving_from]
 
+    @property
+    def map_stale(self) -> bool:
+        """Whether the map in use may be behind etcd's: the client started on the cached map
+        while etcd was down, or etcd stopped answering (client/map_follower.py)."""
+        return self._map_follower is not None and self._map_follower.stale
+
     def apply_map(self, config: ClusterConfig) -> None:
         """Switch to a newer cluster map epoch (etcd membership) without reconnecting."""
         if config.epoch <= self.config.epoch:
@@ -189,7 +195,9 @@ class KVClient:
 
         With ``[membership] etcd`` set, the map is etcd's and the client follows its epochs
         without reconnecting (kvstore/membership.py; during a move reads that miss ask the
-        placement before it). Channels connect lazily; a node that is down only shows up as a
+        placement before it). While etcd does not answer, the client starts on the last map
+        read from it (cached beside cluster.toml) or the file's, and :attr:`map_stale` says so
+        until etcd answers. Channels connect lazily; a node that is down only shows up as a
         failed RPC later.
         ``transport`` picks how reads travel (client/transports.py): "grpc"; "ucx"
         (Unavailable at connect unless ucxx is installed and some node answers with a UCX
@@ -220,7 +228,8 @@ class KVClient:
         """:meth:`connect`'s steps: the map (etcd's when set), the client, then its map
         follower and read transports."""
         config = await _load_config(cluster_toml)
-        follower = MapFollower(config)
+        source = None if isinstance(cluster_toml, ClusterConfig) else cluster_toml
+        follower = MapFollower(config, source)
         try:
             config = await follower.current_map(config)
             client = cls(

@@ -12,6 +12,7 @@ A pass over one led group::
 
     ListShards(group) on every member, page by page, merged by key (tenant hash, key)
         -> kvstore.node.repair.plan_block per key: target version, holders, missing, waiting
+        -> the group's backlog replaced by what this listing found (repair_backlog.py)
     order: most missing first, then longest remaining lifetime (kvstore/node/repair.py)
     for each plan, at repair_bytes_per_s (a token bucket over bytes read + written):
         skip it if it expires before its rebuild would finish at that rate
@@ -23,16 +24,22 @@ A pass over one led group::
             member takes repair writes only once it has pulled its peers' delete logs
             (kvstore/node/tombstones.py), so a repair never brings back a deleted block
 
-Shards go only to the member that should hold them; a member that is down waits (its shards
-count in the backlog) and gets them when it is back: a member that is up for repair again
-(Health ``repair_ready``) after it was down or not ready, or under a new incarnation (a
-restart, a disk replaced), starts a pass at once, and otherwise a pass runs every
-``repair_scan_interval_s``. Hints (QueueRepair: reads that decoded around a gap, writes that
-landed fewer than k+m shards) are inspected before the next page, one key at a time.
+When (kvstore/node/repair_backlog.py PassSchedule). Nothing runs until this node itself is
+ready for repair (serving, and it pulled its peers' delete logs: Health ``repair_ready``); then
+it lists every group it leads. After that a group is listed again every
+``repair_scan_interval_s``, and ``SETTLE_S`` after a trigger: a member restarted, came back, went
+down or became ready (Health every ``PROBE_S``), or this node took the group's lead over.
+Triggers during the settle join that pass, so a block whose two members return together is
+decoded once. Shards go only to the member that should hold them; a member that is down waits
+(its shards count in the backlog as waiting). Hints (QueueRepair: reads that decoded around a
+gap, writes that landed fewer than k+m shards) are looked at between passes, one key at a time;
+a hint of a group whose pass is due waits for that pass, and a hinted block that misses shards
+on a member that is up while another member is still down waits one settle delay for it.
 
-Figures (Stats ``repair``, Prometheus ``kvstore_repair_*``): backlog shards (missing and
-waiting in the led groups, as far as the passes have seen), rebuilt shards and bytes, bytes
-read, blocks skipped as expiring, unrecoverable blocks, fenced shards, hints waiting, passes.
+Figures (Stats ``repair``, Prometheus ``kvstore_repair_*``): the backlog as the latest looks
+found it (shards missing and waiting, blocks at risk, the rebuild's cost and ETA, groups whose
+pass is pending), rebuilt shards and bytes, bytes read, blocks skipped as expiring, blocks left
+unrecoverable, fenced shards, hints waiting, passes.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from erasure.codec import make_codec
@@ -58,6 +65,15 @@ from kvstore.node.repair import (
     plan_block,
     repair_order,
 )
+from kvstore.node.repair_backlog import (
+    Backlog,
+    BlockId,
+    Hole,
+    PassSchedule,
+    RateMeter,
+    changed_members,
+    eta_s,
+)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.index_codec import tenant_hash
 from ttl.clock import Clock
@@ -67,26 +83,34 @@ log = logging.getLogger(__name__)
 LIST_PAGE = 512
 MAX_HINTS = 100_000  # beyond this the oldest hints go: the next pass finds those blocks anyway
 HINT_RETRY_S = 5.0  # a hint whose owner is down is looked at again this often
-IDLE_S = 0.2  # how often the loop looks for due hints
-PROBE_S = 5.0  # how often the members of this node's groups are asked for Health
+IDLE_S = 0.2  # how often the loop looks for due hints and passes
+PROBE_S = 2.0  # how often the members of this node's groups are asked for Health
+SETTLE_S = 3.0  # a triggered pass waits this long, so members returning together share it
 PEER_TIMEOUT_S = 10.0
 _U32_BYTES = 4
 
 
 @dataclass(frozen=True)
 class RepairStats:
-    """What the repair service did since the node started (see the module docstring)."""
+    """What the repair service did since the node started, and what it knows is missing now
+    (see the module docstring and kvstore/node/repair_backlog.py)."""
 
-    backlog_shards: int = 0
+    backlog_shards: int = 0  # missing + waiting, in the led groups, as last looked at
     rebuilt_shards: int = 0
     rebuilt_bytes: int = 0
     read_bytes: int = 0
     skipped_expiring: int = 0
-    unrecoverable: int = 0
+    unrecoverable: int = 0  # blocks of the led groups with fewer than k shards (last pass)
     fenced: int = 0
     queued_hints: int = 0
     passes: int = 0
     led_groups: tuple[int, ...] = ()
+    waiting_shards: int = 0  # of the backlog: shards whose member is down or not ready
+    at_risk_blocks: int = 0  # blocks with fewer than k+m shards
+    backlog_bytes: int = 0  # what rebuilding the backlog moves (read + written)
+    eta_s: float = 0.0  # backlog_bytes at the repair rate
+    pending_groups: int = 0  # led groups whose pass is due (all, before this node is ready)
+    ready: bool = False  # this node is ready for repair (it ran or is due to run its passes)
 
 
 class Throttle:
@@ -120,20 +144,45 @@ class _GroupListing:
     done: bool = False
 
 
-class RepairService:
-    """The repair loop of one node (see the module docstring). ``run()`` until cancelled."""
+@dataclass
+class _Hint:
+    """A hinted block: its group, when to look at it, when it was queued, and whether it
+    already waited a settle delay for a member that was down."""
 
-    def __init__(self, cluster: ClusterConfig, node: NodeConfig, clock: Clock) -> None:
+    group: int
+    due_s: float
+    queued_s: float
+    settled: bool = False
+
+
+class RepairService:
+    """The repair loop of one node (see the module docstring). ``run()`` until cancelled.
+
+    ``ready()`` says whether this node is ready for repair (serving, its peers' delete logs
+    pulled): no pass or hint runs before, and becoming ready starts a pass of its groups.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        node: NodeConfig,
+        clock: Clock,
+        ready: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._cluster = cluster
         self._node = node
         self._clock = clock
+        self._ready = ready
         self._codec = make_codec(cluster.codec)
         self._peers = Peers(cluster, node, PEER_TIMEOUT_S)
         self._throttle = Throttle(node.repair_bytes_per_s)
-        self._hints: OrderedDict[tuple[str, bytes], tuple[int, float]] = OrderedDict()
+        self._hints: OrderedDict[BlockId, _Hint] = OrderedDict()
         self._incarnations: dict[str, int] = {}
-        self._group_backlog: dict[int, int] = {}
-        self._next_pass_s = 0.0
+        self._backlog = Backlog(self._codec.k)
+        self._group_unrecoverable: dict[int, int] = {}
+        self._schedule = PassSchedule(SETTLE_S, node.repair_scan_interval_s)
+        self._rate = RateMeter()
+        self._was_ready = False
         self._next_probe_s = 0.0
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Future[None]] = set()
@@ -145,11 +194,12 @@ class RepairService:
         if not self._node.repair_bytes_per_s:
             return 0
         num_new = 0
+        now_s = time.monotonic()
         for tenant, key, group in hints:
             if not 0 <= group < len(self._cluster.groups) or len(key) != 16:
                 continue
             num_new += (tenant, key) not in self._hints
-            self._hints[(tenant, bytes(key))] = (group, 0.0)
+            self._hints[(tenant, bytes(key))] = _Hint(group, now_s, now_s)
             while len(self._hints) > MAX_HINTS:
                 self._hints.popitem(last=False)
         self._set_stats(queued_hints=len(self._hints))
@@ -157,13 +207,16 @@ class RepairService:
         return num_new
 
     def set_cluster(self, cluster: ClusterConfig) -> None:
-        """Follow a newer map epoch (etcd membership): new members, new peers, and a pass at
-        once, since a changed group's new member needs its shards."""
+        """Follow a newer map epoch (etcd membership): new members, new peers, and a pass of
+        every led group once the next probe saw them, since a changed group's new member
+        needs its shards."""
         old_peers = self._peers
         self._cluster = cluster
         self._peers = Peers(cluster, self._node, PEER_TIMEOUT_S)
         self._closing.add(asyncio.ensure_future(old_peers.close()))
-        self._next_pass_s = self._next_probe_s = 0.0
+        self._incarnations.clear()
+        self._next_probe_s = 0.0
+        self._schedule.trigger(range(len(cluster.groups)), time.monotonic())
         self._wake.set()
 
     @property
@@ -189,7 +242,7 @@ class RepairService:
         return num_needed
 
     async def run(self) -> None:
-        """Passes and hints, forever; errors are logged and retried, never fatal."""
+        """Probes, passes and hints, forever; errors are logged and retried, never fatal."""
         if not self._node.repair_bytes_per_s:
             return
         try:
@@ -206,46 +259,52 @@ class RepairService:
             await self._peers.close()
 
     async def _step(self) -> None:
-        await self._inspect_hints()
-        restarted = False
-        if time.monotonic() >= self._next_probe_s:
+        ready = self._ready()
+        if time.monotonic() >= self._next_probe_s or (ready and not self._was_ready):
             self._next_probe_s = time.monotonic() + PROBE_S
-            restarted = await self._probe()
-        if restarted or time.monotonic() >= self._next_pass_s:
-            self._next_pass_s = time.monotonic() + self._node.repair_scan_interval_s
-            await self.repair_pass()
+            await self._probe()
+        if ready and not self._was_ready:
+            log.info("node %s is ready for repair: listing its groups", self._node.id)
+            self._schedule.start(self.stats.led_groups, time.monotonic())
+        self._was_ready = ready
+        if ready:
+            led = self.stats.led_groups
+            for group in self._schedule.take_due(led, time.monotonic()):
+                await self._repair_group(group)
+                self._set_stats(passes=self.stats.passes + 1)
+            await self._inspect_hints()
+        self._publish()
 
-    async def repair_pass(self) -> None:
-        """One pass over every group this node leads (as the latest probe found)."""
-        led = self.stats.led_groups
-        for group in list(self._group_backlog):
-            if group not in led:
-                del self._group_backlog[group]
-        for group in led:
-            await self._repair_group(group)
-        self._set_stats(passes=self.stats.passes + 1, backlog_shards=self._backlog())
-
-    async def _probe(self) -> bool:
+    async def _probe(self) -> None:
         """Ask the members of this node's groups for Health: which groups it leads now, and
-        whether a member restarted since the last probe (a disk replaced, a node back from an
-        outage), which starts a pass at once."""
+        which members changed since the last probe (restarted, back, down, ready), whose
+        shared led groups then get a pass; so do groups this node just took the lead of."""
         mine = [g for g, members in enumerate(self._cluster.groups) if self._node.id in members]
         others = sorted({m for g in mine for m in self._cluster.groups[g]} - {self._node.id})
         replies = await asyncio.gather(*(self._peers.health(m) for m in others))
-        up, restarted = {}, False
+        up, seen = {}, {}
         for member, reply in zip(others, replies, strict=True):
             # Up for repair: serving, and it has pulled its peers' delete logs.
             up[member] = reply is not None and reply.serving and reply.repair_ready
-            seen = reply.incarnation if up[member] else 0  # 0: down, or not ready yet
-            previous = self._incarnations.get(member)
-            self._incarnations[member] = seen
-            restarted |= bool(seen) and previous is not None and previous != seen
+            seen[member] = reply.incarnation if up[member] else 0  # 0: down, or not ready
+        changed = changed_members(self._incarnations, seen)
+        self._incarnations = seen
+        was_led = set(self.stats.led_groups)
         led = [g for g in mine if group_leader(self._cluster.groups[g], self._node.id, up.get)]
         self._set_stats(led_groups=tuple(led))
-        return restarted
+        self._backlog.keep_groups(led)
+        if not self._was_ready:
+            return  # the first pass (when this node is ready) lists every led group anyway
+        shared = [g for g in led if changed & set(self._cluster.groups[g])]
+        taken_over = [g for g in led if g not in was_led]
+        if changed:
+            log.info("repair: members %s changed; listing groups %s", sorted(changed), shared)
+        self._schedule.trigger([*shared, *taken_over], time.monotonic())
 
     async def _repair_group(self, group: int) -> None:
+        """List ``group``, record what it lacks as its backlog, rebuild in repair order."""
         members = self._cluster.groups[group]
+        started_s = time.monotonic()
         now_s = self._clock.now()
         plans: list[BlockPlan] = []
         num_unrecoverable = 0
@@ -255,12 +314,19 @@ class RepairService:
                 num_unrecoverable += 1
             elif plan is not None:
                 plans.append(plan)
-        self._set_stats(unrecoverable=self.stats.unrecoverable + num_unrecoverable)
+        self._group_unrecoverable[group] = num_unrecoverable
+        self._backlog.replace_group(group, {(p.tenant, p.key): _hole(p) for p in plans})
+        self._forget_hints_seen(group, started_s)
+        self._publish()
         await self._rebuild_all(group, repair_order(plans))
 
+    def _forget_hints_seen(self, group: int, listed_s: float) -> None:
+        """Hints of ``group`` queued before its listing began: the listing saw their blocks."""
+        seen = [b for b, h in self._hints.items() if h.group == group and h.queued_s < listed_s]
+        for block in seen:
+            del self._hints[block]
+
     async def _rebuild_all(self, group: int, plans: list[BlockPlan]) -> None:
-        self._group_backlog[group] = sum(len(p.missing) + len(p.waiting) for p in plans)
-        self._set_stats(backlog_shards=self._backlog())
         bytes_ahead = 0
         for plan in plans:
             now_s = self._clock.now()
@@ -268,17 +334,19 @@ class RepairService:
             bytes_per_clock_s = self._throttle.bytes_per_s / self._cluster.ttl.time_scale
             if plan.missing and expires_before_rebuilt(plan, bytes_ahead, bytes_per_clock_s, now_s):
                 self._set_stats(skipped_expiring=self.stats.skipped_expiring + 1)
-                self._group_backlog[group] -= len(plan.missing) + len(plan.waiting)
+                self._backlog.set_block(group, (plan.tenant, plan.key), None)
                 continue
             if plan.missing:
                 bytes_ahead += plan.cost_bytes
-                self._group_backlog[group] -= await self._rebuild(group, plan)
-            self._set_stats(backlog_shards=self._backlog())
+                answered = await self._rebuild(group, plan)
+                self._backlog.set_block(group, (plan.tenant, plan.key), _hole(plan, answered))
+                self._publish()
 
     async def _rebuild(self, group: int, plan: BlockPlan) -> int:
         """Rebuild ``plan``'s missing shards and store each on its member; return how many
         members answered (stored it, held it already, hold a newer version, or fenced it)."""
         members = self._cluster.groups[group]
+        started_s = time.monotonic()
         block = await self._read_block(members, plan)
         if block is None:
             return 0
@@ -305,6 +373,7 @@ class RepairService:
                 rebuilt_bytes=self.stats.rebuilt_bytes + reply.num_stored * len(shards[position]),
                 fenced=self.stats.fenced + reply.num_fenced,
             )
+        self._rate.add(plan.cost_bytes, time.monotonic() - started_s)
         return num_answered
 
     async def _put(
@@ -401,15 +470,25 @@ class RepairService:
         return True
 
     async def _inspect_hints(self) -> None:
-        """Look at each hinted key now due: rebuild what it misses, or wait for its owner."""
+        """Look at each hinted block now due whose group has no pass due: rebuild what it
+        misses (after one settle delay when a member is down, which may be back by then), or
+        wait for its owner; its backlog entry is what this look found."""
         now_s = time.monotonic()
-        due = [(tk, g) for tk, (g, at_s) in self._hints.items() if at_s <= now_s]
-        for (tenant, key), group in due:
-            plan = await self._inspect(tenant, key, group)
-            if plan is not None and plan.missing:
-                await self._rebuild(group, plan)
+        due = [
+            (block, hint)
+            for block, hint in self._hints.items()
+            if hint.due_s <= now_s and not self._schedule.is_due(hint.group)
+        ]
+        for (tenant, key), hint in due:
+            plan = await self._inspect(tenant, key, hint.group)
+            if plan is not None and plan.missing and plan.waiting and not hint.settled:
+                hint.due_s, hint.settled = now_s + SETTLE_S, True
+                continue
+            answered = await self._rebuild(hint.group, plan) if plan and plan.missing else 0
+            hole = None if plan is None else _hole(plan, answered)
+            self._backlog.set_block(hint.group, (tenant, key), hole)
             if plan is not None and plan.waiting:
-                self._hints[(tenant, key)] = (group, now_s + HINT_RETRY_S)
+                hint.due_s = now_s + HINT_RETRY_S
             else:
                 self._hints.pop((tenant, key), None)
         self._set_stats(queued_hints=len(self._hints))
@@ -432,8 +511,20 @@ class RepairService:
         plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), self._clock.now())
         return plan if isinstance(plan, BlockPlan) else None
 
-    def _backlog(self) -> int:
-        return max(0, sum(self._group_backlog.values()))
+    def _publish(self) -> None:
+        """The backlog figures into :attr:`stats` (read by Stats and the metrics)."""
+        led = self.stats.led_groups
+        figures = self._backlog.figures()
+        self._set_stats(
+            backlog_shards=figures.shards,
+            waiting_shards=figures.waiting,
+            at_risk_blocks=figures.blocks,
+            backlog_bytes=figures.cost_bytes,
+            eta_s=eta_s(figures.cost_bytes, self._throttle.bytes_per_s, self._rate.bytes_per_s),
+            unrecoverable=sum(n for g, n in self._group_unrecoverable.items() if g in led),
+            pending_groups=self._schedule.pending(led),
+            ready=self._was_ready,
+        )
 
     def _set_stats(self, **changes: object) -> None:
         self.stats = replace(self.stats, **changes)  # type: ignore[arg-type]
@@ -441,6 +532,12 @@ class RepairService:
     async def close(self) -> None:
         await self._peers.close()
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _hole(plan: BlockPlan, num_rebuilt: int = 0) -> Hole:
+    """What ``plan``'s block lacks once ``num_rebuilt`` of its missing shards were stored."""
+    missing = max(0, len(plan.missing) - num_rebuilt)
+    return Hole(missing, len(plan.waiting), plan.shard_bytes)
 
 
 def _sort_key(shard: pb.ListedShard) -> tuple[bytes, bytes, str]:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_TOMBSTONES_PER_REPLY = 4096
 PULL_TIMEOUT_S = 10.0
+UNSYNCED_POLL_S = 0.5  # how soon a new store (an index rebuilt) gets its first pull
 
 
 def group_peers(cluster: ClusterConfig, node_id: str) -> list[NodeConfig]:
@@ -98,17 +99,24 @@ class TombstoneSync:
 
     async def pull_all(self) -> int:
         """One pull from every peer; return the number of shards deleted here."""
-        num_deleted = 0
         store = self._current_store()
         if store is None:
             return 0
-        for peer in self._peers:
-            try:
-                num_deleted += await self.pull(peer.id)
-            except grpc.aio.AioRpcError as exc:
-                log.debug("delete log of %s not pulled: %s", peer.id, exc.code().name)
+        # All peers at once: a hung peer costs one PULL_TIMEOUT_S, not one per peer after it.
+        pulled = await asyncio.gather(*(self._pull_quietly(p.id) for p in self._peers))
         self._synced_store = store
-        return num_deleted
+        return sum(pulled)
+
+    async def _pull_quietly(self, peer_id: str) -> int:
+        try:
+            return await self.pull(peer_id)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("delete log of %s not pulled: %s", peer_id, exc.code().name)
+            return 0
+
+    @property
+    def has_store(self) -> bool:
+        return self._current_store() is not None
 
     @property
     def synced(self) -> bool:
@@ -150,11 +158,14 @@ class TombstoneSync:
 
 
 async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
-    """Pull the peers' delete logs now and every ``interval_s``; close the channels at the end.
+    """Pull the peers' delete logs now and every ``interval_s``, and within ``UNSYNCED_POLL_S``
+    of a store that has had no pull yet (an index just rebuilt: repair waits for it); close
+    the channels at the end.
 
     Built by the caller first, so a missing or unsafe ``peer_token_file`` stops the node at
     start-up instead of silently disabling the sync.
     """
+    loop = asyncio.get_running_loop()
     try:
         while True:
             try:
@@ -162,6 +173,10 @@ async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
                     log.info("applied peers' deletes: %d shards removed", num_deleted)
             except Exception:
                 log.exception("pulling peers' delete logs failed; retrying later")
-            await asyncio.sleep(interval_s)
+            next_s = loop.time() + interval_s
+            while loop.time() < next_s:
+                await asyncio.sleep(min(UNSYNCED_POLL_S, next_s - loop.time()))
+                if sync.has_store and not sync.synced:
+                    break
     finally:
         await sync.close()

@@ -17,6 +17,14 @@ of every entry. The last access is the one persisted in the index: a read hit co
 read-side state is flushed, which every write does first. Blocks a put re-puts (touches) are never
 evicted to make room for that put's own group commit: the touch is an access.
 
+**A block is evicted for its whole group, never one shard alone.** An evicted entry's key goes
+into the node's delete log (a tombstone at the eviction's time, as a delete writes), in the
+same transaction: every member of the group pulls the log and drops its shard of the block
+(kvstore/node/tombstones.py), so the block reads as one clean miss everywhere instead of
+living on with one shard less while the other members believe it whole; a repair cannot put
+it back (the tombstone fences repair writes of it, kvstore/store/deletion.py). The node counts
+the blocks it evicted (``EVICTED_BLOCKS``) besides the shards per class.
+
 Evicting an entry leaves dead bytes in its segment; segments with no live entry are deleted,
 and segments holding dead bytes are compacted (live records carried forward, most dead bytes
 first) until usage is under the target. Compaction writes; on a disk too full for that, the
@@ -42,6 +50,7 @@ from kvstore.store.index import Index, IndexView, IndexWriter, class_counter
 from kvstore.store.index_codec import Entry, SegmentMeta
 from kvstore.store.reclaimer import Reclaimer
 from kvstore.store.segments import SegmentFiles
+from kvstore.store.store_stats import EVICTED_BLOCKS
 from ttl.policy import EvictionOrder
 
 log = logging.getLogger(__name__)
@@ -175,7 +184,10 @@ class Evictor:
 
 
 def _evict_one(w: IndexWriter, entry: Entry, now: float) -> None:
+    """Evict ``entry`` and, through the delete log, its block on every member of its group."""
     w.delete_entry(entry)
+    w.log_tombstone(entry.tenant, entry.key, now)
+    w.add(EVICTED_BLOCKS, 1)
     w.add(class_counter(entry.traffic_class, "evicted"), 1)
     w.set_min(
         class_counter(entry.traffic_class, "youngest_evicted_age_s"), now - entry.last_access_s

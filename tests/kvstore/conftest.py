@@ -66,7 +66,8 @@ def make_store(
             node_fields["max_bytes"] = int(node_fields["max_bytes"]) + lmdb_index_bytes(
                 probe, reserve_bytes
             )
-        node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False, **node_fields)
+        data_dir = str(node_fields.pop("data_dir", tmp_path))  # a second store: its own dir
+        node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", data_dir, fsync=False, **node_fields)
         ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0, **ttl_fields)
         backend = MemoryBackend() if request.param == "memory" else None
         stores.append(ShardStore(node, ttl, clock, backend))
