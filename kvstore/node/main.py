@@ -122,7 +122,9 @@ class _NodeProcess:
         opener = partial(_open, cluster, node, self.clock, self.auth, self.placed)
         self.holder = StoreHolder(opener, node, self.executor)
         self.sync = TombstoneSync(cluster, node, lambda: self.holder.store, self.executor)
-        self.repair = RepairService(cluster, node, self.clock, ready=self.repair_ready)
+        self.repair = RepairService(
+            cluster, node, self.clock, self.repair_ready, self.sync.note_peer_seqs
+        )
         self.health = health_aio.HealthServicer()
         self.metrics = NodeMetrics(self.holder.stats, lambda: self.repair.stats)
         self.server = grpc.aio.server(options=_server_options(node))

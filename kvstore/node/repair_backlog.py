@@ -81,6 +81,10 @@ class Backlog:
             holes[block] = hole
             self._count(hole, +1)
 
+    def missing_in(self, group: int) -> int:
+        """Shards of ``group`` missing on members that are up (a rebuild that failed)."""
+        return sum(h.num_missing for h in self._group_to_holes.get(group, {}).values())
+
     def keep_groups(self, groups: Collection[int]) -> None:
         """Forget the groups this node no longer leads (their new leader counts them)."""
         for group in [g for g in self._group_to_holes if g not in groups]:
@@ -140,6 +144,10 @@ class PassSchedule:
         for group in groups:
             due_s = now_s + self.settle_s
             self._group_to_due_s[group] = min(self._group_to_due_s.get(group, due_s), due_s)
+
+    def retry(self, group: int, at_s: float) -> None:
+        """List ``group`` again at ``at_s`` (or earlier, if it is due earlier already)."""
+        self._group_to_due_s[group] = min(self._group_to_due_s.get(group, at_s), at_s)
 
     def start(self, led: Iterable[int], now_s: float) -> None:
         """This node became ready: list every led group (settled), and periodically after."""

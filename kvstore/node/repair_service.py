@@ -83,10 +83,12 @@ log = logging.getLogger(__name__)
 LIST_PAGE = 512
 MAX_HINTS = 100_000  # beyond this the oldest hints go: the next pass finds those blocks anyway
 HINT_RETRY_S = 5.0  # a hint whose owner is down is looked at again this often
+RETRY_S = 5.0  # a pass that left shards missing on members that are up runs again after this
 IDLE_S = 0.2  # how often the loop looks for due hints and passes
 PROBE_S = 2.0  # how often the members of this node's groups are asked for Health
 SETTLE_S = 3.0  # a triggered pass waits this long, so members returning together share it
 PEER_TIMEOUT_S = 10.0
+REBUILDS_IN_FLIGHT = 4
 _U32_BYTES = 4
 
 
@@ -160,6 +162,8 @@ class RepairService:
 
     ``ready()`` says whether this node is ready for repair (serving, its peers' delete logs
     pulled): no pass or hint runs before, and becoming ready starts a pass of its groups.
+    ``on_peer_logs`` gets the members' newest delete-log sequence numbers at every probe (the
+    node pulls from those it is behind: kvstore/node/tombstones.py).
     """
 
     def __init__(
@@ -168,11 +172,13 @@ class RepairService:
         node: NodeConfig,
         clock: Clock,
         ready: Callable[[], bool] = lambda: True,
+        on_peer_logs: Callable[[dict[str, int]], None] = lambda peer_to_seq: None,
     ) -> None:
         self._cluster = cluster
         self._node = node
         self._clock = clock
         self._ready = ready
+        self._on_peer_logs = on_peer_logs
         self._codec = make_codec(cluster.codec)
         self._peers = Peers(cluster, node, PEER_TIMEOUT_S)
         self._throttle = Throttle(node.repair_bytes_per_s)
@@ -270,10 +276,22 @@ class RepairService:
         if ready:
             led = self.stats.led_groups
             for group in self._schedule.take_due(led, time.monotonic()):
-                await self._repair_group(group)
-                self._set_stats(passes=self.stats.passes + 1)
+                await self._pass(group)
             await self._inspect_hints()
         self._publish()
+
+    async def _pass(self, group: int) -> None:
+        """One listing pass over a led group; listed again ``RETRY_S`` later when it failed
+        or left shards missing on members that are up (a put refused, a survivor unreadable)."""
+        try:
+            await self._repair_group(group)
+        except Exception:
+            log.exception("repair pass over group %d failed; retrying", group)
+            self._schedule.retry(group, time.monotonic() + RETRY_S)
+            return
+        self._set_stats(passes=self.stats.passes + 1)
+        if self._backlog.missing_in(group):
+            self._schedule.retry(group, time.monotonic() + RETRY_S)
 
     async def _probe(self) -> None:
         """Ask the members of this node's groups for Health: which groups it leads now, and
@@ -287,6 +305,9 @@ class RepairService:
             # Up for repair: serving, and it has pulled its peers' delete logs.
             up[member] = reply is not None and reply.serving and reply.repair_ready
             seen[member] = reply.incarnation if up[member] else 0  # 0: down, or not ready
+        self._on_peer_logs(
+            {m: r.last_tombstone_seq for m, r in zip(others, replies, strict=True) if r}
+        )
         changed = changed_members(self._incarnations, seen)
         self._incarnations = seen
         was_led = set(self.stats.led_groups)
@@ -318,7 +339,19 @@ class RepairService:
         self._backlog.replace_group(group, {(p.tenant, p.key): _hole(p) for p in plans})
         self._forget_hints_seen(group, started_s)
         self._publish()
+        listed_s = time.monotonic()
+        rebuilt_before = self.stats.rebuilt_shards
         await self._rebuild_all(group, repair_order(plans))
+        log.info(
+            "repair of group %d: listed in %.1f s, %d blocks short, %d shards rebuilt in %.1f s, "
+            "%d left missing",
+            group,
+            listed_s - started_s,
+            len(plans),
+            self.stats.rebuilt_shards - rebuilt_before,
+            time.monotonic() - listed_s,
+            self._backlog.missing_in(group),
+        )
 
     def _forget_hints_seen(self, group: int, listed_s: float) -> None:
         """Hints of ``group`` queued before its listing began: the listing saw their blocks."""
@@ -327,20 +360,40 @@ class RepairService:
             del self._hints[block]
 
     async def _rebuild_all(self, group: int, plans: list[BlockPlan]) -> None:
+        """Rebuild ``plans`` in order, ``REBUILDS_IN_FLIGHT`` at a time (a block's reads and
+        puts are round trips: several in flight keep the throttle, not latency, the limit)."""
+        slots = asyncio.Semaphore(REBUILDS_IN_FLIGHT)
         bytes_ahead = 0
-        for plan in plans:
-            now_s = self._clock.now()
-            # The rate is in real seconds, expiry on the cluster's (possibly scaled) clock.
-            bytes_per_clock_s = self._throttle.bytes_per_s / self._cluster.ttl.time_scale
-            if plan.missing and expires_before_rebuilt(plan, bytes_ahead, bytes_per_clock_s, now_s):
-                self._set_stats(skipped_expiring=self.stats.skipped_expiring + 1)
-                self._backlog.set_block(group, (plan.tenant, plan.key), None)
-                continue
-            if plan.missing:
-                bytes_ahead += plan.cost_bytes
-                answered = await self._rebuild(group, plan)
-                self._backlog.set_block(group, (plan.tenant, plan.key), _hole(plan, answered))
-                self._publish()
+        rebuilds: list[asyncio.Future[None]] = []
+        try:
+            for plan in plans:
+                now_s = self._clock.now()
+                # The rate is in real seconds, expiry on the cluster's (possibly scaled) clock.
+                bytes_per_clock_s = self._throttle.bytes_per_s / self._cluster.ttl.time_scale
+                if plan.missing and expires_before_rebuilt(
+                    plan, bytes_ahead, bytes_per_clock_s, now_s
+                ):
+                    self._set_stats(skipped_expiring=self.stats.skipped_expiring + 1)
+                    self._backlog.set_block(group, (plan.tenant, plan.key), None)
+                    continue
+                if plan.missing:
+                    bytes_ahead += plan.cost_bytes
+                    await slots.acquire()
+                    rebuilds.append(asyncio.ensure_future(self._rebuild_one(group, plan, slots)))
+            await asyncio.gather(*rebuilds)
+        except BaseException:
+            for rebuild in rebuilds:
+                rebuild.cancel()
+            await asyncio.gather(*rebuilds, return_exceptions=True)
+            raise
+
+    async def _rebuild_one(self, group: int, plan: BlockPlan, slots: asyncio.Semaphore) -> None:
+        try:
+            answered = await self._rebuild(group, plan)
+            self._backlog.set_block(group, (plan.tenant, plan.key), _hole(plan, answered))
+            self._publish()
+        finally:
+            slots.release()
 
     async def _rebuild(self, group: int, plan: BlockPlan) -> int:
         """Rebuild ``plan``'s missing shards and store each on its member; return how many

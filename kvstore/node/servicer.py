@@ -349,6 +349,7 @@ class NodeServicer:
             repair_ready=store is not None and self._deletes_synced(),
             local_socket=self.local_socket,
             boot_id=self._boot_id if self.local_socket else "",
+            last_tombstone_seq=store.tombstones(0, 0)[1] if store is not None else 0,
         )
 
 

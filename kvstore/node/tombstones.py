@@ -11,6 +11,10 @@ mutual TLS)::
                     cursor[peer] = the last record's seq (persisted in the index counters)
                     a last_seq below the cursor: the peer's log restarted, pull from 0
 
+Besides the interval, a peer whose Health (asked every few seconds by the repair service's
+probe) shows a newer delete-log record than this node pulled is pulled at once, so a delete or
+an eviction (kvstore/store/eviction.py) reaches the whole group within seconds.
+
 Logs are kept ``tombstone_retention_s`` (8 days, beyond the longest TTL), so a node that was
 away longer than that holds only shards that have expired by then anyway.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -79,6 +83,8 @@ class TombstoneSync:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._addresses: dict[str, str] = {}
         self._retired: list[grpc.aio.Channel] = []
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._prompt_pulls: dict[str, asyncio.Future[int]] = {}
         self.set_cluster(cluster)
 
     def set_cluster(self, cluster: ClusterConfig) -> None:
@@ -124,7 +130,26 @@ class TombstoneSync:
         store = self._current_store()
         return store is not None and store is self._synced_store
 
+    def note_peer_seqs(self, peer_to_seq: Mapping[str, int]) -> None:
+        """Peers' newest delete-log sequence numbers (their Health, seen by the repair probe):
+        pull at once from each that logged more than this node has pulled, so a delete or an
+        eviction reaches the group in seconds rather than at the next interval."""
+        store = self._current_store()
+        if store is None:
+            return
+        for peer_id, seq in peer_to_seq.items():
+            behind = seq > int(store.counter(cursor_name(peer_id)) or 0)
+            if behind and peer_id in self._channels and peer_id not in self._prompt_pulls:
+                task = asyncio.ensure_future(self._pull_quietly(peer_id))
+                self._prompt_pulls[peer_id] = task
+                task.add_done_callback(lambda _, p=peer_id: self._prompt_pulls.pop(p, None))
+
     async def pull(self, peer_id: str) -> int:
+        """Pull and apply one peer's log from this node's cursor (one pull per peer at once)."""
+        async with self._locks.setdefault(peer_id, asyncio.Lock()):
+            return await self._pull_locked(peer_id)
+
+    async def _pull_locked(self, peer_id: str) -> int:
         loop = asyncio.get_running_loop()
         store = self._current_store()
         if store is None:
@@ -153,6 +178,9 @@ class TombstoneSync:
                 return num_deleted
 
     async def close(self) -> None:
+        for task in list(self._prompt_pulls.values()):
+            task.cancel()
+        await asyncio.gather(*self._prompt_pulls.values(), return_exceptions=True)
         channels = [*self._channels.values(), *self._retired]
         await asyncio.gather(*(c.close() for c in channels))
 

@@ -373,7 +373,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready", "local_socket", "boot_id")
+    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready", "local_socket", "boot_id", "last_tombstone_seq")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,7 @@ class HealthReply(_message.Message):
     REPAIR_READY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOMBSTONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     serving: bool
@@ -394,4 +395,5 @@ class HealthReply(_message.Message):
     repair_ready: bool
     local_socket: str
     boot_id: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: _Optional[bool] = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    last_tombstone_seq: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: _Optional[bool] = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., last_tombstone_seq: _Optional[int] = ...) -> None: ...

@@ -179,13 +179,20 @@ class ShardStore:
         self._reclaimer = Reclaimer(
             self._index, self._files, self._appender, self._reader, self._reads, ttl.expiry_window_s
         )
-        self._evictor = Evictor(node, self._index, self._files, self._reclaimer, ttl.eviction)
+        self._deleter = Deleter(self._index, self._files)
+        self._evictor = Evictor(
+            node,
+            self._index,
+            self._files,
+            self._reclaimer,
+            ttl.eviction,
+            self._deleter.erase_queued,
+        )
         self._puts = GroupCommit(
             self._index, self._appender, self._evictor, self._reads, lambda: self.retention
         )
         self._compactor = Compactor(self._index, self._reclaimer)
         self._scrubber = Scrubber(self._index, self._reader, self._reads)
-        self._deleter = Deleter(self._index, self._files)
         with self._write_lock:
             self._deleter.erase_queued()  # deletes committed before a crash reach the bytes
 
