@@ -57,14 +57,10 @@ class MapFollower:
             return config
         try:
             got = await asyncio.wait_for(self._membership.get_map(), CONNECT_TIMEOUT_S)
-        except (Unavailable, TimeoutError) as exc:
+        except (Unavailable, TimeoutError):  # the outage itself is logged by the membership
             fallback = self._fallback(config)
             log.warning(
-                "etcd %s does not answer (%s): starting on the cached map, epoch %d (stale "
-                "until etcd answers)",
-                config.membership.etcd,
-                exc or "timed out",
-                fallback.epoch,
+                "starting on the cached cluster map, epoch %d, until etcd answers", fallback.epoch
             )
             self._membership.reachable = False
             return fallback

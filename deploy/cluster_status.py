@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,7 @@ def print_status(
 ) -> int:
     """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise.
     With etcd membership the map is etcd's, and nodes "left" need not answer."""
+    started_s = time.monotonic()
     cluster_toml = root / "cluster.toml"
     in_force = current_map(load_cluster(cluster_toml), cluster_toml)
     config = in_force.config
@@ -326,6 +328,7 @@ def print_status(
         document = status_document(config, cluster_toml, pids, stats, in_force.live)
         document.update(map_source=in_force.source, etcd_error=in_force.etcd_error or None)
         document["etcd_reachable"] = None if in_force.source == "file" else not in_force.etcd_error
+        document["elapsed_s"] = round(time.monotonic() - started_s, 3)  # etcd and Stats calls
         print(json.dumps(document, indent=1))
     else:
         console = make_console()

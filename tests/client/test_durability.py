@@ -8,7 +8,8 @@ Each test turns one failure scenario of issue #13 around:
   gives every block its 12 shards, and again two more nodes can go;
 * two nodes hung (SIGSTOP): a put or a read costs about the hedge delay, not the timeout;
 * blocks kept alive only by reads: the shard no read needs is touched, so it lives on;
-* 200 overwrites of one key: a node keeps one version, reads stay fast and exact;
+* 200 overwrites of one key: a node keeps one version, reads stay fast and exact, and the
+  background compaction leaves at most 4x the key's size in each node's segments;
 * a full disk (12 nodes on one small tmpfs): no node dies, puts get clean answers, reads go
   on, and every node restarts on the full disk;
 * a delete while two nodes are down, on a cluster with mutual TLS and tokens: one comes back
@@ -392,10 +393,20 @@ async def test_overwrites_keep_one_version_and_reads_stay_fast(cluster: LocalClu
                 assert await kv.get(key) == block, f"after {version + 1} overwrites: wrong or None"
                 read_s.append(time.monotonic() - start_s)
         stats = await _stats(kv)
+        deadline_s = time.monotonic() + 60  # the upkeep compacts once a second
+        while max(s.used_bytes for s in stats.values() if s) > 4 * 4 * MiB:
+            assert time.monotonic() < deadline_s, (
+                f"segment bytes per node after 200 overwrites of one 4 MiB key: "
+                f"{[s.used_bytes for s in stats.values() if s]}: more than 4x the key's size "
+                "after the compaction interval; dead versions still count against capacity"
+            )
+            await asyncio.sleep(0.5)
+            stats = await _stats(kv)
     assert all(s is not None and s.shards == 1 for s in stats.values()), (
         f"shards per node after 200 overwrites of one key: "
         f"{[s.shards for s in stats.values() if s]}: older versions were not retired"
     )
+    assert all(s.compacted_bytes > 0 for s in stats.values() if s), "nothing was compacted"
     assert sum(s.retired_versions for s in stats.values() if s) >= 12 * 190
     # The median, not the slowest: one read stalled by a loaded machine is not the bug (reads
     # that fetch every version grow with the count: 3.2 s at 150 versions, None at 160).
