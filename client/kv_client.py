@@ -6,6 +6,8 @@
     async with KVClient.connect(...) as kv: ...          # or: async with await ...connect(...)
     await kv.put(key, data, traffic_class="chat")        # QuorumError below k shards stored
     await kv.get(key) -> bytes | None                    # None is a miss
+    await kv.get(key, on_timeout="raise")                # a timeout raises Timeout instead
+    await kv.get_batch(keys, outcomes=True) -> BatchResult  # per key HIT, MISS or TIMEOUT
     await kv.get_into(key, out) -> bool                  # decodes straight into ``out``
     await kv.contains(keys) -> list[bool]
     await kv.match_prefix(keys) -> int
@@ -19,8 +21,9 @@ client/write_path.py), shard payloads landing straight in the caller's buffers. 
 single-key calls are batches of one.
 
 What a caller sees: ``get`` returns the exact bytes some ``put`` of that key stored, or None
-(a miss, fewer than k reachable shards of one version, or the deadline passed); never a mix of
-two writers' bytes and never bytes that fail the block checksum. Misuse (a key that is not 16
+(a miss, fewer than k reachable shards of one version, or the deadline passed: tell the last
+apart with ``on_timeout="raise"`` or ``outcomes=True``, client/read_outcome.py); never a mix
+of two writers' bytes and never bytes that fail the block checksum. Misuse (a key that is not 16
 bytes, an oversized block, an unknown traffic class, a ``get_into`` buffer of the wrong size, a
 bad token) raises a kvstore.errors exception. ``contains`` and ``match_prefix`` send one
 batched RPC per node per call and do not refresh TTLs; a ``get`` hit does, on every shard of
@@ -42,7 +45,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from client.batch_read import BatchRead, ReadCounters
 from client.follow_ups import FollowUps
@@ -50,6 +53,7 @@ from client.keyring import open_keyring
 from client.local.reader import LocalReads
 from client.map_follower import MapFollower
 from client.node_conn import NodeConn, NodeReader, consume_result
+from client.read_outcome import BatchResult, check_on_timeout, raise_timeouts
 from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally
 from client.transports import NodeTransports
@@ -340,32 +344,81 @@ class KVClient:
             )
         return view
 
-    async def get(self, key: bytes, *, timeout_s: float | None = None) -> bytes | None:
-        """The block stored under ``key``, or None (miss, too few shards, deadline)."""
-        (block,) = await self.get_batch([key], timeout_s=timeout_s)
+    async def get(
+        self, key: bytes, *, timeout_s: float | None = None, on_timeout: str = "miss"
+    ) -> bytes | None:
+        """The block stored under ``key``, or None (a miss, too few shards). A deadline that
+        passed first reads as None too, or raises kvstore.errors.Timeout with
+        ``on_timeout="raise"`` (client/read_outcome.py)."""
+        (block,) = await self.get_batch([key], timeout_s=timeout_s, on_timeout=on_timeout)
         return block
 
-    async def get_into(self, key: bytes, out: Buffer, *, timeout_s: float | None = None) -> bool:
+    async def get_into(
+        self, key: bytes, out: Buffer, *, timeout_s: float | None = None, on_timeout: str = "miss"
+    ) -> bool:
         """Decode the block straight into ``out`` (writable, exactly the block's size).
 
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
-        when ``out`` is read-only or its size differs from the stored block's.
+        when ``out`` is read-only or its size differs from the stored block's; a timeout as
+        :meth:`get` says.
         """
-        (landed,) = await self.get_batch_into([key], [out], timeout_s=timeout_s)
+        (landed,) = await self.get_batch_into(
+            [key], [out], timeout_s=timeout_s, on_timeout=on_timeout
+        )
         return landed
 
+    @overload
     async def get_batch(
-        self, keys: Sequence[bytes], *, timeout_s: float | None = None
-    ) -> list[bytes | None]:
-        """Each key's block, or None (a miss): one request per node for the whole batch."""
-        blocks = await self._read(keys, [None] * len(keys), timeout_s)
-        return [b if b is None or isinstance(b, bytes) else bytes(b) for b in blocks]
+        self,
+        keys: Sequence[bytes],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
+        outcomes: Literal[False] = False,
+    ) -> list[bytes | None]: ...
+
+    @overload
+    async def get_batch(
+        self,
+        keys: Sequence[bytes],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
+        outcomes: Literal[True],
+    ) -> BatchResult: ...
+
+    async def get_batch(
+        self,
+        keys: Sequence[bytes],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
+        outcomes: bool = False,
+    ) -> list[bytes | None] | BatchResult:
+        """Each key's block, or None (a miss): one request per node for the whole batch.
+
+        ``outcomes=True`` returns a BatchResult: the blocks and, per key, HIT, MISS or TIMEOUT
+        (the deadline passed before the key was decided). ``on_timeout="raise"`` raises
+        kvstore.errors.Timeout instead when any key timed out (client/read_outcome.py).
+        """
+        check_on_timeout(on_timeout)
+        read, timed_out = await self._read(keys, [None] * len(keys), timeout_s)
+        blocks = [b if b is None or isinstance(b, bytes) else bytes(b) for b in read]
+        result = BatchResult.of(blocks, timed_out)
+        if on_timeout == "raise":
+            raise_timeouts(keys, result, self._timeout_s(timeout_s))
+        return result if outcomes else result.blocks
 
     async def get_batch_into(
-        self, keys: Sequence[bytes], buffers: Sequence[Buffer], *, timeout_s: float | None = None
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
     ) -> list[bool]:
         """Land each key's block in its buffer: True = it landed and was verified, False = a
-        miss (that buffer may then hold partial data).
+        miss (that buffer may then hold partial data); a timeout as :meth:`get_batch` says.
 
         Each buffer must be writable and exactly its block's size (InvalidArgument
         otherwise). Shard payloads land straight at their place in the buffers; a buffer
@@ -376,29 +429,38 @@ class KVClient:
                 f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers; "
                 "pass one buffer per key"
             )
+        check_on_timeout(on_timeout)
         outs = [_writable(buffer, i) for i, buffer in enumerate(buffers)]
-        return [block is not None for block in await self._read(keys, outs, timeout_s)]
+        read, timed_out = await self._read(keys, outs, timeout_s)
+        if on_timeout == "raise":
+            landed = [None if b is None else b"" for b in read]  # Timeout carries no buffers
+            raise_timeouts(keys, BatchResult.of(landed, timed_out), self._timeout_s(timeout_s))
+        return [block is not None for block in read]
 
     async def _read(
         self,
         keys: Sequence[bytes],
         outs: Sequence[memoryview | None],
         timeout_s: float | None,
-    ) -> list[bytes | memoryview | None]:
+    ) -> tuple[list[bytes | memoryview | None], list[bool]]:
+        """The blocks, and per key whether the deadline passed before it was decided."""
         for key in keys:
             check_key(key)
         if not keys:
-            return []
+            return [], []
         read = self._batch_read(self._group_members)
         groups = [self.placement.group_index(key) for key in keys]
         if self.sealer is None:
             return await self._read_placed(read, keys, groups, outs, timeout_s)
         # A sealed block decodes into its own buffer; opening it writes the caller's.
-        sealed = await self._read_placed(read, keys, groups, [None] * len(keys), timeout_s)
-        return [
+        sealed, timed_out = await self._read_placed(
+            read, keys, groups, [None] * len(keys), timeout_s
+        )
+        opened = [
             None if block is None else self.sealer.open(key, block, out)
             for key, block, out in zip(keys, sealed, outs, strict=True)
         ]
+        return opened, timed_out
 
     def _batch_read(self, group_members: Sequence[Sequence[int]]) -> BatchRead:
         return BatchRead(
@@ -421,10 +483,14 @@ class KVClient:
         groups: list[int],
         outs: Sequence[memoryview | None],
         timeout_s: float | None,
-    ) -> list[bytes | memoryview | None]:
-        """The blocks from the current placement; during a map change, the keys it misses
-        whose group changed are read again from the placement before the change."""
+    ) -> tuple[list[bytes | memoryview | None], list[bool]]:
+        """The blocks from the current placement, and which keys timed out; during a map
+        change, the keys it misses whose group changed are read again from the placement
+        before the change, within what is left of the same deadline."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self._timeout_s(timeout_s)
         blocks = await read.run(keys, groups, outs, self._timeout_s(timeout_s))
+        timed_out = list(read.timed_out)
         previous = self.config.moving_from
         again = [
             i
@@ -432,16 +498,17 @@ class KVClient:
             if block is None and previous and previous[groups[i]] != self.config.groups[groups[i]]
         ]
         if not again:
-            return blocks
-        found = await self._batch_read(self._previous_members).run(
+            return blocks, timed_out
+        before = self._batch_read(self._previous_members)
+        found = await before.run(
             [keys[i] for i in again],
             [groups[i] for i in again],
             [outs[i] for i in again],
-            self._timeout_s(timeout_s),
+            max(0.0, deadline_s - loop.time()),
         )
-        for i, block in zip(again, found, strict=True):
-            blocks[i] = block
-        return blocks
+        for i, block, late in zip(again, found, before.timed_out, strict=True):
+            blocks[i], timed_out[i] = block, block is None and (late or timed_out[i])
+        return blocks, timed_out
 
     async def contains(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
