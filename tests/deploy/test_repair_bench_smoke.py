@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def test_bench_repair_smoke(tmp_path: Path) -> None:
@@ -31,3 +31,18 @@ def test_bench_repair_smoke(tmp_path: Path) -> None:
     # The nodes' CPU net of their idle rate: a heal this small can cost less than the idle
     # estimate's noise, which the bench clamps to 0.
     assert heal["node_cpu_s"] >= 0 and heal["heal_s"] > 0
+
+
+def test_bench_repair_churn_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "churn.json"
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "repair", "--churn", "--json"]
+    command += [str(out), "--churn-seconds", "20", "--churn-every-s", "10", "--blocks", "20"]
+    command += ["--block-bytes", "32KiB", "--concurrency", "2"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
+    churn = json.loads(out.read_text())["churn"]
+    assert churn["kills"] >= 1 and churn["gets"] > 0 and churn["blocks_acked"] >= 20, churn
+    assert (churn["blocks_lost"], churn["wrong_bytes"]) == (0, 0), churn
+    assert churn["heal_s"] >= 0, "the cluster did not heal after the churn"
+    for name in ("misses_while_existing", "timeouts_reported", "get_p99_ms", "status_s_max"):
+        assert name in churn, f"the churn JSON lacks {name}"
