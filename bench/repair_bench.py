@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     }
     with (
         tempfile.TemporaryDirectory(prefix="kvstore-repair-bench-") as tmp,
-        LocalCluster.start(tmp, num_nodes=12, **overrides) as cluster,
+        LocalCluster.start(tmp, num_nodes=12, startup_timeout_s=180.0, **overrides) as cluster,
     ):
         measure = repair_churn.measure if args.churn else _measure
         results = asyncio.run(measure(cluster, args))

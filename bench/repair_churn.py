@@ -25,13 +25,14 @@ from rich.table import Table
 from bench.common import percentile_ms
 from client import KVClient, Outcome, block_keys
 from deploy.local_cluster import LocalCluster
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 from ttl.units import format_bytes
 
 GET_SHARE = 0.7
 HEAL_TIMEOUT_S = 600.0
 VERIFY_TIMEOUT_S = 60.0
 PRELOAD_TIMEOUT_S = 60.0
+LAG_PROBE_S = 0.05
 
 
 @dataclass
@@ -48,6 +49,7 @@ class _Tally:
     put_failures: dict[str, int] = field(default_factory=dict)
     get_latencies_s: list[float] = field(default_factory=list)
     put_latencies_s: list[float] = field(default_factory=list)
+    loop_lags_s: list[float] = field(default_factory=list)
 
 
 async def measure(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, Any]:
@@ -66,13 +68,15 @@ async def measure(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, 
             asyncio.create_task(_client(kv, acked, keys, args, tally, stop, seed))
             for seed in range(args.concurrency)
         ]
-        cycles = await _churn(cluster, args)
+        lag = asyncio.create_task(_loop_lag(tally, stop))
+        cycles, statuses = await _churn(cluster, args)
         stop.set()
-        await asyncio.gather(*load)
+        await asyncio.gather(*load, lag)
         heal_s = await _heal(kv, len(acked))
         lost, wrong = await _verify(kv, acked)
         counters = kv.counters()
-    return {"churn": _figures(args, tally, cycles, heal_s, len(acked), lost, wrong, counters)}
+    figures = _figures(args, tally, cycles, statuses, heal_s, len(acked), lost, wrong)
+    return {"churn": {**figures, "client_counters": counters}}
 
 
 async def _client(
@@ -130,8 +134,20 @@ async def _put(
     tally.put_latencies_s.append(time.monotonic() - started_s)
 
 
-async def _churn(cluster: LocalCluster, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Kill and restart a node per cycle; time ``cluster status`` once per cycle."""
+async def _loop_lag(tally: _Tally, stop: asyncio.Event) -> None:
+    """How late the client's event loop wakes from a 50 ms sleep: a deadline cannot fire
+    sooner than the loop runs, so this is the part of any overshoot the host's load causes."""
+    while not stop.is_set():
+        started_s = time.monotonic()
+        await asyncio.sleep(LAG_PROBE_S)
+        tally.loop_lags_s.append(time.monotonic() - started_s - LAG_PROBE_S)
+
+
+async def _churn(
+    cluster: LocalCluster, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    """Kill and restart a node per cycle; time ``cluster status`` (one at a time, started
+    while a node is down). Returns the cycles and the status timings."""
     node_ids = [n.id for n in cluster.config.nodes]
     cycles: list[dict[str, Any]] = []
     statuses: list[asyncio.Task[tuple[float, float]]] = []
@@ -140,13 +156,17 @@ async def _churn(cluster: LocalCluster, args: argparse.Namespace) -> list[dict[s
         cycle_s = time.monotonic()
         victim = node_ids[len(cycles) % len(node_ids)]
         cluster.kill_node(victim)
-        statuses.append(asyncio.create_task(_time_status(cluster)))  # while a node is down
-        await asyncio.to_thread(cluster.restart_node, victim)
-        cycles.append({"node": victim, "restart_s": time.monotonic() - cycle_s})
+        if not statuses or statuses[-1].done():  # one at a time: each its own measurement
+            statuses.append(asyncio.create_task(_time_status(cluster)))  # while a node is down
+        try:
+            await asyncio.to_thread(cluster.restart_node, victim)
+            serving = True
+        except Unavailable:  # not healthy within its start-up timeout: the heal waits for it
+            serving = False
+        cycles.append({"node": victim, "restart_s": time.monotonic() - cycle_s, "serving": serving})
         await asyncio.sleep(max(0.0, cycle_s + args.churn_every_s - time.monotonic()))
-    for cycle, (status_s, own_s) in zip(cycles, await asyncio.gather(*statuses), strict=True):
-        cycle.update(status_s=status_s, status_own_s=own_s)
-    return cycles
+    timed = await asyncio.gather(*statuses)
+    return cycles, [{"status_s": total_s, "status_own_s": own_s} for total_s, own_s in timed]
 
 
 async def _time_status(cluster: LocalCluster) -> tuple[float, float]:
@@ -194,16 +214,17 @@ def _figures(
     args: argparse.Namespace,
     tally: _Tally,
     cycles: list[dict[str, Any]],
+    statuses: list[dict[str, float]],
     heal_s: float,
     num_acked: int,
     lost: int,
     wrong: int,
-    counters: dict[str, int],
 ) -> dict[str, Any]:
     get_p99_ms = percentile_ms(tally.get_latencies_s, 99)
     figures = asdict(tally)
-    figures.pop("get_latencies_s")
-    figures.pop("put_latencies_s")
+    for name in ("get_latencies_s", "put_latencies_s", "loop_lags_s"):
+        figures.pop(name)
+    over_s = args.timeout_s + 1.0
     figures["wrong_bytes"] += wrong
     return {
         **figures,
@@ -221,11 +242,15 @@ def _figures(
         "put_p50_ms": percentile_ms(tally.put_latencies_s, 50),
         "put_p99_ms": percentile_ms(tally.put_latencies_s, 99),
         "put_max_ms": max(tally.put_latencies_s, default=0.0) * 1000,
+        "gets_over_timeout_plus_1s": sum(t > over_s for t in tally.get_latencies_s),
+        "puts_over_timeout_plus_1s": sum(t > over_s for t in tally.put_latencies_s),
+        "client_loop_lag_p99_ms": percentile_ms(tally.loop_lags_s, 99),
+        "client_loop_lag_max_ms": max(tally.loop_lags_s, default=0.0) * 1000,
         "heal_s": heal_s,
-        "status_s_max": max((c["status_s"] for c in cycles), default=0.0),
-        "status_own_s_max": max((c["status_own_s"] for c in cycles), default=0.0),
+        "status_s_max": max((t["status_s"] for t in statuses), default=0.0),
+        "status_own_s_max": max((t["status_own_s"] for t in statuses), default=0.0),
+        "statuses": statuses,
         "cycles": cycles,
-        "client_counters": counters,
     }
 
 
@@ -245,6 +270,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> Table:
         ("gets timed out (reported as timeouts)", str(r["timeouts_reported"])),
         ("get p50 / p99 / max ms", _ms(r, "get")),
         ("get p99 / timeout_s", f"{r['get_p99_over_timeout']:.2f}"),
+        ("client event loop lag p99 / max ms", _lag(r)),
         ("puts acked / refused", f"{r['puts_acked']} / {sum(r['put_failures'].values())}"),
         ("put p50 / p99 / max ms", _ms(r, "put")),
         ("heal after the churn", f"{r['heal_s']:.1f} s"),
@@ -253,6 +279,10 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _lag(r: dict[str, Any]) -> str:
+    return f"{r['client_loop_lag_p99_ms']:.0f} / {r['client_loop_lag_max_ms']:.0f}"
 
 
 def _status(r: dict[str, Any]) -> str:

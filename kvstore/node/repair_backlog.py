@@ -20,7 +20,9 @@ member that was not ready, or down, counts until a later look finds it there). F
 a *trigger*: this node became ready for repair (its first pass waits for that), a member
 restarted, came back, went down or became ready, or this node took the group's lead over.
 A triggered pass waits ``settle_s`` first, and triggers meanwhile join it, so a block whose
-two members return together is read and decoded once, not once per member.
+two members return together is read and decoded once, not once per member. A pass that left
+shards missing on members that are up (a put refused, a survivor unreadable, a member too busy
+to list) is retried a few seconds later (:meth:`PassSchedule.retry`).
 """
 
 from __future__ import annotations

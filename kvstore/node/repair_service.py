@@ -284,13 +284,16 @@ class RepairService:
         """One listing pass over a led group; listed again ``RETRY_S`` later when it failed
         or left shards missing on members that are up (a put refused, a survivor unreadable)."""
         try:
-            await self._repair_group(group)
+            unlisted = await self._repair_group(group)
         except Exception:
             log.exception("repair pass over group %d failed; retrying", group)
             self._schedule.retry(group, time.monotonic() + RETRY_S)
             return
         self._set_stats(passes=self.stats.passes + 1)
-        if self._backlog.missing_in(group):
+        # A member the probe finds up that did not list (busy: it shed the call) is no down
+        # member whose return will trigger a pass: look again soon.
+        busy = [m for m in unlisted if self._incarnations.get(m)]
+        if self._backlog.missing_in(group) or busy:
             self._schedule.retry(group, time.monotonic() + RETRY_S)
 
     async def _probe(self) -> None:
@@ -322,14 +325,17 @@ class RepairService:
             log.info("repair: members %s changed; listing groups %s", sorted(changed), shared)
         self._schedule.trigger([*shared, *taken_over], time.monotonic())
 
-    async def _repair_group(self, group: int) -> None:
-        """List ``group``, record what it lacks as its backlog, rebuild in repair order."""
+    async def _repair_group(self, group: int) -> set[str]:
+        """List ``group``, record what it lacks as its backlog, rebuild in repair order;
+        return the members that did not list."""
         members = self._cluster.groups[group]
         started_s = time.monotonic()
         now_s = self._clock.now()
         plans: list[BlockPlan] = []
         num_unrecoverable = 0
+        listed_by: list[int] = list(range(len(members)))
         async for tenant, key, listed, up in self._list_group(group):
+            listed_by = up
             plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), now_s)
             if isinstance(plan, Unrecoverable):
                 num_unrecoverable += 1
@@ -352,6 +358,7 @@ class RepairService:
             time.monotonic() - listed_s,
             self._backlog.missing_in(group),
         )
+        return {m for p, m in enumerate(members) if p not in listed_by}
 
     def _forget_hints_seen(self, group: int, listed_s: float) -> None:
         """Hints of ``group`` queued before its listing began: the listing saw their blocks."""

@@ -162,7 +162,7 @@ class NodeServicer:
         admitted = False
         try:
             principal = self._principal(context) if rpc != "Health" else None
-            self.admission.admit(rpc, context.time_remaining())  # load shedding
+            self.admission.admit(rpc, context.time_remaining(), time.monotonic())  # shedding
             admitted = True
             if delay and self._delay_s:
                 await asyncio.sleep(self._delay_s)
@@ -173,8 +173,9 @@ class NodeServicer:
             code, details = to_grpc_status(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", rpc)
-        if admitted:
-            self.admission.finished(rpc, time.perf_counter() - start_s)
+        finally:  # a call its client cancelled ends here too
+            if admitted:
+                self.admission.finished(rpc, time.perf_counter() - start_s)
         self._metrics.observe(rpc, code, time.perf_counter() - start_s)
         if reply is None:
             await context.abort(code, details)

@@ -1,15 +1,19 @@
-"""Honest overload (issue #25): a read whose deadline passes says so, apart from a miss.
+"""Honest overload (issue #25): a read whose deadline passes says so, apart from a miss, and a
+node that cannot answer in time sheds requests instead of queueing them past their deadlines.
 
 Three hung nodes (SIGSTOP) leave every key of a 12-node cluster undecided until the deadline: a
 timeout, reported as one (``on_timeout="raise"``, ``outcomes=True``, ``num_timeouts``); three
-dead nodes give clean misses at once, which are no timeouts.
+dead nodes give clean misses at once, which are no timeouts. A node slower than the clients'
+deadlines refuses their reads up front (RESOURCE_EXHAUSTED), and the reads still hit.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -66,3 +70,28 @@ async def test_hung_nodes_give_timeouts_dead_nodes_give_misses(tmp_path: Path) -
             )
             assert kv.read_counters.num_timeouts == 5
     assert get_s < 2.0 + 1.5, f"a get with a 2 s deadline took {get_s:.1f} s"
+
+
+def _shed(metrics_port: int, rpc: str) -> float:
+    """How many ``rpc`` requests the node refused as overloaded (its /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    pattern = rf'kvstore_requests_total{{code="RESOURCE_EXHAUSTED",rpc="{rpc}"}} ([0-9.e+]+)'
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.slow
+async def test_a_node_slower_than_the_deadlines_sheds_reads_and_they_still_hit(
+    tmp_path: Path,
+) -> None:
+    keys = block_keys(list(range(4 * 30)), 4, "shedding", "salt")
+    with LocalCluster.start(tmp_path / "c", 12, fsync=False, repair_bytes_per_s=0) as cluster:
+        async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
+            for key in keys:
+                await kv.put(key, key * 100, timeout_s=60.0)
+            cluster.restart_node("n03", ["--inject-delay-ms", "3000"])  # 3 s per request
+            for key in keys:  # 2 s deadlines: n03 can never answer one in time
+                assert await kv.get(key, timeout_s=2.0) == key * 100, "a read missed"
+            shed = _shed(cluster.config.node("n03").metrics_port, "ReadBatch")
+    assert shed > 0, "a node 3 s slow admitted every 2 s read: its queue outgrows the deadlines"
