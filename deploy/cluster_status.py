@@ -235,7 +235,7 @@ def repair_summary(stats: dict) -> str:
     )
     return (
         f"repair backlog {f['repair_backlog_shards']} shards ({f['repair_waiting_shards']} "
-        f"waiting for nodes that are down), {f['at_risk_blocks']} blocks at risk, ETA "
+        f"wait for their node to return), {f['at_risk_blocks']} blocks at risk, ETA "
         f"{f['repair_eta_s']:.0f} s{pending}; {f['evicted_blocks']} blocks evicted"
     )
 
