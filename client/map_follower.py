@@ -35,7 +35,7 @@ class MapFollower:
 
     def __init__(self, config: ClusterConfig, cluster_toml: str | Path | None = None) -> None:
         endpoints = config.membership.endpoints
-        self._membership = EtcdMembership(config.membership) if endpoints else None
+        self._membership = EtcdMembership(config.membership, reader=True) if endpoints else None
         self._cluster_toml = cluster_toml
         self._follow: asyncio.Task[None] | None = None
 
