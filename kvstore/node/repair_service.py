@@ -62,7 +62,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from erasure.codec import make_codec
-from erasure.shard import shard_version
+from erasure.shard import parse_header, shard_version
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.errors import CodecError, KVStoreError, PermissionDenied
 from kvstore.node.peers import Peers
@@ -466,10 +466,10 @@ class RepairService:
         members answered (stored it, held it already, hold a newer version, or fenced it)."""
         members = self._cluster.groups[group]
         started_s = time.monotonic()
-        block = await self._read_block(members, plan)
-        if block is None:
+        read = await self._read_block(members, plan)
+        if read is None:
             return 0
-        shards = self._codec.encode(block)
+        shards = self._encode_again(*read, plan.version)
         request = pb.PutShardsRequest(
             tenant=plan.tenant,
             traffic_class=plan.traffic_class,
@@ -507,8 +507,22 @@ class RepairService:
         request.CopyFrom(template)
         return await self._peers.put_shards(node_id, request, [(key, shard, written_at_s)])
 
-    async def _read_block(self, members: tuple[str, ...], plan: BlockPlan) -> bytes | None:
-        """The block, from k verified shards of the plan's version (None if they are gone).
+    def _encode_again(self, block: bytes, keyed: bool, version: bytes) -> list[bytes]:
+        """The shards of ``block`` at ``version``, as its writer encoded them: a keyed version
+        (client/integrity.py) is carried as it is, since a node cannot compute it (encoding
+        with the xxh3 version would make a version no member holds, and the members refuse
+        it: repair confirmation)."""
+        if not keyed:
+            return self._codec.encode(block)
+        spare = memoryview(bytearray(self._codec.spare_bytes(len(block))))
+        pairs = self._codec.encode_into(block, spare, keyed_version=version)
+        return [header + payload for header, payload in pairs]
+
+    async def _read_block(
+        self, members: tuple[str, ...], plan: BlockPlan
+    ) -> tuple[bytes, bool] | None:
+        """The block, from k verified shards of the plan's version, and whether that version
+        is keyed (None if they are gone).
 
         Asks k holders at once, and more holders only for those that fail.
         """
@@ -527,10 +541,11 @@ class RepairService:
             # digest=None: a keyed version (client/integrity.py) is the tenant's to check; the
             # shard checksums verified in _survivor guard what is rebuilt here.
             survivors = [shards[p] for p in sorted(shards)]
-            return bytes(self._codec.decode(survivors, verified=True, digest=None))
+            block = bytes(self._codec.decode(survivors, verified=True, digest=None))
         except CodecError as exc:
             log.warning("repair of %s: survivors do not decode: %s", plan.key.hex(), exc)
             return None
+        return block, parse_header(survivors[0]).keyed
 
     async def _survivor(self, node_id: str, position: int, plan: BlockPlan) -> bytes | None:
         """The plan's version's shard from one holder, verified, or None."""
