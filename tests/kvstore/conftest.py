@@ -27,11 +27,14 @@ from ttl.clock import ManualClock
 
 @pytest.fixture
 def start_node() -> Iterator[Callable[..., NodeProcess]]:
-    """``start_node(config_path, extra_args=())`` -> a ready node, stopped at teardown."""
+    """``start_node(config_path, extra_args=(), node_id="n0")`` -> a ready node, stopped at
+    teardown."""
     started: list[NodeProcess] = []
 
-    def start(config_path: Path, extra_args: tuple[str, ...] = ()) -> NodeProcess:
-        node = NodeProcess(config_path, extra_args=extra_args)
+    def start(
+        config_path: Path, extra_args: tuple[str, ...] = (), node_id: str = "n0"
+    ) -> NodeProcess:
+        node = NodeProcess(config_path, node_id, extra_args=extra_args)
         started.append(node)
         return node.start()
 
