@@ -730,6 +730,12 @@ class KVClient:
             **dataclasses.asdict(self.follow_ups.counters),
         }
 
+    async def settle_puts(self) -> None:
+        """Wait until the shard puts that returned puts left running in the background are
+        done (each bounded by its put's deadline): stored, or failed and counted in
+        ``write_counters.num_degraded_puts``."""
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     async def close(self) -> None:
         """Let background shard puts finish (bounded by their deadline), then close channels."""
         if self._closed:
@@ -737,7 +743,7 @@ class KVClient:
         self._closed = True
         if self._map_follower is not None:
             await self._map_follower.close()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.settle_puts()
         await self.follow_ups.close()  # touches and hints still pending go out first
         await self.transports.close()
         self._decode_pool.shutdown(wait=False)
