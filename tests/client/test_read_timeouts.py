@@ -4,11 +4,12 @@ node that cannot answer in time sheds requests instead of queueing them past the
 Three hung nodes (SIGSTOP) leave every key of a 12-node cluster undecided until the deadline: a
 timeout, reported as one (``on_timeout="raise"``, ``outcomes=True``, ``num_timeouts``); three
 dead nodes give clean misses at once, which are no timeouts. A node slower than the clients'
-deadlines refuses their reads up front (RESOURCE_EXHAUSTED), and the reads still hit.
+deadlines refuses reads that would wait for it up front (RESOURCE_EXHAUSTED), and gets still hit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -21,7 +22,8 @@ import pytest
 from client import BatchResult, KVClient, Outcome, block_keys
 from client.read_outcome import check_on_timeout, raise_timeouts
 from deploy.local_cluster import LocalCluster
-from kvstore.errors import DeadlineExceeded, InvalidArgument, Timeout
+from kvstore.errors import DeadlineExceeded, InvalidArgument, Overloaded, Timeout
+from kvstore.proto import kvstore_pb2 as pb
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,6 +87,10 @@ def _shed(metrics_port: int, rpc: str) -> float:
 async def test_a_node_slower_than_the_deadlines_sheds_reads_and_they_still_hit(
     tmp_path: Path,
 ) -> None:
+    # A client's gets do not wait for a straggler (they finish at k answers and cancel the
+    # rest), so the node's queue is made by reads that do wait: GetShards with 2 s deadlines
+    # straight to it. Once it has seen one take its whole deadline it refuses the next ones
+    # up front (one probe a second aside) rather than queue them past their deadlines.
     keys = block_keys(list(range(4 * 30)), 4, "shedding", "salt")
     with LocalCluster.start(tmp_path / "c", 12, fsync=False, repair_bytes_per_s=0) as cluster:
         async with KVClient.connect(cluster.cluster_toml, tenant="acme") as kv:
@@ -93,5 +99,15 @@ async def test_a_node_slower_than_the_deadlines_sheds_reads_and_they_still_hit(
             cluster.restart_node("n03", ["--inject-delay-ms", "3000"])  # 3 s per request
             for key in keys:  # 2 s deadlines: n03 can never answer one in time
                 assert await kv.get(key, timeout_s=2.0) == key * 100, "a read missed"
-            shed = _shed(cluster.config.node("n03").metrics_port, "ReadBatch")
+            slow = kv.conns["n03"]
+            request = pb.GetShardsRequest(tenant="acme", keys=keys[:1])
+            with pytest.raises(DeadlineExceeded):  # admitted: it teaches n03 its service time
+                await slow.call("GetShards", request, 2.0)
+            waves = await asyncio.gather(
+                *(slow.call("GetShards", request, 2.0) for _ in range(8)),
+                return_exceptions=True,
+            )
+            shed = _shed(cluster.config.node("n03").metrics_port, "GetShards")
     assert shed > 0, "a node 3 s slow admitted every 2 s read: its queue outgrows the deadlines"
+    refused = [w for w in waves if isinstance(w, Overloaded)]
+    assert len(refused) == shed, f"the client did not see each refusal as Overloaded: {waves}"
