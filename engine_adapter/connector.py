@@ -124,7 +124,7 @@ class StoreConnector:
         self.fetch_buffers = HostBlockPool(self.layout, max_blocks, pin_memory=pin, shared=True)
         self.write_buffers = HostBlockPool(self.layout, max_blocks, pin_memory=pin)
         self._clients: dict[str, KVClient] = {}
-        self._connect_lock = asyncio.Lock()
+        self._connecting: dict[str, asyncio.Task[KVClient]] = {}
         self._write_gate = asyncio.Semaphore(config.write_concurrency)
         self._pending_writes: set[asyncio.Task[None]] = set()
 
@@ -132,18 +132,30 @@ class StoreConnector:
         """Store keys of the full blocks of ``token_ids``; the tenant is the salt."""
         return block_keys(list(token_ids), self.layout.block_tokens, self.namespace, tenant)
 
-    async def client(self, tenant: str) -> KVClient:
-        """This tenant's client (the store checks the tenant on every shard)."""
-        async with self._connect_lock:
-            if tenant not in self._clients:
-                self._clients[tenant] = await KVClient.connect(
-                    self.cluster,
-                    tenant=tenant,
-                    token=self.token,
-                    transport=self.config.store_transport,
-                    landing_pool=self.fetch_buffers.landing_pool,
-                )
+    async def client(self, tenant: str, timeout_s: float | None = None) -> KVClient:
+        """This tenant's client (the store checks the tenant on every shard). A connect
+        that outlasts ``timeout_s`` raises TimeoutError and goes on in the background, so a
+        fetch's deadline covers connecting too and the next fetch finds the client."""
+        if tenant in self._clients:
             return self._clients[tenant]
+        task = self._connecting.get(tenant)
+        if task is None:
+            task = self._connecting[tenant] = asyncio.create_task(self._connect(tenant))
+        return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+
+    async def _connect(self, tenant: str) -> KVClient:
+        try:
+            kv = await KVClient.connect(
+                self.cluster,
+                tenant=tenant,
+                token=self.token,
+                transport=self.config.store_transport,
+                landing_pool=self.fetch_buffers.landing_pool,
+            )
+        finally:
+            self._connecting.pop(tenant, None)  # a failed connect is tried again next time
+        self._clients[tenant] = kv
+        return kv
 
     def plan(self, num_usable: int) -> FetchPlan:
         """Which usable blocks to fetch and which to compute meanwhile (cost_model.py)."""
@@ -242,6 +254,7 @@ class StoreConnector:
     async def close(self) -> None:
         """Finish write-backs, then close every tenant's client and the fetch pool."""
         await self.drain()
+        await asyncio.gather(*self._connecting.values(), return_exceptions=True)
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(kv.close() for kv in clients), return_exceptions=True)
         self.fetch_buffers.close()
@@ -270,13 +283,15 @@ class StoreConnector:
         its slot (Readiness), and again if its bytes changed before it was verified."""
         if not slots:
             return 0, 0, None, []
+        deadline = time.perf_counter() + deadline_s
         try:
-            kv = await self.client(tenant)
+            kv = await self.client(tenant, timeout_s=deadline_s)
+        except TimeoutError:  # still connecting: this prompt computes, the next one fetches
+            return 0, 0, "deadline", []
         except StoreFailure as exc:  # a store we cannot reach is a miss, not an error
             self.stats.num_lookup_errors += 1
             log.warning("store unreachable, computing the whole prompt: %s", exc)
             return 0, 0, "error", []
-        deadline = time.perf_counter() + deadline_s
         chunk = self.config.fetch_chunk_blocks
         gate = asyncio.Semaphore(max(1, self.config.fetch_concurrency // chunk))
         block_fetch_s: list[float] = []

@@ -17,7 +17,9 @@ def test_bench_engine_writes_every_setting(tmp_path):
     out = tmp_path / "engine.json"
     argv = ["bench", "engine", "--json", str(out), "--model", "random:small"]
     argv += ["--prompt-lengths", "128,256", "--cached-fractions", "0,0.9", "--repeats", "1"]
-    argv += ["--block-tokens", "16", "--nodes", "12"]
+    # "always": a model this small computes 224 tokens faster than any fetch, so the default
+    # cost policy would (rightly) fetch nothing and leave no fetch row to check.
+    argv += ["--block-tokens", "16", "--nodes", "12", "--fetch-policy", "always"]
     assert main(argv) == 0, "a cached run produced a different first token than the cold run"
     report = json.loads(out.read_text())
     rows = report["results"]

@@ -103,6 +103,6 @@ def test_engine_config_store_transport_is_one_the_client_knows():
     from client.kv_client import TRANSPORTS
 
     assert set(STORE_TRANSPORTS) == set(TRANSPORTS), "EngineConfig and KVClient disagree"
-    assert EngineConfig().store_transport == "grpc"
+    assert EngineConfig().store_transport == "auto"  # local channels where the nodes share the host
     with pytest.raises(ValueError, match="store_transport 'rdma'"):
         EngineConfig(store_transport="rdma")
