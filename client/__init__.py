@@ -2,6 +2,7 @@
 
 from client.keys import block_keys
 from client.kv_client import KVClient
+from client.read_outcome import BatchResult, Outcome
 from client.sync_client import SyncKVClient
 
-__all__ = ["KVClient", "SyncKVClient", "block_keys"]
+__all__ = ["BatchResult", "KVClient", "Outcome", "SyncKVClient", "block_keys"]

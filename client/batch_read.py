@@ -81,6 +81,7 @@ class ReadCounters:
     num_hedged: int = 0  # batches that finished without waiting for every asked node
     num_reserve_asks: int = 0  # requests to nodes beyond the first fan-out
     num_decode_failures: int = 0  # versions whose k shards did not rebuild a valid block
+    num_timeouts: int = 0  # keys still undecided at the deadline (not counted as misses)
     num_rechecks: int = 0  # blocks whose checksum failed, then their shards were checked
     num_tainted: int = 0  # blocks dropped: their pool slot may still be written late
 
@@ -146,6 +147,7 @@ class BatchRead:
         self.hedge_delay_s = hedge_delay_s  # 0 = ask reserves only for hopeless keys
         self.follow_ups = follow_ups
         self.decode_pool = decode_pool  # decodes (a block checksum pass each) run here
+        self.timed_out: list[bool] = []  # after run(): keys the deadline left undecided
         self.landing_pool = landing_pool  # where local nodes may write blocks themselves
         self.times = times if times is not None else ReadTimes()
         # How each block is checked against its version: xxh3-128, or a tenant's keyed
@@ -180,11 +182,13 @@ class BatchRead:
                 await state.gather()
         except TimeoutError:
             log.debug("batch read: deadline passed with %d keys undecided", state.num_undecided)
+            state.deadline_passed = True
         finally:
             gathered_s = clock()
             await state.stop()
             await state.settle_checks()
         stopped_s = clock()
+        self.timed_out = state.timed_out()
         try:
             blocks = await state.decode(self.decode_pool)
         finally:
@@ -242,6 +246,7 @@ class _State:
         self.heard_hit: list[set[int]] = [set() for _ in keys]
         self.heard_miss: list[set[int]] = [set() for _ in keys]
         self.k = k
+        self.deadline_passed = False
         self._plan()
 
     def _plan(self) -> None:
@@ -522,6 +527,10 @@ class _State:
             consume_result(task)
         self.tasks.clear()
 
+    def timed_out(self) -> list[bool]:
+        """Per key: the deadline passed before it was decided (a timeout, not a miss)."""
+        return [self.deadline_passed and not d for d in self.decided]
+
     async def decode(self, pool: Executor | None) -> list[bytes | memoryview | None]:
         """Decode every complete key into its buffer (or new bytes); None for the rest.
 
@@ -548,13 +557,16 @@ class _State:
         position_to_block.update(zip((p for p, _ in rest), decoded, strict=True))
         blocks: list[bytes | memoryview | None] = []
         counters = self.read.counters
+        timed_out = self.timed_out()
         for position in range(len(self.complete)):
             block = position_to_block.get(position)
             blocks.append(block)
-            if block is None:
-                counters.num_misses += 1
-            else:
+            if block is not None:
                 counters.num_hits += 1
+            elif timed_out[position]:
+                counters.num_timeouts += 1
+            else:
+                counters.num_misses += 1
         for collector in self.collectors:
             counters.num_corrupt_shards += collector.num_corrupt
         return blocks

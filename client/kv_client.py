@@ -6,6 +6,8 @@
     async with KVClient.connect(...) as kv: ...          # or: async with await ...connect(...)
     await kv.put(key, data, traffic_class="chat", ttl_s=None)  # QuorumError below k stored
     await kv.get(key) -> bytes | None                    # None is a miss
+    await kv.get(key, on_timeout="raise")                # a timeout raises Timeout instead
+    await kv.get_batch(keys, outcomes=True) -> BatchResult  # per key HIT, MISS or TIMEOUT
     await kv.get_into(key, out) -> bool                  # decodes straight into ``out``
     await kv.contains(keys) -> list[bool]
     await kv.match_prefix(keys) -> int
@@ -26,8 +28,9 @@ client/write_path.py), shard payloads landing straight in the caller's buffers. 
 single-key calls are batches of one.
 
 What a caller sees: ``get`` returns the exact bytes some ``put`` of that key stored, or None
-(a miss, fewer than k reachable shards of one version, or the deadline passed); never a mix of
-two writers' bytes and never bytes that fail the block checksum. Misuse (a key that is not 16
+(a miss, fewer than k reachable shards of one version, or the deadline passed: tell the last
+apart with ``on_timeout="raise"`` or ``outcomes=True``, client/read_outcome.py); never a mix
+of two writers' bytes and never bytes that fail the block checksum. Misuse (a key that is not 16
 bytes, an oversized block, an unknown traffic class, a ``get_into`` buffer of the wrong size, a
 bad token) raises a kvstore.errors exception. ``contains`` and ``match_prefix`` send one
 batched RPC per node per call and do not refresh TTLs; a ``get`` hit does, on every shard of
@@ -49,7 +52,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
 from client.buffers import Buffer, byte_view, writable_view
@@ -61,6 +64,7 @@ from client.landing_pool import LandingPool
 from client.local.reader import LocalReads
 from client.map_follower import MapFollower
 from client.node_conn import NodeConn, NodeReader, consume_result
+from client.read_outcome import BatchResult, check_on_timeout, raise_timeouts
 from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally
 from client.transports import NodeTransports
@@ -186,6 +190,12 @@ class KVClient:
         self._group_members = [[node_index[n] for n in group] for group in config.groups]
         self._previous_members = [[node_index[n] for n in g] for g in config.moving_from]
 
+    @property
+    def map_stale(self) -> bool:
+        """Whether the map in use may be behind etcd's: the client started on the cached map
+        while etcd was down, or etcd stopped answering (client/map_follower.py)."""
+        return self._map_follower is not None and self._map_follower.stale
+
     def apply_map(self, config: ClusterConfig) -> None:
         """Switch to a newer cluster map epoch (etcd membership) without reconnecting."""
         if config.epoch <= self.config.epoch:
@@ -218,7 +228,9 @@ class KVClient:
 
         With ``[membership] etcd`` set, the map is etcd's and the client follows its epochs
         without reconnecting (kvstore/membership.py; during a move reads that miss ask the
-        placement before it). Channels connect lazily; a node that is down only shows up as a
+        placement before it). While etcd does not answer, the client starts on the last map
+        read from it (cached beside cluster.toml) or the file's, and :attr:`map_stale` says so
+        until etcd answers. Channels connect lazily; a node that is down only shows up as a
         failed RPC later.
         ``transport`` picks how reads travel (client/transports.py): "grpc"; "ucx"
         (Unavailable at connect unless ucxx is installed and some node answers with a UCX
@@ -261,7 +273,8 @@ class KVClient:
         """:meth:`connect`'s steps: the map (etcd's when set), the client, then its map
         follower and read transports."""
         config = await _load_config(cluster_toml)
-        follower = MapFollower(config)
+        source = None if isinstance(cluster_toml, ClusterConfig) else cluster_toml
+        follower = MapFollower(config, source)
         try:
             config = await follower.current_map(config)
             client = cls(
@@ -390,39 +403,89 @@ class KVClient:
             )
         return view
 
-    async def get(self, key: Key, *, timeout_s: float | None = None) -> bytes | None:
-        """The block stored under ``key``, or None (miss, too few shards, deadline)."""
-        (block,) = await self.get_batch([key], timeout_s=timeout_s)
+    async def get(
+        self, key: Key, *, timeout_s: float | None = None, on_timeout: str = "miss"
+    ) -> bytes | None:
+        """The block stored under ``key``, or None (a miss, too few shards). A deadline that
+        passed first reads as None too, or raises kvstore.errors.Timeout with
+        ``on_timeout="raise"`` (client/read_outcome.py)."""
+        (block,) = await self.get_batch([key], timeout_s=timeout_s, on_timeout=on_timeout)
         return block
 
-    async def get_into(self, key: Key, out: Buffer, *, timeout_s: float | None = None) -> bool:
+    async def get_into(
+        self, key: Key, out: Buffer, *, timeout_s: float | None = None, on_timeout: str = "miss"
+    ) -> bool:
         """Decode the block straight into ``out`` (writable, exactly the block's size).
 
         Returns False on a miss (``out`` may then hold partial data). Raises InvalidArgument
-        when ``out`` is read-only or its size differs from the stored block's.
+        when ``out`` is read-only or its size differs from the stored block's; a timeout as
+        :meth:`get` says.
         """
-        (landed,) = await self.get_batch_into([key], [out], timeout_s=timeout_s)
+        (landed,) = await self.get_batch_into(
+            [key], [out], timeout_s=timeout_s, on_timeout=on_timeout
+        )
         return landed
 
+    @overload
     async def get_batch(
-        self, keys: Sequence[Key], *, timeout_s: float | None = None
-    ) -> list[bytes | None]:
-        """Each key's block, or None (a miss): one request per node for the whole batch."""
-        blocks = await self._read(keys, [None] * len(keys), timeout_s)
-        return [b if b is None or isinstance(b, bytes) else bytes(b) for b in blocks]
+        self,
+        keys: Sequence[Key],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
+        outcomes: Literal[False] = False,
+    ) -> list[bytes | None]: ...
+
+    @overload
+    async def get_batch(
+        self,
+        keys: Sequence[Key],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
+        outcomes: Literal[True],
+    ) -> BatchResult: ...
+
+    async def get_batch(
+        self,
+        keys: Sequence[Key],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
+        outcomes: bool = False,
+    ) -> list[bytes | None] | BatchResult:
+        """Each key's block, or None (a miss): one request per node for the whole batch.
+
+        ``outcomes=True`` returns a BatchResult: the blocks and, per key, HIT, MISS or TIMEOUT
+        (the deadline passed before the key was decided). ``on_timeout="raise"`` raises
+        kvstore.errors.Timeout instead when any key timed out (client/read_outcome.py).
+        """
+        check_on_timeout(on_timeout)
+        read, timed_out = await self._read(keys, [None] * len(keys), timeout_s)
+        blocks = [b if b is None or isinstance(b, bytes) else bytes(b) for b in read]
+        result = BatchResult.of(blocks, timed_out)
+        if on_timeout == "raise":
+            raise_timeouts(keys, result, self._timeout_s(timeout_s))
+        return result if outcomes else result.blocks
 
     async def get_batch_into(
-        self, keys: Sequence[Key], buffers: Sequence[Buffer], *, timeout_s: float | None = None
+        self,
+        keys: Sequence[Key],
+        buffers: Sequence[Buffer],
+        *,
+        timeout_s: float | None = None,
+        on_timeout: str = "miss",
     ) -> list[bool]:
         """Land each key's block in its buffer: True = it landed and was verified, False = a
-        miss (that buffer may then hold partial data).
+        miss (that buffer may then hold partial data); a timeout as :meth:`get_batch` says.
 
         Each buffer must be writable and exactly its block's size (InvalidArgument
         otherwise). Shard payloads land straight at their place in the buffers; a buffer
         from a long-lived pool (client/buffer_pool.py) is registered with UCX once, and one
         in the client's landing pool is written by the local nodes themselves.
         """
-        return (await self.land_batch(keys, buffers, timeout_s=timeout_s)).landed
+        landing = await self.land_batch(keys, buffers, timeout_s=timeout_s, on_timeout=on_timeout)
+        return landing.landed
 
     async def land_batch(
         self,
@@ -431,6 +494,7 @@ class KVClient:
         *,
         on_landed: OnLanded | None = None,
         timeout_s: float | None = None,
+        on_timeout: str = "miss",
     ) -> Landing:
         """:meth:`get_batch_into` for engines that use blocks while they arrive.
 
@@ -440,16 +504,21 @@ class KVClient:
         those bytes onward at once (client/readiness.py turns shards into layers). They are
         not verified yet: the returned :class:`Landing` says which blocks were (``landed``)
         and which had bytes written again after they were announced (``rewritten``: a shard
-        recovered from parity or replaced after a failed check); copy those again.
+        recovered from parity or replaced after a failed check); copy those again. A timeout
+        as :meth:`get_batch` says.
         """
         if len(keys) != len(buffers):
             raise InvalidArgument(
                 f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers; "
                 "pass one buffer per key"
             )
+        check_on_timeout(on_timeout)
         outs = [writable_view(buffer, f"buffer {i}") for i, buffer in enumerate(buffers)]
         rewritten: set[int] = set()
-        blocks = await self._read(keys, outs, timeout_s, on_landed, rewritten)
+        blocks, timed_out = await self._read(keys, outs, timeout_s, on_landed, rewritten)
+        if on_timeout == "raise":
+            landed = [None if b is None else b"" for b in blocks]  # Timeout carries no buffers
+            raise_timeouts(keys, BatchResult.of(landed, timed_out), self._timeout_s(timeout_s))
         return Landing(
             [block is not None for block in blocks],
             [i in rewritten for i in range(len(blocks))],
@@ -462,23 +531,27 @@ class KVClient:
         timeout_s: float | None,
         on_landed: OnLanded | None = None,
         rewritten: set[int] | None = None,
-    ) -> list[bytes | memoryview | None]:
+    ) -> tuple[list[bytes | memoryview | None], list[bool]]:
+        """The blocks, and per key whether the deadline passed before it was decided."""
         keys = [as_key(key) for key in keys]
         if not keys:
-            return []
+            return [], []
         read = self._batch_read(self._group_members)
         groups = [self.placement.group_index(key) for key in keys]
         if self.sealer is None:
-            blocks = await self._read_placed(read, keys, groups, outs, timeout_s, on_landed)
+            placed = await self._read_placed(read, keys, groups, outs, timeout_s, on_landed)
             if rewritten is not None:
                 rewritten.update(read.rewritten)
-            return blocks
+            return placed
         # A sealed block decodes into its own buffer; opening it writes the caller's.
-        sealed = await self._read_placed(read, keys, groups, [None] * len(keys), timeout_s)
-        return [
+        sealed, timed_out = await self._read_placed(
+            read, keys, groups, [None] * len(keys), timeout_s
+        )
+        opened = [
             None if block is None else self.sealer.open(key, block, out)
             for key, block, out in zip(keys, sealed, outs, strict=True)
         ]
+        return opened, timed_out
 
     def _batch_read(self, group_members: Sequence[Sequence[int]]) -> BatchRead:
         return BatchRead(
@@ -505,11 +578,15 @@ class KVClient:
         outs: Sequence[memoryview | None],
         timeout_s: float | None,
         on_landed: OnLanded | None = None,
-    ) -> list[bytes | memoryview | None]:
-        """The blocks from the current placement; during a map change, the keys it misses
-        whose group changed are read again from the placement before the change (their
-        blocks then count as rewritten: no shard of the second read is announced)."""
+    ) -> tuple[list[bytes | memoryview | None], list[bool]]:
+        """The blocks from the current placement, and which keys timed out; during a map
+        change, the keys it misses whose group changed are read again from the placement
+        before the change, within what is left of the same deadline (their blocks then count
+        as rewritten: no shard of the second read is announced)."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self._timeout_s(timeout_s)
         blocks = await read.run(keys, groups, outs, self._timeout_s(timeout_s), on_landed)
+        timed_out = list(read.timed_out)
         previous = self.config.moving_from
         again = [
             i
@@ -517,17 +594,18 @@ class KVClient:
             if block is None and previous and previous[groups[i]] != self.config.groups[groups[i]]
         ]
         if not again:
-            return blocks
-        found = await self._batch_read(self._previous_members).run(
+            return blocks, timed_out
+        before = self._batch_read(self._previous_members)
+        found = await before.run(
             [keys[i] for i in again],
             [groups[i] for i in again],
             [outs[i] for i in again],
-            self._timeout_s(timeout_s),
+            max(0.0, deadline_s - loop.time()),
         )
-        for i, block in zip(again, found, strict=True):
-            blocks[i] = block
+        for i, block, late in zip(again, found, before.timed_out, strict=True):
+            blocks[i], timed_out[i] = block, block is None and (late or timed_out[i])
             read.rewritten.add(i)
-        return blocks
+        return blocks, timed_out
 
     async def contains(self, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
         """For each key: is its block readable (some version on >= k nodes)? TTLs not refreshed."""
@@ -671,6 +749,12 @@ class KVClient:
             **dataclasses.asdict(self.follow_ups.counters),
         }
 
+    async def settle_puts(self) -> None:
+        """Wait until the shard puts that returned puts left running in the background are
+        done (each bounded by its put's deadline): stored, or failed and counted in
+        ``write_counters.num_degraded_puts``."""
+        await asyncio.gather(*self._background, return_exceptions=True)
+
     async def close(self) -> None:
         """Let background shard puts finish (bounded by their deadline), then close channels."""
         if self._closed:
@@ -678,7 +762,7 @@ class KVClient:
         self._closed = True
         if self._map_follower is not None:
             await self._map_follower.close()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.settle_puts()
         await self.follow_ups.close()  # touches and hints still pending go out first
         await self.transports.close()
         self._decode_pool.shutdown(wait=False)

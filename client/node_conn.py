@@ -25,7 +25,7 @@ from client.landing import NodeAnswer, StreamLander, Wanted
 from client.node_health import NodeHealth
 from client.wire import parse_get_shards_reply
 from kvstore.config import NodeConfig
-from kvstore.errors import BadReply, KVStoreError
+from kvstore.errors import BadReply, KVStoreError, Overloaded
 from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
@@ -163,9 +163,12 @@ class NodeConn:
         return reply
 
     def _failed(self, method: str, exc: grpc.aio.AioRpcError) -> KVStoreError:
-        if exc.code() in _NODE_FAULT_CODES:
+        error = from_grpc_status(exc.code(), f"node {self.node_id} {method}: {exc.details()}")
+        if isinstance(error, Overloaded):
+            self.health.record_overload(time.monotonic())
+        elif exc.code() in _NODE_FAULT_CODES:
             self.health.record_failure(time.monotonic())
-        return from_grpc_status(exc.code(), f"node {self.node_id} {method}: {exc.details()}")
+        return error
 
     def is_suspect(self) -> bool:
         return self.health.is_suspect(time.monotonic())

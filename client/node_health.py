@@ -6,6 +6,9 @@ Pure code: time comes in as ``now_s`` (monotonic seconds), so tests drive it dir
   ``2 s``, doubling on each consecutive failure up to ``30 s``. Reads skip suspect nodes; when
   the window passes, the next request is the probe: success clears the state, failure doubles
   the window.
+* **Overloaded.** A node that shed a request (RESOURCE_EXHAUSTED, kvstore/node/admission.py)
+  is suspect for ``OVERLOAD_MIN_S``, doubling on each consecutive shed up to
+  ``OVERLOAD_MAX_S``: the client backs off from it, and reads ask the other nodes meanwhile.
 * **Slow.** After a read finishes early, every asked node that had not answered yet was
   *late*. ``late_score`` is an exponential moving average of lateness. A healthy node among the
   11 asked is late about 1 read in 11 (score ~0.1); a straggler is late every time (score -> 1).
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 
 SUSPECT_MIN_S = 2.0
 SUSPECT_MAX_S = 30.0
+OVERLOAD_MIN_S = 0.1
+OVERLOAD_MAX_S = 2.0
 LATE_ALPHA = 0.2  # weight of the newest lateness observation
 SLOW_SCORE = 0.5
 PROBE_EVERY = 32  # a slow node is asked as an extra once per this many reads that skip it
@@ -38,6 +43,12 @@ class NodeHealth:
         """An RPC to the node failed: suspect it, for twice as long as last time."""
         self.suspect_window_s = min(SUSPECT_MAX_S, max(SUSPECT_MIN_S, 2 * self.suspect_window_s))
         self.suspect_until_s = now_s + self.suspect_window_s
+
+    def record_overload(self, now_s: float) -> None:
+        """The node shed a request: back off from it, briefly (it is up, only busy)."""
+        window_s = min(OVERLOAD_MAX_S, max(OVERLOAD_MIN_S, 2 * self.suspect_window_s))
+        self.suspect_window_s = window_s
+        self.suspect_until_s = max(self.suspect_until_s, now_s + window_s)
 
     def record_success(self) -> None:
         self.suspect_window_s = 0.0

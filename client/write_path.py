@@ -257,38 +257,94 @@ class BatchWrite:
         errors: dict[int, BaseException],
     ) -> KVStoreError:
         """Misuse (bad argument, bad token) surfaces as itself; anything else is a QuorumError
-        that says exactly what each failed key left behind."""
+        that says exactly what each failed key left behind (:func:`quorum_message`)."""
         for exc in errors.values():
             if isinstance(exc, InvalidArgument | PermissionDenied):
                 return exc
-        k = self.policy.k
-        details = []
-        for i in failed[:4]:
-            stored = state.stored[i]
-            num_shards = len(stored) + len(state.failed[i]) + len(state.pending[i])
-            on = ", ".join(sorted(self.conns[n].node_id for n in stored)) or "no node"
-            if len(stored) >= k:
-                readable = f"{k} or more, so it IS readable (repair completes it)"
-            else:
-                readable = (
-                    f"fewer than the {k} a read needs, so it is not readable unless "
-                    f"{k - len(stored)} of the {len(state.pending[i])} puts still in flight land"
-                )
-            details.append(
-                f"key {keys[i].hex()} stored {len(stored)} of {num_shards} shards of version "
-                f"{self._versions[i].hex()} (on {on}): {readable}"
+
+        def names(nodes: set[int]) -> list[str]:
+            return sorted(self.conns[n].node_id for n in nodes)
+
+        outcomes = [
+            KeyOutcome(
+                keys[i],
+                self._versions[i],
+                names(state.stored[i]),
+                names(state.failed[i]),
+                names(state.pending[i]),
             )
-        more = f"; and {len(failed) - 4} more" if len(failed) > 4 else ""
-        causes = "; ".join(f"{self.conns[n].node_id}: {e}" for n, e in list(errors.items())[:4])
-        error = QuorumError(
-            f"{len(failed)} of {len(keys)} blocks are below min_write_shards "
-            f"{self.policy.min_shards}: {'; '.join(details)}{more}. The stored shards stay "
-            "until their TTL, and each node that stored one retired the key's older version "
-            f"there. Failed nodes: {causes or 'none'}. Those blocks are not stored (the others "
-            "are); retry them when the nodes are back"
-        )
+            for i in failed
+        ]
+        node_errors = {self.conns[n].node_id: str(e) for n, e in errors.items()}
+        error = QuorumError(quorum_message(outcomes, len(keys), self.policy, node_errors))
         error.keys = [keys[i] for i in failed]  # type: ignore[attr-defined]
         return error
+
+
+@dataclass(frozen=True)
+class KeyOutcome:
+    """Where one key's shards stand when its put is decided: node ids that stored one, failed,
+    or are still in flight."""
+
+    key: bytes
+    version: bytes
+    stored: list[str]
+    failed: list[str]
+    pending: list[str]
+
+
+MAX_NAMED_KEYS = 4
+MAX_NAMED_NODES = 12
+
+
+def quorum_message(
+    outcomes: Sequence[KeyOutcome],
+    num_keys: int,
+    policy: WritePolicy,
+    node_errors: dict[str, str],
+) -> str:
+    """The QuorumError text: per failed key how many shards landed where, whether that is
+    readable (and what it would take), every failed node with its error (or how many are
+    left out), and what to do."""
+    details = [_key_detail(o, policy.k) for o in outcomes[:MAX_NAMED_KEYS]]
+    if len(outcomes) > MAX_NAMED_KEYS:
+        details.append(f"and {len(outcomes) - MAX_NAMED_KEYS} more keys")
+    failed_nodes = sorted(node_errors)
+    named = "; ".join(f"{n}: {node_errors[n]}" for n in failed_nodes[:MAX_NAMED_NODES]) or "none"
+    if len(failed_nodes) > MAX_NAMED_NODES:
+        named += f"; and {len(failed_nodes) - MAX_NAMED_NODES} more failed nodes not named"
+    return (
+        f"{len(outcomes)} of {num_keys} blocks are below min_write_shards {policy.min_shards}: "
+        f"{'; '.join(details)}. The stored shards stay until their TTL, and each node that "
+        f"stored one retired the key's older version there. Failed nodes "
+        f"({len(failed_nodes)}): {named}. Those blocks are not stored (the others are); retry "
+        "them when the nodes are back"
+    )
+
+
+def _key_detail(outcome: KeyOutcome, k: int) -> str:
+    num_stored, num_pending = len(outcome.stored), len(outcome.pending)
+    num_shards = num_stored + len(outcome.failed) + num_pending
+    on = ", ".join(outcome.stored) or "no node"
+    if num_stored >= k:
+        readable = f"{k} or more, so it IS readable (repair completes it)"
+    elif num_stored + num_pending >= k:
+        readable = (
+            f"fewer than the {k} a read needs, so it is not readable unless {k - num_stored} "
+            f"of the {num_pending} puts still in flight ({', '.join(outcome.pending)}) land"
+        )
+    elif num_pending:
+        readable = (
+            f"fewer than the {k} a read needs, and the {num_pending} puts still in flight "
+            f"({', '.join(outcome.pending)}) cannot make it readable"
+        )
+    else:
+        readable = f"fewer than the {k} a read needs, so it is not readable"
+    failed = f"; failed on {', '.join(outcome.failed)}" if outcome.failed else ""
+    return (
+        f"key {outcome.key.hex()} stored {num_stored} of {num_shards} shards of version "
+        f"{outcome.version.hex()} (on {on}){failed}: {readable}"
+    )
 
 
 class _KeyStates:

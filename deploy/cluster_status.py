@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,8 @@ from rich.table import Table
 from kvstore.auth import client_token
 from kvstore.cli.tables import make_console, print_fitted
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
+from kvstore.errors import Unavailable
+from kvstore.map_cache import fallback_map, save_cached_map
 from kvstore.membership import EtcdMembership
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
@@ -48,6 +52,7 @@ from kvstore.tls import channel_credentials, sync_channel
 from ttl.units import format_bytes, format_duration
 
 STATS_TIMEOUT_S = 2.0
+ETCD_TIMEOUT_S = 3.0  # then status reports from the cached map and says etcd is unreachable
 
 
 def fetch_stats(
@@ -197,13 +202,42 @@ def status_document(
         "filesystems": filesystems(stats),
         "tls": config.tls_enabled,
         "auth": any(n.credentials_file for n in config.nodes),
-        "repair_backlog_shards": sum(r.repair.backlog_shards for r in stats.values() if r),
+        **repair_figures(stats),
         "retention_caps": retention_caps(stats),
         "nodes": [
             _node_record(node, node_pid(node.id, pids, stats[node.id]), stats[node.id], live)
             for node in config.nodes
         ],
     }
+
+
+def repair_figures(stats: dict) -> dict[str, Any]:
+    """The cluster's repair figures: the backlog (shards its readable blocks lack, as the
+    leaders' latest looks found them), of which waiting on nodes that are down, the blocks
+    at risk (fewer than k+m shards), the slowest leader's ETA at its repair rate, and how
+    many led groups still wait for a listing (their backlog is not known yet)."""
+    repairs = [r.repair for r in stats.values() if r is not None]
+    return {
+        "repair_backlog_shards": sum(r.backlog_shards for r in repairs),
+        "repair_waiting_shards": sum(r.waiting_shards for r in repairs),
+        "at_risk_blocks": sum(r.at_risk_blocks for r in repairs),
+        "repair_eta_s": max((r.eta_s for r in repairs), default=0.0),
+        "repair_pending_groups": sum(r.pending_groups for r in repairs),
+        "evicted_blocks": sum(r.evicted_blocks for r in stats.values() if r is not None),
+    }
+
+
+def repair_summary(stats: dict) -> str:
+    """One line of :func:`repair_figures` for the table view."""
+    f = repair_figures(stats)
+    pending = f"; {f['repair_pending_groups']} groups not listed yet" * bool(
+        f["repair_pending_groups"]
+    )
+    return (
+        f"repair backlog {f['repair_backlog_shards']} shards ({f['repair_waiting_shards']} "
+        f"wait for their node to return), {f['at_risk_blocks']} blocks at risk, ETA "
+        f"{f['repair_eta_s']:.0f} s{pending}; {f['evicted_blocks']} blocks evicted"
+    )
 
 
 def _node_record(
@@ -232,6 +266,11 @@ def _node_record(
         hits=reply.hits,
         misses=reply.misses,
         retired_versions=reply.retired_versions,
+        evicted_blocks=reply.evicted_blocks,
+        peer_removed_shards=reply.peer_removed_shards,
+        compacted_bytes=reply.compacted_bytes,
+        dead_bytes=reply.dead_bytes,
+        at_risk_blocks=reply.repair.at_risk_blocks,
         last_tombstone_seq=reply.last_tombstone_seq,
         epoch=reply.epoch,
         filesystem_id=reply.filesystem_id,
@@ -244,6 +283,8 @@ def _node_record(
 def _repair_record(repair: pb.RepairStats) -> dict[str, Any]:
     figures = ("backlog_shards", "rebuilt_shards", "rebuilt_bytes", "read_bytes")
     figures += ("skipped_expiring", "unrecoverable", "fenced", "queued_hints", "passes")
+    figures += ("waiting_shards", "at_risk_blocks", "backlog_bytes", "eta_s", "pending_groups")
+    figures += ("ready",)
     return {
         **{name: getattr(repair, name) for name in figures},
         "led_groups": list(repair.led_groups),
@@ -280,14 +321,26 @@ def print_status(
     """Print the tables (or JSON); exit status 0 when every node answers, 1 otherwise.
     With etcd membership the map is etcd's, and nodes "left" need not answer.
     ``cluster_toml``: the map, when it is not ``root/cluster.toml``."""
+    started_s = time.monotonic()
     cluster_toml = cluster_toml or root / "cluster.toml"
-    config, live = current_map(load_cluster(cluster_toml))
+    in_force = current_map(load_cluster(cluster_toml), cluster_toml)
+    config = in_force.config
     stats = fetch_stats(config, token, client_cert)
     if as_json:
-        print(json.dumps(status_document(config, cluster_toml, pids, stats, live), indent=1))
+        document = status_document(config, cluster_toml, pids, stats, in_force.live)
+        document.update(map_source=in_force.source, etcd_error=in_force.etcd_error or None)
+        document["etcd_reachable"] = None if in_force.source == "file" else not in_force.etcd_error
+        document["elapsed_s"] = round(time.monotonic() - started_s, 3)  # etcd and Stats calls
+        print(json.dumps(document, indent=1))
     else:
         console = make_console()
+        if in_force.etcd_error:
+            console.print(
+                f"[yellow]{in_force.etcd_error}: etcd is unreachable; the nodes below are "
+                f"those of the cached map (epoch {config.epoch}), which may be stale[/yellow]"
+            )
         print_fitted(node_table(config, pids, stats), console, keep=("up",))
+        console.print(repair_summary(stats))
         print_fitted(class_table(stats), console, keep=("class",))
         if caps := retention_caps(stats):
             print_fitted(caps_table(caps), console, keep=("tenant",))
@@ -295,15 +348,37 @@ def print_status(
     return 0 if all(stats[node_id] is not None for node_id in expected) else 1
 
 
-def current_map(config: ClusterConfig) -> tuple[ClusterConfig, dict[str, Any] | None]:
-    """The map in force (etcd's when ``[membership] etcd`` is set, else the file's) and the
-    nodes registered in etcd (None without etcd)."""
+@dataclass(frozen=True)
+class MapInForce:
+    """The map status reports on, where it came from, and the nodes registered in etcd."""
+
+    config: ClusterConfig
+    source: str  # "file" (no etcd), "etcd", or "cache" (etcd did not answer)
+    live: dict[str, Any] | None = None  # None: not known (no etcd, or etcd down)
+    etcd_error: str = ""
+
+
+def current_map(config: ClusterConfig, cluster_toml: Path | None = None) -> MapInForce:
+    """The map in force: etcd's when ``[membership] etcd`` is set (cached beside
+    ``cluster_toml``), else the file's; when etcd does not answer within ``ETCD_TIMEOUT_S``,
+    the cached map or the file's, whichever is newer (kvstore/map_cache.py)."""
     if not config.membership.endpoints:
-        return config, None
+        return MapInForce(config, "file")
 
     async def read() -> tuple[ClusterConfig, dict[str, Any]]:
         async with EtcdMembership(config.membership) as membership:
             got = await membership.get_map()
             return (got[0] if got else config), await membership.live_members()
 
-    return asyncio.run(read())
+    async def read_in_time() -> tuple[ClusterConfig, dict[str, Any]]:
+        return await asyncio.wait_for(read(), ETCD_TIMEOUT_S)
+
+    try:
+        etcd_map, live = asyncio.run(read_in_time())
+    except (Unavailable, TimeoutError) as exc:
+        fallback = config if cluster_toml is None else fallback_map(cluster_toml, config)
+        error = str(exc) or f"no answer in {ETCD_TIMEOUT_S:g} s"
+        return MapInForce(fallback, "cache", etcd_error=f"etcd {config.membership.etcd}: {error}")
+    if cluster_toml is not None:
+        save_cached_map(cluster_toml, etcd_map)
+    return MapInForce(etcd_map, "etcd", live)

@@ -9,11 +9,13 @@ and integrity failures (a shard that fails its checksum)::
       InvalidArgument (ValueError)      wrong key size, oversized block, bad buffer, bad config
       PermissionDenied                  wrong token, another tenant's data
       CapacityExhausted                 the node cannot store more bytes
+        Overloaded                      the node sheds load: its queue would outlast the deadline
       Unavailable                       a node, or too many nodes, could not be reached
         QuorumError                     a write stored too few shards to be readable
         IndexUnusable                   a node's index is damaged: it rebuilds it
         NotServing                      a node is up but still opening or rebuilding its store
       DeadlineExceeded
+        Timeout                         a read's deadline passed before it was decided
       BadReply                          a node answered with a malformed message
     erasure.errors.ErasureError         the codec (the bottom layer raises its own)
       InvalidCodecInput (ValueError)
@@ -55,10 +57,12 @@ __all__ = [
     "KVStoreError",
     "MixedVersions",
     "NotServing",
+    "Overloaded",
     "PermissionDenied",
     "QuorumError",
     "ShardHeaderError",
     "TTLError",
+    "Timeout",
     "TooFewShards",
     "TraceFormatError",
     "Unavailable",
@@ -82,6 +86,11 @@ class CapacityExhausted(KVStoreError):
     """The node cannot store more bytes, even after evicting expirable data."""
 
 
+class Overloaded(CapacityExhausted):
+    """The node refused the request before doing any of it: the work queued ahead of it would
+    not finish within the request's deadline. Retry after a backoff (RESOURCE_EXHAUSTED)."""
+
+
 class Unavailable(KVStoreError):
     """A node or too many nodes could not be reached."""
 
@@ -101,6 +110,22 @@ class NotServing(Unavailable):
 
 class DeadlineExceeded(KVStoreError):
     """The operation did not finish within its deadline."""
+
+
+class Timeout(DeadlineExceeded):
+    """A read's deadline passed before it was decided: the block may well exist (a miss is
+    ``None``, never this). ``keys``: the keys not decided; ``blocks``: the batch's results,
+    None where a key timed out."""
+
+    def __init__(
+        self,
+        message: str,
+        keys: list[bytes] | None = None,
+        blocks: list[bytes | None] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.keys = keys or []
+        self.blocks = blocks or []
 
 
 class BadReply(KVStoreError):

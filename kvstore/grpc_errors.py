@@ -17,7 +17,9 @@ from kvstore.errors import (
     InvalidArgument,
     InvalidCodecInput,
     KVStoreError,
+    Overloaded,
     PermissionDenied,
+    Timeout,
     TTLError,
     Unavailable,
 )
@@ -28,8 +30,9 @@ _ERROR_TO_CODE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidCodecInput, grpc.StatusCode.INVALID_ARGUMENT),
     (TTLError, grpc.StatusCode.INVALID_ARGUMENT),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),  # Overloaded among them
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (CodecError, grpc.StatusCode.DATA_LOSS),
     (BadReply, grpc.StatusCode.DATA_LOSS),
@@ -46,6 +49,8 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
 }
 
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# Overloaded and CapacityExhausted share RESOURCE_EXHAUSTED; a shed request's details start so.
+OVERLOADED_MARK = "overloaded:"
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
@@ -66,8 +71,11 @@ def to_grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def from_grpc_status(code: grpc.StatusCode, details: str | None) -> KVStoreError:
-    """The exception a client raises for a failed RPC."""
+    """The exception a client raises for a failed RPC. RESOURCE_EXHAUSTED is Overloaded when
+    the node says it shed the request (:data:`OVERLOADED_MARK`), CapacityExhausted else."""
     error_type = _CODE_TO_ERROR.get(code, KVStoreError)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and OVERLOADED_MARK in (details or ""):
+        error_type = Overloaded
     return error_type(f"{code.name}: {details or ''}".rstrip(": "))
 
 

@@ -58,6 +58,10 @@ class EtcdMembership:
         self._clients: dict[int, aetcd.Client] = {}
         self._map_key = f"{membership.prefix}/map".encode()
         self._members_prefix = f"{membership.prefix}/members/".encode()
+        # None until the first call; False from the first call no endpoint answered (logged
+        # once per outage, counted in num_outages) until one answers again.
+        self.reachable: bool | None = None
+        self.num_outages = 0
 
     async def __aenter__(self) -> EtcdMembership:
         return self
@@ -84,15 +88,32 @@ class EtcdMembership:
         endpoints = self.membership.endpoints
         for _ in endpoints:
             try:
-                return await request(self._client)
+                reply = await request(self._client)
             except _UNREACHABLE as exc:
                 # Other tasks may have calls in flight on this client: it stays open, and
                 # comes back into use when the rotation returns to it.
-                log.info("etcd %s: %s", endpoints[self._endpoint], exc)
+                log.debug("etcd %s: %s", endpoints[self._endpoint], exc)
                 self._endpoint = (self._endpoint + 1) % len(endpoints)
             except aetcd.exceptions.ClientError as exc:
                 raise Unavailable(f"etcd {endpoints[self._endpoint]}: {exc}") from None
-        raise Unavailable(f"no etcd endpoint of {self.membership.etcd} answers")
+            else:
+                self._answered()
+                return reply
+        error = Unavailable(f"no etcd endpoint of {self.membership.etcd} answers")
+        self._unreachable(error)
+        raise error
+
+    def _answered(self) -> None:
+        if self.reachable is False:
+            log.warning("etcd %s answers again", self.membership.etcd)
+        self.reachable = True
+
+    def _unreachable(self, error: Unavailable) -> None:
+        """Log an outage once, when it starts (every caller retries meanwhile)."""
+        if self.reachable is not False:
+            self.num_outages += 1
+            log.warning("%s; retrying (logged once per outage)", error)
+        self.reachable = False
 
     async def get_map(self) -> tuple[ClusterConfig, int] | None:
         """The map in etcd and its key's mod revision, or None when none was stored yet."""
@@ -163,8 +184,14 @@ class EtcdMembership:
                 finally:
                     with contextlib.suppress(Exception):
                         await watch.cancel()
-            except (aetcd.exceptions.ClientError, Unavailable, ValueError) as exc:
-                log.warning("watching the cluster map: %s; reading it again", exc)
+            except Unavailable as exc:  # an outage: logged once when it began
+                log.debug("watching the cluster map: %s; reading it again", exc)
+                await asyncio.sleep(RETRY_S)
+            except aetcd.exceptions.ClientError as exc:  # the watch broke: read again
+                log.info("watching the cluster map: %s; reading it again", exc)
+                await asyncio.sleep(RETRY_S)
+            except ValueError as exc:
+                log.warning("etcd holds a cluster map that does not parse: %s", exc)
                 await asyncio.sleep(RETRY_S)
 
     async def _watched(self, watch: Any) -> AsyncIterator[ClusterConfig]:
@@ -204,8 +231,8 @@ class EtcdMembership:
                         if reply is None or reply.TTL <= 0:
                             lease_id = None  # expired meanwhile: register again
                             continue
-                except Unavailable as exc:
-                    log.warning("etcd lease of %s: %s; retrying", node_id, exc)
+                except Unavailable as exc:  # an outage is logged once, by _call
+                    log.debug("etcd lease of %s: %s; retrying", node_id, exc)
                     lease_id = None
                 await asyncio.sleep(ttl_s / 3)
         finally:

@@ -48,6 +48,7 @@ from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 from kvstore.auth import Authenticator, NodePeers, Role, bearer_token
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import KVStoreError, Unavailable
+from kvstore.map_cache import fallback_map, save_cached_map
 from kvstore.membership import EtcdMembership, follow_map
 from kvstore.node.local_face import LocalFace
 from kvstore.node.local_server import LocalServer
@@ -81,10 +82,12 @@ async def serve(
     node: NodeConfig,
     stop: asyncio.Event,
     membership: EtcdMembership | None = None,
+    cluster_toml: str | None = None,
 ) -> None:
     """Run one node until ``stop`` is set, then shut down cleanly. With ``membership`` the
-    node registers in etcd, follows the map's epochs and takes its turn keeping the map."""
-    process = _NodeProcess(cluster, node, membership)
+    node registers in etcd, follows the map's epochs (caching each beside ``cluster_toml``)
+    and takes its turn keeping the map."""
+    process = _NodeProcess(cluster, node, membership, cluster_toml)
     await process.health.set("", HealthCheckResponse.NOT_SERVING)
     process.start_local()  # reads are Unavailable until the store opened
     tasks: list[asyncio.Task[None]] = []
@@ -103,9 +106,14 @@ class _NodeProcess:
     """The parts of one running node, wired together; :func:`serve` starts and stops them."""
 
     def __init__(
-        self, cluster: ClusterConfig, node: NodeConfig, membership: EtcdMembership | None
+        self,
+        cluster: ClusterConfig,
+        node: NodeConfig,
+        membership: EtcdMembership | None,
+        cluster_toml: str | None = None,
     ) -> None:
         self.cluster, self.node, self.membership = cluster, node, membership
+        self.cluster_toml = cluster_toml
         self.executor = ThreadPoolExecutor(NUM_WORKER_THREADS, thread_name_prefix=f"node-{node.id}")
         self.clock = make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
         self.auth = Authenticator(node.credentials_file or None)
@@ -114,7 +122,9 @@ class _NodeProcess:
         opener = partial(_open, cluster, node, self.clock, self.auth, self.placed)
         self.holder = StoreHolder(opener, node, self.executor)
         self.sync = TombstoneSync(cluster, node, lambda: self.holder.store, self.executor)
-        self.repair = RepairService(cluster, node, self.clock)
+        self.repair = RepairService(
+            cluster, node, self.clock, self.repair_ready, self.sync.note_peer_seqs
+        )
         self.health = health_aio.HealthServicer()
         self.metrics = NodeMetrics(self.holder.stats, lambda: self.repair.stats)
         self.server = grpc.aio.server(options=_server_options(node))
@@ -124,6 +134,10 @@ class _NodeProcess:
         self.servicer = self._servicer()
         self.local: LocalServer | None = None
         self.drops: set[asyncio.Future[int]] = set()
+
+    def repair_ready(self) -> bool:
+        """Serving, and the peers' delete logs pulled into this store (Health repair_ready)."""
+        return self.holder.store is not None and self.sync.synced
 
     def _ucx_face(self) -> UcxFace | None:
         if self.ucx is None:
@@ -177,7 +191,9 @@ class _NodeProcess:
         period_s = upkeep_period_s(ttl.time_scale, ttl.expiry_window_s)
         work = [
             upkeep_forever(self.holder, self.auth, period_s, self.executor),
-            scrub_forever(partial(_scrub, self.holder), self.node, self.executor),
+            scrub_forever(
+                partial(_scrub, self.holder), self.node, self.executor, self.holder.rebuild_after
+            ),
             sync_forever(self.sync, self.node.tombstone_sync_interval_s),
             self.repair.run(),
             _mirror_health(self.health, self.holder),
@@ -202,6 +218,8 @@ class _NodeProcess:
         self.servicer.set_epoch(new.epoch)
         self.repair.set_cluster(new)
         self.sync.set_cluster(new)
+        if self.cluster_toml is not None:
+            save_cached_map(self.cluster_toml, new)
         log.info("node %s follows map epoch %d", self.node.id, new.epoch)
         self.drop_moved_away()
 
@@ -371,7 +389,7 @@ def _start_ucx(node: NodeConfig) -> UcxServer | None:
         return None
 
 
-async def _main(cluster: ClusterConfig, node: NodeConfig) -> None:
+async def _main(cluster: ClusterConfig, node: NodeConfig, cluster_toml: str) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -380,10 +398,25 @@ async def _main(cluster: ClusterConfig, node: NodeConfig) -> None:
         await serve(cluster, node, stop)
         return
     async with EtcdMembership(cluster.membership) as membership:
-        # The map in etcd wins over the file (the file seeds etcd's first map): a node that
-        # joined later is only in etcd's map.
-        cluster = await membership.create_map(cluster)
-        await serve(cluster, cluster.node(node.id), stop, membership)
+        cluster = await _map_to_start_on(membership, cluster, cluster_toml)
+        await serve(cluster, cluster.node(node.id), stop, membership, cluster_toml)
+
+
+async def _map_to_start_on(
+    membership: EtcdMembership, seed: ClusterConfig, cluster_toml: str
+) -> ClusterConfig:
+    """The map in etcd, which wins over the file (the file seeds etcd's first map: a node that
+    joined later is only in etcd's map); while etcd does not answer, the last map read from it
+    (kvstore/map_cache.py) or the file's, whichever is newer: the node follows etcd's map
+    once etcd answers."""
+    try:
+        cluster = await membership.create_map(seed)
+    except Unavailable as exc:
+        cluster = fallback_map(cluster_toml, seed)
+        log.warning("%s: starting on the cached map, epoch %d", exc, cluster.epoch)
+        return cluster
+    save_cached_map(cluster_toml, cluster)
+    return cluster
 
 
 def _node_of(cluster: ClusterConfig, node_id: str) -> NodeConfig:
@@ -418,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstore node: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_main(cluster, node))
+        asyncio.run(_main(cluster, node, args.config))
     except (RuntimeError, OSError, ValueError, KVStoreError) as exc:  # port, data_dir, files
         log.error("node %s failed: %s", node.id, exc)
         print(f"kvstore node {node.id}: {exc}", file=sys.stderr)

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 
 from kvstore.config import ClusterConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.map_changes import changed_slots, finish_move, mark_out
 from kvstore.membership import EtcdMembership
 from kvstore.node.repair_service import RepairService
@@ -65,6 +65,8 @@ async def keep_map(
                 await membership.change_map(lambda c, cfg=cfg: _finish_if_same(c, cfg.epoch))
         except _Changed:
             continue
+        except Unavailable as exc:  # etcd down: the membership logs an outage once
+            log.debug("map keeper on %s: %s", node_id, exc)
         except (KVStoreError, ValueError) as exc:
             log.warning("map keeper on %s: %s", node_id, exc)
         except Exception:

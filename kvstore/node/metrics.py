@@ -22,9 +22,12 @@ series that has no value yet is absent (never a -1)::
     kvstore_scrubbed_bytes_total  kvstore_scrub_passes_total        (since the node started)
     kvstore_scrub_last_full_pass_timestamp_seconds                  (once a pass finished)
     kvstore_index_bytes  kvstore_quarantined_bytes  kvstore_retired_versions_total
-    kvstore_repair_backlog_shards  kvstore_repair_queued_hints      (the repair service,
-    kvstore_repair_{rebuilt_shards,rebuilt_bytes,read_bytes}_total   kvstore/node/repair_service.py;
-    kvstore_repair_{skipped_expiring,unrecoverable,fenced,passes}_total  since the node started)
+    kvstore_evicted_blocks_total  kvstore_peer_removed_shards_total  kvstore_compacted_bytes_total
+    kvstore_dead_bytes
+    kvstore_repair_{backlog_shards,waiting_shards,at_risk_blocks,backlog_bytes,eta_s}
+    kvstore_repair_{pending_groups,unrecoverable,queued_hints}      (the repair service,
+    kvstore_repair_{rebuilt_shards,rebuilt_bytes,read_bytes}_total   kvstore/node/repair_service.py:
+    kvstore_repair_{skipped_expiring,fenced,passes}_total             now, and since the start)
     kvstore_build_info{version,python}  process_*  python_info     (standard collectors)
 
 No ``_created`` series: counters and histograms export only their values, as Prometheus'
@@ -74,6 +77,7 @@ _NODE_GAUGES = {
     "segments": ("num_segments", "segment files"),
     "index_bytes": ("index_bytes", "disk bytes of the index files (inside the byte limit)"),
     "quarantined_bytes": ("quarantined_bytes", "segment bytes moved to quarantine/"),
+    "dead_bytes": ("dead_bytes", "segment bytes of records no entry uses (compaction frees them)"),
 }
 _NODE_COUNTERS = {
     "hits": ("hits", "keys served"),
@@ -82,9 +86,18 @@ _NODE_COUNTERS = {
     "scrubbed_bytes": ("scrubbed_bytes", "record bytes re-read and verified by the scrub"),
     "scrub_passes": ("num_scrub_passes", "full scrub passes finished"),
     "retired_versions": ("retired_versions", "older versions dropped by newer writes"),
+    "evicted_blocks": ("evicted_blocks", "blocks evicted for the whole group (delete log)"),
+    "peer_removed_shards": ("peer_removed_shards", "shards removed by peers' delete logs"),
+    "compacted_bytes": ("compacted_bytes", "dead segment bytes freed by background compaction"),
 }
 _REPAIR_GAUGES = {
-    "backlog_shards": "shards known missing in the groups this node leads",
+    "backlog_shards": "shards the led groups' readable blocks lack, as last listed",
+    "waiting_shards": "of the backlog, shards whose member is down or not ready",
+    "at_risk_blocks": "blocks of the led groups with fewer than k+m shards",
+    "backlog_bytes": "bytes a rebuild of the backlog moves (read and written)",
+    "eta_s": "seconds the backlog's rebuild takes at the repair rate",
+    "pending_groups": "led groups whose listing is due",
+    "unrecoverable": "blocks of the led groups with fewer than k shards (last pass)",
     "queued_hints": "read-repair and degraded-write hints waiting",
 }
 _REPAIR_COUNTERS = {
@@ -92,9 +105,8 @@ _REPAIR_COUNTERS = {
     "rebuilt_bytes": "bytes of the shards rebuilt",
     "read_bytes": "survivor shard bytes read to rebuild",
     "skipped_expiring": "blocks not rebuilt: they expire before the rebuild would finish",
-    "unrecoverable": "blocks with fewer than k shards of any version",
     "fenced": "rebuilt shards refused: the key was deleted after the repair read it",
-    "passes": "full repair passes over the led groups",
+    "passes": "listing passes over a led group",
 }
 # Metric suffix -> ClassStats field (the store counts shards per class in ``blocks``).
 _CLASS_GAUGES = {"shards": "blocks", "shard_bytes": "bytes"}

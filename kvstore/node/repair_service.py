@@ -12,6 +12,7 @@ A pass over one led group::
 
     ListShards(group) on every member, page by page, merged by key (tenant hash, key)
         -> kvstore.node.repair.plan_block per key: target version, holders, missing, waiting
+        -> the group's backlog replaced by what this listing found (repair_backlog.py)
     order: most missing first, then longest remaining lifetime (kvstore/node/repair.py)
     for each plan, at repair_bytes_per_s (a token bucket over bytes read + written):
         skip it if it expires before its rebuild would finish at that rate
@@ -31,16 +32,22 @@ holders); a shard that a node credential made up, or a key the tenant never wrot
 and the write is refused (PERMISSION_DENIED). By induction every shard a repair stored is of a
 version some tenant's client wrote: forging one needs k-1 honest members to hold it already.
 
-Shards go only to the member that should hold them; a member that is down waits (its shards
-count in the backlog) and gets them when it is back: a member that is up for repair again
-(Health ``repair_ready``) after it was down or not ready, or under a new incarnation (a
-restart, a disk replaced), starts a pass at once, and otherwise a pass runs every
-``repair_scan_interval_s``. Hints (QueueRepair: reads that decoded around a gap, writes that
-landed fewer than k+m shards) are inspected before the next page, one key at a time.
+When (kvstore/node/repair_backlog.py PassSchedule). Nothing runs until this node itself is
+ready for repair (serving, and it pulled its peers' delete logs: Health ``repair_ready``); then
+it lists every group it leads. After that a group is listed again every
+``repair_scan_interval_s``, and ``SETTLE_S`` after a trigger: a member restarted, came back, went
+down or became ready (Health every ``PROBE_S``), or this node took the group's lead over.
+Triggers during the settle join that pass, so a block whose two members return together is
+decoded once. Shards go only to the member that should hold them; a member that is down waits
+(its shards count in the backlog as waiting). Hints (QueueRepair: reads that decoded around a
+gap, writes that landed fewer than k+m shards) are looked at between passes, one key at a time;
+a hint of a group whose pass is due waits for that pass, and a hinted block that misses shards
+on a member that is up while another member is still down waits one settle delay for it.
 
-Figures (Stats ``repair``, Prometheus ``kvstore_repair_*``): backlog shards (missing and
-waiting in the led groups, as far as the passes have seen), rebuilt shards and bytes, bytes
-read, blocks skipped as expiring, unrecoverable blocks, fenced shards, hints waiting, passes.
+Figures (Stats ``repair``, Prometheus ``kvstore_repair_*``): the backlog as the latest looks
+found it (shards missing and waiting, blocks at risk, the rebuild's cost and ETA, groups whose
+pass is pending), rebuilt shards and bytes, bytes read, blocks skipped as expiring, blocks left
+unrecoverable, fenced shards, hints waiting, passes.
 """
 
 from __future__ import annotations
@@ -51,11 +58,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from erasure.codec import make_codec
-from erasure.shard import shard_version
+from erasure.shard import parse_header, shard_version
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.errors import CodecError, KVStoreError, PermissionDenied
 from kvstore.node.peers import Peers
@@ -68,6 +75,15 @@ from kvstore.node.repair import (
     plan_block,
     repair_order,
 )
+from kvstore.node.repair_backlog import (
+    Backlog,
+    BlockId,
+    Hole,
+    PassSchedule,
+    RateMeter,
+    changed_members,
+    eta_s,
+)
 from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.index_codec import tenant_hash
@@ -78,26 +94,36 @@ log = logging.getLogger(__name__)
 LIST_PAGE = 512
 MAX_HINTS = 100_000  # beyond this the oldest hints go: the next pass finds those blocks anyway
 HINT_RETRY_S = 5.0  # a hint whose owner is down is looked at again this often
-IDLE_S = 0.2  # how often the loop looks for due hints
-PROBE_S = 5.0  # how often the members of this node's groups are asked for Health
+RETRY_S = 5.0  # a pass that left shards missing on members that are up runs again after this
+IDLE_S = 0.2  # how often the loop looks for due hints and passes
+PROBE_S = 2.0  # how often the members of this node's groups are asked for Health
+SETTLE_S = 3.0  # a triggered pass waits this long, so members returning together share it
 PEER_TIMEOUT_S = 10.0
+REBUILDS_IN_FLIGHT = 4
 _U32_BYTES = 4
 
 
 @dataclass(frozen=True)
 class RepairStats:
-    """What the repair service did since the node started (see the module docstring)."""
+    """What the repair service did since the node started, and what it knows is missing now
+    (see the module docstring and kvstore/node/repair_backlog.py)."""
 
-    backlog_shards: int = 0
+    backlog_shards: int = 0  # missing + waiting, in the led groups, as last looked at
     rebuilt_shards: int = 0
     rebuilt_bytes: int = 0
     read_bytes: int = 0
     skipped_expiring: int = 0
-    unrecoverable: int = 0
+    unrecoverable: int = 0  # blocks of the led groups with fewer than k shards (last pass)
     fenced: int = 0
     queued_hints: int = 0
     passes: int = 0
     led_groups: tuple[int, ...] = ()
+    waiting_shards: int = 0  # of the backlog: shards whose member is down or not ready
+    at_risk_blocks: int = 0  # blocks with fewer than k+m shards
+    backlog_bytes: int = 0  # what rebuilding the backlog moves (read + written)
+    eta_s: float = 0.0  # backlog_bytes at the repair rate
+    pending_groups: int = 0  # led groups whose pass is due (all, before this node is ready)
+    ready: bool = False  # this node is ready for repair (it ran or is due to run its passes)
 
 
 class Throttle:
@@ -131,24 +157,53 @@ class _GroupListing:
     done: bool = False
 
 
-class RepairService:
-    """The repair loop of one node (see the module docstring). ``run()`` until cancelled."""
+@dataclass
+class _Hint:
+    """A hinted block: its group, when to look at it, when it was queued, and whether it
+    already waited a settle delay for a member that was down."""
 
-    def __init__(self, cluster: ClusterConfig, node: NodeConfig, clock: Clock) -> None:
+    group: int
+    due_s: float
+    queued_s: float
+    settled: bool = False
+
+
+class RepairService:
+    """The repair loop of one node (see the module docstring). ``run()`` until cancelled.
+
+    ``ready()`` says whether this node is ready for repair (serving, its peers' delete logs
+    pulled): no pass or hint runs before, and becoming ready starts a pass of its groups.
+    ``on_peer_logs`` gets the members' newest delete-log sequence numbers at every probe (the
+    node pulls from those it is behind: kvstore/node/tombstones.py).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        node: NodeConfig,
+        clock: Clock,
+        ready: Callable[[], bool] = lambda: True,
+        on_peer_logs: Callable[[dict[str, int]], None] = lambda peer_to_seq: None,
+    ) -> None:
         self._cluster = cluster
         self._node = node
         self._clock = clock
+        self._ready = ready
+        self._on_peer_logs = on_peer_logs
         self._codec = make_codec(cluster.codec)
         self._peers = Peers(cluster, node, PEER_TIMEOUT_S)
         self._placement = Placement(cluster)
         self._throttle = Throttle(node.repair_bytes_per_s)
-        self._hints: OrderedDict[tuple[str, bytes], tuple[int, float]] = OrderedDict()
+        self._hints: OrderedDict[BlockId, _Hint] = OrderedDict()
         # queue() runs in the node's request pool while the loop walks the hints: without
         # the lock a large QueueRepair broke the walk ("OrderedDict mutated during iteration").
         self._hints_lock = threading.Lock()
         self._incarnations: dict[str, int] = {}
-        self._group_backlog: dict[int, int] = {}
-        self._next_pass_s = 0.0
+        self._backlog = Backlog(self._codec.k)
+        self._group_unrecoverable: dict[int, int] = {}
+        self._schedule = PassSchedule(SETTLE_S, node.repair_scan_interval_s)
+        self._rate = RateMeter()
+        self._was_ready = False
         self._next_probe_s = 0.0
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Future[None]] = set()
@@ -160,12 +215,13 @@ class RepairService:
         if not self._node.repair_bytes_per_s:
             return 0
         num_new = 0
+        now_s = time.monotonic()
         with self._hints_lock:
             for tenant, key, group in hints:
                 if not 0 <= group < len(self._cluster.groups) or len(key) != 16:
                     continue
                 num_new += (tenant, key) not in self._hints
-                self._hints[(tenant, bytes(key))] = (group, 0.0)
+                self._hints[(tenant, bytes(key))] = _Hint(group, now_s, now_s)
                 while len(self._hints) > MAX_HINTS:
                     self._hints.popitem(last=False)
             self._set_stats(queued_hints=len(self._hints))
@@ -173,14 +229,17 @@ class RepairService:
         return num_new
 
     def set_cluster(self, cluster: ClusterConfig) -> None:
-        """Follow a newer map epoch (etcd membership): new members, new peers, and a pass at
-        once, since a changed group's new member needs its shards."""
+        """Follow a newer map epoch (etcd membership): new members, new peers, and a pass of
+        every led group once the next probe saw them, since a changed group's new member
+        needs its shards."""
         old_peers = self._peers
         self._cluster = cluster
         self._peers = Peers(cluster, self._node, PEER_TIMEOUT_S)
         self._placement = Placement(cluster)
         self._closing.add(asyncio.ensure_future(old_peers.close()))
-        self._next_pass_s = self._next_probe_s = 0.0
+        self._incarnations.clear()
+        self._next_probe_s = 0.0
+        self._schedule.trigger(range(len(cluster.groups)), time.monotonic())
         self._wake.set()
 
     @property
@@ -247,7 +306,7 @@ class RepairService:
         return max(expiries) if len(expiries) >= self._codec.k else None
 
     async def run(self) -> None:
-        """Passes and hints, forever; errors are logged and retried, never fatal."""
+        """Probes, passes and hints, forever; errors are logged and retried, never fatal."""
         if not self._node.repair_bytes_per_s:
             return
         try:
@@ -264,83 +323,153 @@ class RepairService:
             await self._peers.close()
 
     async def _step(self) -> None:
-        await self._inspect_hints()
-        restarted = False
-        if time.monotonic() >= self._next_probe_s:
+        ready = self._ready()
+        if time.monotonic() >= self._next_probe_s or (ready and not self._was_ready):
             self._next_probe_s = time.monotonic() + PROBE_S
-            restarted = await self._probe()
-        if restarted or time.monotonic() >= self._next_pass_s:
-            self._next_pass_s = time.monotonic() + self._node.repair_scan_interval_s
-            await self.repair_pass()
+            await self._probe()
+        if ready and not self._was_ready:
+            log.info("node %s is ready for repair: listing its groups", self._node.id)
+            self._schedule.start(self.stats.led_groups, time.monotonic())
+        self._was_ready = ready
+        if ready:
+            led = self.stats.led_groups
+            for group in self._schedule.take_due(led, time.monotonic()):
+                await self._pass(group)
+            await self._inspect_hints()
+        self._publish()
 
-    async def repair_pass(self) -> None:
-        """One pass over every group this node leads (as the latest probe found)."""
-        led = self.stats.led_groups
-        for group in list(self._group_backlog):
-            if group not in led:
-                del self._group_backlog[group]
-        for group in led:
-            await self._repair_group(group)
-        self._set_stats(passes=self.stats.passes + 1, backlog_shards=self._backlog())
+    async def _pass(self, group: int) -> None:
+        """One listing pass over a led group; listed again ``RETRY_S`` later when it failed
+        or left shards missing on members that are up (a put refused, a survivor unreadable)."""
+        try:
+            unlisted = await self._repair_group(group)
+        except Exception:
+            log.exception("repair pass over group %d failed; retrying", group)
+            self._schedule.retry(group, time.monotonic() + RETRY_S)
+            return
+        self._set_stats(passes=self.stats.passes + 1)
+        # A member the probe finds up that did not list (busy: it shed the call) is no down
+        # member whose return will trigger a pass: look again soon.
+        busy = [m for m in unlisted if self._incarnations.get(m)]
+        if self._backlog.missing_in(group) or busy:
+            self._schedule.retry(group, time.monotonic() + RETRY_S)
 
-    async def _probe(self) -> bool:
+    async def _probe(self) -> None:
         """Ask the members of this node's groups for Health: which groups it leads now, and
-        whether a member restarted since the last probe (a disk replaced, a node back from an
-        outage), which starts a pass at once."""
+        which members changed since the last probe (restarted, back, down, ready), whose
+        shared led groups then get a pass; so do groups this node just took the lead of."""
         mine = [g for g, members in enumerate(self._cluster.groups) if self._node.id in members]
         others = sorted({m for g in mine for m in self._cluster.groups[g]} - {self._node.id})
         replies = await asyncio.gather(*(self._peers.health(m) for m in others))
-        up, restarted = {}, False
+        up, seen = {}, {}
         for member, reply in zip(others, replies, strict=True):
             # Up for repair: serving, and it has pulled its peers' delete logs.
             up[member] = reply is not None and reply.serving and reply.repair_ready
-            seen = reply.incarnation if up[member] else 0  # 0: down, or not ready yet
-            previous = self._incarnations.get(member)
-            self._incarnations[member] = seen
-            restarted |= bool(seen) and previous is not None and previous != seen
+            seen[member] = reply.incarnation if up[member] else 0  # 0: down, or not ready
+        self._on_peer_logs(
+            {m: r.last_tombstone_seq for m, r in zip(others, replies, strict=True) if r}
+        )
+        changed = changed_members(self._incarnations, seen)
+        self._incarnations = seen
+        was_led = set(self.stats.led_groups)
         led = [g for g in mine if group_leader(self._cluster.groups[g], self._node.id, up.get)]
         self._set_stats(led_groups=tuple(led))
-        return restarted
+        self._backlog.keep_groups(led)
+        if not self._was_ready:
+            return  # the first pass (when this node is ready) lists every led group anyway
+        shared = [g for g in led if changed & set(self._cluster.groups[g])]
+        taken_over = [g for g in led if g not in was_led]
+        if changed:
+            log.info("repair: members %s changed; listing groups %s", sorted(changed), shared)
+        self._schedule.trigger([*shared, *taken_over], time.monotonic())
 
-    async def _repair_group(self, group: int) -> None:
+    async def _repair_group(self, group: int) -> set[str]:
+        """List ``group``, record what it lacks as its backlog, rebuild in repair order;
+        return the members that did not list."""
         members = self._cluster.groups[group]
+        started_s = time.monotonic()
         now_s = self._clock.now()
         plans: list[BlockPlan] = []
         num_unrecoverable = 0
+        listed_by: list[int] = list(range(len(members)))
         async for tenant, key, listed, up in self._list_group(group):
+            listed_by = up
             plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), now_s)
             if isinstance(plan, Unrecoverable):
                 num_unrecoverable += 1
             elif plan is not None:
                 plans.append(plan)
-        self._set_stats(unrecoverable=self.stats.unrecoverable + num_unrecoverable)
+        self._group_unrecoverable[group] = num_unrecoverable
+        self._backlog.replace_group(group, {(p.tenant, p.key): _hole(p) for p in plans})
+        self._forget_hints_seen(group, started_s)
+        self._publish()
+        listed_s = time.monotonic()
+        rebuilt_before = self.stats.rebuilt_shards
         await self._rebuild_all(group, repair_order(plans))
+        log.info(
+            "repair of group %d: listed in %.1f s, %d blocks short, %d shards rebuilt in %.1f s, "
+            "%d left missing",
+            group,
+            listed_s - started_s,
+            len(plans),
+            self.stats.rebuilt_shards - rebuilt_before,
+            time.monotonic() - listed_s,
+            self._backlog.missing_in(group),
+        )
+        return {m for p, m in enumerate(members) if p not in listed_by}
+
+    def _forget_hints_seen(self, group: int, listed_s: float) -> None:
+        """Hints of ``group`` queued before its listing began: the listing saw their blocks."""
+        with self._hints_lock:
+            seen = [b for b, h in self._hints.items() if h.group == group and h.queued_s < listed_s]
+            for block in seen:
+                del self._hints[block]
 
     async def _rebuild_all(self, group: int, plans: list[BlockPlan]) -> None:
-        self._group_backlog[group] = sum(len(p.missing) + len(p.waiting) for p in plans)
-        self._set_stats(backlog_shards=self._backlog())
+        """Rebuild ``plans`` in order, ``REBUILDS_IN_FLIGHT`` at a time (a block's reads and
+        puts are round trips: several in flight keep the throttle, not latency, the limit)."""
+        slots = asyncio.Semaphore(REBUILDS_IN_FLIGHT)
         bytes_ahead = 0
-        for plan in plans:
-            now_s = self._clock.now()
-            # The rate is in real seconds, expiry on the cluster's (possibly scaled) clock.
-            bytes_per_clock_s = self._throttle.bytes_per_s / self._cluster.ttl.time_scale
-            if plan.missing and expires_before_rebuilt(plan, bytes_ahead, bytes_per_clock_s, now_s):
-                self._set_stats(skipped_expiring=self.stats.skipped_expiring + 1)
-                self._group_backlog[group] -= len(plan.missing) + len(plan.waiting)
-                continue
-            if plan.missing:
-                bytes_ahead += plan.cost_bytes
-                self._group_backlog[group] -= await self._rebuild(group, plan)
-            self._set_stats(backlog_shards=self._backlog())
+        rebuilds: list[asyncio.Future[None]] = []
+        try:
+            for plan in plans:
+                now_s = self._clock.now()
+                # The rate is in real seconds, expiry on the cluster's (possibly scaled) clock.
+                bytes_per_clock_s = self._throttle.bytes_per_s / self._cluster.ttl.time_scale
+                if plan.missing and expires_before_rebuilt(
+                    plan, bytes_ahead, bytes_per_clock_s, now_s
+                ):
+                    self._set_stats(skipped_expiring=self.stats.skipped_expiring + 1)
+                    self._backlog.set_block(group, (plan.tenant, plan.key), None)
+                    continue
+                if plan.missing:
+                    bytes_ahead += plan.cost_bytes
+                    await slots.acquire()
+                    rebuilds.append(asyncio.ensure_future(self._rebuild_one(group, plan, slots)))
+            await asyncio.gather(*rebuilds)
+        except BaseException:
+            for rebuild in rebuilds:
+                rebuild.cancel()
+            await asyncio.gather(*rebuilds, return_exceptions=True)
+            raise
+
+    async def _rebuild_one(self, group: int, plan: BlockPlan, slots: asyncio.Semaphore) -> None:
+        try:
+            answered = await self._rebuild(group, plan)
+            self._backlog.set_block(group, (plan.tenant, plan.key), _hole(plan, answered))
+            self._publish()
+        finally:
+            slots.release()
 
     async def _rebuild(self, group: int, plan: BlockPlan) -> int:
         """Rebuild ``plan``'s missing shards and store each on its member; return how many
         members answered (stored it, held it already, hold a newer version, or fenced it)."""
         members = self._cluster.groups[group]
-        block = await self._read_block(members, plan)
-        if block is None:
+        started_s = time.monotonic()
+        read = await self._read_block(members, plan)
+        if read is None:
             return 0
-        shards = self._codec.encode(block)
+        shards = self._encode_again(*read, plan.version)
         request = pb.PutShardsRequest(
             tenant=plan.tenant,
             traffic_class=plan.traffic_class,
@@ -363,6 +492,7 @@ class RepairService:
                 rebuilt_bytes=self.stats.rebuilt_bytes + reply.num_stored * len(shards[position]),
                 fenced=self.stats.fenced + reply.num_fenced,
             )
+        self._rate.add(plan.cost_bytes, time.monotonic() - started_s)
         return num_answered
 
     async def _put(
@@ -377,8 +507,22 @@ class RepairService:
         request.CopyFrom(template)
         return await self._peers.put_shards(node_id, request, [(key, shard, written_at_s)])
 
-    async def _read_block(self, members: tuple[str, ...], plan: BlockPlan) -> bytes | None:
-        """The block, from k verified shards of the plan's version (None if they are gone).
+    def _encode_again(self, block: bytes, keyed: bool, version: bytes) -> list[bytes]:
+        """The shards of ``block`` at ``version``, as its writer encoded them: a keyed version
+        (client/integrity.py) is carried as it is, since a node cannot compute it (encoding
+        with the xxh3 version would make a version no member holds, and the members refuse
+        it: repair confirmation)."""
+        if not keyed:
+            return self._codec.encode(block)
+        spare = memoryview(bytearray(self._codec.spare_bytes(len(block))))
+        pairs = self._codec.encode_into(block, spare, keyed_version=version)
+        return [header + payload for header, payload in pairs]
+
+    async def _read_block(
+        self, members: tuple[str, ...], plan: BlockPlan
+    ) -> tuple[bytes, bool] | None:
+        """The block, from k verified shards of the plan's version, and whether that version
+        is keyed (None if they are gone).
 
         Asks k holders at once, and more holders only for those that fail.
         """
@@ -397,10 +541,11 @@ class RepairService:
             # digest=None: a keyed version (client/integrity.py) is the tenant's to check; the
             # shard checksums verified in _survivor guard what is rebuilt here.
             survivors = [shards[p] for p in sorted(shards)]
-            return bytes(self._codec.decode(survivors, verified=True, digest=None))
+            block = bytes(self._codec.decode(survivors, verified=True, digest=None))
         except CodecError as exc:
             log.warning("repair of %s: survivors do not decode: %s", plan.key.hex(), exc)
             return None
+        return block, parse_header(survivors[0]).keyed
 
     async def _survivor(self, node_id: str, position: int, plan: BlockPlan) -> bytes | None:
         """The plan's version's shard from one holder, verified, or None."""
@@ -462,24 +607,34 @@ class RepairService:
         return True
 
     async def _inspect_hints(self) -> None:
-        """Look at each hinted key now due: rebuild what it misses, or wait for its owner."""
+        """Look at each hinted block now due whose group has no pass due: rebuild what it
+        misses (after one settle delay when a member is down, which may be back by then), or
+        wait for its owner; its backlog entry is what this look found."""
         now_s = time.monotonic()
-        for (tenant, key), group in self._due_hints(now_s):
-            plan = await self._inspect(tenant, key, group)
-            if plan is not None and plan.missing:
-                await self._rebuild(group, plan)
+        for (tenant, key), hint in self._due_hints(now_s):
+            plan = await self._inspect(tenant, key, hint.group)
+            if plan is not None and plan.missing and plan.waiting and not hint.settled:
+                hint.due_s, hint.settled = now_s + SETTLE_S, True
+                continue
+            answered = await self._rebuild(hint.group, plan) if plan and plan.missing else 0
+            hole = None if plan is None else _hole(plan, answered)
+            self._backlog.set_block(hint.group, (tenant, key), hole)
             with self._hints_lock:
                 if plan is not None and plan.waiting:
-                    self._hints[(tenant, key)] = (group, now_s + HINT_RETRY_S)
+                    hint.due_s = now_s + HINT_RETRY_S
                 else:
                     self._hints.pop((tenant, key), None)
         with self._hints_lock:
             self._set_stats(queued_hints=len(self._hints))
 
-    def _due_hints(self, now_s: float) -> list[tuple[tuple[str, bytes], int]]:
-        """((tenant, key), group) of the hints due at ``now_s`` (monotonic)."""
+    def _due_hints(self, now_s: float) -> list[tuple[BlockId, _Hint]]:
+        """The hinted blocks due at ``now_s`` (monotonic) whose group has no pass due."""
         with self._hints_lock:
-            return [(tk, g) for tk, (g, at_s) in self._hints.items() if at_s <= now_s]
+            return [
+                (block, hint)
+                for block, hint in self._hints.items()
+                if hint.due_s <= now_s and not self._schedule.is_due(hint.group)
+            ]
 
     async def _inspect(self, tenant: str, key: bytes, group: int) -> BlockPlan | None:
         members = self._cluster.groups[group]
@@ -499,8 +654,20 @@ class RepairService:
         plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), self._clock.now())
         return plan if isinstance(plan, BlockPlan) else None
 
-    def _backlog(self) -> int:
-        return max(0, sum(self._group_backlog.values()))
+    def _publish(self) -> None:
+        """The backlog figures into :attr:`stats` (read by Stats and the metrics)."""
+        led = self.stats.led_groups
+        figures = self._backlog.figures()
+        self._set_stats(
+            backlog_shards=figures.shards,
+            waiting_shards=figures.waiting,
+            at_risk_blocks=figures.blocks,
+            backlog_bytes=figures.cost_bytes,
+            eta_s=eta_s(figures.cost_bytes, self._throttle.bytes_per_s, self._rate.bytes_per_s),
+            unrecoverable=sum(n for g, n in self._group_unrecoverable.items() if g in led),
+            pending_groups=self._schedule.pending(led),
+            ready=self._was_ready,
+        )
 
     def _set_stats(self, **changes: object) -> None:
         self.stats = replace(self.stats, **changes)  # type: ignore[arg-type]
@@ -508,6 +675,12 @@ class RepairService:
     async def close(self) -> None:
         await self._peers.close()
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _hole(plan: BlockPlan, num_rebuilt: int = 0) -> Hole:
+    """What ``plan``'s block lacks once ``num_rebuilt`` of its missing shards were stored."""
+    missing = max(0, len(plan.missing) - num_rebuilt)
+    return Hole(missing, len(plan.waiting), plan.shard_bytes)
 
 
 def _sort_key(shard: pb.ListedShard) -> tuple[bytes, bytes, str]:

@@ -39,6 +39,7 @@ from kvstore.auth import Authenticator, NodePeers, Principal, Role, bearer_token
 from kvstore.config import NodeConfig
 from kvstore.errors import IndexUnusable, InvalidArgument, Unavailable
 from kvstore.grpc_errors import to_grpc_status
+from kvstore.node.admission import Admission
 from kvstore.node.get_reply import encode_get_shards_reply
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.reads import NodeReads
@@ -112,6 +113,7 @@ class NodeServicer:
         self._delay_s = node.inject_delay_ms / 1000.0
         self.local_socket = ""  # the local read server's socket, once the node started it
         self._boot_id = local_frames.boot_id()
+        self.admission = Admission(node.id)  # sheds data RPCs that would outlast their deadline
         self._unary = {
             # Parsed by hand: protobuf would copy every shard twice (kvstore/wire/put_request.py).
             "PutShards": (parse_put_request, self._put, True),
@@ -182,8 +184,11 @@ class NodeServicer:
         start_s = time.perf_counter()
         self._loop = asyncio.get_running_loop()
         code, details, reply = grpc.StatusCode.OK, "", None
+        admitted = False
         try:
             principal = self._principal(context) if rpc != "Health" else None
+            self.admission.admit(rpc, context.time_remaining(), time.monotonic())  # shedding
+            admitted = True
             if delay and self._delay_s:
                 await asyncio.sleep(self._delay_s)
             reply = await self._run(rpc, parse, handler, raw, principal)
@@ -193,6 +198,9 @@ class NodeServicer:
             code, details = to_grpc_status(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", rpc)
+        finally:  # a call its client cancelled ends here too
+            if admitted:
+                self.admission.finished(rpc, time.perf_counter() - start_s)
         self._metrics.observe(rpc, code, time.perf_counter() - start_s)
         if reply is None:
             await context.abort(code, details)
@@ -208,6 +216,8 @@ class NodeServicer:
     ) -> Any:
         """Parse and handle ``raw``: reads where the read routine runs them, the rest in the
         pool."""
+        if handler in (self._health, self._stats):  # cheap: answered even when the pool is busy
+            return _parse_and_call(rpc, parse, handler, raw, principal)
         if handler not in (self._get, self._read_batch_chunks):
             return await asyncio.get_running_loop().run_in_executor(
                 self._executor, _parse_and_call, rpc, parse, handler, raw, principal
@@ -415,6 +425,7 @@ class NodeServicer:
             repair_ready=store is not None and self._deletes_synced(),
             local_socket=self.local_socket,
             boot_id=self._boot_id if self.local_socket else "",
+            last_tombstone_seq=store.tombstones(0, 0)[1] if store is not None else 0,
         )
 
 

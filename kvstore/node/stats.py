@@ -78,6 +78,10 @@ def stats_reply(
         index_bytes=stats.index_bytes,
         quarantined_bytes=stats.quarantined_bytes,
         retired_versions=stats.retired_versions,
+        evicted_blocks=stats.evicted_blocks,
+        peer_removed_shards=stats.peer_removed_shards,
+        compacted_bytes=stats.compacted_bytes,
+        dead_bytes=stats.dead_bytes,
         repair=_repair_stats(repair),
     )
 
@@ -94,4 +98,10 @@ def _repair_stats(repair: RepairStats) -> pb.RepairStats:
         queued_hints=repair.queued_hints,
         passes=repair.passes,
         led_groups=repair.led_groups,
+        waiting_shards=repair.waiting_shards,
+        at_risk_blocks=repair.at_risk_blocks,
+        backlog_bytes=repair.backlog_bytes,
+        eta_s=repair.eta_s,
+        pending_groups=repair.pending_groups,
+        ready=repair.ready,
     )

@@ -11,6 +11,10 @@ mutual TLS)::
                     cursor[peer] = the last record's seq (persisted in the index counters)
                     a last_seq below the cursor: the peer's log restarted, pull from 0
 
+Besides the interval, a peer whose Health (asked every few seconds by the repair service's
+probe) shows a newer delete-log record than this node pulled is pulled at once, so a delete or
+an eviction (kvstore/store/eviction.py) reaches the whole group within seconds.
+
 Logs are kept ``tombstone_retention_s`` (8 days, beyond the longest TTL), so a node that was
 away longer than that holds only shards that have expired by then anyway.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 MAX_TOMBSTONES_PER_REPLY = 4096
 PULL_TIMEOUT_S = 10.0
+UNSYNCED_POLL_S = 0.5  # how soon a new store (an index rebuilt) gets its first pull
 
 
 def group_peers(cluster: ClusterConfig, node_id: str) -> list[NodeConfig]:
@@ -77,6 +82,8 @@ class TombstoneSync:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._addresses: dict[str, str] = {}
         self._retired: list[grpc.aio.Channel] = []
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._prompt_pulls: dict[str, asyncio.Future[int]] = {}
         self.set_cluster(cluster)
 
     def set_cluster(self, cluster: ClusterConfig) -> None:
@@ -99,17 +106,24 @@ class TombstoneSync:
 
     async def pull_all(self) -> int:
         """One pull from every peer; return the number of shards deleted here."""
-        num_deleted = 0
         store = self._current_store()
         if store is None:
             return 0
-        for peer in self._peers:
-            try:
-                num_deleted += await self.pull(peer.id)
-            except grpc.aio.AioRpcError as exc:
-                log.debug("delete log of %s not pulled: %s", peer.id, exc.code().name)
+        # All peers at once: a hung peer costs one PULL_TIMEOUT_S, not one per peer after it.
+        pulled = await asyncio.gather(*(self._pull_quietly(p.id) for p in self._peers))
         self._synced_store = store
-        return num_deleted
+        return sum(pulled)
+
+    async def _pull_quietly(self, peer_id: str) -> int:
+        try:
+            return await self.pull(peer_id)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("delete log of %s not pulled: %s", peer_id, exc.code().name)
+            return 0
+
+    @property
+    def has_store(self) -> bool:
+        return self._current_store() is not None
 
     @property
     def synced(self) -> bool:
@@ -117,7 +131,26 @@ class TombstoneSync:
         store = self._current_store()
         return store is not None and store is self._synced_store
 
+    def note_peer_seqs(self, peer_to_seq: Mapping[str, int]) -> None:
+        """Peers' newest delete-log sequence numbers (their Health, seen by the repair probe):
+        pull at once from each that logged more than this node has pulled, so a delete or an
+        eviction reaches the group in seconds rather than at the next interval."""
+        store = self._current_store()
+        if store is None:
+            return
+        for peer_id, seq in peer_to_seq.items():
+            behind = seq > int(store.counter(cursor_name(peer_id)) or 0)
+            if behind and peer_id in self._channels and peer_id not in self._prompt_pulls:
+                task = asyncio.ensure_future(self._pull_quietly(peer_id))
+                self._prompt_pulls[peer_id] = task
+                task.add_done_callback(lambda _, p=peer_id: self._prompt_pulls.pop(p, None))
+
     async def pull(self, peer_id: str) -> int:
+        """Pull and apply one peer's log from this node's cursor (one pull per peer at once)."""
+        async with self._locks.setdefault(peer_id, asyncio.Lock()):
+            return await self._pull_locked(peer_id)
+
+    async def _pull_locked(self, peer_id: str) -> int:
         loop = asyncio.get_running_loop()
         store = self._current_store()
         if store is None:
@@ -146,16 +179,22 @@ class TombstoneSync:
                 return num_deleted
 
     async def close(self) -> None:
+        for task in list(self._prompt_pulls.values()):
+            task.cancel()
+        await asyncio.gather(*self._prompt_pulls.values(), return_exceptions=True)
         channels = [*self._channels.values(), *self._retired]
         await asyncio.gather(*(c.close() for c in channels))
 
 
 async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
-    """Pull the peers' delete logs now and every ``interval_s``; close the channels at the end.
+    """Pull the peers' delete logs now and every ``interval_s``, and within ``UNSYNCED_POLL_S``
+    of a store that has had no pull yet (an index just rebuilt: repair waits for it); close
+    the channels at the end.
 
     Built by the caller first, so a missing or unsafe ``peer_token_file`` stops the node at
     start-up instead of silently disabling the sync.
     """
+    loop = asyncio.get_running_loop()
     try:
         while True:
             try:
@@ -163,6 +202,10 @@ async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
                     log.info("applied peers' deletes: %d shards removed", num_deleted)
             except Exception:
                 log.exception("pulling peers' delete logs failed; retrying later")
-            await asyncio.sleep(interval_s)
+            next_s = loop.time() + interval_s
+            while loop.time() < next_s:
+                await asyncio.sleep(min(UNSYNCED_POLL_S, next_s - loop.time()))
+                if sync.has_store and not sync.synced:
+                    break
     finally:
         await sync.close()

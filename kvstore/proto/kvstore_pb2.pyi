@@ -315,7 +315,7 @@ class ClassStats(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., youngest_evicted_age_s: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq", "index_bytes", "quarantined_bytes", "retired_versions", "repair", "pid", "filesystem_id", "filesystem_bytes")
+    __slots__ = ("node_id", "epoch", "shards", "bytes", "capacity_bytes", "corrupt_shards", "classes", "segments", "hits", "misses", "used_bytes", "retention_caps", "erase_queued", "last_tombstone_seq", "index_bytes", "quarantined_bytes", "retired_versions", "repair", "pid", "filesystem_id", "filesystem_bytes", "evicted_blocks", "peer_removed_shards", "compacted_bytes", "dead_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,10 @@ class StatsReply(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     FILESYSTEM_ID_FIELD_NUMBER: _ClassVar[int]
     FILESYSTEM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_REMOVED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    COMPACTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     shards: int
@@ -358,7 +362,11 @@ class StatsReply(_message.Message):
     pid: int
     filesystem_id: str
     filesystem_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ..., index_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., retired_versions: _Optional[int] = ..., repair: _Optional[_Union[RepairStats, _Mapping]] = ..., pid: _Optional[int] = ..., filesystem_id: _Optional[str] = ..., filesystem_bytes: _Optional[int] = ...) -> None: ...
+    evicted_blocks: int
+    peer_removed_shards: int
+    compacted_bytes: int
+    dead_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., corrupt_shards: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., used_bytes: _Optional[int] = ..., retention_caps: _Optional[_Iterable[_Union[RetentionCap, _Mapping]]] = ..., erase_queued: _Optional[int] = ..., last_tombstone_seq: _Optional[int] = ..., index_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., retired_versions: _Optional[int] = ..., repair: _Optional[_Union[RepairStats, _Mapping]] = ..., pid: _Optional[int] = ..., filesystem_id: _Optional[str] = ..., filesystem_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., peer_removed_shards: _Optional[int] = ..., compacted_bytes: _Optional[int] = ..., dead_bytes: _Optional[int] = ...) -> None: ...
 
 class RetentionCap(_message.Message):
     __slots__ = ("tenant", "traffic_class", "max_ttl_s")
@@ -371,7 +379,7 @@ class RetentionCap(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., max_ttl_s: _Optional[float] = ...) -> None: ...
 
 class RepairStats(_message.Message):
-    __slots__ = ("backlog_shards", "rebuilt_shards", "rebuilt_bytes", "read_bytes", "skipped_expiring", "unrecoverable", "fenced", "queued_hints", "passes", "led_groups")
+    __slots__ = ("backlog_shards", "rebuilt_shards", "rebuilt_bytes", "read_bytes", "skipped_expiring", "unrecoverable", "fenced", "queued_hints", "passes", "led_groups", "waiting_shards", "at_risk_blocks", "backlog_bytes", "eta_s", "pending_groups", "ready")
     BACKLOG_SHARDS_FIELD_NUMBER: _ClassVar[int]
     REBUILT_SHARDS_FIELD_NUMBER: _ClassVar[int]
     REBUILT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +390,12 @@ class RepairStats(_message.Message):
     QUEUED_HINTS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
     LED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    AT_RISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     backlog_shards: int
     rebuilt_shards: int
     rebuilt_bytes: int
@@ -392,14 +406,20 @@ class RepairStats(_message.Message):
     queued_hints: int
     passes: int
     led_groups: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, backlog_shards: _Optional[int] = ..., rebuilt_shards: _Optional[int] = ..., rebuilt_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., skipped_expiring: _Optional[int] = ..., unrecoverable: _Optional[int] = ..., fenced: _Optional[int] = ..., queued_hints: _Optional[int] = ..., passes: _Optional[int] = ..., led_groups: _Optional[_Iterable[int]] = ...) -> None: ...
+    waiting_shards: int
+    at_risk_blocks: int
+    backlog_bytes: int
+    eta_s: float
+    pending_groups: int
+    ready: bool
+    def __init__(self, backlog_shards: _Optional[int] = ..., rebuilt_shards: _Optional[int] = ..., rebuilt_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., skipped_expiring: _Optional[int] = ..., unrecoverable: _Optional[int] = ..., fenced: _Optional[int] = ..., queued_hints: _Optional[int] = ..., passes: _Optional[int] = ..., led_groups: _Optional[_Iterable[int]] = ..., waiting_shards: _Optional[int] = ..., at_risk_blocks: _Optional[int] = ..., backlog_bytes: _Optional[int] = ..., eta_s: _Optional[float] = ..., pending_groups: _Optional[int] = ..., ready: bool = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready", "local_socket", "boot_id")
+    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready", "local_socket", "boot_id", "last_tombstone_seq")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +430,7 @@ class HealthReply(_message.Message):
     REPAIR_READY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOMBSTONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     serving: bool
@@ -420,4 +441,5 @@ class HealthReply(_message.Message):
     repair_ready: bool
     local_socket: str
     boot_id: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: bool = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: bool = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    last_tombstone_seq: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: bool = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: bool = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., last_tombstone_seq: _Optional[int] = ...) -> None: ...

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from kvstore.store.index import Index, IndexWriter
 from kvstore.store.index_codec import Entry, Tombstone
 from kvstore.store.segments import SegmentFiles
+from kvstore.store.store_stats import PEER_REMOVED_SHARDS
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Deleter:
                 _remove(w, doomed)
                 victims += doomed
                 w.note_deleted(t.tenant, t.key, t.at_s)
+            w.add(PEER_REMOVED_SHARDS, len(victims))
         self.erase_queued()
         return _erased(victims)
 

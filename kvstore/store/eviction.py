@@ -17,14 +17,23 @@ of every entry. The last access is the one persisted in the index: a read hit co
 read-side state is flushed, which every write does first. Blocks a put re-puts (touches) are never
 evicted to make room for that put's own group commit: the touch is an access.
 
-Evicting an entry leaves dead bytes in its segment; segments with no live entry are deleted,
-and segments holding dead bytes are compacted (live records carried forward, most dead bytes
-first) until usage is under the target. Compaction writes; on a disk too full for that, the
-segment with the most dead bytes is evicted whole instead (its live entries go, the file is
-freed), which only ever deletes. Entries of classes with an infinite TTL are never
-evicted in either order (they are pinned on purpose, and LRU gives no reason to drop them
-before data that can expire): a put fails with CapacityExhausted only when the space is held by
-them or by the request itself.
+**A block is evicted for its whole group, never one shard alone.** An evicted entry's key goes
+into the node's delete log (a tombstone at the eviction's time, as a delete writes), in the
+same transaction: every member of the group pulls the log and drops its shard of the block
+(kvstore/node/tombstones.py), so the block reads as one clean miss everywhere instead of
+living on with one shard less while the other members believe it whole; a repair cannot put
+it back (the tombstone fences repair writes of it, kvstore/store/deletion.py). The node counts
+the blocks it evicted (``EVICTED_BLOCKS``) besides the shards per class.
+
+Evicting an entry leaves dead bytes in its segment, and its record is erased (a hole punched,
+as a delete does): on a node whose limit is the disk, the blocks are free at once. Segments
+with no live entry are deleted, and segments holding dead bytes are compacted (live records
+carried forward, most dead bytes first) until usage is under the target, those whose copy fits
+the disk's free space only. A copy that fails anyway (the disk filled meanwhile) evicts that
+segment whole instead (its live entries go, the file is freed), which only ever deletes.
+Entries of classes with an infinite TTL are never evicted in either order (they are pinned on
+purpose, and LRU gives no reason to drop them before data that can expire): a put fails with
+CapacityExhausted only when the space is held by them or by the request itself.
 
 Single writer: callers hold the store's write lock.
 """
@@ -34,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from kvstore.config import NodeConfig
 from kvstore.errors import CapacityExhausted
@@ -42,11 +51,13 @@ from kvstore.store.index import Index, IndexView, IndexWriter, class_counter
 from kvstore.store.index_codec import Entry, SegmentMeta
 from kvstore.store.reclaimer import Reclaimer
 from kvstore.store.segments import SegmentFiles
+from kvstore.store.store_stats import EVICTED_BLOCKS
 from ttl.policy import EvictionOrder
 
 log = logging.getLogger(__name__)
 
 _EVICT_BATCH = 64
+COPY_SLACK_BYTES = 64 << 10
 
 
 def eviction_candidates(
@@ -69,12 +80,14 @@ class Evictor:
         files: SegmentFiles,
         reclaimer: Reclaimer,
         order: EvictionOrder,
+        erase: Callable[[], int] = lambda: 0,
     ) -> None:
         self._node = node
         self._index = index
         self._files = files
         self._reclaimer = reclaimer
         self._order = order
+        self._erase = erase  # destroys queued records' bytes (kvstore/store/deletion.py)
 
     def capacity_bytes(self) -> int:
         """Bytes segment data may use: the byte limit (configured if set, and at most the disk's
@@ -121,6 +134,7 @@ class Evictor:
             used = self.used_bytes()
             if used <= target_bytes or not self._evict_entries(used - target_bytes, now, keep):
                 return
+            self._erase()  # the evicted records' disk blocks are free from here on
 
     def _evict_entries(self, excess_bytes: float, now: float, keep: Collection[bytes]) -> int:
         """Evict entries in eviction order until their records add up to ``excess_bytes``."""
@@ -140,13 +154,17 @@ class Evictor:
         return num_evicted
 
     def _free_dead_space(self, target_bytes: float, now: float) -> None:
-        """Delete empty segments, then compact those with most dead bytes until under target
-        (or, when the disk is too full to copy, evict them whole)."""
+        """Delete empty segments, then compact those with most dead bytes until under target:
+        only those whose live records fit the disk's free space (a copy that cannot fit would
+        end in evicting the whole segment), or, when a copy fails anyway, evict them whole."""
         self._reclaimer.free_empty_segments()
         while self.used_bytes() > target_bytes:
+            free_bytes = shutil.disk_usage(self._files.directory).free
             with self._index.read() as view:
                 candidates = sorted(
-                    (m for m in view.segments() if m.dead_bytes > 0), key=_dead_bytes, reverse=True
+                    (m for m in view.segments() if m.dead_bytes > 0 and _fits(m, free_bytes)),
+                    key=_dead_bytes,
+                    reverse=True,
                 )
             if not any(self._free_segment(m.segment_id, now) for m in candidates):
                 return
@@ -175,7 +193,12 @@ class Evictor:
 
 
 def _evict_one(w: IndexWriter, entry: Entry, now: float) -> None:
-    w.delete_entry(entry)
+    """Evict ``entry`` and, through the delete log, its block on every member of its group;
+    its record's bytes are queued for erasing (a punched hole frees the disk blocks at once)."""
+    if w.delete_entry(entry):
+        w.queue_erase(entry)
+    w.log_tombstone(entry.tenant, entry.key, now)
+    w.add(EVICTED_BLOCKS, 1)
     w.add(class_counter(entry.traffic_class, "evicted"), 1)
     w.set_min(
         class_counter(entry.traffic_class, "youngest_evicted_age_s"), now - entry.last_access_s
@@ -184,3 +207,9 @@ def _evict_one(w: IndexWriter, entry: Entry, now: float) -> None:
 
 def _dead_bytes(meta: SegmentMeta) -> int:
     return meta.dead_bytes
+
+
+def _fits(meta: SegmentMeta, free_bytes: int) -> bool:
+    """Whether copying the segment's live records fits the disk, with room to spare for the
+    index's own growth."""
+    return meta.live_bytes + meta.live_bytes // 8 + COPY_SLACK_BYTES <= free_bytes

@@ -13,6 +13,11 @@ store the shard again. A scrub is not an access: it refreshes no TTL and counts 
 Expired entries are skipped (expiry deletes them), and so are records moved or deleted since
 the index snapshot (a move re-reads and verifies what it copies).
 
+An index found damaged while the scrub walks it, or when it reads the whole index through at
+the end of each pass (lmdb pages that no longer read, or entries that do not decode), raises
+IndexUnusable: the node stops serving, moves the index aside and
+rebuilds it from the segment records (kvstore/node/store_holder.py), as for a lost index.
+
 Pacing (real time): the node runs steps of a tenth of a second's budget at
 ``NodeConfig.scrub_bytes_per_s`` and sleeps what each step cost at that rate. A record costs its
 bytes but at least ``MIN_RECORD_COST_BYTES``, so tiny records cannot turn the scrub into a
@@ -23,10 +28,12 @@ one started. The position is not kept across restarts: a restarted node starts a
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from dataclasses import dataclass, replace
 
 from kvstore.config import NodeConfig
+from kvstore.errors import IndexUnusable
 from kvstore.store.index import Index
 from kvstore.store.index_codec import Entry
 from kvstore.store.read_state import ReadState
@@ -37,6 +44,10 @@ from ttl.policy import is_expired
 log = logging.getLogger(__name__)
 
 MIN_RECORD_COST_BYTES = 64 << 10
+# What reading an index whose lmdb pages were changed under it raises besides lmdb's own
+# errors (which the backend reports as IndexUnusable): a secondary order naming an entry that
+# is not there (an assertion in kvstore/store/index.py), or a value that does not decode.
+_DAMAGED_INDEX = (AssertionError, struct.error, ValueError, UnicodeDecodeError, IndexError)
 STEP_S = 0.1  # budget of one step, in seconds at the configured rate
 _SCAN_BATCH = 256
 
@@ -100,8 +111,11 @@ class Scrubber:
             self._closed = True
 
     def _next_batch(self, max_bytes: int) -> list[tuple[bytes, Entry]]:
-        with self._index.read() as view:
-            batch = view.by_segment(self._cursor, _SCAN_BATCH)
+        try:
+            with self._index.read() as view:
+                batch = view.by_segment(self._cursor, _SCAN_BATCH)
+        except _DAMAGED_INDEX as exc:
+            raise IndexUnusable(f"the scrub found the index damaged: {exc!r}") from exc
         cost_bytes = 0
         for num_taken, (_, entry) in enumerate(batch):
             cost_bytes += record_cost_bytes(entry)
@@ -120,6 +134,9 @@ class Scrubber:
         return entry.record_bytes
 
     def _end_pass(self, now: float, unix_now_s: float) -> None:
+        """A pass ends with the index itself read through (every page, every entry decoded),
+        so damage outside the records' order is found once per pass too."""
+        self._index.verify()
         self._cursor = b""
         self.progress = replace(
             self.progress,

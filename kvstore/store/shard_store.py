@@ -16,7 +16,9 @@ read snapshot and a ``pread`` per shard), writes serialize on one lock (lmdb has
     deletion.py          delete and purge that destroy the records' bytes on disk,
                          the delete log (tombstones) and peers' tombstones applied
     eviction.py          the byte limit, eviction in the configured order (LRU by
-                         default, or earliest expiry), compaction
+                         default, or earliest expiry) of whole blocks, compaction under
+                         pressure
+    compaction.py        background compaction of mostly dead segments (overwrites)
     recovery.py          start-up: data_dir lock, the index opened (damaged: moved
                          aside), rebuilt from segment records if lost
                          (index_rebuild.py) or migrated (migration.py),
@@ -41,6 +43,7 @@ from erasure.config import CodecConfig
 from kvstore.byte_arena import Region
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.errors import CapacityExhausted, IndexUnusable, InvalidArgument, UnknownTrafficClass
+from kvstore.store.compaction import Compactor
 from kvstore.store.deletion import Deleter, Erased
 from kvstore.store.eviction import Evictor
 from kvstore.store.group_commit import GroupCommit, PutRequest
@@ -180,12 +183,20 @@ class ShardStore:
         self._reclaimer = Reclaimer(
             self._index, self._files, self._appender, self._reader, self._reads, ttl.expiry_window_s
         )
-        self._evictor = Evictor(node, self._index, self._files, self._reclaimer, ttl.eviction)
+        self._deleter = Deleter(self._index, self._files)
+        self._evictor = Evictor(
+            node,
+            self._index,
+            self._files,
+            self._reclaimer,
+            ttl.eviction,
+            self._deleter.erase_queued,
+        )
         self._puts = GroupCommit(
             self._index, self._appender, self._evictor, self._reads, lambda: self.retention
         )
+        self._compactor = Compactor(self._index, self._reclaimer)
         self._scrubber = Scrubber(self._index, self._reader, self._reads)
-        self._deleter = Deleter(self._index, self._files)
         with self._write_lock:
             self._deleter.erase_queued()  # deletes committed before a crash reach the bytes
 
@@ -493,12 +504,13 @@ class ShardStore:
 
     def tick(self) -> int:
         """Periodic upkeep: persist refreshes, expire, evict if above the high watermark,
-        erase what a failed erase left queued, prune the delete log, keep the index's reserve,
-        and rewrite a few segments of the old record format."""
+        compact mostly dead segments, erase what a failed erase left queued, prune the delete
+        log, keep the index's reserve, and rewrite a few segments of the old record format."""
         num_expired = self.expire()
         now = self.clock.now()
         with self._write_lock:
             self._evictor.evict_if_over_high_watermark(now)
+            self._compactor.step()
             self._deleter.erase_queued()
             self._deleter.prune_log(now - self.node.tombstone_retention_s)
             self._index.backend.ensure_reserve()
@@ -526,17 +538,18 @@ class ShardStore:
         """Figures per node and per traffic class, including not yet persisted counts."""
         with self._index.read() as view:
             counters = Counter(view.counters())
-            num_segments = len(view.segments())
+            segments = view.segments()
         counters.update(self._reads.pending_counters())
         return store_stats(
             counters,
             self.ttl.classes.names,
-            num_segments=num_segments,
+            num_segments=len(segments),
             capacity_bytes=self.capacity_bytes(),
             scrub=self._scrubber.progress,
             index_bytes=self._index.backend.allocated_bytes(),
             quarantined_bytes=self._files.quarantined_bytes(),
             retired_versions=int(counters[RETIRED_VERSIONS]),
+            dead_bytes=sum(m.dead_bytes for m in segments),
         )
 
     def close(self) -> None:

@@ -18,6 +18,10 @@ from kvstore.store.index import USED_BYTES, class_counter
 
 CORRUPT_SHARDS = "node/corrupt_shards"
 NODE_MISSES = "node/misses"  # every miss, including keys with no known class
+# Kept here (the figures' one place); eviction, deletion and compaction add to them.
+EVICTED_BLOCKS = "node/evicted_blocks"  # blocks evicted for the group (a tombstone logged)
+PEER_REMOVED_SHARDS = "node/peer_removed_shards"  # removed by peers' deletes and evictions
+COMPACTED_BYTES = "node/compacted_bytes"  # segment bytes freed by background compaction
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,10 @@ class StoreStats:
     index_bytes: int = 0  # disk bytes of the index files (inside used_bytes' limit)
     quarantined_bytes: int = 0  # bytes of segment files moved to quarantine/
     retired_versions: int = 0  # older versions dropped because a newer one committed
+    evicted_blocks: int = 0  # blocks evicted for the whole group (kvstore/store/eviction.py)
+    peer_removed_shards: int = 0  # shards removed by peers' deletes and evictions
+    compacted_bytes: int = 0  # segment bytes freed by background compaction
+    dead_bytes: int = 0  # bytes of segment records no entry uses (freed by compaction)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ def store_stats(
     index_bytes: int = 0,
     quarantined_bytes: int = 0,
     retired_versions: int = 0,
+    dead_bytes: int = 0,
 ) -> StoreStats:
     """Node and class figures from the counters (persisted plus pending ones)."""
     names = dict.fromkeys(class_names)
@@ -94,6 +103,10 @@ def store_stats(
         index_bytes=index_bytes,
         quarantined_bytes=quarantined_bytes,
         retired_versions=retired_versions,
+        evicted_blocks=int(counters[EVICTED_BLOCKS]),
+        peer_removed_shards=int(counters[PEER_REMOVED_SHARDS]),
+        compacted_bytes=int(counters[COMPACTED_BYTES]),
+        dead_bytes=dead_bytes,
     )
 
 

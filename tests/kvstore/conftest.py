@@ -27,11 +27,14 @@ from ttl.clock import ManualClock
 
 @pytest.fixture
 def start_node() -> Iterator[Callable[..., NodeProcess]]:
-    """``start_node(config_path, extra_args=())`` -> a ready node, stopped at teardown."""
+    """``start_node(config_path, extra_args=(), node_id="n0")`` -> a ready node, stopped at
+    teardown."""
     started: list[NodeProcess] = []
 
-    def start(config_path: Path, extra_args: tuple[str, ...] = ()) -> NodeProcess:
-        node = NodeProcess(config_path, extra_args=extra_args)
+    def start(
+        config_path: Path, extra_args: tuple[str, ...] = (), node_id: str = "n0"
+    ) -> NodeProcess:
+        node = NodeProcess(config_path, node_id, extra_args=extra_args)
         started.append(node)
         return node.start()
 
@@ -66,7 +69,8 @@ def make_store(
             node_fields["max_bytes"] = int(node_fields["max_bytes"]) + lmdb_index_bytes(
                 probe, reserve_bytes
             )
-        node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", str(tmp_path), fsync=False, **node_fields)
+        data_dir = str(node_fields.pop("data_dir", tmp_path))  # a second store: its own dir
+        node = NodeConfig("n0", "127.0.0.1:1", 0, "d0", data_dir, fsync=False, **node_fields)
         ttl = TTLConfig(classes=CLASSES, expiry_window_s=3600.0, **ttl_fields)
         backend = MemoryBackend() if request.param == "memory" else None
         stores.append(ShardStore(node, ttl, clock, backend))

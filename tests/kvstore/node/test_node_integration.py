@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
@@ -13,9 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from erasure.codec import make_codec
 from erasure.shard import ShardHeader, pack_header
 from kvstore.auth import Role, add_principal
-from kvstore.config import load_cluster
+from kvstore.config import load_cluster, save_cluster
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.segments import MIN_HEADER_BYTES
 from tests.kvstore.node_harness import (
@@ -391,38 +393,80 @@ async def test_duplicate_keys_are_read_once_and_the_read_cost_is_bounded_first(
         assert (await client.stats()).hits == before.hits + 1, "a refused request read shards"
 
 
+def _pair_config(tmp_path: Path, credentials: Path, node_token: str) -> Path:
+    """Two nodes n0 and n1 in one group (k=1, m=1) with auth, whose node credential is in
+    their peer token file; repair loops off and delete logs pulled only at start, so a delete
+    on n0 stays there (n1 keeps the block, as a member that missed the delete would)."""
+    token_file = tmp_path / "node.token"
+    token_file.write_text(node_token + "\n")
+    token_file.chmod(0o600)
+    fields = {
+        "credentials_file": str(credentials),
+        "peer_token_file": str(token_file),
+        "repair_bytes_per_s": 0,
+        "tombstone_sync_interval_s": 3600.0,
+    }
+    path = write_config(tmp_path, **fields)
+    cluster = load_cluster(path)
+    (n0,) = cluster.nodes
+    n1 = dataclasses.replace(
+        n0, id="n1", address=f"127.0.0.1:{free_port()}", data_dir=str(tmp_path / "n1")
+    )
+    codec = dataclasses.replace(cluster.codec, k=1, m=1)
+    save_cluster(
+        dataclasses.replace(cluster, nodes=(n0, n1), groups=(("n0", "n1"),), codec=codec), path
+    )
+    return path
+
+
 async def test_repair_rpcs_need_a_node_credential_and_deletes_fence_repair_writes(
     tmp_path: Path, start_node
 ) -> None:
+    # A repair write is taken from a node credential only for a version the other members
+    # hold (repair confirmation), and a delete still fences it: a member that missed the
+    # delete holds the version, the repair is confirmed, and the store refuses it.
     credentials = tmp_path / "credentials.toml"
     node_token = add_principal(credentials, "peers", Role.NODE)
     acme_token = add_principal(credentials, "acme", Role.TENANT)
-    config = write_config(tmp_path, credentials_file=str(credentials))
-    start_node(config)
-    key, old, new = b"r" * 16, make_shard(b"old version"), make_shard(b"new version")
+    config = _pair_config(tmp_path, credentials, node_token)
+    start_node(config, node_id="n1")
+    start_node(config)  # n0 after n1: its first pull of n1's delete log finds n1 up
+    codec = make_codec(load_cluster(config).codec)
+    n1_address = load_cluster(config).nodes[1].address
+    key, spare, made_up = b"r" * 16, b"s" * 16, b"t" * 16
+    old, new = codec.encode(b"old version"), codec.encode(b"new version")
     denied = grpc.StatusCode.PERMISSION_DENIED
     async with (
         NodeClient(_address(config), token=acme_token) as acme,
+        NodeClient(n1_address, token=acme_token) as acme_n1,
         NodeClient(_address(config), token=node_token) as peer,
     ):
         health = await peer.stub.Health(pb.HealthRequest(), timeout=10)
-        assert health.serving and health.repair_ready, "a node without peers is ready at once"
+        assert health.serving and health.repair_ready, "n0 pulled n1's delete log at start"
         listing = pb.ListShardsRequest(group=0, limit=10)
         await _expect_code(acme.stub.ListShards(listing, metadata=acme._metadata()), denied)
-        await _expect_code(peer.put([(key, old)]), denied, "role node")  # no ordinary puts
+        await _expect_code(peer.put([(key, old[0])]), denied, "role node")  # no ordinary puts
         written_at_s = await acme.now_s() - 1.0
-        assert await acme.put([(key, old)]) == 1
-        assert await acme.delete([key]) == 1
+        assert await acme.put([(key, old[0])]) == 1
+        assert await acme_n1.put([(key, old[1]), (spare, new[1])]) == 2
+        assert await acme.delete([key]) == 1  # on n0 only: n1 missed it
         repair = pb.PutShardsRequest(
             tenant="acme", traffic_class="chat", expires_at_s=written_at_s + DAY_S, repair=True
         )
-        repair.shards.add(key=key, shard=new, written_at_s=written_at_s)
+        repair.shards.add(key=key, shard=old[0], written_at_s=written_at_s)
         reply = await peer.stub.PutShards(repair, metadata=peer._metadata(), timeout=10)
         assert (reply.num_stored, reply.num_fenced) == (0, 1), "a repair undid a delete"
         del repair.shards[:]
-        repair.shards.add(key=b"s" * 16, shard=new, written_at_s=written_at_s)
+        repair.shards.add(key=made_up, shard=new[0], written_at_s=written_at_s)
+        await _expect_code(
+            peer.stub.PutShards(repair, metadata=peer._metadata()),
+            denied,
+            "re-creates versions the group holds",
+        )
+        del repair.shards[:]
+        repair.shards.add(key=spare, shard=new[0], written_at_s=written_at_s)
         reply = await peer.stub.PutShards(repair, metadata=peer._metadata(), timeout=10)
         assert reply.num_stored == 1, "a node credential must be able to write repairs"
         listed = await peer.stub.ListShards(listing, metadata=peer._metadata(), timeout=10)
-        assert [(s.tenant, s.key) for s in listed.shards] == [("acme", b"s" * 16)]
-        assert [r.status for r in await peer.get([b"s" * 16])] == [HIT]
+        assert [(s.tenant, s.key) for s in listed.shards] == [("acme", spare)]
+        assert [r.status for r in await peer.get([spare])] == [HIT]
