@@ -170,10 +170,11 @@ class _Authentication:
             if path.startswith(ADMIN_PATHS):
                 error.status, error.error_type, error.code = 403, "permission_error", "admin_key"
             response = _answer(self.router, error)
+            if "record" in state:
+                state["record"].error = error.code
             return await response(scope, receive, send)
-        record = state.get("record")
-        if record is not None:
-            record.tenant = state["tenant"]
+        if "record" in state:
+            state["record"].tenant = state["tenant"]
         if scope["method"] == "POST":
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope["headers"] = [*headers, (b"content-type", b"application/json")]

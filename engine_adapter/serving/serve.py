@@ -181,7 +181,9 @@ class WorkerPool:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        worker = WorkerProcess(worker_id, role, proc, ready_file, port=port, spawned_s=time.monotonic())
+        worker = WorkerProcess(
+            worker_id, role, proc, ready_file, port=port, spawned_s=time.monotonic()
+        )
         self.workers[worker_id] = worker
         return worker
 
@@ -675,6 +677,12 @@ def _add_router_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) ->
         type=Path,
         help="worker logs and ready files (default: a new temporary directory)",
     )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=duration_arg,
+        default=STARTUP_TIMEOUT_S,
+        help="how long the workers may take to load the model and calibrate",
+    )
 
 
 def _add_log_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
@@ -752,6 +760,7 @@ def run(args: argparse.Namespace) -> int:
                 num_decode=args.decode_workers,
                 model=args.model,
                 worker_args=worker_args,
+                startup_timeout_s=args.startup_timeout_s,
             ) as pool,
         ):
             asyncio.run(serve_router(pool, front, tls))

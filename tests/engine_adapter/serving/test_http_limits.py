@@ -52,8 +52,10 @@ async def _server() -> AsyncIterator[tuple[int, list[str]]]:
     """A server on a free port; (port, reasons of the connections it closed)."""
     closed: list[str] = []
     app = BodyLimits(_echo, LIMITS, closed.append)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                            lifespan="off", http=guarded_h11_protocol(LIMITS, closed.append))  # fmt: skip
+    protocol = guarded_h11_protocol(LIMITS, closed.append)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", http=protocol
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -152,7 +154,9 @@ async def test_an_oversized_body_is_refused_before_it_is_read():
         status, headers, body = await _status(reader)
         assert status == 413 and b"body_too_large" in body and headers["connection"] == "close"
         chunked_reader, chunked_writer = await _connect(port)  # no length given: counted
-        chunked_writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+        chunked_writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         for _ in range(3):
             chunked_writer.write(b"200\r\n" + b"y" * 0x200 + b"\r\n")
         await chunked_writer.drain()

@@ -7,17 +7,17 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from pydantic import ValidationError  # noqa: E402
+from pydantic import ValidationError
 
-from engine_adapter.serving.openai_api import _validation_message  # noqa: E402
-from engine_adapter.serving.openai_protocol import (  # noqa: E402
+from engine_adapter.serving.openai_api import _validation_message
+from engine_adapter.serving.openai_protocol import (
     INT32_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from engine_adapter.serving.request import Request  # noqa: E402
+from engine_adapter.serving.request import Request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
