@@ -31,6 +31,7 @@ from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S
 from engine_adapter.serving.http_limits import FrontLimits
 
 CONTRACT_SLACK_S = 1.0  # the flood contract: an answer within the deadline plus this
+SOCKET_SLACK_S = 2.0  # a slow socket counts as closed in time within its timeout plus this
 REFUSED_AT_ONCE = {"queue_full", "queue_wait", "no_worker", "connection_limit"}
 SYSTEM = (
     "You are the support desk of Acme Cloud. Answer in one short sentence. Acme Cloud runs "
@@ -172,6 +173,7 @@ def _summary(values: list[float]) -> dict[str, float]:
         return {}
     return {
         "num": len(ordered),
+        "min": ordered[0],
         "p50": statistics.median(ordered),
         "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
         "max": ordered[-1],
@@ -214,8 +216,9 @@ async def slow_sockets(
         "body_timeout_s": limits.body_timeout_s,
         "num_closed_by_server": sum(closed for _, _, closed in closes),
         "closed_after_timeout_s": _summary(over_s),
-        "all_closed_within_timeouts": all(closed for *_, closed in closes)
-        and max(over_s, default=0.0) <= CONTRACT_SLACK_S + 1.0,
+        "all_closed": all(closed for *_, closed in closes),
+        "all_closed_within_timeout_plus_2s": all(closed for *_, closed in closes)
+        and max(over_s, default=0.0) <= SOCKET_SLACK_S,
         "normal_latency_before_s": _summary(before),
         "normal_latency_during_s": _summary(during),
         "normal_latency_ratio_p50": statistics.median(during) / statistics.median(before),

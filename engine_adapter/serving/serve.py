@@ -258,20 +258,13 @@ class WorkerPool:
 
     def remove(self, worker_id: str) -> None:
         """Stop one worker and forget it (scale down); routers must drop its address."""
-        worker = self.workers.pop(worker_id)
-        worker.proc.terminate()
-        try:
-            worker.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            worker.proc.wait()
+        _stop_process(self.workers.pop(worker_id).proc)
 
     def restart(self, worker_id: str, extra_args: Sequence[str] = ()) -> None:
         """Stop the worker if it runs, start it on its port with ``extra_args``; wait."""
         worker = self.workers[worker_id]
         if worker.alive:
-            worker.proc.terminate()
-            worker.proc.wait(STOP_TIMEOUT_S)
+            _stop_process(worker.proc)
         self.spawn(worker_id, worker.role, worker.port, extra_args)
         self.wait_ready()
 
@@ -318,6 +311,16 @@ class WorkerPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it is still there after STOP_TIMEOUT_S (a loaded machine)."""
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
