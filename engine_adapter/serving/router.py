@@ -738,18 +738,19 @@ async def _read_events(
     is busy (queued requests, a long prefill) and is waited for again; one that does not is
     hung (stopped, its process wedged) and is given up on while its stream stays open.
     """
+    read: asyncio.Future[Any] | None = None
     try:
         while True:
-            try:
-                async with asyncio.timeout(idle_timeout_s):
-                    event = await call.read()
-            except TimeoutError:
-                if await worker.answers_health():
-                    continue
-                raise _WorkerFault(
-                    f"{worker.worker_id} sent nothing for {idle_timeout_s:g} s and did not "
-                    f"answer Health within {LIVENESS_TIMEOUT_S:g} s"
-                ) from None
+            # The read is waited for, never cancelled by the wait: cancelling a grpc.aio
+            # read cancels the whole call, and a busy worker's call must live on.
+            read = asyncio.ensure_future(call.read())
+            while not (await asyncio.wait({read}, timeout=idle_timeout_s))[0]:
+                if not await worker.answers_health():
+                    raise _WorkerFault(
+                        f"{worker.worker_id} sent nothing for {idle_timeout_s:g} s and did not "
+                        f"answer Health within {LIVENESS_TIMEOUT_S:g} s"
+                    )
+            event = read.result()
             if event is grpc.aio.EOF:
                 return
             yield event
@@ -758,6 +759,8 @@ async def _read_events(
             raise _WorkerFault(f"{worker.worker_id}: {exc.code().name}: {exc.details()}") from None
         raise from_grpc_status(exc.code(), exc.details()) from None
     finally:
+        if read is not None and not read.done():
+            read.cancel()
         call.cancel()
 
 
