@@ -131,7 +131,7 @@ class SamplingFields(BaseModel):
         raise ValueError(f"logprobs must be a boolean or an integer from 0 to {MAX_LOGPROBS}")
 
     def stop_strings(self) -> list[str]:
-        return list(self.stop)
+        return list(self.stop or ())  # the default (None) is not run through the validator
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

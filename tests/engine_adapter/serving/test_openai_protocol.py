@@ -91,6 +91,7 @@ def test_good_values_pass_and_fit_the_wire():
     )
     assert chat.seed_u64() == 2**64 - 1, "a negative int64 seed wraps to the wire's uint64"
     assert chat.stop_strings() == ["END"] and chat.unserved_field() is None
+    assert ChatCompletionRequest(**CHAT).stop_strings() == [], "no stop given: none"
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     chat = ChatCompletionRequest(**{**CHAT, "messages": [{"role": "user", "content": parts}]})
     assert chat.messages[0].text() == "ab"
