@@ -22,17 +22,20 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP) native
 
-# The native checksum helper, erasure/fastsum.c -> erasure/_fastsum.so (docs/data-paths.md, "Native
-# helper"): built with the machine's C compiler against xxhash.h (Debian: libxxhash-dev,
-# installed when missing where that is possible: root with apt-get, as in CI). Without a
-# compiler or the header the build is skipped and says so; erasure/fastsum.py then runs the
-# same checksums through python-xxhash. -march=native: the library is built where it runs
-# (`make native NATIVE_CFLAGS=-O3` for a portable build).
-NATIVE_LIB := erasure/_fastsum.so
+# The native helpers (docs/data-paths.md, "Native helpers"), built with the machine's C compiler
+# against xxhash.h (Debian: libxxhash-dev, installed when missing where that is possible: root
+# with apt-get, as in CI):
+# - erasure/fastsum.c -> erasure/_fastsum.so: the shard format's checksums (erasure/fastsum.py);
+# - kvstore/wire/landing.c -> kvstore/wire/_landing.so: a node's batch read loop and the permit
+#   words of the client's landing pool (kvstore/wire/landing.py).
+# Without a compiler or the header the build is skipped and says so; the same work then runs
+# through python-xxhash and Python (the local channel lands through its arena). -march=native:
+# a library is built where it runs (`make native NATIVE_CFLAGS=-O3` for a portable build).
+NATIVE_LIBS := erasure/_fastsum.so kvstore/wire/_landing.so
 NATIVE_CFLAGS ?= -O3 -march=native
 native:
 	@if ! command -v $(CC) >/dev/null 2>&1; then \
-		echo "no C compiler ($(CC)): not building $(NATIVE_LIB); checksums run through python-xxhash"; \
+		echo "no C compiler ($(CC)): not building $(NATIVE_LIBS); Python fallbacks run"; \
 		exit 0; fi; \
 	has_header() { echo '#include <xxhash.h>' | $(CC) -E -x c - >/dev/null 2>&1; }; \
 	if ! has_header && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -40,9 +43,11 @@ native:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libxxhash-dev) \
 			>/dev/null 2>&1 || echo "could not install libxxhash-dev"; fi; \
 	if ! has_header; then \
-		echo "no xxhash.h (libxxhash-dev): not building $(NATIVE_LIB); checksums run through python-xxhash"; \
-	else $(CC) $(NATIVE_CFLAGS) -shared -fPIC -Wall -Werror -o $(NATIVE_LIB) erasure/fastsum.c \
-		&& echo "built $(NATIVE_LIB)"; fi
+		echo "no xxhash.h (libxxhash-dev): not building $(NATIVE_LIBS); Python fallbacks run"; \
+	else for lib in $(NATIVE_LIBS); do \
+		src=$$(dirname $$lib)/$$(basename $$lib .so | sed 's/^_//').c; \
+		$(CC) $(NATIVE_CFLAGS) -pthread -shared -fPIC -Wall -Werror -o $$lib $$src \
+			&& echo "built $$lib" || exit 1; done; fi
 
 demo: install
 	$(VENV)/bin/kvstore demo
@@ -95,7 +100,7 @@ bench-serve: install
 	$(VENV)/bin/kvstore bench serve --json out/bench_serve.json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-sglang build *.egg-info .pytest_cache .ruff_cache $(NATIVE_LIB)
+	rm -rf $(VENV) .venv-vllm .venv-sglang build *.egg-info .pytest_cache .ruff_cache $(NATIVE_LIBS)
 
 # Regenerate the checked-in gRPC stubs after editing kvstore/proto/kvstore.proto or
 # engine_adapter/serving/serving.proto.

@@ -2,7 +2,7 @@
 
 ::
 
-    kvstore bench swapin [--json PATH] [--transport grpc,ucx] [--cluster DIR/cluster.toml]
+    kvstore bench swapin [--json PATH] [--transport auto] [--cluster DIR/cluster.toml]
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
         [--num-blocks 64] [--concurrency 128] [--chunk-blocks 32] [--rounds 5]
         [--device cpu|cuda[:N]]
@@ -16,19 +16,27 @@ fp32 at 64 tokens). ``--num-blocks`` blocks of seeded random bytes are put once 
 keys the engine derives for a prompt. Then every round runs each transport once, the order
 alternating between rounds so that drift from other load hits both alike (after one unmeasured
 warm-up each: connections, UCX endpoints). One measurement is ``connector.fetch_prefix``:
-``match_prefix``, then ``get_batch_into`` of the blocks in chunks of ``--chunk-blocks`` into
-slots of the connector's ``HostBlockPool`` (the client's ``BufferPool``; pinned on CUDA),
-``--concurrency`` blocks in flight, each block's host-to-device copy starting on the swap-in
-side stream as soon as its chunk landed (CUDA);
-then the swap-in into the paged KV cache runs to its end (CUDA: synchronize; CPU: every layer
-placed, as compute would place it).
+``land_batch`` of the blocks in chunks of ``--chunk-blocks`` into slots of the connector's
+fetch pool (the client's ``LandingPool``, registered with CUDA: over the local channel each
+node writes its data shards straight into the slots), ``--concurrency`` blocks in flight,
+each block's host-to-device copy starting on the swap-in side stream as soon as its data
+shards are all in place (CUDA); then the swap-in into the paged KV cache runs to its end
+(CUDA: synchronize; CPU: every layer placed, as compute would place it). The default
+transport is ``auto``: the local channel to this host's nodes.
 
-- ``gb_per_s``: fetched bytes / ``fetch_s`` (every block landed in the host pool; the lookup
-  not counted), median over rounds. 10**9 bytes per GB.
+- ``gb_per_s``: fetched bytes / ``fetch_s`` (every block landed in the host pool and
+  verified), median over rounds. 10**9 bytes per GB.
 - ``cache_gb_per_s``: fetched bytes / time until the blocks are in the paged KV cache (device
-  memory on CUDA), the lookup not counted; median over rounds.
-- ``p50_ms``/``p99_ms``: the ``get_batch_into`` time of each block's chunk, all rounds
-  pooled; ``lookup_ms``: median ``match_prefix`` time.
+  memory on CUDA); median over rounds.
+- ``p50_ms``/``p99_ms``: the ``land_batch`` time of each block's chunk, all rounds pooled.
+- ``stages_ms``: where one fetch's time goes, medians over rounds: ``gather`` (node answers
+  arriving and tallied: the nodes' reads and the landing), ``stop`` (cancelling what was
+  still out), ``decode`` (the block checksum pass, and any parity rebuild), summed over the
+  fetch's chunks (chunks overlap, so these can add up to more than the fetch), and
+  ``swap_in_wait`` (after the fetch, until the KV cache holds every block).
+- ``limits``: the same bytes in the same run, copied from a pinned host buffer to the device
+  (``pinned_h2d_gb_per_s``, CUDA) and by one host memcpy (``host_copy_gb_per_s``): the
+  ceilings the fetch is measured against.
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
@@ -36,7 +44,9 @@ placed, as compute would place it).
   sample check not counted; ``nodes_cpu_s_per_gb``: the local cluster's node processes' CPU
   seconds per GB over the same spans (0 with ``--cluster``: their processes are not ours).
 - ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto);
-  ``local_counters``: its local-channel counters (transport local/auto).
+  ``local_counters``: its local-channel counters (transport local/auto: ``num_placed`` are
+  payloads the nodes wrote into the pool themselves); ``transport_used``: what answered the
+  node requests (``local``, ``ucx`` or ``grpc``: the one with the most answers).
 
 "ucx" is skipped with a note when this client cannot use it (ucxx not importable, or no node
 offers a UCX address it reaches). Without ``--cluster`` a local cluster is started around the
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -62,6 +73,7 @@ import xxhash
 from rich.table import Table
 
 from bench.common import bench_cluster, percentile_ms, process_cpu_s, transport_list
+from bench.limits import copy_limits
 from client import KVClient
 from engine_adapter import weights
 from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
@@ -90,9 +102,8 @@ class Record:
     rounds: int
     gb_per_s: float  # into the host buffer pool
     cache_gb_per_s: float  # through to the paged KV cache (device memory on CUDA)
-    p50_ms: float  # per block: its chunk's get_batch_into
+    p50_ms: float  # per block: its chunk's land_batch
     p99_ms: float
-    lookup_ms: float
     gb_per_s_rounds: list[float]
     bytes_verified: bool
     num_verified_blocks: int
@@ -101,6 +112,8 @@ class Record:
     local_counters: dict[str, int] | None = None  # transport local/auto: the local channel
     client_cpu_s_per_gb: float = 0.0  # this process, over the measured fetches and swap-ins
     nodes_cpu_s_per_gb: float = 0.0  # the local cluster's node processes, the same spans
+    stages_ms: dict[str, float] = field(default_factory=dict)  # one fetch, medians
+    transport_used: str = ""  # what answered most node requests: local, ucx or grpc
 
 
 @dataclass
@@ -112,7 +125,7 @@ class Runner:
     kv: KVClient  # the connector's client for the bench's tenant
     fetch_s: list[float] = field(default_factory=list)
     cache_s: list[float] = field(default_factory=list)
-    lookup_s: list[float] = field(default_factory=list)
+    stages_s: list[dict[str, float]] = field(default_factory=list)
     fetched_bytes: list[int] = field(default_factory=list)
     block_fetch_s: list[float] = field(default_factory=list)
     num_verified: int = 0
@@ -195,10 +208,12 @@ class Bench:
         """One fetch into the pool and swap-in to its end; verify a sample, release the slots."""
         keys = self.keys()
         cpu_before = time.process_time(), self._nodes_cpu_s()
+        times_before = dataclasses.replace(runner.kv.read_times)
         started = time.perf_counter()
         outcome = await runner.connector.fetch_prefix(keys, self.table, len(keys), self.tenant)
+        fetched_at = time.perf_counter()
         self._finish_swap_in(outcome)
-        cache_s = time.perf_counter() - started - outcome.lookup_s
+        cache_s = time.perf_counter() - started
         client_cpu_s = time.process_time() - cpu_before[0]
         nodes_cpu_s = self._nodes_cpu_s() - cpu_before[1]
         try:
@@ -213,7 +228,15 @@ class Bench:
         if measured:
             runner.fetch_s.append(outcome.fetch_s)
             runner.cache_s.append(cache_s)
-            runner.lookup_s.append(outcome.lookup_s)
+            times = runner.kv.read_times
+            runner.stages_s.append(
+                {
+                    "gather": times.gather_s - times_before.gather_s,
+                    "stop": times.stop_s - times_before.stop_s,
+                    "decode": times.decode_s - times_before.decode_s,
+                    "swap_in_wait": time.perf_counter() - fetched_at,
+                }
+            )
             runner.fetched_bytes.append(outcome.num_fetched_blocks * self.layout.block_bytes)
             runner.block_fetch_s += outcome.block_fetch_s
             runner.client_cpu_s += client_cpu_s
@@ -286,7 +309,6 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         cache_gb_per_s=statistics.median(to_cache),
         p50_ms=percentile_ms(runner.block_fetch_s, 50),
         p99_ms=percentile_ms(runner.block_fetch_s, 99),
-        lookup_ms=statistics.median(runner.lookup_s) * 1000,
         gb_per_s_rounds=rounds,
         bytes_verified=runner.num_verified > 0 and runner.num_mismatched == 0,
         num_verified_blocks=runner.num_verified,
@@ -295,7 +317,18 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         local_counters=counters_delta(runner.local_before, local_after),
         client_cpu_s_per_gb=runner.client_cpu_s / fetched_gb if fetched_gb else 0.0,
         nodes_cpu_s_per_gb=runner.nodes_cpu_s / fetched_gb if fetched_gb else 0.0,
+        stages_ms={
+            name: 1000 * statistics.median(stage[name] for stage in runner.stages_s)
+            for name in (runner.stages_s[0] if runner.stages_s else {})
+        },
+        transport_used=transport_used(runner.kv),
     )
+
+
+def transport_used(kv: KVClient) -> str:
+    """What answered most of the client's node requests: local, ucx or grpc."""
+    counts = kv.replies_by_transport()
+    return max(counts, key=lambda name: counts[name])
 
 
 def layout_for(args: argparse.Namespace) -> KVBlockLayout:
@@ -322,7 +355,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             records = [make_record(swapin, runner) for runner in swapin.runners]
         finally:
             await swapin.close()
+    num_bytes = args.num_blocks * layout.block_bytes
     return {
+        "limits": copy_limits(num_bytes, torch.device(args.device), args.rounds),
         "config": {
             "model": args.model,
             "kv_shape": list(layout.shape),
@@ -361,8 +396,9 @@ def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
     for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
-    for name in ["p50 ms", "p99 ms", "lookup ms", "CPU s/GB client/nodes", "verified"]:
+    for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes"]:
         table.add_column(name, justify="right")
+    table.add_column("verified", justify="right")
     table.add_column("UCX replies/shards/inline/fallback", justify="right")
     for r in records:
         ucx = r.ucx_counters or {}
@@ -370,8 +406,11 @@ def results_table(records: list[Record], title: str) -> Table:
             str(ucx.get(name, "-"))
             for name in ("num_ucx_replies", "num_ucx_shards", "num_inline_shards", "num_fallbacks")
         )
+        stages = "/".join(
+            f"{r.stages_ms.get(name, 0.0):.0f}" for name in ("gather", "decode", "swap_in_wait")
+        )
         table.add_row(
-            r.transport,
+            r.transport if r.transport != "auto" else f"auto ({r.transport_used})",
             r.device,
             f"{r.block_bytes:,}",
             str(r.num_blocks),
@@ -380,7 +419,7 @@ def results_table(records: list[Record], title: str) -> Table:
             f"{r.cache_gb_per_s:.2f}",
             f"{r.p50_ms:.1f}",
             f"{r.p99_ms:.1f}",
-            f"{r.lookup_ms:.1f}",
+            stages,
             f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f}",
             f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
             shards if r.ucx_counters is not None else "-",
@@ -400,8 +439,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transport",
         type=transport_list(STORE_TRANSPORTS),
-        default=["grpc", "ucx"],
-        help="store transports to measure in one run, interleaved (default grpc,ucx)",
+        default=["auto"],
+        help="store transports to measure in one run, interleaved (default auto: the local "
+        "channel to this host's nodes)",
     )
     parser.add_argument("--cluster", type=Path, default=None, help="DIR/cluster.toml")
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
@@ -448,6 +488,8 @@ def run(args: argparse.Namespace) -> int:
         f"{config['cluster']}"
     )
     print_fitted(results_table(records, title), console)
+    limits = ", ".join(f"{name} {value:.2f}" for name, value in report["limits"].items())
+    console.print(f"limits, the same bytes in this run: {limits}")
     for note in report["notes"]:
         console.print(f"note: {note}")
     if args.json:

@@ -6,27 +6,37 @@ block, every checksum verified.
     keys -> their groups (placement) -> per group: plan_read (ask 11 nodes, 1 in reserve)
          -> per node: ONE request for every key it is asked for (client/landing.Wanted)
     answers arrive node by node, each landed by its transport (local, UCX or gRPC): data shards at
-    their place in the caller's blocks, the rest apart (client/landing.py)
-         -> every HIT shard verified (codec.verify), tallied per key by version
+    their place in the caller's blocks, the rest apart (client/landing.py); local nodes put
+    them there themselves when the blocks lie in a landing pool (client/landing_pool.py)
+         -> ``on_landed``: which data shards of which blocks are in place (engines start
+            copying those bytes to the GPU)
+         -> every HIT shard's header checked, tallied per key by version
          -> a key is decided when one version has k shards, or when the requests still
             pending for it cannot give k: then its group's reserve nodes are asked, once;
             keys still undecided hedge_delay_s after the start ask their reserves too
     every key decided -> cancel the requests still out (their transports stop writing first)
-         -> decode each complete key into its buffer (data shards already there: no copy)
+         -> decode each complete key into its buffer (data shards already there: no copy),
+            the block checksum verified: ONE pass over every byte. Only when it fails are the
+            shards' own checksums checked, to find the bad one: it is dropped and counted,
+            and the block decoded again from the others (parity) or reported a miss
          -> per hit, in the background (client/follow_ups.py): touch the block's shard on
             the group's nodes not heard from (so no shard of a read block expires early),
             and hint repair if a node answered without the version's shard
+
+Never wrong bytes: a block is returned only once its checksum (its version, which the writer
+computed) matches; shard checksums are a node's own claim and only point at the bad shard.
 
 A slow or dead node never holds the batch: each key needs any k of the 11 asked, so the
 batch ends when the other ten have answered, and the slow node's request is cancelled. Two
 hung nodes among the 11 cost the hedge delay: then the 12th is asked. The
 client's Python work per batch is per node (a request, an answer, a table decoded with numpy)
-plus a short loop per shard (one checksum call, one tally update); it never creates a future
-or a message per shard.
+plus a short loop per shard (one tally update); it never creates a future or a message per
+shard, and hashes nothing but the blocks.
 
 This is the module's one dense hot path. Decoding runs on the event loop thread, or for
 batches of DECODE_POOL_MIN_BYTES and more in the client's decode pool: with ISA-L and every
-data shard in place it is one xxh3 pass over the block.
+data shard in place it is one xxh3 pass over the block. A block in a landing pool slot that a
+late node may still write (client/landing_pool.py ``is_tainted``) is a miss.
 """
 
 from __future__ import annotations
@@ -40,12 +50,14 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from client.landing import NodeAnswer, Wanted
+from client.integrity import XXH3_CHECK, BlockCheck
+from client.landing import NodeAnswer, Wanted, header_rows
+from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result, finish_despite_cancel
 from client.read_plan import plan_read
 from client.shard_tally import ShardCollector, can_complete
 from erasure.codec import Codec
-from erasure.shard import SplitShard
+from erasure.shard import SplitShard, shard_payload
 from kvstore.errors import CodecError, InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.wire import batch_answer
 
@@ -69,6 +81,22 @@ class ReadCounters:
     num_hedged: int = 0  # batches that finished without waiting for every asked node
     num_reserve_asks: int = 0  # requests to nodes beyond the first fan-out
     num_decode_failures: int = 0  # versions whose k shards did not rebuild a valid block
+    num_rechecks: int = 0  # blocks whose checksum failed, then their shards were checked
+    num_tainted: int = 0  # blocks dropped: their pool slot may still be written late
+
+
+OnLanded = Callable[[list[tuple[int, int]]], None]
+
+
+@dataclass
+class ReadTimes:
+    """Where batch reads spent their time (seconds, summed over batches): waiting for node
+    answers (and tallying them, on the event loop), stopping the requests still out (revoking
+    their permits), and decoding, which is the block checksum pass (on the decode pool)."""
+
+    gather_s: float = 0.0
+    stop_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class FollowUpSink(Protocol):
@@ -104,6 +132,9 @@ class BatchRead:
         follow_ups: FollowUpSink | None = None,
         *,
         decode_pool: Executor | None = None,
+        landing_pool: LandingPool | None = None,
+        times: ReadTimes | None = None,
+        block_check: BlockCheck = XXH3_CHECK,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -115,6 +146,13 @@ class BatchRead:
         self.hedge_delay_s = hedge_delay_s  # 0 = ask reserves only for hopeless keys
         self.follow_ups = follow_ups
         self.decode_pool = decode_pool  # decodes (a block checksum pass each) run here
+        self.landing_pool = landing_pool  # where local nodes may write blocks themselves
+        self.times = times if times is not None else ReadTimes()
+        # How each block is checked against its version: xxh3-128, or a tenant's keyed
+        # digest under end-to-end integrity (client/integrity.py). The one pass over it.
+        self.block_check = block_check
+        # After run(): positions whose bytes decoding wrote after on_landed announced them.
+        self.rewritten: set[int] = set()
 
     async def run(
         self,
@@ -122,25 +160,42 @@ class BatchRead:
         groups: Sequence[int],
         outs: Sequence[memoryview | None],
         timeout_s: float,
+        on_landed: OnLanded | None = None,
     ) -> list[bytes | memoryview | None]:
-        """Each key's block (written into its ``outs`` entry when one is given), or None."""
+        """Each key's block (written into its ``outs`` entry when one is given), or None.
+
+        ``on_landed(pairs)``, on the event loop, once per node answer: the (batch position,
+        data shard index) of each shard that landed at its place in ``outs`` (its bytes
+        ``[i*P, (i+1)*P)`` of the block, not verified yet: the block is, before it is
+        returned, and any range written again by decoding is in :attr:`rewritten`).
+        """
         deadline_s = asyncio.get_running_loop().time() + timeout_s
         self.counters.num_batches += 1
         self.counters.num_reads += len(keys)
-        state = _State(self, keys, groups, outs, deadline_s)
+        state = _State(self, keys, groups, outs, deadline_s, on_landed)
+        clock = asyncio.get_running_loop().time
+        started_s = clock()
         try:
             async with asyncio.timeout(timeout_s):
                 await state.gather()
         except TimeoutError:
             log.debug("batch read: deadline passed with %d keys undecided", state.num_undecided)
         finally:
+            gathered_s = clock()
             await state.stop()
+            await state.settle_checks()
+        stopped_s = clock()
         try:
             blocks = await state.decode(self.decode_pool)
         finally:
             state.release()
+        times = self.times
+        times.gather_s += gathered_s - started_s
+        times.stop_s += stopped_s - gathered_s
+        times.decode_s += clock() - stopped_s
         if self.follow_ups is not None:
             state.follow_up(blocks, self.follow_ups)
+        self.rewritten = state.rewritten
         return blocks
 
 
@@ -154,10 +209,24 @@ class _State:
         groups: Sequence[int],
         outs: Sequence[memoryview | None],
         deadline_s: float,
+        on_landed: OnLanded | None = None,
     ) -> None:
         self.read = read
         self.keys, self.groups, self.outs = keys, groups, outs
         self.deadline_s = deadline_s  # on the event loop's clock
+        self.on_landed = on_landed
+        # Positions whose block bytes decoding wrote after shards landed there (a recovered
+        # data shard, or one copied into place): engines copy those blocks again.
+        self.rewritten: set[int] = set()
+        # Blocks verified while the read goes on (whole in their buffers as soon as their
+        # data nodes answered): the futures of their block checks, and the verdicts.
+        self._checks: list[asyncio.Future[None]] = []
+        self.verified: dict[int, bool] = {}
+        pool = read.landing_pool
+        # Where each buffer lies in the landing pool, found once for all of its requests.
+        self.pool_offsets: list[int | None] | None = (
+            None if pool is None else [None if out is None else pool.locate(out) for out in outs]
+        )
         k = read.codec.k
         self.collectors = [ShardCollector(read.codec) for _ in keys]
         self.complete: list[bytes | None] = [None] * len(keys)  # the version that reached k
@@ -213,9 +282,13 @@ class _State:
             chunk = items[start:end]
             start = end
             positions = [p for p, _ in chunk]
-            request = _Request(
-                node, [self.keys[p] for p in positions], Wanted(positions, [s for _, s in chunk])
+            offsets = self.pool_offsets
+            wanted = Wanted(
+                positions,
+                [s for _, s in chunk],
+                None if offsets is None else [offsets[p] for p in positions],
             )
+            request = _Request(node, [self.keys[p] for p in positions], wanted)
             for position in positions:
                 self.pending[position] += 1
             reader = self.read.readers[node]
@@ -303,7 +376,8 @@ class _State:
             heard[wanted.positions[key_index]].add(wanted.shard_indexes[key_index])
 
     def _tally(self, answer: NodeAnswer, request: _Request) -> None:
-        """Verify and count every HIT shard of one node's answer (the per-shard loop)."""
+        """Count every HIT shard of one node's answer by version (the per-shard loop): its
+        header checked, its checksum left to the block's unless the transport checked it."""
         entries = answer.entries
         statuses = entries["status"]
         self.read.counters.num_corrupt_shards += int((statuses == batch_answer.CORRUPT).sum())
@@ -312,33 +386,96 @@ class _State:
             return
         raw = entries.tobytes()
         key_indexes = entries["key_index"].tolist()
+        shard_indexes = entries["shard_index"].tolist()
         positions = request.wanted.positions
         header_start = batch_answer.ENTRY_BYTES - 48
-        headers = answer.headers  # verified by the transport where the payloads landed
+        headers = (
+            answer.headers if answer.headers is not None else header_rows(self.read.codec, entries)
+        )
+        checked = answer.checked or [answer.headers is not None] * len(hit_rows)
+        landed: list[tuple[int, int]] = []
+        completed: list[int] = []
         for i, (row, payload, in_place) in enumerate(
             zip(hit_rows, answer.payloads, answer.in_place, strict=True)
         ):
             position = positions[key_indexes[row]]
-            if self.decided[position] and not in_place:
-                continue  # a late parity or misplaced shard: not worth a checksum pass
-            start = row * batch_answer.ENTRY_BYTES + header_start
-            shard = SplitShard(raw[start : start + 48], payload)
+            header = headers[i]
             collector = self.collectors[position]
-            if headers is None:
-                version = collector.add(shard)  # verifies the shard checksum
-            elif (header := headers[i]) is None:
+            if header is None:
                 collector.num_corrupt += 1
                 continue
-            else:
-                version = collector.add_verified(header, shard)
+            if in_place and shard_indexes[row] < self.k:
+                landed.append((position, shard_indexes[row]))
+            start = row * batch_answer.ENTRY_BYTES + header_start
+            shard = SplitShard(raw[start : start + 48], payload)
+            # Late shards are kept too (no hashing, a dict entry): a block that fails its
+            # checksum is decoded again from them once the bad shard is found.
+            version = collector.add_verified(header, shard, checked=checked[i])
             if version is not None and not self.decided[position]:
                 self.complete[position] = version
                 self._decide(position)
+                completed.append(position)
+        if landed and self.on_landed is not None:
+            self.on_landed(landed)
+        if completed:
+            self._check_whole(completed)
+
+    def _check_whole(self, positions: list[int]) -> None:
+        """Start the block check of the keys just completed whose data shards all lie at
+        their place already: no node may still write there (each data range has one writer,
+        and it answered), so the check overlaps the rest of the read. One native call for the
+        lot, in the decode pool."""
+        pool = self.read.decode_pool
+        whole = [
+            (position, self.complete[position], out)
+            for position in positions
+            if (out := self.outs[position]) is not None and self._whole(position)
+        ]
+        if pool is None or not whole:
+            return
+        keys = [self.keys[position] for position, _, _ in whole]
+        outs = [out for _, _, out in whole]
+        versions = [version for _, version, _ in whole]
+        future = asyncio.get_running_loop().run_in_executor(
+            pool, self.read.block_check.verify, keys, outs, versions
+        )
+        for position, _, _ in whole:
+            self.verified[position] = False  # until the check says otherwise
+
+        def record(done: asyncio.Future[list[bool]]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            for (position, _, _), ok in zip(whole, done.result(), strict=True):
+                self.verified[position] = ok
+
+        future.add_done_callback(record)
+        self._checks.append(future)
+
+    def _whole(self, position: int) -> bool:
+        """Whether every data shard of the key's complete version lies in its buffer, the
+        buffer is the block's size, and its slot is not tainted."""
+        version = self.complete[position]
+        out = self.outs[position]
+        if version is None or out is None:
+            return False
+        header = self.collectors[position].version_to_header[version]
+        return (
+            len(out) == header.block_len
+            and all(self._placed(position, version))
+            and not self._tainted(position, count=False)
+        )
+
+    async def settle_checks(self) -> None:
+        """Wait until no block check still reads a buffer (they run in the pool)."""
+        if self._checks:
+            await finish_despite_cancel(asyncio.gather(*self._checks, return_exceptions=True))
 
     def _hopeless(self, position: int) -> bool:
         """The requests still out for this key cannot give it k shards of one version."""
+        if self.decided[position]:
+            return False
         best = self.collectors[position].best_count
-        return not self.decided[position] and not can_complete(best, self.pending[position], self.k)
+        return not can_complete(best, self.pending[position], self.k)
 
     def _decide_if_hopeless(self, position: int) -> None:
         if self._hopeless(position) and (
@@ -388,18 +525,27 @@ class _State:
     async def decode(self, pool: Executor | None) -> list[bytes | memoryview | None]:
         """Decode every complete key into its buffer (or new bytes); None for the rest.
 
-        With a pool, a batch of at least DECODE_POOL_MIN_BYTES decodes there, its keys in
-        parallel (xxhash and ISA-L run without the GIL), so the event loop does none of the
-        block checksum passes.
+        Blocks whose data shards all lie in their buffers (the usual case: every transport
+        lands data shards at their place) are verified together, in one native call spread
+        over threads without the GIL (erasure.fastsum.verify_blocks): the one pass over their
+        bytes. The rest, and any that fail, decode key by key (parity rebuilds, rechecks),
+        in the pool for batches of DECODE_POOL_MIN_BYTES and more.
         """
         todo = [(p, v) for p, v in enumerate(self.complete) if v is not None]
-        num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in todo)
-        if pool is not None and len(todo) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:
-            calls = [functools.partial(self._decode_one, p, v) for p, v in todo]
+        checked_early = {p for p, ok in self.verified.items() if ok}
+        position_to_block: dict[int, bytes | memoryview | None] = {
+            p: self.outs[p] for p in checked_early
+        }
+        unchecked = [(p, v) for p, v in todo if p not in self.verified]
+        position_to_block.update(await self._verify_assembled(self._assembled(unchecked), pool))
+        rest = [(p, v) for p, v in todo if p not in position_to_block]
+        num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in rest)
+        if pool is not None and len(rest) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:
+            calls = [functools.partial(self._decode_one, p, v) for p, v in rest]
             decoded = await run_in_pool(pool, calls)
         else:
-            decoded = [self._decode_one(p, v) for p, v in todo]
-        position_to_block = dict(zip((p for p, _ in todo), decoded, strict=True))
+            decoded = [self._decode_one(p, v) for p, v in rest]
+        position_to_block.update(zip((p for p, _ in rest), decoded, strict=True))
         blocks: list[bytes | memoryview | None] = []
         counters = self.read.counters
         for position in range(len(self.complete)):
@@ -413,6 +559,52 @@ class _State:
             counters.num_corrupt_shards += collector.num_corrupt
         return blocks
 
+    def _assembled(self, todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes, memoryview]]:
+        """The complete keys whose block is whole in its buffer: every data shard it needs
+        is of the key's version and lies at its place, or was copied there now (a padded last
+        shard received apart). Anything else (a missing data shard, a plain get, a buffer of
+        the wrong size or a tainted slot) is left to :meth:`_decode_one`."""
+        assembled = []
+        for position, version in todo:
+            out = self.outs[position]
+            collector = self.collectors[position]
+            header = collector.version_to_header[version]
+            if out is None or len(out) != header.block_len or self._tainted(position, count=False):
+                continue
+            shards = collector.version_to_shards[version]
+            payload_len = max(header.payload_len, 1)
+            needed = range(min(self.k, -(-header.block_len // payload_len)))
+            if any(i not in shards for i in needed):
+                continue
+            for i in needed:
+                payload = shard_payload(shards[i])
+                if not _is_in(payload, out):
+                    start = i * payload_len
+                    piece = payload[: min(payload_len, header.block_len - start)]
+                    out[start : start + len(piece)] = piece
+                    self.rewritten.add(position)
+            assembled.append((position, version, out))
+        return assembled
+
+    async def _verify_assembled(
+        self, assembled: list[tuple[int, bytes, memoryview]], pool: Executor | None
+    ) -> dict[int, bytes | memoryview | None]:
+        """Position -> its block, for the assembled blocks whose checksum is their version
+        (one native call); those that fail go to :meth:`_decode_one`."""
+        if not assembled:
+            return {}
+        keys = [self.keys[position] for position, _, _ in assembled]
+        outs = [out for _, _, out in assembled]
+        versions = [version for _, version, _ in assembled]
+        check = functools.partial(self.read.block_check.verify, keys, outs, versions)
+        if pool is not None and sum(len(out) for out in outs) >= DECODE_POOL_MIN_BYTES:
+            (verdicts,) = await run_in_pool(pool, [check])
+        else:
+            verdicts = check()
+        return {
+            position: out for (position, _, out), ok in zip(assembled, verdicts, strict=True) if ok
+        }
+
     def _decode_one(self, position: int, version: bytes) -> bytes | memoryview | None:
         collector = self.collectors[position]
         out = self.outs[position]
@@ -423,13 +615,47 @@ class _State:
                 f"{self.keys[position].hex()} is {block_len} bytes; pass a writable buffer of "
                 "exactly the block's size"
             )
-        try:
-            # The collector ran codec.verify on every shard as it arrived.
-            return self.read.codec.decode(collector.shards(version), out=out, verified=True)
-        except CodecError as exc:
-            log.warning("dropping version %s: %s", version.hex(), exc)
-            self.read.counters.num_decode_failures += 1
+        if self._tainted(position):
             return None
+        codec, counters = self.read.codec, self.read.counters
+        if any(not in_place for in_place in self._placed(position, version)):
+            self.rewritten.add(position)
+        digest = self.read.block_check.digest_for(self.keys[position])
+        try:
+            # One pass: the block checksum covers every byte (shard checksums unchecked).
+            return codec.decode(collector.shards(version), out=out, verified=True, digest=digest)
+        except CodecError as exc:
+            failure: CodecError = exc
+        # The block failed: find the bad shards by their own checksums, decode without them.
+        counters.num_rechecks += 1
+        self.rewritten.add(position)
+        if collector.recheck(version) and len(collector.version_to_shards[version]) >= self.k:
+            try:
+                shards = collector.shards(version)
+                return codec.decode(shards, out=out, verified=True, digest=digest)
+            except CodecError as exc:
+                failure = exc
+        log.warning("dropping version %s: %s", version.hex(), failure)
+        counters.num_decode_failures += 1
+        return None
+
+    def _placed(self, position: int, version: bytes) -> list[bool]:
+        """Per data shard the block needs, whether a shard of ``version`` landed in place."""
+        header = self.collectors[position].version_to_header[version]
+        shards = self.collectors[position].version_to_shards[version]
+        num_data = min(self.k, -(-header.block_len // max(header.payload_len, 1)))
+        out = self.outs[position]
+        return [out is not None and i in shards and _is_in(shards[i], out) for i in range(num_data)]
+
+    def _tainted(self, position: int, *, count: bool = True) -> bool:
+        """Whether the buffer at ``position`` is a pool slot a late node may still write
+        (counted once)."""
+        pool, offsets = self.read.landing_pool, self.pool_offsets
+        offset = offsets[position] if offsets is not None else None
+        if pool is None or offset is None or not pool.is_tainted(offset):
+            return False
+        self.read.counters.num_tainted += count
+        return True
 
     def follow_up(self, blocks: list[bytes | memoryview | None], sink: FollowUpSink) -> None:
         """Per hit: touch the version's shard on the group's nodes not heard from for the key
@@ -465,6 +691,14 @@ class _State:
         """Free the scratch of every answer (after decoding: parity shards live there)."""
         for answer in self.answers:
             answer.release()
+
+
+def _is_in(payload: memoryview | SplitShard | bytes, out: memoryview) -> bool:
+    """Whether a payload (or a collected shard's) lies in ``out``'s memory (it landed at its
+    place): a judgement the block checksum confirms, never trusted alone."""
+    if isinstance(payload, SplitShard):
+        payload = payload.payload
+    return isinstance(payload, memoryview) and payload.obj is out.obj
 
 
 async def run_in_pool(pool: Executor, calls: Sequence[Callable[[], Any]]) -> list[Any]:

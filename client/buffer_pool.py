@@ -13,7 +13,8 @@ buffers avoids glibc's allocator costs for large blocks (DESIGN.md section 6).
     +----------------+----------------+-----+------------------+
     | slot 0         | slot 1         | ... | slot num_slots-1 |
     +----------------+----------------+-----+------------------+
-    |<- slot_bytes ->|   (slot_stride = slot_bytes rounded up to alignment_bytes)
+    |<- slot_bytes ->|   (slot_stride = slot_bytes + slack_bytes rounded up to
+                          alignment_bytes)
 
 The pool is torch-free: the engine supplies the memory through ``allocate`` (a torch tensor,
 pinned when CUDA is present) and views each slot as a KV block tensor too, at ``slot.offset``
@@ -68,6 +69,7 @@ class BufferPool:
         *,
         alignment_bytes: int = PAGE_BYTES,
         allocate: Callable[[int], Any] | None = None,
+        slack_bytes: int = 0,
     ) -> None:
         if slot_bytes <= 0 or num_slots <= 0:
             raise InvalidArgument(
@@ -78,7 +80,7 @@ class BufferPool:
             raise InvalidArgument(f"alignment_bytes must be a power of two, got {alignment_bytes}")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        self.slot_stride = -(-slot_bytes // alignment_bytes) * alignment_bytes
+        self.slot_stride = -(-(slot_bytes + slack_bytes) // alignment_bytes) * alignment_bytes
         self._memory = _allocate(self.slot_stride * num_slots, allocate)
         self._slots = [self._make_slot(i) for i in range(num_slots)]
         self._free = list(reversed(self._slots))  # pop() hands out slot 0 first

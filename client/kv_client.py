@@ -44,9 +44,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from client.batch_read import BatchRead, ReadCounters
+from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
 from client.follow_ups import FollowUps
+from client.integrity import XXH3_CHECK, BlockIntegrity, tenant_key
 from client.keyring import open_keyring
+from client.landing_pool import LandingPool
 from client.local.reader import LocalReads
 from client.map_follower import MapFollower
 from client.node_conn import NodeConn, NodeReader, consume_result
@@ -79,6 +81,14 @@ WRITE_SPARE_BYTES = 64 << 20  # parity and padded tails of one put_batch are enc
 DECODE_THREADS = min(8, os.cpu_count() or 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """What :meth:`KVClient.land_batch` did, per key of the batch."""
+
+    landed: list[bool]  # the block is in its buffer, verified
+    rewritten: list[bool]  # bytes were written after on_landed announced them: copy again
+
+
 class KVClient:
     """Client of one cluster for one tenant. Create with :meth:`connect`."""
 
@@ -90,6 +100,7 @@ class KVClient:
         *,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        landing_pool: LandingPool | None = None,
     ) -> None:
         if not tenant:
             raise InvalidArgument("tenant must be a non-empty string, e.g. tenant='acme'")
@@ -103,10 +114,13 @@ class KVClient:
         self.codec = make_codec(config.codec)
         self.clock: Clock = make_clock(config.ttl.time_scale, config.ttl.origin_unix_s)
         self.placement = Placement(config)
+        # Buffers in this pool land in place: local nodes write their shards there.
+        self.landing_pool = landing_pool
         # Each node's connection and read transport (client/transports.py).
-        self.transports = NodeTransports(self.codec, tenant, token, credentials)
+        self.transports = NodeTransports(self.codec, tenant, token, credentials, landing_pool)
         self._place(config)
         self.read_counters = ReadCounters()
+        self.read_times = ReadTimes()
         self.write_counters = WriteCounters()
         # Touches after read hits, repair hints after short reads and writes (background).
         self.follow_ups = FollowUps(self.conns, config.groups, tenant, config.client.timeout_s)
@@ -122,6 +136,12 @@ class KVClient:
                 self.sealer = BlockSealer(tenant, open_keyring(config.encryption))
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"[encryption] of tenant {tenant!r}: {exc}") from None
+        # End-to-end integrity ([integrity] in cluster.toml): keyed block versions that only
+        # this tenant's clients can compute (client/integrity.py); sealed tenants have GCM.
+        self.integrity: BlockIntegrity | None = None
+        if config.integrity.key_file and self.sealer is None:
+            key = tenant_key(config.integrity.key_file, tenant)
+            self.integrity = BlockIntegrity(tenant, key)
         self._closed = False
         self._map_follower: MapFollower | None = None  # set by connect()
 
@@ -177,6 +197,7 @@ class KVClient:
         transport: str = "grpc",
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        landing_pool: LandingPool | None = None,
     ) -> _Connecting:
         """Open a client: ``await KVClient.connect(...)`` or ``async with KVClient.connect(...)``.
 
@@ -197,13 +218,24 @@ class KVClient:
         worker reaches (learned in the background), gRPC to the rest. Results are identical.
         The default is "grpc": on the 2-core machine we measure on, with 12 nodes sharing the
         cores, the UCX path was slower at every block size (docs/data-paths.md).
+
+        ``landing_pool`` (client/landing_pool.py): buffers in it land in place over the local
+        channel: each local node writes its data shard straight to its place in the block,
+        and the client copies nothing (the engine's swap-in pool is one).
         """
         if transport not in TRANSPORTS:
             raise InvalidArgument(
                 f"transport {transport!r} is not one of {TRANSPORTS}; 'auto' picks per node"
             )
         open_client = partial(
-            cls._open, cluster_toml, tenant, token, transport, tls_cert_file, tls_key_file
+            cls._open,
+            cluster_toml,
+            tenant,
+            token,
+            transport,
+            tls_cert_file,
+            tls_key_file,
+            landing_pool,
         )
         return _Connecting(open_client)
 
@@ -216,6 +248,7 @@ class KVClient:
         transport: str,
         tls_cert_file: str | None,
         tls_key_file: str | None,
+        landing_pool: LandingPool | None,
     ) -> KVClient:
         """:meth:`connect`'s steps: the map (etcd's when set), the client, then its map
         follower and read transports."""
@@ -224,7 +257,12 @@ class KVClient:
         try:
             config = await follower.current_map(config)
             client = cls(
-                config, tenant, token, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file
+                config,
+                tenant,
+                token,
+                tls_cert_file=tls_cert_file,
+                tls_key_file=tls_key_file,
+                landing_pool=landing_pool,
             )
         except BaseException:
             await follower.close()
@@ -307,6 +345,7 @@ class KVClient:
             self.write_counters,
             self._background,
             on_short,
+            self.integrity,
         )
         await write.run(
             keys, groups, views, traffic_class, self._timeout_s(timeout_s), self.clock.now()
@@ -360,7 +399,28 @@ class KVClient:
 
         Each buffer must be writable and exactly its block's size (InvalidArgument
         otherwise). Shard payloads land straight at their place in the buffers; a buffer
-        from a long-lived pool (client/buffer_pool.py) is registered with UCX once.
+        from a long-lived pool (client/buffer_pool.py) is registered with UCX once, and one
+        in the client's landing pool is written by the local nodes themselves.
+        """
+        return (await self.land_batch(keys, buffers, timeout_s=timeout_s)).landed
+
+    async def land_batch(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        on_landed: OnLanded | None = None,
+        timeout_s: float | None = None,
+    ) -> Landing:
+        """:meth:`get_batch_into` for engines that use blocks while they arrive.
+
+        ``on_landed(pairs)`` is called on the event loop as node answers come in, with the
+        (batch position, data shard index) of every data shard that is now at its place in
+        its buffer (bytes ``[i*P, (i+1)*P)``, P = ceil(block bytes / k)); an engine may copy
+        those bytes onward at once (client/readiness.py turns shards into layers). They are
+        not verified yet: the returned :class:`Landing` says which blocks were (``landed``)
+        and which had bytes written again after they were announced (``rewritten``: a shard
+        recovered from parity or replaced after a failed check); copy those again.
         """
         if len(keys) != len(buffers):
             raise InvalidArgument(
@@ -368,13 +428,20 @@ class KVClient:
                 "pass one buffer per key"
             )
         outs = [_writable(buffer, i) for i, buffer in enumerate(buffers)]
-        return [block is not None for block in await self._read(keys, outs, timeout_s)]
+        rewritten: set[int] = set()
+        blocks = await self._read(keys, outs, timeout_s, on_landed, rewritten)
+        return Landing(
+            [block is not None for block in blocks],
+            [i in rewritten for i in range(len(blocks))],
+        )
 
     async def _read(
         self,
         keys: Sequence[bytes],
         outs: Sequence[memoryview | None],
         timeout_s: float | None,
+        on_landed: OnLanded | None = None,
+        rewritten: set[int] | None = None,
     ) -> list[bytes | memoryview | None]:
         for key in keys:
             check_key(key)
@@ -383,7 +450,10 @@ class KVClient:
         read = self._batch_read(self._group_members)
         groups = [self.placement.group_index(key) for key in keys]
         if self.sealer is None:
-            return await self._read_placed(read, keys, groups, outs, timeout_s)
+            blocks = await self._read_placed(read, keys, groups, outs, timeout_s, on_landed)
+            if rewritten is not None:
+                rewritten.update(read.rewritten)
+            return blocks
         # A sealed block decodes into its own buffer; opening it writes the caller's.
         sealed = await self._read_placed(read, keys, groups, [None] * len(keys), timeout_s)
         return [
@@ -403,6 +473,9 @@ class KVClient:
             self.config.client.hedge_delay_s,
             self.follow_ups,
             decode_pool=self._decode_pool,
+            landing_pool=self.landing_pool,
+            times=self.read_times,
+            block_check=self.integrity or XXH3_CHECK,
         )
 
     async def _read_placed(
@@ -412,10 +485,12 @@ class KVClient:
         groups: list[int],
         outs: Sequence[memoryview | None],
         timeout_s: float | None,
+        on_landed: OnLanded | None = None,
     ) -> list[bytes | memoryview | None]:
         """The blocks from the current placement; during a map change, the keys it misses
-        whose group changed are read again from the placement before the change."""
-        blocks = await read.run(keys, groups, outs, self._timeout_s(timeout_s))
+        whose group changed are read again from the placement before the change (their
+        blocks then count as rewritten: no shard of the second read is announced)."""
+        blocks = await read.run(keys, groups, outs, self._timeout_s(timeout_s), on_landed)
         previous = self.config.moving_from
         again = [
             i
@@ -432,6 +507,7 @@ class KVClient:
         )
         for i, block in zip(again, found, strict=True):
             blocks[i] = block
+            read.rewritten.add(i)
         return blocks
 
     async def contains(
@@ -559,6 +635,13 @@ class KVClient:
                     f"{timeout_s:g} s: is it in their credentials file?"
                 )
             await asyncio.sleep(0.1)
+
+    def replies_by_transport(self) -> dict[str, int]:
+        """How many node read requests each transport answered: local, ucx, grpc (the rest)."""
+        local = self.local.counters.num_local_replies if self.local else 0
+        ucx = self.ucx.counters.num_ucx_replies if self.ucx else 0
+        grpc = self.read_counters.num_node_requests - local - ucx
+        return {"local": local, "ucx": ucx, "grpc": max(grpc, 0)}
 
     def counters(self) -> dict[str, int]:
         """This client's read, write and follow-up counters (ReadCounters, WriteCounters and

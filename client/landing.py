@@ -35,10 +35,13 @@ from kvstore.wire import batch_answer
 @dataclass(frozen=True)
 class Wanted:
     """What one request asks a node for: request key i is batch key ``positions[i]``, of
-    which this node holds shard ``shard_indexes[i]``."""
+    which this node holds shard ``shard_indexes[i]``; ``pool_offsets[i]``: where that key's
+    buffer starts in the client's landing pool (None: not in the pool; the whole list None
+    when the client has no pool), located once per batch."""
 
     positions: list[int]
     shard_indexes: list[int]
+    pool_offsets: list[int | None] | None = None
 
 
 def landing_regions(
@@ -83,20 +86,11 @@ _FIELDS_START = batch_answer.ENTRY_BYTES - 48  # the shard header's place in an 
 _FIELDS_END = _FIELDS_START + 40  # the bytes the shard checksum covers before the payload
 
 
-def verify_landed(
-    codec: Codec,
-    entries: np.ndarray,
-    payloads: Sequence[memoryview],
-    checksums_ok: Sequence[bool] | None = None,
-) -> list[ShardHeader | None]:
-    """Per HIT entry (table order), its header if the shard verifies with ``payloads[i]`` as
-    its payload, else None: exactly ``Codec.verify``'s verdict, with the header checks done
-    once for the whole table (numpy) and one xxh3 pass per shard, or none where the caller
-    checked the shard checksums already (``checksums_ok``, from erasure.fastsum.copy_verify
-    over :func:`checksum_fields`).
-
-    The transports call this right after a payload landed, while its bytes are in cache.
-    """
+def header_rows(codec: Codec, entries: np.ndarray) -> list[ShardHeader | None]:
+    """Per HIT entry (table order), its shard header if its fields are one of this codec's
+    shards (one numpy pass for the table), else None. The shard checksum is not checked
+    here: the block checksum covers every byte of a block that decodes (client/batch_read.py
+    checks the shards only to find a bad one after a block mismatch)."""
     hits = entries[entries["status"] == batch_answer.HIT]
     raw = hits.tobytes()
     columns = zip(
@@ -104,28 +98,18 @@ def verify_landed(
         hits["shard_index"].tolist(),
         hits["block_len"].tolist(),
         hits["payload_len"].tolist(),
-        hits["checksum"].tolist(),
-        payloads,
-        checksums_ok if checksums_ok is not None else [None] * len(payloads),
         strict=True,
     )
     headers: list[ShardHeader | None] = []
-    for row, (fit, index, block_len, payload_len, checksum, payload, ok) in enumerate(columns):
-        start = row * batch_answer.ENTRY_BYTES
-        if fit and len(payload) == payload_len:
-            if ok is None:
-                hasher = xxhash.xxh3_64(raw[start + _FIELDS_START : start + _FIELDS_END])
-                hasher.update(payload)
-                ok = hasher.intdigest() == checksum
-            if ok:
-                version = raw[start + _FIELDS_START + 20 : start + _FIELDS_START + 36]
-                headers.append(
-                    ShardHeader(
-                        codec.backend, codec.k, codec.m, index, block_len, version, payload_len
-                    )
-                )
-                continue
-        headers.append(None)
+    for row, (fit, index, block_len, payload_len) in enumerate(columns):
+        if not fit:
+            headers.append(None)
+            continue
+        start = row * batch_answer.ENTRY_BYTES + _FIELDS_START
+        version = raw[start + 20 : start + 36]
+        headers.append(
+            ShardHeader(codec.backend, codec.k, codec.m, index, block_len, version, payload_len)
+        )
     return headers
 
 
@@ -142,12 +126,25 @@ def _headers_fit(codec: Codec, hits: np.ndarray) -> list[bool]:
     ).tolist()
 
 
-def checksum_fields(entries: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """The HIT entries' 40 checksummed header bytes back to back, and their checksums: what
-    erasure.fastsum.copy_verify takes."""
-    hits = entries[entries["status"] == batch_answer.HIT]
-    rows = np.frombuffer(hits.tobytes(), np.uint8).reshape(len(hits), batch_answer.ENTRY_BYTES)
-    return rows[:, _FIELDS_START:_FIELDS_END].tobytes(), hits["checksum"]
+def checksum_fields(entries: np.ndarray, rows: Sequence[int]) -> tuple[bytes, np.ndarray]:
+    """The 40 checksummed header bytes of HIT entries ``rows`` (indexes among the HITs) back
+    to back, and their checksums: what erasure.fastsum.copy_verify takes."""
+    hits = entries[entries["status"] == batch_answer.HIT][list(rows)]
+    table = np.frombuffer(hits.tobytes(), np.uint8).reshape(len(hits), batch_answer.ENTRY_BYTES)
+    return table[:, _FIELDS_START:_FIELDS_END].tobytes(), hits["checksum"]
+
+
+def shard_checksums_ok(
+    fields: bytes, checksums: np.ndarray, payloads: Sequence[memoryview]
+) -> list[bool]:
+    """Per payload, whether xxh3-64(its 40 fields + payload) is its checksum (the pure-Python
+    twin of erasure.fastsum.copy_verify's check, for machines without the helper)."""
+    verdicts = []
+    for i, (checksum, payload) in enumerate(zip(checksums.tolist(), payloads, strict=True)):
+        hasher = xxhash.xxh3_64(fields[i * 40 : i * 40 + 40])
+        hasher.update(payload)
+        verdicts.append(hasher.intdigest() == checksum)
+    return verdicts
 
 
 @dataclass
@@ -155,9 +152,10 @@ class NodeAnswer:
     """A node's answer as the batch read uses it: the table, each HIT payload's bytes (in
     table order, where they landed), and the scratch to release after decoding.
 
-    ``headers``: per HIT payload, its header as the transport verified it where it landed
-    (``Codec.verify``; None = it failed), so the batch read does not hash it again; None when
-    the transport left the verifying to the batch read.
+    ``headers``: per HIT payload, its header once the transport checked it (None = it failed
+    a check), or None for the whole list when the transport left that to the batch read;
+    ``checked``: per HIT payload, whether that check included its shard checksum (else the
+    block checksum is its one check, client/batch_read.py).
     """
 
     entries: np.ndarray
@@ -165,6 +163,7 @@ class NodeAnswer:
     in_place: list[bool]  # per HIT payload: it landed at its place in the caller's block
     scratch: list[Region] = field(default_factory=list)
     headers: list[ShardHeader | None] | None = None
+    checked: list[bool] | None = None
 
     def release(self) -> None:
         for region in self.scratch:

@@ -20,7 +20,8 @@ class MapFollower:
 
     def __init__(self, config: ClusterConfig) -> None:
         endpoints = config.membership.endpoints
-        self._membership = EtcdMembership(config.membership) if endpoints else None
+        membership = config.membership
+        self._membership = EtcdMembership(membership, reader=True) if endpoints else None
         self._follow: asyncio.Task[None] | None = None
 
     async def current_map(self, config: ClusterConfig) -> ClusterConfig:

@@ -89,8 +89,9 @@ class NodeConn:
         self.token = token
         self.k = k
         self.max_batch_bytes = node.max_batch_bytes
-        # TLS when the cluster has it on (kvstore/tls.py); plaintext only on loopback.
-        self.channel = aio_channel(node.address, credentials, CHANNEL_OPTIONS)
+        # TLS when the cluster has it on (kvstore/tls.py); plaintext only on loopback. The
+        # server must hold node ``node.id``'s certificate, or no call (and no token) goes out.
+        self.channel = aio_channel(node.address, credentials, CHANNEL_OPTIONS, node_id=node.id)
         self.stub = ShardStoreStub(self.channel)
         # GetShards replies carry the shards: parse them without protobuf's copies.
         self.stub.GetShards = self.channel.unary_unary(

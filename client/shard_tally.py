@@ -5,8 +5,10 @@ a key at once. A block is only ever rebuilt from ``k`` shards of ONE version (th
 the block's xxh3-128, recorded in every shard header), so both tallies here group by version.
 
 * :class:`ShardCollector` takes shard bytes as they arrive for one key, verifies each one
-  (``Codec.verify``: header fits the codec, shard checksum), skips and counts bad ones, and
-  says when some version has ``k`` distinct shard indices.
+  (``Codec.verify``: header fits the codec, shard checksum) or takes a shard whose checksum
+  is left to the block's (``checked=False``: the one-pass read, client/batch_read.py), skips
+  and counts bad ones, and says when some version has ``k`` distinct shard indices. After a
+  block checksum failure :meth:`ShardCollector.recheck` finds the unchecked shards to blame.
 * :class:`PresenceTally` takes per-node version lists from ``Contains`` replies for many keys
   and decides, key by key, whether some version is on at least ``k`` nodes.
 
@@ -39,6 +41,8 @@ class ShardCollector:
         self.version_to_header: dict[bytes, ShardHeader] = {}
         self.num_corrupt = 0
         self._dropped: set[bytes] = set()
+        self._unchecked: dict[bytes, set[int]] = {}  # version -> indexes not checksummed
+        self.best_count = 0  # shards held of the version with the most shards
 
     def add(self, shard: Shard) -> bytes | None:
         """Offer one shard; return its version if that version now has ``k`` shards.
@@ -53,16 +57,39 @@ class ShardCollector:
             return None
         return self.add_verified(header, shard)
 
-    def add_verified(self, header: ShardHeader, shard: Shard) -> bytes | None:
-        """:meth:`add` for a shard the caller verified already (``header`` from
-        ``Codec.verify`` of exactly these bytes)."""
+    def add_verified(
+        self, header: ShardHeader, shard: Shard, *, checked: bool = True
+    ) -> bytes | None:
+        """:meth:`add` for a shard whose header the caller parsed and checked already
+        (``header`` describes exactly these bytes); ``checked=False``: its shard checksum
+        was not verified (the block checksum will be, and :meth:`recheck` after a failure)."""
         version = header.block_checksum
         if version in self._dropped:
             return None
         shards = self.version_to_shards.setdefault(version, {})
         self.version_to_header.setdefault(version, header)
-        shards.setdefault(header.index, shard)
-        return version if len(shards) == self.codec.k else None
+        if header.index not in shards:
+            shards[header.index] = shard
+            self.best_count = max(self.best_count, len(shards))
+            if not checked:
+                self._unchecked.setdefault(version, set()).add(header.index)
+            return version if len(shards) == self.codec.k else None
+        return None
+
+    def recheck(self, version: bytes) -> int:
+        """Verify the shard checksums of ``version``'s unchecked shards and forget those that
+        fail (counted in ``num_corrupt``); how many were dropped."""
+        shards = self.version_to_shards.get(version, {})
+        num_dropped = 0
+        for index in sorted(self._unchecked.pop(version, ())):
+            try:
+                self.codec.verify(shards[index])
+            except CodecError:
+                del shards[index]
+                num_dropped += 1
+        self.num_corrupt += num_dropped
+        self._recount()
+        return num_dropped
 
     def shards(self, version: bytes) -> list[Shard]:
         """The collected shards of ``version``, by shard index (data shards first)."""
@@ -73,11 +100,10 @@ class ShardCollector:
         """Forget a version that failed to decode, and ignore its shards from now on."""
         self._dropped.add(version)
         self.version_to_shards.pop(version, None)
+        self._recount()
 
-    @property
-    def best_count(self) -> int:
-        """Shards held of the version with the most shards."""
-        return max((len(s) for s in self.version_to_shards.values()), default=0)
+    def _recount(self) -> None:
+        self.best_count = max((len(s) for s in self.version_to_shards.values()), default=0)
 
 
 class PresenceTally:

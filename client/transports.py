@@ -9,8 +9,8 @@ client's ``transport`` asks for (``KVClient.connect`` documents the choices):
              Unavailable at start when none does or ucxx is missing
     "local"  a local socket and shared memory to every node on this host (client/local/);
              Unavailable at start when none offers one
-    "auto"   UCX where shared memory, CMA or RDMA reach the node (never TCP), local where
-             the node is on this host, gRPC for the rest; learned in the background
+    "auto"   local where the node is on this host (linked at start), UCX where shared
+             memory, CMA or RDMA reach the node (never TCP), gRPC for the rest
 
 Each transport falls back to the one below it per read, so results are identical whatever
 was picked. This module assembles the transports; the client only reads ``readers``.
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from client.landing_pool import LandingPool
 from client.local.reader import LocalReader, LocalReads
 from client.node_conn import NodeConn, NodeReader
 from client.ucx.reader import UcxReader, UcxReads
@@ -31,6 +32,8 @@ from erasure.codec import Codec
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.wire.ucx_worker import INSTALL_HINT, ucx_available
+
+AUTO_LINK_WAIT_S = 2.0  # "auto": how long connect waits for a node's Health before linking it
 
 
 class NodeTransports:
@@ -42,9 +45,11 @@ class NodeTransports:
         tenant: str,
         token: str | None,
         credentials: grpc.ChannelCredentials | None,
+        landing_pool: LandingPool | None = None,
     ) -> None:
         self.codec = codec
         self.tenant = tenant
+        self.landing_pool = landing_pool  # shared with every local node (client/local/)
         self._token, self._credentials = token, credentials
         self.conns: dict[str, NodeConn] = {}
         self.conn_list: list[NodeConn] = []
@@ -82,15 +87,20 @@ class NodeTransports:
         """Every node gets a local reader over its fallback; with ``forced`` ("local") the
         links are made now and at least one must work, else in the background."""
         arena_bytes = 4 * min(n.max_batch_bytes for n in config.nodes)
-        self.local = LocalReads(self.codec, self.tenant, self._token, arena_bytes)
+        self.local = LocalReads(
+            self.codec, self.tenant, self._token, arena_bytes, self.landing_pool
+        )
         readers = [
             self.local.reader(conn, fallback)
             for conn, fallback in zip(self.conn_list, fallbacks, strict=True)
         ]
         self.readers = list(readers)
         if not forced:
-            for reader in readers:
-                reader.usable()  # asks Health in the background
+            # "auto": link the nodes on this host now, so the first reads are local already;
+            # a node that does not answer in time is linked in the background later.
+            await asyncio.gather(
+                *(reader.observe_quietly(AUTO_LINK_WAIT_S) for reader in readers)
+            )
             return
         await _require_one_usable(
             readers,

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from client.integrity import BlockIntegrity
 from client.node_conn import NodeConn, consume_result, encode_put_request
 from erasure.codec import Codec
 from kvstore.byte_arena import ByteArena
@@ -114,6 +115,7 @@ class BatchWrite:
         counters: WriteCounters,
         background: set[asyncio.Task[Any]],
         on_short: Callable[[list[int]], None] = lambda positions: None,
+        integrity: BlockIntegrity | None = None,
     ) -> None:
         self.codec = codec
         self.conns = conns
@@ -123,6 +125,7 @@ class BatchWrite:
         self.counters = counters
         self.background = background
         self._on_short = on_short
+        self.integrity = integrity  # keyed block versions (client/integrity.py), or xxh3
         self._reported: set[int] = set()
         self._versions: list[bytes] = []
 
@@ -170,7 +173,10 @@ class BatchWrite:
             start = 0
             for position, (key, group, block) in enumerate(zip(keys, groups, blocks, strict=True)):
                 size = codec.spare_bytes(len(block))
-                shards = codec.encode_into(block, spare.view[start : start + size])
+                keyed = self.integrity.version(key, block) if self.integrity else None
+                shards = codec.encode_into(
+                    block, spare.view[start : start + size], keyed_version=keyed
+                )
                 start += size
                 self._versions.append(bytes(memoryview(shards[0][0])[_VERSION]))
                 for shard_index, node in enumerate(self.group_members[group]):

@@ -38,6 +38,7 @@ from deploy.local_cluster import (
     is_node_process,
     local_admin_token,
     local_client_cert,
+    provision_integrity,
     read_pids,
     stop_pids,
     write_pids,
@@ -154,6 +155,18 @@ def configure_add_tenant(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cert-identity", default="", help="common name of its mTLS client certificate"
     )
+    parser.add_argument(
+        "--expires",
+        type=duration_arg,
+        default=0.0,
+        help="the token's lifetime, e.g. 90d (0: valid until `cluster rotate-token`)",
+    )
+    parser.add_argument(
+        "--integrity-keys",
+        type=Path,
+        default=None,
+        help="the integrity key file to add the tenant's key to (default: DIR/cluster.toml's)",
+    )
 
 
 def _class_cap(text: str) -> tuple[str, float]:
@@ -171,12 +184,30 @@ def _add_tenant(args: argparse.Namespace) -> int:
     path = args.credentials or args.dir / CREDENTIALS_FILE
     role = Role(args.role)
     token = add_principal(
-        path, args.tenant, role, frozenset(args.tenants), cert_identity=args.cert_identity
+        path,
+        args.tenant,
+        role,
+        frozenset(args.tenants),
+        cert_identity=args.cert_identity,
+        expires_in_s=args.expires,
     )
     if args.max_ttl:
         set_tenant_caps(path, args.tenant, dict(args.max_ttl))
+    key_file = _integrity_key_file(args)
+    made = provision_integrity(key_file, args.tenant, role, args.tenants)
+    if made:
+        print(f"integrity keys made in {key_file}: {', '.join(made)}", file=sys.stderr)
     print(token)
     return 0
+
+
+def _integrity_key_file(args: argparse.Namespace) -> str:
+    """The integrity key file add-tenant adds keys to: ``--integrity-keys``, else DIR's
+    cluster.toml's (``[integrity] key_file``), else none."""
+    if args.integrity_keys is not None:
+        return str(args.integrity_keys)
+    toml = args.dir / "cluster.toml"
+    return load_cluster(toml).integrity.key_file if toml.exists() else ""
 
 
 def configure_status(parser: argparse.ArgumentParser) -> None:

@@ -57,7 +57,7 @@ def fetch_stats(
 ) -> dict[str, pb.StatsReply | None]:
     """Node id -> its Stats reply (None if it did not answer); all nodes asked concurrently."""
     credentials = channel_credentials(config, *client_cert)
-    channels = {n.id: sync_channel(n.address, credentials) for n in config.nodes}
+    channels = {n.id: sync_channel(n.address, credentials, node_id=n.id) for n in config.nodes}
     token = client_token(token)
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     try:

@@ -18,9 +18,11 @@ Layout of DIR::
     master.key         with --encrypt: the master key that wraps tenants' data keys (0600)
     keyring.json       with --encrypt: the wrapped data keys (made on a tenant's first put)
     credentials.toml   with --auth: the nodes' principals, tokens hashed (mode 0600)
+    integrity.json     with --auth: each tenant's integrity key (0600; client hosts only)
     admin.token        with --auth: the admin credential `up` wrote (0600), for status/purge
     node.token         with --auth: the credential nodes present to each other (0600)
-    tls/               with --tls: the development CA and one certificate per node
+    tls/               with --tls: the development CA and one certificate per node;
+    tls/etcd/          with --tls --etcd: etcd's own CA, its certificate and its users' ones
     etcd/, etcd.pid    with --etcd (no endpoint): the local etcd's data and pid
 
 On one machine the nodes share DIR, so they share one credentials file; on real hosts each
@@ -54,8 +56,9 @@ from typing import Any
 
 import grpc
 
+from client.integrity import ensure_key
 from client.keyring import new_master_key
-from deploy.local_etcd import start_etcd, stop_etcd
+from deploy.local_etcd import issue_etcd_certs, membership_tls, start_etcd, stop_etcd
 from deploy.processes import spawn_logged
 from kvstore.auth import Role, add_principal, read_token_file, write_private
 from kvstore.certs import init_ca, issue_files
@@ -64,6 +67,7 @@ from kvstore.config import (
     ClusterConfig,
     CodecConfig,
     EncryptionConfig,
+    IntegrityConfig,
     MembershipConfig,
     NodeConfig,
     TLSConfig,
@@ -85,6 +89,7 @@ ADMIN_TOKEN_FILE = "admin.token"
 NODE_TOKEN_FILE = "node.token"
 TLS_DIR = "tls"
 MASTER_KEY_FILE = "master.key"
+INTEGRITY_KEY_FILE = "integrity.json"
 KEYRING_FILE = "keyring.json"
 STARTUP_TIMEOUT_S = 60.0
 LOCAL_ETCD = "local"  # `--etcd` without an endpoint: start one (deploy/local_etcd.py)
@@ -190,10 +195,14 @@ def log_tail(root: Path, node_id: str, num_lines: int = 15) -> str:
 
 
 def health(
-    address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+    address: str,
+    timeout_s: float,
+    credentials: grpc.ChannelCredentials | None = None,
+    node_id: str | None = None,
 ) -> pb.HealthReply | None:
-    """The node's Health reply, or None if it does not answer within ``timeout_s``."""
-    with sync_channel(address, credentials, _HEALTH_OPTIONS) as channel:
+    """The node's Health reply, or None if it does not answer within ``timeout_s`` (with TLS
+    and ``node_id``: or if the server there is not that node)."""
+    with sync_channel(address, credentials, _HEALTH_OPTIONS, node_id=node_id) as channel:
         try:
             return ShardStoreStub(channel).Health(pb.HealthRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -214,7 +223,7 @@ def wait_healthy(
         for node_id, proc in list(waiting.items()):
             if proc.poll() is not None:
                 raise Unavailable(_startup_failure(root, node_id, f"exited with {proc.returncode}"))
-            reply = health(config.node(node_id).address, 0.5, credentials)
+            reply = health(config.node(node_id).address, 0.5, credentials, node_id)
             if reply is not None and reply.serving:
                 del waiting[node_id]
         if waiting and time.monotonic() > deadline_s:
@@ -246,12 +255,18 @@ def secure(
     tls: bool,
     mtls: bool,
     encrypt: Sequence[str] = (),
+    integrity: bool = False,
 ) -> ClusterConfig:
     """``config`` with auth (credentials file, admin and node tokens), TLS (a dev CA, a
-    certificate per node; ``mtls``: client certificates required) and encryption at rest for
-    the ``encrypt`` tenants (a master key file and a keyring) set up under ``root``."""
+    certificate per node; ``mtls``: client certificates required), encryption at rest for
+    the ``encrypt`` tenants (a master key file and a keyring) and end-to-end ``integrity``
+    (a key file for the tenants' integrity keys) set up under ``root``."""
     nodes = config.nodes
     encryption = config.encryption
+    if integrity:
+        key_file = root / INTEGRITY_KEY_FILE
+        key_file.unlink(missing_ok=True)
+        config = dataclasses.replace(config, integrity=IntegrityConfig(str(key_file.resolve())))
     if encrypt:
         master = new_master_key(root / MASTER_KEY_FILE)
         encryption = EncryptionConfig(
@@ -275,8 +290,8 @@ def secure(
     if tls:
         tls_dir = root / TLS_DIR
         ca_file = init_ca(tls_dir)
-        issued = {n.id: issue_files(tls_dir, n.id, [n.host, "localhost"]) for n in nodes}
-        issue_files(tls_dir, "admin", [])
+        issued = {n.id: issue_files(tls_dir, n.id, [n.host], node=True) for n in nodes}
+        issue_files(tls_dir, "admin")
         nodes = tuple(
             dataclasses.replace(
                 n,
@@ -287,6 +302,18 @@ def secure(
         )
         tls_config = TLSConfig("on", str(ca_file.resolve()), "require" if mtls else "none")
     return dataclasses.replace(config, nodes=nodes, tls=tls_config, encryption=encryption)
+
+
+def provision_integrity(
+    key_file: str, name: str, role: Role, tenants: Sequence[str] = ()
+) -> list[str]:
+    """With an integrity key file (``[integrity] key_file``; "" = integrity off), make the
+    integrity key of each tenant principal ``name`` acts for (itself, or a service's listed
+    tenants; client/integrity.py); the tenants whose key it made."""
+    acts_for = [name] if role is Role.TENANT else [t for t in tenants if t != "*"]
+    if not key_file or role not in (Role.TENANT, Role.SERVICE):
+        return []
+    return [t for t in acts_for if ensure_key(key_file, t)]
 
 
 def local_admin_token(root: Path) -> str | None:
@@ -362,12 +389,23 @@ def _refuse_running(root: Path) -> None:
 
 
 def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) -> ClusterConfig:
-    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``),
-    which must hold no map yet: nodes would follow an older one, not this one."""
-    endpoint = start_etcd(root, *free_ports(2)) if etcd == LOCAL_ETCD else etcd
-    membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s)
+    """``config`` with its map in etcd at ``etcd`` (``"local"``: one started under ``root``,
+    over TLS with client certificates when the cluster has TLS, deploy/local_etcd.py), which
+    must hold no map yet: nodes would follow an older one, not this one."""
+    tls_fields: dict[str, str] = {}
+    if etcd == LOCAL_ETCD:
+        tls = issue_etcd_certs(root / TLS_DIR / "etcd") if config.tls_enabled else None
+        endpoint = start_etcd(root, *free_ports(2), tls=tls)
+        tls_fields = membership_tls(tls) if tls else {}
+    else:
+        endpoint = etcd
+    membership = MembershipConfig(etcd=endpoint, down_out_s=down_out_s, **tls_fields)
     config = dataclasses.replace(config, membership=membership)
-    existing = etcd_call(config, _get_map)
+    try:
+        existing = etcd_call(config, _get_map)
+    except BaseException:
+        stop_etcd(root)
+        raise
     if existing is not None:
         stop_etcd(root)
         raise InvalidArgument(
@@ -407,7 +445,9 @@ class LocalCluster:
         return local_admin_token(self.root)
 
     def add_tenant(self, tenant: str, role: Role = Role.TENANT, tenants: Sequence[str] = ()) -> str:
-        """A new principal's token (``kvstore cluster add-tenant``); nodes see it within 1 s."""
+        """A new principal's token (``kvstore cluster add-tenant``); nodes see it within 1 s.
+        With integrity on, the tenants it acts for get their integrity keys."""
+        provision_integrity(self.config.integrity.key_file, tenant, role, tenants)
         return add_principal(self.credentials_file, tenant, role, frozenset(tenants))
 
     @classmethod
@@ -424,6 +464,7 @@ class LocalCluster:
         tls: bool = False,
         mtls: bool = False,
         encrypt: Sequence[str] = (),
+        integrity: bool | None = None,
         etcd: str | None = None,
         down_out_s: float = DEFAULT_DOWN_OUT_S,
         **node_defaults: Any,
@@ -434,15 +475,25 @@ class LocalCluster:
         ``max_bytes=...``). ``auth`` writes a credentials file with an admin and a node
         principal (``root/admin.token``); ``tls`` a CA and node certificates (``mtls``:
         clients must present one too); ``encrypt`` names tenants whose blocks clients seal
-        (a master key and keyring under ``root``). ``etcd``: membership on etcd at that
-        endpoint, or ``"local"`` to start one (deploy/local_etcd.py), with ``down_out_s``. On
-        a startup failure the started nodes (and a started etcd) are stopped.
+        (a master key and keyring under ``root``); ``integrity`` (default: with ``auth``)
+        keyed block versions for every other tenant (client/integrity.py). ``etcd``:
+        membership on etcd at that endpoint, or ``"local"`` to start one
+        (deploy/local_etcd.py), with ``down_out_s``. On a startup failure the started nodes
+        (and a started etcd) are stopped.
         """
         root = Path(root)
         _refuse_running(root)
         root.mkdir(parents=True, exist_ok=True)
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
-        config = secure(root, config, auth=auth, tls=tls or mtls, mtls=mtls, encrypt=encrypt)
+        config = secure(
+            root,
+            config,
+            auth=auth,
+            tls=tls or mtls,
+            mtls=mtls,
+            encrypt=encrypt,
+            integrity=auth if integrity is None else integrity,
+        )
         if etcd is not None:
             config = _on_etcd(root, config, etcd, down_out_s)
         return cls._spawn_all(root, config, base_port is not None, startup_timeout_s)

@@ -10,9 +10,10 @@ deploy/cluster.example.toml was written by ``write_example``::
 Copy the result to every host (``/etc/kvstore/cluster.toml``) and start one
 ``kvstore-node@<id>`` systemd unit per node (deploy/systemd/kvstore-node@.service).
 
-The map is secure by default: TLS on every channel (``[tls]``; each host's nodes serve the
-host's certificate, ``/etc/kvstore/tls/node.pem``, issued for its name by ``kvstore certs
-issue``), and principals from ``/etc/kvstore/credentials.toml`` (the same file on every host,
+The map is secure by default: TLS on every channel (``[tls]``; each node serves its own
+certificate, ``/etc/kvstore/tls/<id>.pem``, which names its node id and its host, issued by
+``kvstore certs issue --dir CA <id> --node --host <host>``: clients and peers accept a node only
+with its own), and principals from ``/etc/kvstore/credentials.toml`` (the same file on every host,
 mode 0600, readable by the nodes only), with the nodes' own token in
 ``/etc/kvstore/node.token``. docs/security.md has the set-up commands.
 """
@@ -61,9 +62,10 @@ def multi_host_config(
 ) -> ClusterConfig:
     """Nodes ``<short host>-<i>`` on ``host:port + i``, data under ``data_root/<id>``, with
     TLS and credentials files under ``etc_dir`` (see the module docstring)."""
+    ids = {(host, i): f"{host.split('.')[0]}-{i}" for host in hosts for i in range(nodes_per_host)}
     nodes = tuple(
         NodeConfig(
-            id=f"{host.split('.')[0]}-{i}",
+            id=ids[host, i],
             address=f"{host}:{port + i}",
             metrics_port=metrics_port + i,
             failure_domain=host,
@@ -71,8 +73,8 @@ def multi_host_config(
             credentials_file=f"{etc_dir}/credentials.toml",
             peer_token_file=f"{etc_dir}/node.token",
             metrics_auth=True,
-            tls_cert_file=f"{etc_dir}/tls/node.pem",
-            tls_key_file=f"{etc_dir}/tls/node.key",
+            tls_cert_file=f"{etc_dir}/tls/{ids[host, i]}.pem",
+            tls_key_file=f"{etc_dir}/tls/{ids[host, i]}.key",
         )
         for host in hosts
         for i in range(nodes_per_host)
@@ -102,6 +104,8 @@ def kubernetes_config(replicas: int = 12, namespace: str = "kvstore") -> Cluster
             data_dir="/var/lib/kvstore",
             credentials_file="/etc/kvstore/secrets/credentials.toml",
             peer_token_file="/etc/kvstore/secrets/node.token",
+            tls_cert_file=f"/etc/kvstore/tls/{n.id.removesuffix('-0')}.pem",
+            tls_key_file=f"/etc/kvstore/tls/{n.id.removesuffix('-0')}.key",
         )
         for n in config.nodes
     )
@@ -129,16 +133,19 @@ def write_kubernetes_map(path: Path = K8S_MAP_PATH) -> None:
 
 
 def compact_dict(config: ClusterConfig) -> dict[str, Any]:
-    """``cluster_to_dict`` with the fields every node shares moved to ``[node_defaults]``."""
+    """``cluster_to_dict`` with the fields every node shares moved to ``[node_defaults]``
+    (each node keeps its identity and what differs, such as its own certificate)."""
     raw = cluster_to_dict(config)
     for node in raw["nodes"]:
         if node["state"] == "in":  # the default; a seed map's nodes are all in
             del node["state"]
-    shared = {k: v for k, v in raw["nodes"][0].items() if k not in _IDENTITY_FIELDS}
-    if any({k: n[k] for k in shared} != shared for n in raw["nodes"]):
-        return raw
+    shared = {
+        k: v
+        for k, v in raw["nodes"][0].items()
+        if k not in _IDENTITY_FIELDS and all(n.get(k) == v for n in raw["nodes"])
+    }
     raw["node_defaults"] = shared
-    raw["nodes"] = [{k: n[k] for k in _IDENTITY_FIELDS} for n in raw["nodes"]]
+    raw["nodes"] = [{k: v for k, v in n.items() if k not in shared} for n in raw["nodes"]]
     return raw
 
 

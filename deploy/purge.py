@@ -72,7 +72,7 @@ def purge_nodes(
     deadline_s = time.monotonic() + wait_s
     while True:
         pending = [n for n in config.nodes if not results[n.id].done]
-        channels = {n.id: sync_channel(n.address, credentials) for n in pending}
+        channels = {n.id: sync_channel(n.address, credentials, node_id=n.id) for n in pending}
         try:
             futures = {
                 n.id: ShardStoreStub(channels[n.id]).Purge.future(

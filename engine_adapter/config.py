@@ -3,7 +3,8 @@
 
 ``random:<preset>`` model specs name the seeded random-init shapes in ``RANDOM_PRESETS``:
 ``tiny`` and ``small`` for tests, ``135m`` (SmolLM2's shape) and ``1b`` (Llama-3.2-1B's
-shape) for benchmarks.
+shape, 16k context) for benchmarks; ``1b-long`` is the same shape with Llama-3.2-1B's whole
+128k context, for long prompts (32k and 64k tokens on one H200).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def add_store_transport_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store-transport",
         choices=STORE_TRANSPORTS,
-        default="grpc",
-        help="how fetched KV blocks travel from the store (docs/data-paths.md)",
+        default="auto",
+        help="how fetched KV blocks travel from the store: auto = the local channel to "
+        "nodes on this host, UCX where it reaches, gRPC for the rest (docs/data-paths.md)",
     )
 
 
@@ -94,6 +96,11 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
         head_dim=64, intermediate_size=8192, rope_theta=500_000.0, max_position_embeddings=16384,
     ),
+    "1b-long": ModelConfig(
+        vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, intermediate_size=8192, rope_theta=500_000.0,
+        max_position_embeddings=131072,
+    ),
 }  # fmt: skip
 
 
@@ -118,12 +125,14 @@ class EngineConfig:
     fetch_policy: str = "cost"  # "cost": fetch when the cost model says it is faster; "always"
     fetch_deadline_s: float = 2.0  # upper bound on any fetch; the cost model may cut it
     fetch_min_deadline_s: float = 0.1  # a fetch always gets at least this long
-    fetch_concurrency: int = 128  # blocks in flight per fetch (in get_batch_into chunks)
-    fetch_chunk_blocks: int = 32  # blocks per get_batch_into call: the H2D copy of a chunk
+    fetch_concurrency: int = 512  # blocks in flight per fetch (in land_batch chunks)
+    fetch_chunk_blocks: int = 64  # blocks per land_batch call: the H2D copy of a block
     # starts as soon as it landed, while later chunks are still on their way
-    # How fetched blocks travel (KVClient.connect's transport): "grpc", "auto" (UCX to the
-    # nodes that shared memory or RDMA reach) or "ucx" (docs/data-paths.md).
-    store_transport: str = "grpc"
+    # How fetched blocks travel (KVClient.connect's transport): "auto" (the local channel to
+    # nodes on this host, where they write into the engine's landing pool themselves; UCX to
+    # the nodes shared memory or RDMA reach; gRPC for the rest), "local", "ucx" or "grpc"
+    # (docs/data-paths.md).
+    store_transport: str = "auto"
     write_back: bool = True  # store newly computed full blocks after prefill
     write_concurrency: int = 4  # puts in flight during write-back
     seed: int = 0  # random init and sampling default

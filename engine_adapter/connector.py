@@ -1,21 +1,28 @@
-"""The engine's store connector: lookup, fetch-or-compute, swap-in buffers, write-back.
+"""The engine's store connector: plan, fetch-and-compute, swap-in buffers, write-back.
 
 Per prefill::
 
     keys = block_keys(prompt, block_tokens, namespace, salt=tenant)   full blocks only
-    num_matched = match_prefix(keys[:num_usable])   num_usable leaves >= 1 token to compute
-    plan = cost_model.plan(num_matched)             fetch all or none, and a deadline
-    get_batch_into(chunk of keys, host slots)       a few chunks in flight (one request per
-        -> SwapIn.block_arrived(i) per block         node per chunk); each block lands in a
-                                                    reusable slot and, on CUDA, its H2D copy
-                                                    starts as soon as its chunk landed
-    at the deadline: keep the leading run of blocks that arrived, compute the rest
+    plan = cost_model.plan(num_usable)     blocks [0, c) computed from the front while blocks
+                                           [c, num_usable) are fetched (c = 0 when the store
+                                           is faster than compute; Cake); a deadline
+    land_batch(chunk of keys, pool slots)  a few chunks in flight (one request per node per
+        on_landed -> Readiness             chunk): each node puts its data shards straight into
+        -> SwapIn.block_arrived(i)         the slots (the landing pool, client/landing_pool.py),
+                                           and as soon as a block's data shards are all there
+                                           its H2D copy starts on the side stream (CUDA), before
+                                           the chunk's blocks are verified
+    at the deadline: keep the leading run of verified blocks (re-copying any whose bytes
+    changed after they were reported), compute the rest
 
-Nothing on this path raises: a store that is down, a miss between lookup and fetch, a slow
-node or a deadline all become "fewer cached blocks", and the engine computes them. The store
-verifies checksums, and the namespace (model fingerprint, KV layout, dtype, block size)
-keeps other models' blocks out, so a fetched block is this model's KV of these tokens.
-The number of blocks used is rounded down to whole prefill chunks (see ``EngineConfig``).
+There is no separate lookup: the fetch is the lookup (a block the store lacks is an index miss
+on its nodes, a few microseconds each), so a cached prefill pays one round trip, not two.
+
+Nothing on this path raises: a store that is down, a miss, a slow node or a deadline all become
+"fewer cached blocks", and the engine computes them. The store verifies checksums, and the
+namespace (model fingerprint, KV layout, dtype, block size) keeps other models' blocks out, so
+a fetched block is this model's KV of these tokens. The number of blocks used is rounded down
+to whole prefill chunks (see ``EngineConfig``).
 
 After prefill the new full blocks are copied to host write slots (after the first token,
 off the request's critical path) and stored in the background with one ``put_batch`` (the
@@ -36,8 +43,9 @@ from pathlib import Path
 import torch
 
 from client import KVClient, block_keys
+from client.readiness import Readiness
 from engine_adapter.config import EngineConfig
-from engine_adapter.cost_model import FetchCostModel
+from engine_adapter.cost_model import FetchCostModel, FetchPlan
 from engine_adapter.host_buffers import HostBlockPool, HostSlot
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.swap_in import SwapIn
@@ -53,11 +61,11 @@ StoreFailure = (*ERRORS, OSError)  # what a store call may raise that we absorb
 class ConnectorStats:
     """Counters since the connector opened (benchmarks and tests read them)."""
 
-    num_lookups: int = 0
-    num_lookup_errors: int = 0
-    num_matched_blocks: int = 0
+    num_lookups: int = 0  # fetches (each is also the lookup)
+    num_lookup_errors: int = 0  # fetches that failed outright
+    num_matched_blocks: int = 0  # leading blocks fetches found
     num_fetched_blocks: int = 0  # blocks swapped in and used
-    num_skipped_by_cost: int = 0  # matched blocks the cost model chose to recompute
+    num_skipped_by_cost: int = 0  # usable blocks the cost model chose to compute instead
     num_fetch_fallbacks: int = 0  # fetches that delivered fewer blocks than planned
     num_deadlines_exceeded: int = 0
     num_written_blocks: int = 0
@@ -70,17 +78,26 @@ class FetchOutcome:
     """What the store contributed to one prefill."""
 
     swap_in: SwapIn
-    num_matched_blocks: int  # leading blocks the store had (before the cost model)
-    num_fetched_blocks: int  # leading blocks swapped in and used
-    lookup_s: float
+    num_matched_blocks: int  # leading blocks the fetch found, from first_block on
+    num_fetched_blocks: int  # leading blocks swapped in and used, from first_block on
+    lookup_s: float  # 0: the fetch is the lookup (kept for the benchmarks' columns)
     fetch_s: float
-    # Why fewer blocks than matched were used: "cost" (recomputing is faster), "deadline",
-    # "miss" (gone since the lookup), "error" or "no_buffer"; None otherwise.
+    # Why fewer blocks than usable were used: "cost" (the plan computes some, or all),
+    # "deadline", "miss" (the store lacked one), "error" or "no_buffer"; None otherwise.
     fallback: str | None
     slots: list[HostSlot] = field(default_factory=list)
-    # get_batch_into time of the chunk each arrived block came in, not counting the wait for
+    # land_batch time of the chunk each arrived block came in, not counting the wait for
     # a fetch_concurrency turn (benchmarks read its tail)
     block_fetch_s: list[float] = field(default_factory=list)
+    first_block: int = 0  # blocks before it were computed while the rest was fetched
+
+    @property
+    def first_uncached_block(self) -> int:
+        """Where write-back starts: after the blocks the fetch found, or at 0 when it found
+        none (the blocks computed meanwhile were never asked for)."""
+        if not self.num_matched_blocks:
+            return 0
+        return self.first_block + self.num_matched_blocks
 
 
 class StoreConnector:
@@ -103,7 +120,8 @@ class StoreConnector:
         )
         self.stats = ConnectorStats()
         pin = cache.kv.device.type == "cuda"
-        self.fetch_buffers = HostBlockPool(self.layout, max_blocks, pin_memory=pin)
+        # Fetched blocks land here, written by the store's local nodes themselves.
+        self.fetch_buffers = HostBlockPool(self.layout, max_blocks, pin_memory=pin, shared=True)
         self.write_buffers = HostBlockPool(self.layout, max_blocks, pin_memory=pin)
         self._clients: dict[str, KVClient] = {}
         self._connect_lock = asyncio.Lock()
@@ -123,37 +141,52 @@ class StoreConnector:
                     tenant=tenant,
                     token=self.token,
                     transport=self.config.store_transport,
+                    landing_pool=self.fetch_buffers.landing_pool,
                 )
             return self._clients[tenant]
+
+    def plan(self, num_usable: int) -> FetchPlan:
+        """Which usable blocks to fetch and which to compute meanwhile (cost_model.py)."""
+        always = self.config.fetch_policy == "always"
+        return self.cost_model.plan(
+            num_usable,
+            self.layout.block_tokens,
+            self.layout.block_bytes,
+            always,
+            self.config.blocks_per_chunk,
+        )
 
     async def fetch_prefix(
         self, keys: list[bytes], table: BlockTable, num_usable: int, tenant: str
     ) -> FetchOutcome:
-        """Swap in as many of the first ``num_usable`` blocks as are cached and worth it."""
+        """Swap in as many of the first ``num_usable`` blocks as are cached and worth it
+        (the plan's blocks: :meth:`plan` then :meth:`fetch`)."""
+        return await self.fetch(keys, table, self.plan(num_usable), tenant)
+
+    async def fetch(
+        self, keys: list[bytes], table: BlockTable, plan: FetchPlan, tenant: str
+    ) -> FetchOutcome:
+        """Fetch the plan's blocks (from ``plan.first_block`` on) into host slots, start their
+        swap-in, and say how many leading ones arrived."""
         started = time.perf_counter()
-        num_matched = await self._lookup(keys[:num_usable], tenant)
-        lookup_s = time.perf_counter() - started
-        always = self.config.fetch_policy == "always"
-        plan = self.cost_model.plan(
-            num_matched, self.layout.block_tokens, self.layout.block_bytes, always
-        )
-        num_wanted = self._whole_chunks(plan.num_blocks)
-        slots = self._acquire_whole_chunks(num_wanted)
+        first = plan.first_block
+        self.stats.num_lookups += 1
+        slots = self._acquire_whole_chunks(self._whole_chunks(plan.num_blocks))
         host_blocks = [slot.block for slot in slots]
-        swap_in = SwapIn(self.cache, table.block_ids, host_blocks)
-        num_arrived, reason, block_fetch_s = await self._fetch(
-            keys, slots, swap_in, tenant, plan.deadline_s
+        swap_in = SwapIn(self.cache, table.block_ids[first:], host_blocks)
+        num_arrived, num_landed, reason, block_fetch_s = await self._fetch(
+            keys[first:], slots, swap_in, tenant, plan.deadline_s
         )
-        fetch_s = time.perf_counter() - started - lookup_s
-        if reason is None and len(slots) < num_wanted:
+        fetch_s = time.perf_counter() - started
+        if reason is None and len(slots) < plan.num_blocks:
             reason = "no_buffer"
         num_used = self._whole_chunks(num_arrived)
         swap_in.start(num_used)
-        self._record(num_matched, plan.num_blocks, num_used, reason, fetch_s)
-        if reason is None and plan.num_blocks < num_matched:
+        self._record(num_arrived, first, num_used, num_landed, reason, fetch_s)
+        if reason is None and first:
             reason = "cost"
         return FetchOutcome(
-            swap_in, num_matched, num_used, lookup_s, fetch_s, reason, slots, block_fetch_s
+            swap_in, num_arrived, num_used, 0.0, fetch_s, reason, slots, block_fetch_s, first
         )
 
     def release(self, outcome: FetchOutcome) -> None:
@@ -178,20 +211,40 @@ class StoreConnector:
             return
         await asyncio.to_thread(self._snapshot, table, indexes[: len(slots)], slots)
         batch = [keys[index] for index in indexes[: len(slots)]]
-        task = asyncio.create_task(self._put(batch, slots, tenant, traffic_class))
-        self._pending_writes.add(task)
-        task.add_done_callback(self._pending_writes.discard)
+        # One put_batch per fetch chunk: a long prompt's blocks (a 64k prompt writes 1,000
+        # of 2 MiB) would otherwise be one request per node of gigabytes, past any deadline.
+        chunk = self.config.fetch_chunk_blocks
+        for start in range(0, len(batch), chunk):
+            task = asyncio.create_task(
+                self._put(
+                    batch[start : start + chunk],
+                    slots[start : start + chunk],
+                    tenant,
+                    traffic_class,
+                )
+            )
+            self._pending_writes.add(task)
+            task.add_done_callback(self._pending_writes.discard)
 
     async def drain(self) -> None:
         """Wait until every background write-back has finished."""
         while self._pending_writes:
             await asyncio.gather(*list(self._pending_writes), return_exceptions=True)
 
+    def transport_used(self) -> str:
+        """What answered most of the fetches' node requests: local, ucx or grpc."""
+        counts: dict[str, int] = {}
+        for kv in self._clients.values():
+            for name, count in kv.replies_by_transport().items():
+                counts[name] = counts.get(name, 0) + count
+        return max(counts, key=lambda name: counts[name]) if counts else ""
+
     async def close(self) -> None:
-        """Finish write-backs, then close every tenant's client."""
+        """Finish write-backs, then close every tenant's client and the fetch pool."""
         await self.drain()
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(kv.close() for kv in clients), return_exceptions=True)
+        self.fetch_buffers.close()
 
     def _whole_chunks(self, num_blocks: int) -> int:
         per_chunk = self.config.blocks_per_chunk
@@ -203,20 +256,6 @@ class StoreConnector:
             slot.release()
         return slots[: self._whole_chunks(len(slots))]
 
-    async def _lookup(self, keys: list[bytes], tenant: str) -> int:
-        self.stats.num_lookups += 1
-        if not keys:
-            return 0
-        try:
-            started = time.perf_counter()
-            num_matched = await (await self.client(tenant)).match_prefix(keys)
-            self.cost_model.observe_latency(time.perf_counter() - started)
-            return num_matched
-        except StoreFailure as exc:  # a failed lookup is a miss, not an error
-            self.stats.num_lookup_errors += 1
-            log.warning("store lookup failed, computing the whole prompt: %s", exc)
-            return 0
-
     async def _fetch(
         self,
         keys: list[bytes],
@@ -224,16 +263,26 @@ class StoreConnector:
         swap_in: SwapIn,
         tenant: str,
         deadline_s: float,
-    ) -> tuple[int, str | None, list[float]]:
-        """get_batch_into the slots, chunk by chunk, by the deadline: (leading blocks that
-        arrived, why not all, the get_batch_into seconds of each arrived block's chunk)."""
+    ) -> tuple[int, int, str | None, list[float]]:
+        """land_batch the slots, chunk by chunk, by the deadline: (leading blocks that
+        arrived, blocks that arrived in all, why not all, the land_batch seconds of each
+        arrived block's chunk). A block's swap-in starts as soon as its data shards are in
+        its slot (Readiness), and again if its bytes changed before it was verified."""
         if not slots:
-            return 0, None, []
-        kv = await self.client(tenant)
+            return 0, 0, None, []
+        try:
+            kv = await self.client(tenant)
+        except StoreFailure as exc:  # a store we cannot reach is a miss, not an error
+            self.stats.num_lookup_errors += 1
+            log.warning("store unreachable, computing the whole prompt: %s", exc)
+            return 0, 0, "error", []
         deadline = time.perf_counter() + deadline_s
         chunk = self.config.fetch_chunk_blocks
         gate = asyncio.Semaphore(max(1, self.config.fetch_concurrency // chunk))
         block_fetch_s: list[float] = []
+        readiness = Readiness(
+            len(slots), self.layout.block_bytes, kv.codec.k, on_block=swap_in.block_arrived
+        )
 
         async def fetch_chunk(start: int, end: int) -> list[bool]:
             async with gate:
@@ -242,13 +291,21 @@ class StoreConnector:
                 if remaining_s <= 0:
                     return [False] * (end - start)
                 views = [slot.view for slot in slots[start:end]]
-                landed = await kv.get_batch_into(keys[start:end], views, timeout_s=remaining_s)
+                landing = await kv.land_batch(
+                    keys[start:end],
+                    views,
+                    on_landed=lambda pairs: readiness.landed([(start + p, i) for p, i in pairs]),
+                    timeout_s=remaining_s,
+                )
                 elapsed_s = time.perf_counter() - started
-            for index, ok in enumerate(landed, start):
+            for index, (ok, again) in enumerate(
+                zip(landing.landed, landing.rewritten, strict=True), start
+            ):
                 if ok:
                     block_fetch_s.append(elapsed_s)
-                    swap_in.block_arrived(index)
-            return landed
+                    if again or not readiness.block_complete(index):
+                        swap_in.block_arrived(index)
+            return landing.landed
 
         spans = [(start, min(start + chunk, len(slots))) for start in range(0, len(slots), chunk)]
         tasks = [asyncio.create_task(fetch_chunk(start, end)) for start, end in spans]
@@ -257,20 +314,31 @@ class StoreConnector:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         deadline_passed = bool(pending) or time.perf_counter() >= deadline
-        num_arrived, reason = _leading_run(tasks, [start for start, _ in spans], deadline_passed)
-        return num_arrived, reason, block_fetch_s
+        starts = [start for start, _ in spans]
+        num_arrived, reason = _leading_run(tasks, starts, deadline_passed)
+        if reason == "error":
+            self.stats.num_lookup_errors += 1
+        return num_arrived, len(block_fetch_s), reason, block_fetch_s
 
     def _record(
-        self, num_matched: int, num_planned: int, num_used: int, reason: str | None, fetch_s: float
+        self,
+        num_found: int,
+        num_computed: int,
+        num_used: int,
+        num_landed: int,
+        reason: str | None,
+        fetch_s: float,
     ) -> None:
         stats = self.stats
-        stats.num_matched_blocks += num_matched
+        stats.num_matched_blocks += num_found
         stats.num_fetched_blocks += num_used
-        stats.num_skipped_by_cost += num_matched - num_planned
+        stats.num_skipped_by_cost += num_computed
         stats.num_fetch_fallbacks += reason is not None
         stats.num_deadlines_exceeded += reason == "deadline"
-        if reason is None and num_used:
-            self.cost_model.observe_fetch(num_used * self.layout.block_bytes, fetch_s)
+        if reason in (None, "miss") and num_landed:  # every block the fetch moved counts
+            self.cost_model.observe_fetch(num_landed * self.layout.block_bytes, fetch_s)
+        elif reason == "miss":  # nothing moved: the fetch's time is its fixed cost
+            self.cost_model.observe_latency(fetch_s)
         elif reason == "deadline":  # the store was slow: expect slow fetches from now on
             self.cost_model.observe_fetch(max(num_used, 1) * self.layout.block_bytes, fetch_s)
 
@@ -287,8 +355,8 @@ class StoreConnector:
     async def _put(
         self, keys: list[bytes], slots: list[HostSlot], tenant: str, traffic_class: str
     ) -> None:
-        """One put_batch of the written-back blocks (best effort: a block not stored is just
-        not cached)."""
+        """One put_batch of written-back blocks (best effort: a block not stored is just not
+        cached)."""
         try:
             async with self._write_gate:
                 kv = await self.client(tenant)

@@ -9,17 +9,21 @@
     out.text, out.prefill.num_cached_tokens, out.prefill.ttft_s
     await engine.close()
 
-Prefill with a store: the prompt's full blocks are looked up, the cached leading blocks
-fetched and swapped in (``connector``), and only the rest is computed, in chunks of
-``prefill_chunk_tokens`` aligned to absolute positions. At least one token is always
-computed to produce logits: when the whole prompt is cached in full blocks, the last block
-is recomputed (``num_usable_blocks``). The new full blocks are then written back in the
-background. Time to first token (TTFT) runs from the call to the first token's id.
+Prefill with a store: the prompt's full blocks are fetched and swapped in (``connector``;
+the fetch is the lookup), and only the rest is computed, in chunks of ``prefill_chunk_tokens``
+aligned to absolute positions. When the cost model predicts the fetch slower than computing
+part of the prefix, the first blocks are computed from the front while the others are
+fetched, and the two meet (``FetchPlan.first_block``): a cached prefill is never planned
+slower than either alone. At least one token is always computed to produce logits: when the
+whole prompt is cached in full blocks, the last block is recomputed (``num_usable_blocks``).
+The new full blocks are then written back in the background. Time to first token (TTFT) runs
+from the call to the first token's id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -69,12 +73,15 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int  # swapped in from the store
     num_computed_tokens: int
-    num_matched_tokens: int  # the store had these (the cost model may have fetched fewer)
+    num_matched_tokens: int  # the fetch found these (after the tokens computed meanwhile)
     ttft_s: float  # call to first token id, everything included
-    lookup_s: float
+    lookup_s: float  # 0: the fetch is the lookup
     fetch_s: float
-    compute_s: float
-    fallback: str | None  # why matched tokens were computed anyway (see FetchOutcome)
+    compute_s: float  # compute after the fetch (waiting for swapped-in layers included)
+    fallback: str | None  # why usable tokens were computed anyway (see FetchOutcome)
+    # Tokens computed from the front while the fetch ran, and that compute's seconds.
+    num_front_tokens: int = 0
+    front_compute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,39 +149,58 @@ class Engine:
         store = self.connector if use_cache else None
         keys = store.keys(prompt_ids, block_key_salt(tenant, cache_salt)) if store else []
         try:
-            outcome, logits, first, compute_s = await self._swap_in_and_compute(seq, keys, store)
+            outcome, logits, first, compute_s, front_s = await self._swap_in_and_compute(
+                seq, keys, store
+            )
         except BaseException:
             self.release(seq)
             raise
         ttft_s = time.perf_counter() - started
-        result = self._result(seq, logits, first, outcome, ttft_s, compute_s)
+        result = self._result(seq, logits, first, outcome, ttft_s, compute_s, front_s)
         if self.connector:  # every prefill teaches the cost model the compute rate
-            self.connector.cost_model.observe_compute(result.num_computed_tokens, compute_s)
+            self.connector.cost_model.observe_compute(
+                result.num_computed_tokens, compute_s + front_s
+            )
         if store and (self.config.write_back if write_back is None else write_back):
-            first_new = outcome.num_matched_blocks if outcome else 0
+            first_new = outcome.first_uncached_block if outcome else 0
             await store.write_back(keys, seq.table, first_new, tenant, seq.traffic_class)
         return result
 
     async def _swap_in_and_compute(
         self, seq: Sequence, keys: list[bytes], store: StoreConnector | None
-    ) -> tuple[FetchOutcome | None, torch.Tensor, int, float]:
-        """Swap in what the store has (and is worth it), compute the rest.
+    ) -> tuple[FetchOutcome | None, torch.Tensor, int, float, float]:
+        """Fetch what the store has and the plan takes, compute the front meanwhile (when
+        the plan says so), then compute the rest.
 
-        Returns (fetch outcome, last logits, greedy next id, compute seconds).
+        Returns (fetch outcome, last logits, greedy next id, compute seconds after the
+        fetch, compute seconds during it).
         """
-        outcome = None
-        if store:
-            num_usable = self.num_usable_blocks(len(seq.token_ids))
-            outcome = await store.fetch_prefix(keys, seq.table, num_usable, seq.tenant)
-        try:
-            num_cached = outcome.num_fetched_blocks * self.config.block_tokens if outcome else 0
-            swap_in = outcome.swap_in if outcome else None
+        if store is None:
             started = time.perf_counter()
-            logits, first = await asyncio.to_thread(self._compute, seq, num_cached, swap_in)
-            return outcome, logits, first, time.perf_counter() - started
+            logits, first = await asyncio.to_thread(self._compute, seq, 0, None)
+            return None, logits, first, time.perf_counter() - started, 0.0
+        plan = store.plan(self.num_usable_blocks(len(seq.token_ids)))
+        front_end = plan.first_block * self.config.block_tokens
+        fetch = asyncio.ensure_future(store.fetch(keys, seq.table, plan, seq.tenant))
+        front_s = 0.0
+        try:
+            if front_end:  # compute the front while the rest is fetched (Cake)
+                started = time.perf_counter()
+                await asyncio.to_thread(self._forward, seq, 0, front_end, None)
+                front_s = time.perf_counter() - started
+            outcome = await fetch
+        except BaseException:
+            fetch.cancel()
+            with contextlib.suppress(BaseException):
+                store.release(await fetch)
+            raise
+        try:
+            start = front_end + outcome.num_fetched_blocks * self.config.block_tokens
+            started = time.perf_counter()
+            logits, first = await asyncio.to_thread(self._compute, seq, start, outcome.swap_in)
+            return outcome, logits, first, time.perf_counter() - started, front_s
         finally:
-            if store and outcome:
-                store.release(outcome)
+            store.release(outcome)
 
     async def generate(
         self,
@@ -298,14 +324,19 @@ class Engine:
         self, seq: Sequence, start: int, swap_in: SwapIn | None
     ) -> tuple[torch.Tensor, int]:
         """Forward the prompt from ``start``; (last token's logits, greedy next id)."""
+        hidden = self._forward(seq, start, len(seq.token_ids), swap_in)
+        logits = self.model.logits(hidden[-1])  # [vocab]
+        return logits, int(logits.argmax())
+
+    def _forward(self, seq: Sequence, start: int, end: int, swap_in: SwapIn | None) -> torch.Tensor:
+        """Forward tokens [start, end) chunk by chunk; the last chunk's hidden states."""
         ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.cache.kv.device)
         hook = swap_in.before_layer if swap_in else None
-        for chunk_start, chunk_end in self._chunks(start, len(seq.token_ids)):
+        for chunk_start, chunk_end in self._chunks(start, end):
             hidden = self.model(
                 ids[chunk_start:chunk_end], chunk_start, self.cache, seq.table, hook
             )
-        logits = self.model.logits(hidden[-1])  # [vocab]
-        return logits, int(logits.argmax())
+        return hidden
 
     def _decode(
         self, seq: Sequence, logits: torch.Tensor, max_new_tokens: int, sampler: Sampler
@@ -340,6 +371,7 @@ class Engine:
         outcome: FetchOutcome | None,
         ttft_s: float,
         compute_s: float,
+        front_s: float,
     ) -> PrefillResult:
         block_tokens = self.config.block_tokens
         num_cached = outcome.num_fetched_blocks * block_tokens if outcome else 0
@@ -356,6 +388,8 @@ class Engine:
             fetch_s=outcome.fetch_s if outcome else 0.0,
             compute_s=compute_s,
             fallback=outcome.fallback if outcome else None,
+            num_front_tokens=outcome.first_block * block_tokens if outcome else 0,
+            front_compute_s=front_s,
         )
 
 

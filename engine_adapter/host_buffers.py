@@ -1,16 +1,21 @@
 """Host memory for KV blocks in transit: the client's buffer pool, one KV block per slot.
 
 This is the one place that explains how the engine's swap-in buffers relate to the client's
-buffer pool. ``HostBlockPool`` is a ``client.buffer_pool.BufferPool`` (the pool ``get_into``
-fills, slots carved from one long-lived allocation, page-aligned stride) whose memory the
-engine supplies through its ``allocate`` hook: a torch uint8 tensor, pinned when the engine
-runs on CUDA::
+buffer pools. ``HostBlockPool`` is a ``client.buffer_pool.BufferPool`` (slots carved from one
+long-lived allocation, page-aligned stride) seen as torch tensors:
 
-    one torch uint8 tensor (pinned on CUDA), page aligned, handed to BufferPool(allocate=)
+- the fetch pool (``shared=True``) is a ``client.landing_pool.LandingPool``: a sealed memfd
+  that the client hands to the store's nodes on this host, so each node writes its data
+  shards straight to their final place in the slot (nobody copies a fetched byte), and that
+  the engine registers with CUDA once (``cudaHostRegister``), so the host-to-device copies
+  are DMA from exactly the bytes the nodes wrote;
+- the write-back pool is a torch uint8 tensor, pinned on CUDA::
+
+    one allocation (a registered memfd, or a pinned torch tensor), page aligned
     +----------------+----------------+-----+------------------+
     | slot 0         | slot 1         | ... | slot num_slots-1 |   each slot = one KV block
     +----------------+----------------+-----+------------------+
-    |<- block_bytes ->|  (stride = block_bytes rounded up to a page; slot i at slot.offset)
+    |<- block_bytes ->|  (stride = block_bytes (+ slack) rounded up to a page; slot.offset)
 
 Each ``HostSlot`` sees its slot two ways: ``view`` (the BufferSlot's writable memoryview,
 exactly one block, what ``get_into`` and ``put`` take) and ``block`` (a torch tensor over the
@@ -26,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from client.buffer_pool import PAGE_BYTES, BufferPool, BufferSlot
+from client.landing_pool import LandingPool
 from engine_adapter.kv_layout import KVBlockLayout
 from kvstore.errors import InvalidArgument
 
@@ -60,11 +66,38 @@ class HostSlot:
 class HostBlockPool:
     """``num_slots`` host buffers of one serialised KV block each (see the module doc)."""
 
-    def __init__(self, layout: KVBlockLayout, num_slots: int, pin_memory: bool) -> None:
+    def __init__(
+        self, layout: KVBlockLayout, num_slots: int, pin_memory: bool, *, shared: bool = False
+    ) -> None:
         self.layout = layout
         self._pin_memory = pin_memory
         self._memory: torch.Tensor  # set by _allocate, which BufferPool calls once, below
-        self.buffers = BufferPool(layout.block_bytes, num_slots, allocate=self._allocate)
+        self._registered = 0  # address cudaHostRegister pinned (0: none)
+        self.landing_pool: LandingPool | None = None
+        if shared:
+            self.landing_pool = LandingPool(layout.block_bytes, num_slots)
+            self.buffers: BufferPool = self.landing_pool
+            self._memory = torch.frombuffer(self.landing_pool.memory, dtype=torch.uint8)
+            if pin_memory:
+                self._register(self.landing_pool.address, self.landing_pool.num_bytes)
+        else:
+            self.buffers = BufferPool(layout.block_bytes, num_slots, allocate=self._allocate)
+
+    def _register(self, address: int, num_bytes: int) -> None:
+        """Pin the pool's pages for the GPU's DMA engines (what pin_memory does for torch's
+        own allocations), once for the pool's lifetime."""
+        error = torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)
+        if int(error) != 0:
+            raise InvalidArgument(f"cudaHostRegister of the landing pool failed: error {error}")
+        self._registered = address
+
+    def close(self) -> None:
+        """Unpin the pool and close its memfd (no transfer may still use it)."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = 0
+        if self.landing_pool is not None:
+            self.landing_pool.close()
 
     @property
     def num_free(self) -> int:

@@ -36,7 +36,7 @@ parity and recovery work goes through one reused per-thread buffer.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from erasure.config import CodecConfig
@@ -50,6 +50,7 @@ from erasure.errors import (
 from erasure.isal_backend import IsalBackend, buffer_address
 from erasure.shard import (
     HEADER_BYTES,
+    KEYED,
     Shard,
     ShardHeader,
     block_checksum,
@@ -61,6 +62,8 @@ from erasure.shard import (
 from erasure.zfec_backend import ZfecBackend
 
 Buffer = bytes | bytearray | memoryview
+# A block's version from its bytes: xxh3-128 (erasure.shard.block_checksum) or a keyed digest.
+BlockDigest = Callable[[memoryview | bytes], bytes]
 
 
 class Backend(Protocol):
@@ -166,14 +169,21 @@ class Codec:
             return 0
         return (self.k - block_len // payload_len + self.m) * payload_len
 
-    def encode_into(self, block: Buffer, spare: memoryview) -> list[tuple[bytes, memoryview]]:
+    def encode_into(
+        self, block: Buffer, spare: memoryview, *, keyed_version: bytes | None = None
+    ) -> list[tuple[bytes, memoryview]]:
         """k+m shards as (48-byte header, payload) pairs, shard i with index i, copying
         nothing but the padded tail: data payloads view ``block``, the tail and the parity
         are written into ``spare`` (:meth:`spare_bytes` long, reused by the caller). The
-        pairs are valid while ``block`` and ``spare`` are unchanged."""
+        pairs are valid while ``block`` and ``spare`` are unchanged.
+
+        ``keyed_version``: the block's keyed digest (client/integrity.py), which the
+        caller computed instead of the xxh3-128 this would; the shards carry it, flagged KEYED.
+        """
         view = self._check_block(block)
         payload_len = self.payload_bytes(view.nbytes)
-        version = block_checksum(view)
+        flags = KEYED if keyed_version is not None else 0
+        version = keyed_version if keyed_version is not None else block_checksum(view)
         if payload_len == 0:
             payloads = [view] * self.num_shards
         else:
@@ -182,7 +192,7 @@ class Codec:
                 self._backend.encode_parity((head, tail), parity, payload_len)
             payloads = [*_rows(head, payload_len), *_rows(tail, payload_len)]
             payloads += _rows(parity, payload_len)
-        headers = pack_headers(self.backend, self.k, self.m, view.nbytes, version, payloads)
+        headers = pack_headers(self.backend, self.k, self.m, view.nbytes, version, payloads, flags)
         return list(zip(headers, payloads, strict=True))
 
     def _check_block(self, block: Buffer) -> memoryview:
@@ -238,6 +248,7 @@ class Codec:
         out: bytearray | memoryview | None = None,
         *,
         verified: bool = False,
+        digest: BlockDigest | None = block_checksum,
     ) -> bytes | memoryview:
         """Exactly the block from any >= k shards of ONE version.
 
@@ -252,6 +263,11 @@ class Codec:
         ``verified=True`` says the caller already ran :meth:`verify` on every shard, and skips
         the second pass over the shards' checksums. Headers are still checked, and the block
         checksum still guards the result, so even a wrong claim cannot yield wrong bytes.
+
+        ``digest`` computes a block's version: xxh3-128 by default, a tenant's keyed digest
+        for its reader (client/integrity.py), checked whatever the shards' KEYED flag says.
+        ``None`` is for holders of no key (a node's repair): the block is then checked with
+        xxh3-128 unless its shards say KEYED, where only the shard checksums guard it.
         """
         index_to_payload, header = self._consistent(shards, verified)
         target = None if out is None else self._target(out, header.block_len)
@@ -264,7 +280,8 @@ class Codec:
                 destination = target[start : start + piece.nbytes]
                 if not _same_memory(piece, destination):  # a UCX read may have landed it there
                     destination[:] = piece
-        if block_checksum(block) != header.block_checksum:
+        check = digest if digest is not None or header.keyed else block_checksum
+        if check is not None and check(block) != header.block_checksum:
             raise ChecksumMismatch(
                 f"decoded block does not match its version {header.block_checksum.hex()} "
                 "(shards forged or corrupted past their checksums); nothing valid was returned"

@@ -13,6 +13,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -58,4 +59,50 @@ void kv_xxh3_128(const uint8_t *data, size_t len, uint8_t out[16]) {
     XXH128_canonical_t canonical;
     XXH128_canonicalFromHash(&canonical, XXH3_128bits(data, len));
     memcpy(out, canonical.digest, 16);
+}
+
+/* Block checks of a batch read: ok[i] = 1 when xxh3-128 of blocks[i] (lens[i] bytes, canonical
+ * form) equals versions[16 i ..]. Spread over up to num_threads threads (blocks i, i + T, ...),
+ * so a batch of blocks landing in place is verified in one call at memory speed. */
+struct verify_job {
+    size_t n, first, step;
+    const uint8_t *const *blocks;
+    const uint64_t *lens;
+    const uint8_t *versions;
+    uint8_t *ok;
+};
+
+static void *verify_some(void *arg) {
+    struct verify_job *job = arg;
+    for (size_t i = job->first; i < job->n; i += job->step) {
+        uint8_t digest[16];
+        kv_xxh3_128(job->blocks[i], job->lens[i], digest);
+        job->ok[i] = memcmp(digest, job->versions + 16 * i, 16) == 0;
+    }
+    return NULL;
+}
+
+void kv_verify_blocks(size_t n, const uint8_t *const *blocks, const uint64_t *lens,
+                      const uint8_t *versions, uint8_t *ok, size_t num_threads) {
+    if (num_threads > n) num_threads = n;
+    if (num_threads > 64) num_threads = 64;
+    if (num_threads <= 1) {
+        struct verify_job job = {n, 0, 1, blocks, lens, versions, ok};
+        verify_some(&job);
+        return;
+    }
+    pthread_t threads[64];
+    struct verify_job jobs[64];
+    size_t started = 0;
+    for (size_t t = 0; t < num_threads; t++) {
+        jobs[t] = (struct verify_job){n, t, num_threads, blocks, lens, versions, ok};
+        if (t > 0 && pthread_create(&threads[t], NULL, verify_some, &jobs[t]) == 0) {
+            started |= (size_t)1 << t;
+        } else if (t > 0) {
+            verify_some(&jobs[t]); /* no thread: do its share here */
+        }
+    }
+    verify_some(&jobs[0]);
+    for (size_t t = 1; t < num_threads; t++)
+        if (started & ((size_t)1 << t)) pthread_join(threads[t], NULL);
 }

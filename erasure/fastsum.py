@@ -6,7 +6,10 @@ Two things run here:
   then its payload) and xxh3-128 of a block, bit-identical whichever way they run.
 - :func:`copy_verify` (native only; ``NATIVE`` says whether it is there): copy a batch of
   payloads to their places and check each one's shard checksum, in one call without the GIL.
-  The local read path lands a node's whole answer with it (client/local/link.py).
+  The local read path lands a node's streamed payloads with it (client/local/link.py).
+- :func:`verify_blocks`: the block checksums of a whole batch read's blocks against their
+  versions, in one call spread over threads without the GIL (client/batch_read.py's one pass
+  over every byte); python-xxhash one block at a time without the helper.
 
 Without the library, or with ``KVSTORE_NATIVE=0`` in the environment, the first two run
 through python-xxhash and the caller of :func:`copy_verify` takes its own pure-Python path;
@@ -47,6 +50,8 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_shard_checksum.restype = ctypes.c_uint64
     lib.kv_xxh3_128.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     lib.kv_xxh3_128.restype = None
+    lib.kv_verify_blocks.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 4, ctypes.c_size_t]
+    lib.kv_verify_blocks.restype = None
     return lib
 
 
@@ -97,4 +102,27 @@ def copy_verify(
     _lib.kv_copy_verify(
         n, base, base + 8 * n, base + 16 * n, fields, checksums.ctypes.data, ok.ctypes.data
     )
+    return ok.astype(bool).tolist()
+
+
+VERIFY_THREADS = min(8, os.cpu_count() or 1)
+
+
+def verify_blocks(
+    addresses: Sequence[int], lengths: Sequence[int], versions: bytes
+) -> list[bool]:
+    """Per block (``lengths[i]`` bytes at address ``addresses[i]``), whether its xxh3-128 is
+    ``versions[16*i : 16*i+16]``: natively in one call over up to VERIFY_THREADS threads, or
+    with python-xxhash. The caller keeps every block alive across the call."""
+    n = len(addresses)
+    if _lib is None:
+        return [
+            xxhash.xxh3_128_digest((ctypes.c_char * size).from_address(address))
+            == versions[16 * i : 16 * i + 16]
+            for i, (address, size) in enumerate(zip(addresses, lengths, strict=True))
+        ]
+    columns = np.array([*addresses, *lengths], dtype=np.uint64)
+    ok = np.zeros(n, dtype=np.uint8)
+    base = columns.ctypes.data
+    _lib.kv_verify_blocks(n, base, base + 8 * n, versions, ok.ctypes.data, VERIFY_THREADS)
     return ok.astype(bool).tolist()

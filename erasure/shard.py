@@ -10,19 +10,26 @@
          6    1  k (data shards)
          7    1  m (parity shards)
          8    1  shard index, 0 .. k+m-1 (0 .. k-1 hold the block's bytes in order)
-         9    3  reserved, zero
+         9    1  flags: bit 0 KEYED = the version is a keyed digest (below); others zero
+        10    2  reserved, zero
         12    8  block length in bytes
-        20   16  block checksum: xxh3-128 of the whole block = the block's *version*
+        20   16  block checksum = the block's *version*: xxh3-128 of the whole block, or
+                 with KEYED a keyed digest of the tenant's (client/integrity.py)
         36    4  payload length in bytes
         40    8  shard checksum: xxh3-64 of bytes [0, 40) followed by the payload
         48    .  payload
 
 The shard checksum covers the header fields and the payload, so a flipped byte anywhere in a
 shard is caught before decoding; the block checksum catches a wrong reconstruction and tells
-apart two writers' versions of the same key. A shard is one buffer (header then payload) or a
-:class:`SplitShard` whose header and payload live apart: a UCX read lands each payload
-straight at its place in the caller's block while its header comes over gRPC. Every function
-here takes both. This module is pure: bytes in, bytes out.
+apart two writers' versions of the same key. A KEYED version is one only the tenant's clients
+can compute (end-to-end integrity): a node treats it as opaque, and its codec, holding no key,
+leaves the block unchecked against it (the shard checksums still guard each shard); a reader
+of that tenant checks it whatever the flag says (erasure/codec.py ``Codec.decode``).
+
+A shard is one buffer (header then payload) or a :class:`SplitShard` whose header and payload
+live apart: a UCX read lands each payload straight at its place in the caller's block while its
+header comes over gRPC. Every function here takes both. This module is pure: bytes in, bytes
+out.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ VERSION_BYTES = 16
 BACKEND_IDS = {"zfec": 1, "isal": 2}
 BACKEND_NAMES = {v: k for k, v in BACKEND_IDS.items()}
 
-_FIELDS = struct.Struct("<4sBBBBB3xQ16sI")  # bytes [0, 40): everything but the shard checksum
+_FIELDS = struct.Struct("<4sBBBBBB2xQ16sI")  # bytes [0, 40): everything but the shard checksum
+KEYED = 0x01  # flags: the version is a keyed digest (client/integrity.py)
 _CHECKSUM = struct.Struct("<Q")
 _VERSION_SLICE = slice(20, 36)
 assert _FIELDS.size + _CHECKSUM.size == HEADER_BYTES
@@ -57,6 +65,12 @@ class ShardHeader:
     block_len: int
     block_checksum: bytes  # 16 bytes; the block's version
     payload_len: int
+    flags: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        """The version is a keyed digest that only the tenant's clients can compute."""
+        return bool(self.flags & KEYED)
 
 
 def block_checksum(block: bytes | memoryview) -> bytes:
@@ -80,6 +94,7 @@ def pack_header(header: ShardHeader, payload: bytes | memoryview) -> bytes:
         header.k,
         header.m,
         header.index,
+        header.flags,
         header.block_len,
         header.block_checksum,
         header.payload_len,
@@ -115,11 +130,12 @@ def split_shard(shard: Shard) -> tuple[memoryview, memoryview]:
 def parse_header(shard: Shard) -> ShardHeader:
     """Parse (but do not checksum) a shard header; raise ShardHeaderError if malformed."""
     header, payload = split_shard(shard)
-    magic, fmt, backend_id, k, m, index, block_len, version, payload_len = _FIELDS.unpack_from(
-        header
-    )
+    fields = _FIELDS.unpack_from(header)
+    magic, fmt, backend_id, k, m, index, flags, block_len, version, payload_len = fields
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise ShardHeaderError(f"not a kvstore shard (magic {magic!r}, format {fmt})")
+    if flags & ~KEYED:
+        raise ShardHeaderError(f"bad shard header: unknown flags {flags:#x}")
     if backend_id not in BACKEND_NAMES or index >= k + m or k == 0:
         raise ShardHeaderError(
             f"bad shard header: backend {backend_id}, k={k}, m={m}, index {index}"
@@ -129,7 +145,9 @@ def parse_header(shard: Shard) -> ShardHeader:
             f"shard is {HEADER_BYTES + len(payload)} bytes, header says "
             f"{HEADER_BYTES + payload_len}"
         )
-    return ShardHeader(BACKEND_NAMES[backend_id], k, m, index, block_len, version, payload_len)
+    return ShardHeader(
+        BACKEND_NAMES[backend_id], k, m, index, block_len, version, payload_len, flags
+    )
 
 
 def verify_shard(shard: Shard) -> ShardHeader:
@@ -161,6 +179,7 @@ def pack_headers(
     block_len: int,
     version: bytes,
     payloads: Sequence[bytes | memoryview],
+    flags: int = 0,
 ) -> list[bytes]:
     """The 48-byte headers of one block's shards whose checksum is ``version``; shard i
     carries ``payloads[i]``.
@@ -172,7 +191,7 @@ def pack_headers(
     headers = []
     for index, payload in enumerate(payloads):
         fields = _FIELDS.pack(
-            MAGIC, FORMAT_VERSION, backend_id, k, m, index, block_len, version, len(payload)
+            MAGIC, FORMAT_VERSION, backend_id, k, m, index, flags, block_len, version, len(payload)
         )
         headers.append(fields + _CHECKSUM.pack(shard_checksum(fields, payload)))
     return headers

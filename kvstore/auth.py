@@ -23,6 +23,9 @@ reads), mode 0600, tokens stored as SHA-256 digests::
     name = "acme"                 # a tenant principal: the tenant it is
     role = "tenant"
     token_sha256 = "9f2c..."      # hex digest of the token (kvstore cluster add-tenant)
+    token_expires_unix_s = 1.8e9  # optional: the token is refused from then on
+    retiring_token_sha256 = "..." # optional: the token before the last rotation...
+    retiring_until_unix_s = 1.7e9 # ...still accepted until then (kvstore cluster rotate-token)
     cert_identity = "acme"        # optional: CN of its mTLS client certificate
     [[principals]]
     name = "serving"
@@ -38,7 +41,17 @@ the token, and a lookup costs one hash per request. Nodes re-read the file when 
 (checked at most once a second), so ``add-tenant`` needs no restart.
 
 Clients read their token from an argument, ``$KVSTORE_TOKEN`` or the file named by
-``$KVSTORE_TOKEN_FILE`` (:func:`client_token`), never from cluster.toml.
+``$KVSTORE_TOKEN_FILE`` (:func:`client_token`), never from cluster.toml; nodes read theirs
+from ``peer_token_file`` (:class:`TokenFile`, re-read when it changes).
+
+Rotation (:func:`rotate_token`, ``kvstore cluster rotate-token``): a principal gets a new
+token and its old one stays valid for a grace period, so holders switch without an outage.
+
+The node credential. A node principal reads any tenant's shards and writes repairs, so where
+its token may come from matters: under mutual TLS a node token is accepted only on a
+connection whose client certificate is a node's (kvstore/certs.py) naming a member of the
+current map (:class:`NodePeers`); a node's certificate never stands for a tenant, service or
+admin. Without mutual TLS the token alone proves it: keep ``node.token`` on the node hosts.
 """
 
 from __future__ import annotations
@@ -54,15 +67,18 @@ import stat
 import threading
 import time
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomli_w
 
 from kvstore.errors import InvalidArgument, PermissionDenied
 from ttl.units import parse_duration_s
+
+if TYPE_CHECKING:
+    from kvstore.tls import PeerCertificate
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +106,9 @@ class Principal:
     tenants: frozenset[str] = frozenset()  # service: the tenants it may act for
     token_sha256: str = ""
     cert_identity: str = ""
+    token_expires_unix_s: float = 0.0  # 0 = the token never expires
+    retiring_token_sha256: str = ""  # the previous token, during a rotation's grace period
+    retiring_until_unix_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -160,7 +179,9 @@ class Credentials:
     _digest_to_principal: dict[str, Principal] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        by_digest = {p.token_sha256: p for p in self.principals if p.token_sha256}
+        by_digest = {p.retiring_token_sha256: p for p in self.principals}
+        by_digest |= {p.token_sha256: p for p in self.principals}
+        by_digest.pop("", None)
         object.__setattr__(self, "_digest_to_principal", by_digest)
         names = [p.name for p in self.principals]
         if len(set(names)) != len(names):
@@ -172,8 +193,16 @@ class Credentials:
                         f"[tenants.{tenant}] max_ttl_s.{traffic_class} must be > 0, got {cap_s}"
                     )
 
-    def by_token(self, token: str) -> Principal | None:
-        return self._digest_to_principal.get(token_digest(token))
+    def by_token(self, token: str, now_unix_s: float) -> Principal | None:
+        """The principal ``token`` authenticates at ``now_unix_s`` (None: unknown or expired)."""
+        principal = self._digest_to_principal.get(digest := token_digest(token))
+        if principal is None:
+            return None
+        if digest == principal.token_sha256:
+            expires_s = principal.token_expires_unix_s
+        else:
+            expires_s = principal.retiring_until_unix_s
+        return principal if not expires_s or now_unix_s < expires_s else None
 
     def by_cert(self, identity: str) -> Principal | None:
         return next((p for p in self.principals if p.cert_identity == identity), None)
@@ -188,8 +217,16 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+_TOKEN_FIELDS = (
+    "token_sha256",
+    "token_expires_unix_s",
+    "retiring_token_sha256",
+    "retiring_until_unix_s",
+)
+
+
 def _principal_from_toml(raw: Mapping[str, Any]) -> Principal:
-    known = {"name", "role", "tenants", "token_sha256", "cert_identity"}
+    known = {"name", "role", "tenants", "cert_identity", *_TOKEN_FIELDS}
     if unknown := set(raw) - known:
         raise ValueError(f"unknown principal keys {sorted(unknown)}; known: {sorted(known)}")
     try:
@@ -205,6 +242,9 @@ def _principal_from_toml(raw: Mapping[str, Any]) -> Principal:
         tenants=frozenset(raw.get("tenants", ())),
         token_sha256=str(raw.get("token_sha256", "")),
         cert_identity=str(raw.get("cert_identity", "")),
+        token_expires_unix_s=float(raw.get("token_expires_unix_s", 0.0)),
+        retiring_token_sha256=str(raw.get("retiring_token_sha256", "")),
+        retiring_until_unix_s=float(raw.get("retiring_until_unix_s", 0.0)),
     )
 
 
@@ -223,7 +263,7 @@ def credentials_to_dict(creds: Credentials) -> dict[str, Any]:
         record: dict[str, Any] = {"name": p.name, "role": p.role.value}
         if p.tenants:
             record["tenants"] = sorted(p.tenants)
-        for name in ("token_sha256", "cert_identity"):
+        for name in ("cert_identity", *_TOKEN_FIELDS):
             if value := getattr(p, name):
                 record[name] = value
         principals.append(record)
@@ -268,7 +308,7 @@ def write_private(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     """An exclusive lock beside ``path``: concurrent add-tenant calls never lose an entry."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -286,26 +326,72 @@ def add_principal(
     tenants: frozenset[str] = frozenset(),
     *,
     cert_identity: str = "",
+    expires_in_s: float = 0.0,
 ) -> str:
-    """Add (or re-key) principal ``name`` in the credentials file; return its new token.
+    """Add (or re-key) principal ``name`` in the credentials file; return its new token,
+    valid for ``expires_in_s`` (0: until rotated).
 
     Only the token's digest is stored: the token is shown once, to the caller.
     """
     path = Path(path)
     token = new_token()
-    with _locked(path):
+    with locked(path):
         creds = load_credentials(path) if path.exists() else Credentials()
-        principal = Principal(name, role, tenants, token_digest(token), cert_identity)
+        principal = Principal(
+            name,
+            role,
+            tenants,
+            token_digest(token),
+            cert_identity,
+            token_expires_unix_s=_expiry(expires_in_s),
+        )
         kept = tuple(p for p in creds.principals if p.name != name)
         creds = replace(creds, principals=(*kept, principal))
         write_private(path, tomli_w.dumps(credentials_to_dict(creds)))
     return token
 
 
+def rotate_token(
+    path: str | Path, name: str, *, grace_s: float = 600.0, expires_in_s: float = 0.0
+) -> str:
+    """A new token for principal ``name``; its current one stays valid ``grace_s`` longer (0:
+    refused at once; a token still retiring from an earlier rotation goes now). The new token
+    is valid for ``expires_in_s`` (0: until rotated). ValueError if there is no such principal.
+    """
+    if grace_s < 0 or expires_in_s < 0:
+        raise ValueError(f"grace and expiry must be >= 0 s, got {grace_s} and {expires_in_s}")
+    path = Path(path)
+    token = new_token()
+    with locked(path):
+        creds = load_credentials(path)
+        old = next((p for p in creds.principals if p.name == name), None)
+        if old is None:
+            names = ", ".join(p.name for p in creds.principals)
+            raise ValueError(f"no principal {name!r} in {path} (it has: {names})")
+        until_s = time.time() + grace_s
+        if old.token_expires_unix_s:
+            until_s = min(until_s, old.token_expires_unix_s)
+        new = replace(
+            old,
+            token_sha256=token_digest(token),
+            token_expires_unix_s=_expiry(expires_in_s),
+            retiring_token_sha256=old.token_sha256 if grace_s else "",
+            retiring_until_unix_s=until_s if grace_s else 0.0,
+        )
+        principals = tuple(new if p.name == name else p for p in creds.principals)
+        creds = replace(creds, principals=principals)
+        write_private(path, tomli_w.dumps(credentials_to_dict(creds)))
+    return token
+
+
+def _expiry(expires_in_s: float) -> float:
+    return time.time() + expires_in_s if expires_in_s else 0.0
+
+
 def set_tenant_caps(path: str | Path, tenant: str, class_to_max_ttl_s: Mapping[str, float]) -> None:
     """Set the retention caps of ``tenant`` (empty: none) in the credentials file."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         creds = load_credentials(path) if path.exists() else Credentials()
         caps = dict(creds.tenant_to_max_ttl_s)
         caps[tenant] = dict(class_to_max_ttl_s)
@@ -355,24 +441,80 @@ class Authenticator:
                 log.error("keeping the previous credentials: %s", exc)
         return self.credentials
 
-    def authenticate(self, token: str | None, cert_identity: str | None = None) -> Principal:
+    def authenticate(self, token: str | None, cert: PeerCertificate | None = None) -> Principal:
         """The principal behind a request's credential; PermissionDenied if none is valid.
 
         A verified client certificate whose common name some principal claims wins over a
-        token; otherwise the bearer token decides.
+        token (a node's certificate never does: it stands for no tenant, service or admin);
+        otherwise the bearer token decides, if it has not expired.
         """
         if self.path is None:
             return OPEN_PRINCIPAL
         creds = self.current()
-        if cert_identity and (principal := creds.by_cert(cert_identity)) is not None:
+        by_cert = creds.by_cert(cert.common_name) if cert and cert.node_id is None else None
+        if by_cert is not None:
+            return by_cert
+        if token and (principal := creds.by_token(token, time.time())) is not None:
             return principal
-        if token and (principal := creds.by_token(token)) is not None:
-            return principal
-        what = "wrong token" if token else "no credential"
+        what = "wrong or expired token" if token else "no credential"
         raise PermissionDenied(
             f"{what}: send metadata ('authorization', 'Bearer <token>') with a token from "
-            "`kvstore cluster add-tenant`, or a client certificate the credentials file names"
+            "`kvstore cluster add-tenant` (or `rotate-token`), or a client certificate the "
+            "credentials file names"
         )
+
+
+class NodePeers:
+    """Where the node credential is accepted (module doc): with ``require_cert`` (mutual TLS)
+    only with a node's certificate naming one of ``members()``, the current map's node ids."""
+
+    def __init__(self, require_cert: bool, members: Callable[[], Collection[str]]) -> None:
+        self.require_cert = require_cert
+        self._members = members
+
+    def check(self, principal: Principal, cert: PeerCertificate | None) -> None:
+        """PermissionDenied when a node principal comes without a member node's certificate."""
+        if principal.role is not Role.NODE or not self.require_cert:
+            return
+        if cert is None or cert.node_id is None:
+            who = "no certificate" if cert is None else f"client certificate {cert.common_name!r}"
+            raise PermissionDenied(
+                f"the node credential came with {who}: under mutual TLS it is accepted only "
+                "from a node, with its node certificate (`kvstore certs issue --node`)"
+            )
+        if cert.node_id not in self._members():
+            raise PermissionDenied(
+                f"node {cert.node_id!r} is not a member of this node's cluster map: the node "
+                "credential is accepted only from the map's nodes"
+            )
+
+
+class TokenFile:
+    """A token in a file (``peer_token_file``), re-read when the file changes (checked at
+    most once a second), so a rotated node token is picked up without a restart."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path else None
+        self._mtime_ns = -1
+        self._checked_s = -RELOAD_CHECK_S
+        self._token: str | None = None
+        self.current()  # a missing or unsafe file fails at start, not at the first call
+
+    def current(self) -> str | None:
+        if self.path is None:
+            return None
+        now_s = time.monotonic()
+        if now_s - self._checked_s >= RELOAD_CHECK_S:
+            self._checked_s = now_s
+            mtime_ns = self.path.stat().st_mtime_ns
+            if mtime_ns != self._mtime_ns:
+                self._token, self._mtime_ns = read_token_file(self.path), mtime_ns
+        return self._token
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """gRPC call metadata carrying the token, or None without one."""
+        token = self.current()
+        return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def bearer_token(metadata: Mapping[str, Any]) -> str | None:

@@ -72,10 +72,7 @@ class ByteArena:
         self.capacity_bytes = _rounded(capacity_bytes)
         self.fd = -1  # the memfd of a shared arena (see the module doc)
         if shared:
-            self.fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            os.ftruncate(self.fd, self.capacity_bytes)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
-            mapping = mmap.mmap(self.fd, self.capacity_bytes)
+            self.fd, mapping = shared_memory(self.capacity_bytes, "kvstore-arena")
         else:
             mapping = mmap.mmap(-1, self.capacity_bytes)
         self._memory = memoryview(mapping)
@@ -133,6 +130,21 @@ class ByteArena:
             if i and self._free_starts[i - 1] + self._free_lengths[i - 1] == start:
                 self._free_lengths[i - 1] += self._free_lengths.pop(i)
                 del self._free_starts[i]
+
+
+def shared_memory(num_bytes: int, name: str, *, populate: bool = False) -> tuple[int, mmap.mmap]:
+    """A fresh zero-filled memfd of ``num_bytes``, sealed against shrinking and growing so
+    whoever maps it can never lose pages under it, and its read-write mapping here.
+    ``populate``: allocate and map every page now, not at each page's first touch."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, num_bytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return fd, mmap.mmap(fd, num_bytes, flags=flags)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _rounded(num_bytes: int) -> int:

@@ -3,12 +3,23 @@
 ::
 
     kvstore certs init  --dir DIR [--days 3650]            DIR/ca.pem, DIR/ca.key (0600)
-    kvstore certs issue --dir DIR NAME --host H [--host H2 ...] [--days 825]
-                                                           DIR/NAME.pem, DIR/NAME.key (0600)
+    kvstore certs issue --dir DIR ID --node --host H [--host H2 ...] [--days 825]
+                                      a node's:  DIR/ID.pem, DIR/ID.key (0600)
+    kvstore certs issue --dir DIR NAME [--days 825]
+                                      a client's: DIR/NAME.pem, DIR/NAME.key (0600)
 
-Every certificate is valid for both server and client authentication, so a node uses its own
-for the channels it opens to peers, and a client certificate's common name (NAME) is the
-identity a principal of the credentials file may claim (``cert_identity``, kvstore/auth.py).
+Two kinds, told apart by their extended key usage (kvstore/tls.py says how they are checked):
+
+- a **node certificate** (``--node``) names the node id as the DNS SAN ``ID.node.kvstore``
+  beside the hosts it serves on, and may serve (serverAuth) and dial its peers (clientAuth).
+  Clients and peers accept a node only with the certificate of the id the map puts at its
+  address; its certificate is also what a node credential must come with under mutual TLS.
+- a **client certificate** may only authenticate a client (clientAuth): a server presenting
+  it fails every handshake. Its common name (NAME) is the identity a principal of the
+  credentials file may claim (``cert_identity``, kvstore/auth.py).
+
+Rotating a certificate is issuing it again: nodes re-read their files at the next handshake
+(kvstore/tls.py), clients when they connect.
 Keys are ECDSA P-256: fast to make (a 12-node local cluster issues twelve in well under a
 second) and accepted by gRPC's TLS. For production, use your own PKI; the nodes only read
 PEM files.
@@ -29,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvstore.auth import write_private
+from kvstore.tls import node_server_name
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
@@ -97,15 +109,29 @@ def issue(
     ca_cert_pem: bytes,
     ca_key_pem: bytes,
     name: str,
-    hosts: Sequence[str],
+    hosts: Sequence[str] = (),
     *,
+    node: bool = False,
+    server: bool = False,
     days: float = 825,
     not_before: datetime.datetime | None = None,
 ) -> tuple[bytes, bytes]:
-    """(certificate PEM, key PEM) for ``name``, valid for ``hosts`` (DNS names or IPs).
+    """(certificate PEM, key PEM) for ``name``: with ``node``, node ``name``'s certificate,
+    valid for ``hosts`` (DNS names or IPs) and its id's name; with ``server``, another
+    server's (etcd's) for ``hosts``; else a client certificate.
 
     ``not_before`` moves the validity window (tests make expired certificates with it).
     """
+    if hosts and not (node or server):
+        raise ValueError(
+            f"--host given for {name!r} without --node: only node certificates serve; a client "
+            "certificate names no host"
+        )
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if node or server:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    if node:
+        hosts = [node_server_name(name), *hosts]
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey), "the CA key must be ECDSA"
@@ -120,12 +146,7 @@ def issue(
         .not_valid_before(start)
         .not_valid_after(start + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     )
     if hosts:
         builder = builder.add_extension(_san(hosts), critical=False)
@@ -145,9 +166,16 @@ def init_ca(directory: Path, days: float = 3650) -> Path:
 
 
 def issue_files(
-    directory: Path, name: str, hosts: Sequence[str], days: float = 825
+    directory: Path,
+    name: str,
+    hosts: Sequence[str] = (),
+    *,
+    node: bool = False,
+    server: bool = False,
+    days: float = 825,
 ) -> tuple[Path, Path]:
-    """Issue ``name``'s certificate with the CA in ``directory``; (cert path, key path)."""
+    """Issue ``name``'s certificate (a node's with ``node``, see :func:`issue`) with the CA in
+    ``directory``, replacing one there; (cert path, key path)."""
     try:
         ca_cert_pem = (directory / CA_CERT).read_bytes()
         ca_key_pem = (directory / CA_KEY).read_bytes()
@@ -155,7 +183,9 @@ def issue_files(
         raise ValueError(
             f"no CA in {directory}: run `kvstore certs init --dir {directory}` first"
         ) from None
-    cert_pem, key_pem = issue(ca_cert_pem, ca_key_pem, name, hosts, days=days)
+    cert_pem, key_pem = issue(
+        ca_cert_pem, ca_key_pem, name, hosts, node=node, server=server, days=days
+    )
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     write_private(key_path, key_pem.decode())
     cert_path.write_bytes(cert_pem)
@@ -177,17 +207,24 @@ def configure_issue(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", required=True, type=Path, help="the CA's directory (certs init)")
     parser.add_argument("name", help="common name: a node id, or a principal's cert_identity")
     parser.add_argument(
+        "--node",
+        action="store_true",
+        help="a node's certificate (NAME is its node id): it may serve; else a client's",
+    )
+    parser.add_argument(
         "--host",
         action="append",
         default=[],
-        help="DNS name or IP address the certificate is valid for (repeat the flag)",
+        help="with --node: a DNS name or IP address the node serves on (repeat the flag)",
     )
     parser.add_argument("--days", type=float, default=825, help="validity of the certificate")
 
 
 def run_issue(args: argparse.Namespace) -> int:
     try:
-        cert_path, key_path = issue_files(args.dir, args.name, args.host, args.days)
+        cert_path, key_path = issue_files(
+            args.dir, args.name, args.host, node=args.node, days=args.days
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

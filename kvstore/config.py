@@ -29,6 +29,8 @@
     tenants = ["acme"]
     keyring_file = "/etc/kvstore/keyring.json"
     master_key_file = "/etc/kvstore/master.key"
+    [integrity]                    # optional: keyed block versions (client/integrity.py)
+    key_file = "/etc/kvstore/integrity.json"
     [node_defaults]                # any NodeConfig field; a [[nodes]] entry may override it
     fsync = true
     [[nodes]]
@@ -246,8 +248,21 @@ class MembershipConfig:
     prefix: str = "/kvstore"
     lease_ttl_s: float = 10.0
     down_out_s: float = 600.0
+    # TLS to etcd (kvstore/membership.py): the CA that signed etcd's certificate ("" =
+    # plaintext); the etcd client certificate of nodes and operators (may change the map),
+    # and of clients that only follow it (reader_*; default: the former).
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    reader_cert_file: str = ""
+    reader_key_file: str = ""
 
     def __post_init__(self) -> None:
+        pairs = ((self.cert_file, self.key_file), (self.reader_cert_file, self.reader_key_file))
+        if any(bool(c) != bool(k) or (c and not self.ca_file) for c, k in pairs):
+            raise ValueError(
+                "[membership] each cert_file goes with its key_file, and with ca_file (TLS to etcd)"
+            )
         if self.lease_ttl_s < 2 or self.down_out_s <= 0:
             raise ValueError(
                 f"[membership] needs lease_ttl_s >= 2 (etcd grants whole seconds) and "
@@ -318,6 +333,17 @@ class EncryptionConfig:
 
 
 @dataclass(frozen=True)
+class IntegrityConfig:
+    """End-to-end block integrity (client/integrity.py). ``[integrity]``.
+
+    ``key_file`` names a file on the client hosts (never the nodes') with each tenant's key;
+    set, every tenant that is not sealed writes and requires keyed block versions.
+    """
+
+    key_file: str = ""
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     epoch: int
     nodes: tuple[NodeConfig, ...]
@@ -328,6 +354,7 @@ class ClusterConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     # The groups before the map change in progress (same length as ``groups``), () when none:
     # reads consult them too until the move is complete; writes go to ``groups`` only.
     moving_from: tuple[tuple[str, ...], ...] = ()
@@ -444,6 +471,7 @@ _SECTIONS = (
     "tls",
     "encryption",
     "membership",
+    "integrity",
     "moving_from",
     "node_defaults",
     "nodes",
@@ -563,6 +591,9 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
         membership=MembershipConfig(
             **checked_fields("[membership]", raw.get("membership", {}), MembershipConfig)
         ),
+        integrity=IntegrityConfig(
+            **checked_fields("[integrity]", raw.get("integrity", {}), IntegrityConfig)
+        ),
         moving_from=tuple(
             _group_from_toml(i, g, "[[moving_from]]")
             for i, g in enumerate(raw.get("moving_from", []))
@@ -604,6 +635,8 @@ def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         raw["encryption"] = {**encryption, "tenants": list(cfg.encryption.tenants)}
     if cfg.membership != MembershipConfig():
         raw["membership"] = dataclasses.asdict(cfg.membership)
+    if cfg.integrity != IntegrityConfig():
+        raw["integrity"] = dataclasses.asdict(cfg.integrity)
     raw["nodes"] = [dataclasses.asdict(n) for n in cfg.nodes]
     raw["groups"] = [{"nodes": list(g)} for g in cfg.groups]
     if cfg.moving_from:

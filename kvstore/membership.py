@@ -12,6 +12,13 @@ Every node and client watches ``<prefix>/map`` and switches to a newer epoch wit
 (:meth:`EtcdMembership.watch_map`); a watch that breaks is re-made after a fresh read, and the
 map is read again every ``lease_ttl_s`` anyway, so a lost event costs at most that long.
 The map's changes themselves are pure functions (kvstore/map_changes.py).
+
+TLS (``[membership] ca_file``): every etcd client here (nodes, clients' map followers, the
+``kvstore cluster`` commands) talks TLS to etcd and presents an etcd client certificate:
+``cert_file`` (nodes and operators: they change the map and register) or ``reader_cert_file``
+(clients: they only read it). A local cluster's etcd (deploy/local_etcd.py) trusts a CA of
+its own, so no kvstore certificate reaches it, and enables etcd's RBAC so each certificate's
+common name is a user with just those rights.
 """
 
 from __future__ import annotations
@@ -21,9 +28,13 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aetcd
+import grpc
+from aetcd import rpc
+from aetcd.watcher import Watcher
 
 from kvstore.config import ClusterConfig, MembershipConfig, cluster_from_toml, cluster_to_toml
 from kvstore.errors import InvalidArgument, Unavailable
@@ -38,10 +49,11 @@ MAX_CAS_ATTEMPTS = 20
 class EtcdMembership:
     """One etcd connection for one cluster's keys (see the module docstring)."""
 
-    def __init__(self, membership: MembershipConfig) -> None:
+    def __init__(self, membership: MembershipConfig, *, reader: bool = False) -> None:
         if not membership.endpoints:
             raise InvalidArgument("[membership] etcd is empty: there is no etcd to talk to")
         self.membership = membership
+        self._reader = reader  # a client following the map: its reader certificate, if any
         self._endpoint = 0  # the endpoint in use; one client per endpoint, made on first use
         self._clients: dict[int, aetcd.Client] = {}
         self._map_key = f"{membership.prefix}/map".encode()
@@ -56,7 +68,8 @@ class EtcdMembership:
     @property
     def _client(self) -> aetcd.Client:
         if self._endpoint not in self._clients:
-            self._clients[self._endpoint] = _client_for(self.membership.endpoints[self._endpoint])
+            endpoint = self.membership.endpoints[self._endpoint]
+            self._clients[self._endpoint] = _client_for(endpoint, self.membership, self._reader)
         return self._clients[self._endpoint]
 
     async def close(self) -> None:
@@ -201,9 +214,57 @@ class EtcdMembership:
                     await asyncio.wait_for(self._client.revoke_lease(lease_id), 2.0)
 
 
-def _client_for(endpoint: str) -> aetcd.Client:
-    host, _, port = endpoint.removeprefix("http://").rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=ETCD_TIMEOUT_S)
+def _client_for(endpoint: str, membership: MembershipConfig, reader: bool) -> aetcd.Client:
+    host, _, port = endpoint.removeprefix("http://").removeprefix("https://").rpartition(":")
+    host = host or "127.0.0.1"
+    if not membership.ca_file:
+        return aetcd.Client(host=host, port=int(port), timeout=ETCD_TIMEOUT_S)
+    return TlsEtcdClient(host, int(port), etcd_credentials(membership, reader))
+
+
+def etcd_credentials(membership: MembershipConfig, reader: bool = False) -> grpc.ChannelCredentials:
+    """TLS credentials for etcd: its CA, and this host's etcd client certificate if set (a
+    ``reader``'s, if it has one of its own)."""
+    cert, key = membership.cert_file, membership.key_file
+    if reader and membership.reader_cert_file:
+        cert, key = membership.reader_cert_file, membership.reader_key_file
+
+    def read(path: str) -> bytes | None:
+        try:
+            return Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise InvalidArgument(f"[membership] cannot read {path}: {exc}") from None
+
+    return grpc.ssl_channel_credentials(read(membership.ca_file), read(key), read(cert))
+
+
+class TlsEtcdClient(aetcd.Client):
+    """aetcd's client over TLS: aetcd 1.0 opens plaintext channels only, so :meth:`connect` is
+    aetcd's own with a TLS channel (etcd checks the client certificate: client-cert-auth)."""
+
+    def __init__(self, host: str, port: int, credentials: grpc.ChannelCredentials) -> None:
+        super().__init__(host=host, port=port, timeout=ETCD_TIMEOUT_S)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it, as aetcd does
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            options = list(self._options.items())
+            self.channel = grpc.aio.secure_channel(target, self._credentials, options=options)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = Watcher(rpc.WatchStub(self.channel), timeout=self._timeout)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 _UNREACHABLE = (

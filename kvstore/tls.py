@@ -6,6 +6,17 @@ against ``ca_file``. With ``client_certs = "require"`` (mutual TLS) the handshak
 unless the client presents a certificate the same CA signed; the certificate's common name
 is the caller's identity for the credentials file (kvstore/auth.py).
 
+Node identity. A node's certificate names its node id as the DNS SAN ``<id>.node.kvstore``
+(:func:`node_server_name`; kvstore/certs.py issues it) beside its host names, and has the
+serverAuth usage; client certificates have clientAuth only, so they cannot serve. Every
+channel to a node is made for the node id the cluster map puts at that address
+(:func:`aio_channel` / :func:`sync_channel` with ``node_id``: gRPC's
+``ssl_target_name_override``), so the handshake of every connection fails unless the server's
+certificate names that node: a node holding another node's certificate, or a client's, gets
+no request and no token. Nodes learn the node id of a peer from its client certificate
+(:func:`peer_certificate`), which is how a node credential is tied to a node's certificate
+(kvstore/auth.py :class:`NodePeers`).
+
 Certificates are reloaded without a restart: before each handshake gRPC asks
 :class:`ReloadingServerCert` for a new configuration, which re-reads the files when their
 modification times changed (replace both files, new connections get the new pair; open
@@ -20,7 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,29 +131,75 @@ def aio_channel(
     address: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, Any]] = (),
+    *,
+    node_id: str | None = None,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel: TLS when ``credentials`` are given, else plaintext."""
+    """A grpc.aio channel: TLS when ``credentials`` are given, else plaintext.
+
+    ``node_id``: the server must hold that node's certificate (module doc), checked at every
+    handshake; without it the certificate must only name the address's host (servers that
+    are not storage nodes).
+    """
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, credentials, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=_named(options, node_id))
 
 
 def sync_channel(
     address: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, Any]] = (),
+    *,
+    node_id: str | None = None,
 ) -> grpc.Channel:
     """As :func:`aio_channel`, for the synchronous API (status and health tools)."""
     if credentials is None:
         return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, credentials, options=options)
+    return grpc.secure_channel(address, credentials, options=_named(options, node_id))
 
 
-def peer_identity(context: Any) -> str | None:
-    """The verified client certificate's common name of a call (mutual TLS), or None."""
+NODE_NAME_SUFFIX = ".node.kvstore"
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def node_server_name(node_id: str) -> str:
+    """The DNS SAN a node's certificate carries for its id: ``<id>.node.kvstore``."""
+    if not _DNS_LABEL.fullmatch(node_id):
+        raise ValueError(
+            f"node id {node_id!r} cannot be named in a certificate: with TLS on, node ids are "
+            "DNS labels (letters, digits and inner '-', at most 63), e.g. 'n00' or 'kv-00'"
+        )
+    return node_id + NODE_NAME_SUFFIX
+
+
+def _named(options: Sequence[tuple[str, Any]], node_id: str | None) -> list[tuple[str, Any]]:
+    if node_id is None:
+        return list(options)
+    return [*options, ("grpc.ssl_target_name_override", node_server_name(node_id))]
+
+
+@dataclass(frozen=True)
+class PeerCertificate:
+    """What a call's verified client certificate says (mutual TLS)."""
+
+    common_name: str
+    node_id: str | None  # set when it is a node's certificate (its ``<id>.node.kvstore`` SAN)
+
+
+def peer_certificate(context: Any) -> PeerCertificate | None:
+    """The verified client certificate of a call, or None (no mutual TLS, or none sent)."""
     try:
         auth = context.auth_context()
     except Exception:  # not every context type has one
         return None
     names = auth.get("x509_common_name") or ()
-    return names[0].decode(errors="replace") if names else None
+    if not names:
+        return None
+    node_ids = [
+        name[: -len(NODE_NAME_SUFFIX)]
+        for name in (n.decode(errors="replace") for n in auth.get("peer_dns") or ())
+        if name.endswith(NODE_NAME_SUFFIX)
+    ]
+    # One node name, or it is no node's certificate (a cert naming two nodes proves neither).
+    node_id = node_ids[0] if len(node_ids) == 1 else None
+    return PeerCertificate(names[0].decode(errors="replace"), node_id)

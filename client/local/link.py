@@ -1,24 +1,32 @@
-"""One connection to a node's local read server, with the arena the node writes into.
+"""One connection to a node's local read server, with the memory the node writes into.
 
 kvstore/wire/local_frames.py has the exchange. Per request::
 
-    event loop    take a region of the arena, send READ(id, region, keys)      (a few us)
-    receiver      ANSWER(id, table) -> for each HIT payload, in this thread:
-    thread          copy arena[region + offset] -> its place in the caller's block
-                    (client/landing.py; ctypes.memmove, no GIL), verify its shard checksum
-                    right there while the bytes are in cache (xxhash, no GIL); payloads
-                    with no place (parity, a padded tail, plain get) stay in the region
-                  -> the NodeAnswer, with every shard's verified header, to the event loop
+    event loop    take a region of the arena, arm a permit when the request names places in
+                  the landing pool, send READ(id, region, keys[, places, permit])  (a few us)
+    node          data shards straight to their places in the pool (client/landing_pool.py),
+                  the rest into arena[region]
+    receiver      ANSWER(id, table) -> in this thread:
+    thread          placed payloads: nothing to do, their bytes are where they belong (the
+                    block checksum will cover them: client/batch_read.py)
+                    the rest: copy arena[region + offset] -> its place in the caller's block
+                    (client/landing.py), verifying its shard checksum in the same native
+                    call while the bytes are in cache; payloads with no place (parity, a
+                    padded tail, plain get) stay in the region
+                  -> the NodeAnswer to the event loop
 
-So the event loop does no per-byte work: one send and one wake-up per node per batch.
+So the event loop does no per-byte work: one send and one wake-up per node per batch, and a
+read into the landing pool is copied by nobody.
 
 Ownership. A region is the client's until the node answered its request: a cancelled
 request (hedging, a deadline) keeps its region until the late ANSWER comes, so a late
-payload lands only in memory nobody reads. Landing and cancelling exclude each other
-(``PendingRead.lock``): once cancelled, nothing more is written into the caller's buffers; a
-cancel that finds the landing under way waits for it (:meth:`LocalLink.abandon`). A lost
-connection fails every request in flight, and the link with its arena is dropped: the
-node may still be writing into regions of it.
+payload lands only in memory nobody reads. The pool's places are guarded by the request's
+permit word (kvstore/wire/landing.py): a cancel revokes it, and a node that had not claimed
+it writes nothing there; one caught writing is waited for (:meth:`LocalLink.abandon` says
+so). Landing and cancelling exclude each other (``PendingRead.lock``): once cancelled,
+nothing more is written into the caller's buffers; a cancel that finds the landing under way
+waits for it. A lost connection fails every request in flight, and the link with its arena
+is dropped: the node may still be writing into regions of it.
 """
 
 from __future__ import annotations
@@ -31,29 +39,36 @@ import itertools
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from client.landing import (
     NodeAnswer,
     Wanted,
     checksum_fields,
+    header_rows,
     landing_regions,
-    verify_landed,
+    shard_checksums_ok,
 )
+from client.landing_pool import LandingPool
 from erasure import fastsum
 from erasure.codec import Codec
+from erasure.shard import ShardHeader
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.grpc_errors import code_from_value, from_grpc_status
-from kvstore.wire import batch_answer
+from kvstore.wire import batch_answer, landing
 from kvstore.wire import local_frames as frames
 
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
 _WAITING, _LANDING, _CANCELLED = 0, 1, 2
+GENERATION_MASK = (1 << 30) - 1
 
 
 class RegionTooSmall(Unavailable):
@@ -71,22 +86,45 @@ class PendingRead:
     num_keys: int
     future: asyncio.Future[NodeAnswer]
     loop: asyncio.AbstractEventLoop
+    places: np.ndarray | None = None  # per key: its place in the pool (PLACE_DTYPE rows)
+    permit_index: int = -1  # the permit word guarding the places (-1: none)
+    permit_armed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     state: int = _WAITING
+
+    @property
+    def landing(self) -> bool:
+        """Whether the receiver is landing this request's answer right now."""
+        return self.state == _LANDING
 
 
 class LocalLink:
     """A connected, authenticated local read channel to one node. Create with :meth:`open`
     (blocking: call it in a thread); ``close()`` when done."""
 
-    def __init__(self, node_id: str, sock: socket.socket, arena: ByteArena, codec: Codec) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        sock: socket.socket,
+        arena: ByteArena,
+        codec: Codec,
+        pool: LandingPool | None = None,
+    ) -> None:
         self.node_id = node_id
         self.arena = arena
+        self.pool = pool  # the landing pool the node mapped (None: everything via the arena)
         self._sock = sock
         self._codec = codec
         self._lock = threading.Lock()
         self._pending: dict[int, PendingRead] = {}
         self._ids = itertools.count(1)
+        # Permit words: the arena's first bytes (taken first, so at offset 0, as the node
+        # expects); free indexes and each index's generation.
+        self._permits = arena.take(frames.PERMIT_AREA_BYTES)
+        assert self._permits.offset == 0, "permit words must open the arena"
+        self._free_permits = list(range(frames.NUM_PERMITS - 1, -1, -1))
+        self._generations = [0] * frames.NUM_PERMITS
+        self.node_pid = _peer_pid(sock)
         self.alive = True
         self._receiver = threading.Thread(
             target=self._receive_forever, name=f"local-recv-{node_id}", daemon=True
@@ -102,12 +140,16 @@ class LocalLink:
         tenant: str,
         arena_bytes: int,
         codec: Codec,
+        pool: LandingPool | None = None,
     ) -> LocalLink:
-        """Connect, send HELLO with a fresh shared arena, and wait for WELCOME.
+        """Connect, send HELLO with a fresh shared arena (and the landing pool's memfd, when
+        there is one and the native landing loop is built), and wait for WELCOME.
 
         Raises the node's refusal as its kvstore.errors exception (PermissionDenied for a
         bad token or a tenant the token may not act for), Unavailable if it cannot connect.
         """
+        if not landing.NATIVE or (pool is not None and pool.fd < 0):
+            pool = None
         if not socket_name.startswith("@"):
             raise Unavailable(f"node {node_id}: local socket {socket_name!r} is not abstract")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,8 +157,10 @@ class LocalLink:
         try:
             sock.settimeout(HELLO_TIMEOUT_S)
             sock.connect("\0" + socket_name[1:])
-            hello = frames.encode_hello(token, tenant, arena.capacity_bytes)
-            fds = array.array("i", [arena.fd]).tobytes()
+            pool_bytes = pool.num_bytes if pool is not None else 0
+            hello = frames.encode_hello(token, tenant, arena.capacity_bytes, pool_bytes)
+            shared = [arena.fd] if pool is None else [arena.fd, pool.fd]
+            fds = array.array("i", shared).tobytes()
             sock.sendmsg([hello], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             received = frames.recv_frame(sock, bytearray(frames.HEAD_BYTES))
             if received is None:
@@ -138,7 +182,7 @@ class LocalLink:
             raise
         # The node holds its own copy of the memfd now; ours is not needed to map it again.
         arena.close()
-        return cls(node_id, sock, arena, codec)
+        return cls(node_id, sock, arena, codec, pool)
 
     def submit(
         self,
@@ -147,10 +191,11 @@ class LocalLink:
         wanted: Wanted,
         outs: Sequence[memoryview | None],
         region: Region,
+        places: np.ndarray | None = None,
     ) -> PendingRead:
-        """Send one READ whose payloads go to ``region`` (taken from ``self.arena``); call
-        on the event loop. Raises Unavailable if the link is down or the node does not read
-        its socket."""
+        """Send one READ whose payloads go to ``region`` (taken from ``self.arena``) and, for
+        keys with a place, to the landing pool; call on the event loop. Raises Unavailable
+        if the link is down or the node does not read its socket."""
         loop = asyncio.get_running_loop()
         pending = PendingRead(
             next(self._ids), region, wanted, outs, len(keys), loop.create_future(), loop
@@ -158,9 +203,25 @@ class LocalLink:
         with self._lock:
             if not self.alive:
                 raise Unavailable(f"node {self.node_id}: local connection lost")
+            if places is not None and self.pool is not None and self._free_permits:
+                pending.places = places
+                pending.permit_index = self._free_permits.pop()
             self._pending[pending.request_id] = pending
+        permit = (0, 0)
+        if pending.permit_index >= 0:
+            index = pending.permit_index
+            self._generations[index] = (self._generations[index] + 1) & GENERATION_MASK
+            pending.permit_armed = landing.permit_value(self._generations[index], landing.ARMED)
+            landing.permit_store(self._permit_address(index), pending.permit_armed)
+            permit = (index, pending.permit_armed)
         frame = frames.encode_read(
-            pending.request_id, region.offset, len(region.view), version, keys
+            pending.request_id,
+            region.offset,
+            len(region.view),
+            version,
+            keys,
+            pending.places,
+            permit,
         )
         try:
             send_holding_gil(self._sock.fileno(), frame)
@@ -172,8 +233,10 @@ class LocalLink:
 
     def abandon(self, pending: PendingRead) -> bool:
         """Give up on a request (cancelled, or past its time): nothing of it lands in the
-        caller's buffers from now on. Returns True when its landing is already under way:
-        then wait for ``pending.future`` before the buffers are touched again."""
+        caller's buffers from now on. Returns True when writing is under way (the client's
+        landing, or the node writing into the pool under the request's permit): then wait
+        for ``pending.future`` (or :meth:`pool_write_over`) before the buffers are touched
+        again."""
         with pending.lock:
             if pending.state == _LANDING:
                 return True
@@ -181,7 +244,36 @@ class LocalLink:
         # If the send fails the node learns nothing; its late answer is dropped all the same.
         with contextlib.suppress(OSError):
             self._sock.send(frames.encode_cancel(pending.request_id), socket.MSG_DONTWAIT)
-        return False
+        return not self._revoke(pending)
+
+    def _revoke(self, pending: PendingRead) -> bool:
+        """Revoke a request's permit; whether no pool write of it can still happen."""
+        if pending.permit_index < 0:
+            return True
+        address = self._permit_address(pending.permit_index)
+        revoked = landing.permit_value(pending.permit_armed >> 2, landing.REVOKED)
+        held = landing.permit_cas(address, pending.permit_armed, revoked)
+        return held == pending.permit_armed or held & landing.STATE_MASK == landing.DONE
+
+    def pool_write_over(self, pending: PendingRead) -> bool:
+        """Whether the node is done with the pool for ``pending`` (never claimed its permit,
+        or finished writing), or its process is gone."""
+        if pending.permit_index < 0:
+            return True
+        state = landing.permit_load(self._permit_address(pending.permit_index))
+        if state >> 2 != pending.permit_armed >> 2 or state & landing.STATE_MASK != landing.WRITING:
+            return True
+        return not _process_alive(self.node_pid)
+
+    def pool_offsets(self, pending: PendingRead) -> list[int]:
+        """The pool offsets of the blocks ``pending`` names places in."""
+        if pending.places is None:
+            return []
+        offsets = pending.places["offset"]
+        return offsets[offsets != landing.NO_PLACE].tolist()
+
+    def _permit_address(self, index: int) -> int:
+        return self.arena.address + 4 * index
 
     def close(self) -> None:
         """End the connection; requests in flight fail with Unavailable."""
@@ -208,6 +300,9 @@ class LocalLink:
                 request_id, status, rest = frames.decode_answer(memoryview(body))
                 with self._lock:
                     pending = self._pending.pop(request_id, None)
+                    if pending is not None and pending.permit_index >= 0:
+                        # The node answered: it is done with the permit and the pool.
+                        self._free_permits.append(pending.permit_index)
                 if pending is not None:
                     self._complete(pending, status, rest)
         except (OSError, ValueError, KVStoreError) as exc:
@@ -247,41 +342,104 @@ class LocalLink:
         _resolve(pending, result)
 
     def _land(self, pending: PendingRead, table: memoryview) -> NodeAnswer:
-        """Copy each HIT payload to its place and verify it there (see the module doc)."""
+        """The answer's payloads where they belong: placed ones are in the pool already;
+        copy each streamed one to its place and verify it there (see the module doc)."""
         entries, payload_bytes = batch_answer.decode_table(table, pending.num_keys)
         region = pending.region
         if payload_bytes > len(region.view):
             raise ValueError(f"{payload_bytes} payload bytes for a {len(region.view)}-byte region")
-        hits = entries["status"] == batch_answer.HIT
-        destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
-        sizes = entries["payload_bytes"][hits].tolist()
-        payloads: list[memoryview] = []
-        sources, targets = [], []
-        source, start = self.arena.address + region.offset, 0
-        for destination, size in zip(destinations, sizes, strict=True):
-            sources.append(source + start)
-            if destination is not None:
-                targets.append(_address(destination))
-                payloads.append(destination)
-            else:
-                targets.append(0)
-                payloads.append(region.view[start : start + size])
-            start += size
-        if fastsum.NATIVE:  # one call, no GIL: copy and checksum every payload
-            fields, checksums = checksum_fields(entries)
-            checked = fastsum.copy_verify(sources, targets, sizes, fields, checksums)
-            headers = verify_landed(self._codec, entries, payloads, checked)
+        hits = entries[entries["status"] == batch_answer.HIT]
+        placed = hits["placed"] != 0
+        payloads: list[memoryview] = [memoryview(b"")] * len(hits)
+        in_place = placed.tolist()
+        for row, view in self._placed_payloads(pending, hits, placed):
+            payloads[row] = view
+        streamed = (~placed).nonzero()[0].tolist()
+        headers = header_rows(self._codec, entries)
+        checked = [False] * len(hits)
+        scratch = [region]
+        if streamed:
+            destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
+            sources, targets, sizes = [], [], []
+            source, start = self.arena.address + region.offset, 0
+            sizes_all = hits["payload_bytes"].tolist()
+            for row in streamed:
+                size, destination = sizes_all[row], destinations[row]
+                sources.append(source + start)
+                targets.append(0 if destination is None else _address(destination))
+                in_place[row] = destination is not None
+                payloads[row] = (
+                    destination if destination is not None else region.view[start : start + size]
+                )
+                sizes.append(size)
+                start += size
+            self._copy_streamed(
+                entries, streamed, sources, targets, sizes, payloads, headers, checked
+            )
+        if all(in_place):  # nothing stays in the region: it is free again now
+            region.release()
+            scratch = []
+        return NodeAnswer(entries, payloads, in_place, scratch, headers, checked)
+
+    def _placed_payloads(
+        self, pending: PendingRead, hits: np.ndarray, placed: np.ndarray
+    ) -> list[tuple[int, memoryview]]:
+        """(HIT row, view of the pool) of each placed payload: the range of its key's place
+        for its shard, checked for the whole answer at once (a node that placed any other
+        shard there answered against its own request: refused)."""
+        rows = placed.nonzero()[0]
+        if not len(rows):
+            return []
+        if pending.places is None or self.pool is None:
+            raise ValueError("the node placed payloads in a READ that named no places")
+        mine = hits[rows]
+        place = pending.places[mine["key_index"]]
+        payload = mine["payload_len"].astype(np.uint64)
+        index = mine["shard_index"].astype(np.uint64)
+        fits = (
+            (place["offset"] != landing.NO_PLACE)
+            & (place["shard_index"] == mine["shard_index"])
+            & (place["payload_bytes"] == mine["payload_len"])
+            & (payload > 0)
+            & ((index + 1) * payload <= place["capacity_bytes"])
+        )
+        if not fits.all():
+            raise ValueError("the node placed a shard where its request had no place for it")
+        starts = (place["offset"] + index * payload).tolist()
+        memory = self.pool.memory
+        return [
+            (row, memory[start : start + size])
+            for row, start, size in zip(rows.tolist(), starts, payload.tolist(), strict=True)
+        ]
+
+    def _copy_streamed(
+        self,
+        entries: np.ndarray,
+        rows: list[int],
+        sources: list[int],
+        targets: list[int],
+        sizes: list[int],
+        payloads: list[memoryview],
+        headers: list[ShardHeader | None],
+        checked: list[bool],
+    ) -> None:
+        """Copy the streamed payloads (HIT rows ``rows``) that have a place to it and verify
+        each one's shard checksum: one native call without the GIL, copying and hashing each
+        payload while it is in cache (ctypes.memmove and python-xxhash without the helper)."""
+        if not rows:
+            return
+        fields, checksums = checksum_fields(entries, rows)
+        if fastsum.NATIVE:
+            verdicts = fastsum.copy_verify(sources, targets, sizes, fields, checksums)
         else:
             for target, from_address, size in zip(targets, sources, sizes, strict=True):
                 if target:
                     ctypes.memmove(target, from_address, size)
-            headers = verify_landed(self._codec, entries, payloads)
-        in_place = [d is not None for d in destinations]
-        scratch = [region]
-        if all(in_place):  # nothing stays in the region: it is free again now
-            region.release()
-            scratch = []
-        return NodeAnswer(entries, payloads, in_place, scratch, headers)
+            verdicts = shard_checksums_ok(fields, checksums, [payloads[row] for row in rows])
+        for row, ok in zip(rows, verdicts, strict=True):
+            checked[row] = True
+            if not ok:
+                headers[row] = None
 
 
 # The event loop sends its READ frames through libc with the GIL held (ctypes.PyDLL): the
@@ -321,3 +479,25 @@ def _set(future: asyncio.Future[NodeAnswer], result: NodeAnswer | KVStoreError) 
 
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The node process at the other end of a Unix socket (0 if the kernel does not say)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return 0
+    return struct.unpack("3i", creds)[0]
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (True when unknown: assume the worst)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

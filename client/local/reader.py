@@ -6,6 +6,13 @@ boot id as this host. Then one :class:`~client.local.link.LocalLink` per node ca
 batch read to it (one READ and one ANSWER per node per batch; the payloads land through the
 link's arena, copied and verified off the event loop).
 
+Landing in place: with a landing pool (client/landing_pool.py), every request whose buffers
+lie in the pool names, per key, the place its data shard goes there (kvstore/wire/landing.py),
+and the node writes it there: nobody copies it. A request given up (hedging, a deadline) has
+its permit revoked, so no node writes into a slot after the read returned; one whose node is
+caught writing is waited for up to ``POOL_WRITE_WAIT_S``, and past that its slots are held
+(the read reports their blocks as misses: client/batch_read.py).
+
 Fallbacks, as over UCX: a link that cannot be made, is lost (node killed or restarted), or
 leaves a request unanswered past half its time makes the request go over the fallback
 transport within the same deadline; a lost link is made again from a fresh Health reply
@@ -24,13 +31,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from client.landing import NodeAnswer, Wanted
+from client.landing_pool import LandingPool
 from client.local.link import LocalLink, PendingRead, RegionTooSmall
 from client.node_conn import BackgroundTasks, NodeConn, NodeReader, finish_despite_cancel
 from erasure.codec import Codec
 from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import local_frames as frames
+from kvstore.wire.landing import NO_PLACE, PLACE_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,7 @@ HEALTH_RETRY_S = 2.0  # at most one Health ask (and link attempt) per node this 
 WAIT_SHARE = 0.5  # of the time left that a local wait may use (the rest is for the fallback)
 REGION_SLACK = 2  # a request's region holds this many times its payload estimate
 MIN_ARENA_BYTES = 64 << 20
+POOL_WRITE_WAIT_S = 0.1  # how long a cancel waits for a node caught writing into the pool
 
 
 @dataclass
@@ -51,13 +63,23 @@ class LocalCounters:
     num_fallbacks: int = 0  # node requests that went to the fallback after the channel failed
     num_links: int = 0  # links opened (a restarted node makes a new one)
     num_arena_full: int = 0  # requests read over the fallback for want of arena space
+    num_placed: int = 0  # payloads the node put straight at their place in the landing pool
+    num_held_requests: int = 0  # cancelled requests whose node was caught writing (slots held)
 
 
 class LocalReads:
     """What every node's local reader shares: who we are, the counters, the background asks."""
 
-    def __init__(self, codec: Codec, tenant: str, token: str | None, arena_bytes: int) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        tenant: str,
+        token: str | None,
+        arena_bytes: int,
+        pool: LandingPool | None = None,
+    ) -> None:
         self.codec, self.tenant, self.token = codec, tenant, token
+        self.pool = pool  # the landing pool every link shares with its node
         self.arena_bytes = max(arena_bytes, MIN_ARENA_BYTES)
         self.boot_id = frames.boot_id()
         self.counters = LocalCounters()
@@ -119,6 +141,7 @@ class LocalReader:
                 shared.tenant,
                 shared.arena_bytes,
                 shared.codec,
+                shared.pool,
             )
         except PermissionDenied:
             raise
@@ -148,7 +171,7 @@ class LocalReader:
             counters.num_arena_full += 1
             return await self.fallback.read_batch(keys, wanted, outs, timeout_s)
         try:
-            pending = link.submit(keys, b"", wanted, outs, region)
+            pending = link.submit(keys, b"", wanted, outs, region, self._places(link, wanted, outs))
         except Unavailable as exc:
             region.release()  # never sent: the node cannot write it
             return await self._fall_back(keys, wanted, outs, deadline_s, exc)
@@ -163,12 +186,40 @@ class LocalReader:
         try:
             answer = pending.future.result()
         except (Unavailable, RegionTooSmall) as exc:
+            # A link lost while its node wrote into the pool: that node may live on and finish
+            # the write, so its slots wait until it did (or is gone) before anyone reads them.
+            if not link.alive and not link.pool_write_over(pending):
+                await self._wait_for_pool_write(link, pending)
             return await self._fall_back(keys, wanted, outs, deadline_s, exc)
         self.conn.health.record_success()
         counters.num_local_replies += 1
         counters.num_local_shards += len(answer.payloads)
         counters.num_landed_in_place += sum(answer.in_place)
+        counters.num_placed += int((answer.entries["placed"] != 0).sum())
         return answer
+
+    def _places(
+        self, link: LocalLink, wanted: Wanted, outs: Sequence[memoryview | None]
+    ) -> np.ndarray | None:
+        """Per request key, where its data shard goes in the landing pool (a PLACE_DTYPE
+        row; NO_PLACE: through the arena); None when the link has no pool or nothing fits."""
+        pool, k = link.pool, self._shared.codec.k
+        if pool is None or wanted.pool_offsets is None:
+            return None
+        places = np.zeros(len(wanted.positions), PLACE_DTYPE)
+        offsets = [NO_PLACE if o is None else o for o in wanted.pool_offsets]
+        places["offset"] = offsets
+        lengths = np.array([len(outs[p] or b"") for p in wanted.positions], np.uint64)
+        places["payload_bytes"] = (lengths + k - 1) // k
+        places["shard_index"] = indexes = wanted.shard_indexes
+        stride = pool.slot_stride
+        starts = places["offset"]
+        places["capacity_bytes"] = (starts // stride + 1) * stride - starts
+        usable = (starts != NO_PLACE) & (np.asarray(indexes) < k) & (lengths > 0)
+        if not usable.any():
+            return None
+        places["offset"][~usable] = NO_PLACE
+        return places
 
     def _estimate(self, wanted: Wanted, outs: Sequence[memoryview | None]) -> int:
         codec = self._shared.codec
@@ -177,20 +228,37 @@ class LocalReader:
             for out in (outs[p] for p in wanted.positions)
         )
 
-    @staticmethod
-    async def _abandon(link: LocalLink, pending: PendingRead) -> None:
-        """Give up a request; if its landing is under way, wait until it is done (it writes
-        into the caller's buffers) and drop its answer."""
+    async def _abandon(self, link: LocalLink, pending: PendingRead) -> None:
+        """Give up a request. If our receiver is landing its answer into the caller's
+        buffers, wait until it is done and drop the answer; if the node was caught writing
+        into the pool, wait up to POOL_WRITE_WAIT_S for it to finish, and hold the slots of
+        the request past that (client/landing_pool.py)."""
         if not link.abandon(pending):
             return
-        future = pending.future
-        try:
-            await finish_despite_cancel(future)
-        except KVStoreError:
-            pass
-        finally:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                future.result().release()
+        if pending.landing:
+            future = pending.future
+            try:
+                await finish_despite_cancel(future)
+            except KVStoreError:
+                pass
+            finally:
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    future.result().release()
+            return
+        await finish_despite_cancel(self._wait_for_pool_write(link, pending))
+
+    async def _wait_for_pool_write(self, link: LocalLink, pending: PendingRead) -> None:
+        loop = asyncio.get_running_loop()
+        give_up_s = loop.time() + POOL_WRITE_WAIT_S
+        pause_s = 0.0002
+        while not link.pool_write_over(pending):
+            if loop.time() >= give_up_s:
+                assert link.pool is not None
+                self._shared.counters.num_held_requests += 1
+                link.pool.hold(link.pool_offsets(pending), lambda: link.pool_write_over(pending))
+                return
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, 0.01)
 
     async def _fall_back(
         self,
@@ -217,11 +285,13 @@ class LocalReader:
             return
         self._next_health_ask_s = now_s + HEALTH_RETRY_S
         self._asking = True
-        self._shared.background.start(self._observe_quietly())
+        self._shared.background.start(self.observe_quietly())
 
-    async def _observe_quietly(self) -> None:
+    async def observe_quietly(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        """:meth:`observe`, a refusal logged rather than raised (the reads' own calls report
+        it): for "auto", where a node that will not link is simply read another way."""
         try:
-            await self.observe()
+            await self.observe(timeout_s)
         except PermissionDenied as exc:  # the fallback's own calls report it
             log.warning("node %s refused a local link: %s", self.node_id, exc)
         finally:

@@ -40,6 +40,14 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "deploy.cluster_cli:add_tenant",
         "add a tenant (or service) principal and print its new token",
     ),
+    ("cluster", "rotate-token"): (
+        "deploy.rotate_cli:token",
+        "give a principal a new token; the old one lives on for a grace period",
+    ),
+    ("cluster", "rotate-certs"): (
+        "deploy.rotate_cli:certs",
+        "issue a local cluster's node and admin certificates anew",
+    ),
     ("certs", "init"): ("kvstore.certs:init", "make a development CA for TLS"),
     ("certs", "issue"): ("kvstore.certs:issue", "issue a node or client certificate"),
     ("purge",): ("deploy.purge", "delete every block of a tenant and destroy its data key"),
@@ -47,6 +55,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "storage"): ("bench.storage_bench", "cluster PUT/GET throughput and latency"),
     ("bench", "expiry"): ("bench.expiry_bench", "expiry cost vs number of live blocks"),
     ("bench", "sim"): ("bench.sim_bench", "simulator block accesses per second"),
+    ("bench", "integrity"): (
+        "bench.integrity_bench",
+        "keyed block versions (BLAKE3) vs xxh3-128, CPU-s per GB",
+    ),
     ("bench", "index"): ("bench.index_bench", "lmdb index bytes per shard entry"),
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
     ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),

@@ -2,8 +2,10 @@
 
 kvstore/node/local_server.py does the channel's sockets, threads and memory and calls back
 here; what a read means (the tenant from the token, the reply-size check, the store call) is
-kvstore/node/reads.py's, as for the other faces. The payloads go straight into the region of
-the client's shared arena that the request names, and only the table comes back in the ANSWER.
+kvstore/node/reads.py's, as for the other faces. The payloads go straight into the client's
+memory: data shards to the places the request names in its landing pool (under the request's
+permit, kvstore/wire/landing.py), the rest into the region of its arena that the request names;
+only the table comes back in the ANSWER.
 The credential is checked again on every request (a revoked token stops at once), and the
 tenant is the one the connection was opened for: its arena never holds another tenant's bytes.
 """
@@ -15,11 +17,12 @@ import time
 import grpc
 
 from kvstore.byte_arena import Region
+from kvstore.errors import InvalidArgument
 from kvstore.grpc_errors import status_code
 from kvstore.node.local_server import LocalSession, RegionTooSmall
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.reads import NodeReads
-from kvstore.wire import batch_answer, local_frames
+from kvstore.wire import batch_answer, landing, local_frames
 
 RPC_LABEL = "ReadBatchLocal"  # the rpc label of these reads' metrics
 
@@ -63,10 +66,29 @@ class LocalFace:
             return staging
 
         read = self._reads.read_batch(
-            session.token, session.tenant, request.keys, request.version, take, shared=True
+            session.token,
+            session.tenant,
+            request.keys,
+            request.version,
+            take,
+            shared=True,
+            pool=_pool_landing(session, request),
         )
         if read.staging is not staging:  # a retry outgrew the first guess: copy it over
             if read.payload_bytes > len(region):
                 raise RegionTooSmall(read.payload_bytes)
             region[: read.payload_bytes] = read.payloads
         return batch_answer.encode_table(read.entries)
+
+
+def _pool_landing(
+    session: LocalSession, request: local_frames.ReadRequest
+) -> landing.PoolLanding | None:
+    """Where the READ's payloads may go in the client's landing pool, or None (all through
+    the arena: no pool, no places, or no native loop to hold the permit)."""
+    if session.pool is None or request.places is None or not landing.NATIVE:
+        return None
+    if len(request.places) != len(request.keys):
+        raise InvalidArgument(f"{len(request.places)} places for {len(request.keys)} keys")
+    permit = landing.Permit(session.permit_address(request.permit_index), request.permit_armed)
+    return landing.PoolLanding(session.pool, session.pool_address, request.places, permit)

@@ -5,8 +5,9 @@ what a read means (authentication, the tenant, the store call) is the node's
 (:class:`LocalSession`'s callbacks, kvstore/node/local_face.py)::
 
     accept thread      accept -> a connection thread
-    connection thread  HELLO + memfd: open_session(token, tenant) -> a LocalSession (else
-                       REFUSED); the memfd is mapped once it proved sealed against shrinking
+    connection thread  HELLO + memfd(s): open_session(token, tenant) -> a LocalSession (else
+                       REFUSED); the arena's memfd (and a landing pool's, when the client
+                       sent one) mapped once each proved sealed against shrinking
                        READ: read(session, request, arena[region]) -> ANSWER, right here
                              (delayed, with the straggler delay, on the node's event loop)
                        CANCEL: a delayed READ not yet read is answered CANCELLED
@@ -29,6 +30,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -57,7 +59,15 @@ class LocalSession:
     token: str
     tenant: str
     arena: memoryview | None = None  # the client's memfd, mapped read-write
+    pool: memoryview | None = None  # the client's landing pool, when it sent one
     cancelled: set[int] = field(default_factory=set)  # request ids cancelled before read
+    arena_address: int = 0  # where the arena is mapped in this process
+    pool_address: int = 0  # where the pool is mapped in this process
+
+    def permit_address(self, index: int) -> int:
+        """Where permit word ``index`` lies in this process (the arena's first bytes)."""
+        assert self.arena_address and index < frames.NUM_PERMITS
+        return self.arena_address + 4 * index
 
 
 # read(session, request, region) -> the ANSWER body for OK: the batch answer's table, the
@@ -189,11 +199,22 @@ class LocalServer:
                 if not more:
                     return None
                 body += more
-            token, tenant, arena_bytes = frames.decode_hello(bytes(body))
+            token, tenant, arena_bytes, pool_bytes = frames.decode_hello(bytes(body))
             session = self._open_session(token, tenant)
-            if len(fds) != 1:
-                raise InvalidArgument(f"HELLO must carry one arena memfd, got {len(fds)}")
+            if len(fds) != 1 + bool(pool_bytes):
+                raise InvalidArgument(
+                    f"HELLO must carry the arena's memfd (and the pool's when it announces "
+                    f"one), got {len(fds)} descriptors"
+                )
             session.arena = _map_arena(fds[0], arena_bytes)
+            session.arena_address = ctypes.addressof(ctypes.c_char.from_buffer(session.arena))
+            if arena_bytes < frames.PERMIT_AREA_BYTES:
+                raise InvalidArgument(
+                    f"an arena of {arena_bytes} bytes has no room for the permit words"
+                )
+            if pool_bytes:
+                session.pool = _map_arena(fds[1], pool_bytes, populate=True)
+                session.pool_address = ctypes.addressof(ctypes.c_char.from_buffer(session.pool))
         except KVStoreError as exc:
             conn.sendall(frames.encode_refused(status_code(exc).value[0], str(exc)))
             return None
@@ -283,16 +304,18 @@ def _send(conn: socket.socket, lock: threading.Lock, data: bytes) -> None:
 def _recv_with_fds(conn: socket.socket, max_bytes: int) -> tuple[bytes, list[int]]:
     """One recvmsg: its bytes and the file descriptors that came with them."""
     fds = array.array("i")
-    data, ancillary, _, _ = conn.recvmsg(max_bytes, socket.CMSG_SPACE(4 * fds.itemsize))
+    data, ancillary, _, _ = conn.recvmsg(max_bytes, socket.CMSG_SPACE(2 * fds.itemsize))
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return data, list(fds)
 
 
-def _map_arena(fd: int, arena_bytes: int) -> memoryview:
+def _map_arena(fd: int, arena_bytes: int, *, populate: bool = False) -> memoryview:
     """Map a client's arena memfd read-write; InvalidArgument unless it is a sealed memfd of
-    the announced size (a shrinkable mapping could fault the node)."""
+    the announced size (a shrinkable mapping could fault the node). ``populate``: fault the
+    whole mapping in now (a landing pool: otherwise every first write to one of its pages
+    from this process takes a page fault on the read path)."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         size = os.fstat(fd).st_size
@@ -303,6 +326,7 @@ def _map_arena(fd: int, arena_bytes: int) -> memoryview:
     if not 0 < arena_bytes == size <= frames.MAX_ARENA_BYTES:
         raise InvalidArgument(f"arena of {size} bytes announced as {arena_bytes}")
     try:
-        return memoryview(mmap.mmap(fd, size))
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return memoryview(mmap.mmap(fd, size, flags=flags))
     except OSError as exc:  # e.g. sealed against writes
         raise InvalidArgument(f"cannot map the arena for writing: {exc}") from None

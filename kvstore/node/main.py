@@ -45,7 +45,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 
-from kvstore.auth import Authenticator, Role, bearer_token
+from kvstore.auth import Authenticator, NodePeers, Role, bearer_token
 from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.membership import EtcdMembership, follow_map
@@ -143,10 +143,16 @@ class _NodeProcess:
             self.auth,
             self.repair,
             lambda: self.sync.synced,
+            NodePeers(self.cluster.tls.client_certs == "require", self._member_ids),
+            lambda: len(self.placed.cluster.groups),
         )
         servicer.register(self.server)
         add_HealthServicer_to_server(self.health, self.server)
         return servicer
+
+    def _member_ids(self) -> frozenset[str]:
+        """The node ids of the map this node follows (a node credential comes from one)."""
+        return frozenset(n.id for n in self.placed.cluster.nodes)
 
     def start_local(self) -> None:
         """The local read server (unless off or it cannot start); Health tells its socket."""

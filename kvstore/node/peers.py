@@ -4,7 +4,8 @@ The client package talks to nodes for applications; a node talking to its peers 
 less (no hedging, no batching across callers, no UCX), and the store side may not import the
 client (the layers go erasure/ttl, kvstore, client), so this is its own small shell: one
 channel per peer, made on first use and kept, over the cluster's TLS (the node's own
-certificate, kvstore/tls.py) with the node principal's token from ``peer_token_file``, every
+certificate, kvstore/tls.py; each channel accepts only the certificate of the node it is
+for) with the node principal's token from ``peer_token_file`` (re-read when rotated), every
 call with a deadline. Failures come back as kvstore.errors exceptions (kvstore/errors.py maps
 the codes).
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.auth import read_token_file
+from kvstore.auth import TokenFile
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.errors import KVStoreError
 from kvstore.grpc_errors import from_grpc_status
@@ -39,8 +40,7 @@ class Peers:
     def __init__(self, cluster: ClusterConfig, node: NodeConfig, timeout_s: float) -> None:
         self._addresses = {n.id: n.address for n in cluster.nodes}
         self._credentials = node_channel_credentials(cluster, node)
-        token = read_token_file(node.peer_token_file) if node.peer_token_file else None
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._token = TokenFile(node.peer_token_file)
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, ShardStoreStub] = {}
@@ -50,7 +50,7 @@ class Peers:
         stub = self._stub(node_id)
         try:
             return await getattr(stub, method)(
-                request, timeout=self.timeout_s, metadata=self._metadata
+                request, timeout=self.timeout_s, metadata=self._token.metadata()
             )
         except grpc.aio.AioRpcError as exc:
             raise from_grpc_status(exc.code(), f"node {node_id}: {exc.details()}") from None
@@ -90,7 +90,9 @@ class Peers:
     def _stub(self, node_id: str) -> ShardStoreStub:
         stub = self._stubs.get(node_id)
         if stub is None:
-            channel = aio_channel(self._addresses[node_id], self._credentials, _CHANNEL_OPTIONS)
+            channel = aio_channel(
+                self._addresses[node_id], self._credentials, _CHANNEL_OPTIONS, node_id=node_id
+            )
             self._channels[node_id] = channel
             stub = self._stubs[node_id] = ShardStoreStub(channel)
         return stub

@@ -38,6 +38,7 @@ from kvstore.config import NodeConfig
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.store_holder import StoreHolder
 from kvstore.store.shard_store import BatchRead, GetResult
+from kvstore.wire.landing import PoolLanding
 
 # Reads of at most this many keys run on the event loop (see the module docstring): with
 # 410 KiB shards that is under 2 MB of page-cache reads, a few hundred microseconds at most.
@@ -102,10 +103,12 @@ class NodeReads:
         take: Callable[[int], Region] | None = None,
         *,
         shared: bool = False,
+        pool: PoolLanding | None = None,
     ) -> BatchRead:
         """A batch read, its payloads in a region from ``take`` (default: the node's staging;
         release the read once sent), the reply size checked before any byte is read.
-        ``shared``: the region is a local client's memory."""
+        ``shared``: the region is a local client's memory; ``pool``: places in a local
+        client's landing pool for data shards (kvstore/wire/landing.py)."""
         tenant = self.tenant_of(credential, claimed)
         self._metrics.get_keys.inc(len(keys))
         return self._holder.require().read_batch(
@@ -115,6 +118,7 @@ class NodeReads:
             take or self._staging.take,
             max_reply_bytes=self._max_reply_bytes,
             shared=shared,
+            pool=pool,
         )
 
     @staticmethod

@@ -23,6 +23,14 @@ A pass over one led group::
             member takes repair writes only once it has pulled its peers' delete logs
             (kvstore/node/tombstones.py), so a repair never brings back a deleted block
 
+Repair re-creates versions, it never mints them: a node takes a repair write from a node
+principal only for a version that at least k *other* members of the key's group hold at their
+own positions, as it finds by listing them itself (:meth:`RepairService.confirm_repair`), and
+with no later expiry than theirs. A leader's rebuild always meets that (its plan's target has k
+holders); a shard that a node credential made up, or a key the tenant never wrote, does not,
+and the write is refused (PERMISSION_DENIED). By induction every shard a repair stored is of a
+version some tenant's client wrote: forging one needs k-1 honest members to hold it already.
+
 Shards go only to the member that should hold them; a member that is down waits (its shards
 count in the backlog) and gets them when it is back: a member that is up for repair again
 (Health ``repair_ready``) after it was down or not ready, or under a new incarnation (a
@@ -40,14 +48,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from erasure.codec import make_codec
+from erasure.shard import shard_version
 from kvstore.config import ClusterConfig, NodeConfig
-from kvstore.errors import CodecError, KVStoreError
+from kvstore.errors import CodecError, KVStoreError, PermissionDenied
 from kvstore.node.peers import Peers
 from kvstore.node.repair import (
     BlockPlan,
@@ -58,6 +68,7 @@ from kvstore.node.repair import (
     plan_block,
     repair_order,
 )
+from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.index_codec import tenant_hash
 from ttl.clock import Clock
@@ -129,8 +140,12 @@ class RepairService:
         self._clock = clock
         self._codec = make_codec(cluster.codec)
         self._peers = Peers(cluster, node, PEER_TIMEOUT_S)
+        self._placement = Placement(cluster)
         self._throttle = Throttle(node.repair_bytes_per_s)
         self._hints: OrderedDict[tuple[str, bytes], tuple[int, float]] = OrderedDict()
+        # queue() runs in the node's request pool while the loop walks the hints: without
+        # the lock a large QueueRepair broke the walk ("OrderedDict mutated during iteration").
+        self._hints_lock = threading.Lock()
         self._incarnations: dict[str, int] = {}
         self._group_backlog: dict[int, int] = {}
         self._next_pass_s = 0.0
@@ -145,14 +160,15 @@ class RepairService:
         if not self._node.repair_bytes_per_s:
             return 0
         num_new = 0
-        for tenant, key, group in hints:
-            if not 0 <= group < len(self._cluster.groups) or len(key) != 16:
-                continue
-            num_new += (tenant, key) not in self._hints
-            self._hints[(tenant, bytes(key))] = (group, 0.0)
-            while len(self._hints) > MAX_HINTS:
-                self._hints.popitem(last=False)
-        self._set_stats(queued_hints=len(self._hints))
+        with self._hints_lock:
+            for tenant, key, group in hints:
+                if not 0 <= group < len(self._cluster.groups) or len(key) != 16:
+                    continue
+                num_new += (tenant, key) not in self._hints
+                self._hints[(tenant, bytes(key))] = (group, 0.0)
+                while len(self._hints) > MAX_HINTS:
+                    self._hints.popitem(last=False)
+            self._set_stats(queued_hints=len(self._hints))
         self._wake.set()
         return num_new
 
@@ -162,6 +178,7 @@ class RepairService:
         old_peers = self._peers
         self._cluster = cluster
         self._peers = Peers(cluster, self._node, PEER_TIMEOUT_S)
+        self._placement = Placement(cluster)
         self._closing.add(asyncio.ensure_future(old_peers.close()))
         self._next_pass_s = self._next_probe_s = 0.0
         self._wake.set()
@@ -187,6 +204,47 @@ class RepairService:
             if isinstance(plan, BlockPlan):
                 num_needed += len(wanted & {*plan.missing, *plan.waiting})
         return num_needed
+
+    async def confirm_repair(
+        self, tenant: str, shards: Sequence[tuple[bytes, bytes]], expires_at_s: float
+    ) -> None:
+        """PermissionDenied unless every (key, shard) of a node's repair write is of a version
+        at least k other members of the key's group hold, expiring no earlier than
+        ``expires_at_s`` (0: a fresh TTL, which a repair never asks for) (module doc)."""
+        held = await asyncio.gather(
+            *(self._held_until(tenant, key, shard_version(shard)) for key, shard in shards)
+        )
+        for (key, shard), until_s in zip(shards, held, strict=True):
+            if until_s is None or not 0 < expires_at_s <= until_s:
+                raise PermissionDenied(
+                    f"repair write of tenant {tenant!r} key {bytes(key).hex()} version "
+                    f"{shard_version(shard).hex()}: fewer than {self._codec.k} other members of "
+                    "its group hold that version (or they expire it sooner); a repair only "
+                    "re-creates versions the group holds"
+                )
+
+    async def _held_until(self, tenant: str, key: bytes, version: bytes) -> float | None:
+        """The latest expiry of ``version`` among the other members of ``key``'s group that
+        hold it at their position, if at least k do; else None."""
+        group = self._placement.group_index(key)
+        members = self._cluster.groups[group]
+        start_after = group.to_bytes(_U32_BYTES, "big") + tenant_hash(tenant) + key
+        others = [(p, m) for p, m in enumerate(members) if m != self._node.id]
+        replies = await asyncio.gather(
+            *(self._peers.list_shards(m, group, start_after, 8) for _, m in others),
+            return_exceptions=True,
+        )
+        now_s = self._clock.now()
+        expiries = [
+            s.expires_at_s
+            for (position, _), reply in zip(others, replies, strict=True)
+            if not isinstance(reply, BaseException)
+            for s in reply.shards
+            if (s.tenant, s.key, s.version) == (tenant, key, version)
+            and s.shard_index == position
+            and s.expires_at_s > now_s
+        ]
+        return max(expiries) if len(expiries) >= self._codec.k else None
 
     async def run(self) -> None:
         """Passes and hints, forever; errors are logged and retried, never fatal."""
@@ -336,7 +394,10 @@ class RepairService:
         if len(shards) < plan.k:
             return None
         try:
-            return bytes(self._codec.decode([shards[p] for p in sorted(shards)]))
+            # digest=None: a keyed version (client/integrity.py) is the tenant's to check; the
+            # shard checksums verified in _survivor guard what is rebuilt here.
+            survivors = [shards[p] for p in sorted(shards)]
+            return bytes(self._codec.decode(survivors, verified=True, digest=None))
         except CodecError as exc:
             log.warning("repair of %s: survivors do not decode: %s", plan.key.hex(), exc)
             return None
@@ -403,16 +464,22 @@ class RepairService:
     async def _inspect_hints(self) -> None:
         """Look at each hinted key now due: rebuild what it misses, or wait for its owner."""
         now_s = time.monotonic()
-        due = [(tk, g) for tk, (g, at_s) in self._hints.items() if at_s <= now_s]
-        for (tenant, key), group in due:
+        for (tenant, key), group in self._due_hints(now_s):
             plan = await self._inspect(tenant, key, group)
             if plan is not None and plan.missing:
                 await self._rebuild(group, plan)
-            if plan is not None and plan.waiting:
-                self._hints[(tenant, key)] = (group, now_s + HINT_RETRY_S)
-            else:
-                self._hints.pop((tenant, key), None)
-        self._set_stats(queued_hints=len(self._hints))
+            with self._hints_lock:
+                if plan is not None and plan.waiting:
+                    self._hints[(tenant, key)] = (group, now_s + HINT_RETRY_S)
+                else:
+                    self._hints.pop((tenant, key), None)
+        with self._hints_lock:
+            self._set_stats(queued_hints=len(self._hints))
+
+    def _due_hints(self, now_s: float) -> list[tuple[tuple[str, bytes], int]]:
+        """((tenant, key), group) of the hints due at ``now_s`` (monotonic)."""
+        with self._hints_lock:
+            return [(tk, g) for tk, (g, at_s) in self._hints.items() if at_s <= now_s]
 
     async def _inspect(self, tenant: str, key: bytes, group: int) -> BlockPlan | None:
         members = self._cluster.groups[group]

@@ -12,9 +12,10 @@ node back to ``serving = false`` while it is rebuilt (kvstore/node/store_holder.
 
 A node principal (a peer's repair service) may read any tenant's shards and write repair puts,
 as it holds those tenants' shards on its own disk anyway; it may not write ordinary puts,
-delete or purge. A node takes repair puts, and lists its shards for repair, only once it has
-pulled its peers' delete logs since it started, so a repair cannot bring back a block deleted
-while this node was away.
+delete or purge, and its repair puts may only re-create a version k other members of the
+group hold (kvstore/node/repair_service.py): a node credential cannot mint a block. A node
+takes repair puts, and lists its shards for repair, only once it has pulled its peers' delete
+logs since it started, so a repair cannot bring back a block deleted while this node was away.
 
 Unary ``GetShards`` stays for tools that want protobuf replies, and for the repair service's
 reads of single shards; its replies are encoded by
@@ -34,7 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvstore.auth import Authenticator, Principal, Role, bearer_token
+from kvstore.auth import Authenticator, NodePeers, Principal, Role, bearer_token
 from kvstore.config import NodeConfig
 from kvstore.errors import IndexUnusable, InvalidArgument, Unavailable
 from kvstore.grpc_errors import to_grpc_status
@@ -47,14 +48,22 @@ from kvstore.node.store_holder import StoreHolder
 from kvstore.node.tombstones import MAX_TOMBSTONES_PER_REPLY
 from kvstore.node.ucx_server import UcxServer
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store.request_checks import check_tenant
+from kvstore.store.request_checks import (
+    MAX_HINTS_PER_REQUEST,
+    check_below,
+    check_count,
+    check_keys,
+    check_seconds,
+    check_tenant,
+)
 from kvstore.store.shard_store import PutOptions
-from kvstore.tls import peer_identity
+from kvstore.tls import peer_certificate
 from kvstore.wire import batch_answer, local_frames
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvstore.v1.ShardStore"
+REPAIR_CONFIRM_TIMEOUT_S = 30.0  # a repair write's listing of its group (PEER_TIMEOUT_S is 10)
 MAX_LIST_PAGE = 4096
 
 Handler = Callable[[Any, Principal], Message | bytes]
@@ -80,13 +89,18 @@ class NodeServicer:
         auth: Authenticator | None = None,
         repair: RepairService | None = None,
         deletes_synced: Callable[[], bool] = lambda: True,
+        node_peers: NodePeers | None = None,
+        num_groups: Callable[[], int] = lambda: 1 << 32,
     ) -> None:
         self._holder = holder
         self._reads = reads
         self._repair = repair
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's, for repair checks
         self._deletes_synced = deletes_synced
         self._incarnation = time.time_ns()
         self._auth = auth or Authenticator(None)
+        self._node_peers = node_peers or NodePeers(False, frozenset)
+        self._num_groups = num_groups  # placement groups of the map the node follows
         self._ucx = ucx
         self._node = node
         self._epoch = epoch
@@ -156,6 +170,7 @@ class NodeServicer:
     ) -> Message | bytes:
         """Authenticate, delay (straggler), parse and run ``handler`` in the pool, map errors."""
         start_s = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
         code, details, reply = grpc.StatusCode.OK, "", None
         try:
             principal = self._principal(context) if rpc != "Health" else None
@@ -190,18 +205,27 @@ class NodeServicer:
         return await self._reads.run(len(request.keys), handler, request, principal)
 
     def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
-        """Who the call comes from: its mTLS certificate's name or its bearer token."""
+        """Who the call comes from: its mTLS certificate's name or its bearer token; a node
+        principal only from a member node's certificate under mTLS (kvstore/auth.py)."""
         if not self._auth.enabled:
             return self._auth.authenticate(None)
         metadata = dict(context.invocation_metadata() or ())
-        return self._auth.authenticate(bearer_token(metadata), peer_identity(context))
+        cert = peer_certificate(context)
+        principal = self._auth.authenticate(bearer_token(metadata), cert)
+        self._node_peers.check(principal, cert)
+        return principal
 
     def _put(self, request: pb.PutShardsRequest, principal: Principal) -> pb.PutShardsReply:
         if request.repair:
             tenant = principal.tenant_for_repair(request.tenant)
             self._require_deletes_synced("takes repair writes")
+            if principal.role is Role.NODE:
+                self._confirm_repair(tenant, request)
         else:
             tenant = principal.tenant_for(request.tenant)
+        check_seconds("expires_at_s", request.expires_at_s)
+        for i, shard in enumerate(request.shards):
+            check_seconds(f"shards[{i}].written_at_s", shard.written_at_s)
         items = [(s.key, s.shard) for s in request.shards]
         options = PutOptions(
             written_at_s=[s.written_at_s for s in request.shards],
@@ -215,6 +239,22 @@ class NodeServicer:
             num_superseded=result.num_superseded,
             num_fenced=result.num_fenced,
         )
+
+    def _confirm_repair(self, tenant: str, request: pb.PutShardsRequest) -> None:
+        """A node's repair write re-creates a version its group holds, or is refused
+        (kvstore/node/repair_service.py): the check lists the peers, on the event loop, while
+        this pool thread waits for it."""
+        if self._repair is None or self._loop is None:
+            raise Unavailable(f"node {self._node.id} runs no repair service: no repair writes")
+        shards = [(s.key, s.shard) for s in request.shards]
+        check = self._repair.confirm_repair(tenant, shards, request.expires_at_s)
+        try:
+            asyncio.run_coroutine_threadsafe(check, self._loop).result(REPAIR_CONFIRM_TIMEOUT_S)
+        except TimeoutError:
+            raise Unavailable(
+                f"node {self._node.id} could not list its peers to confirm a repair write in "
+                f"{REPAIR_CONFIRM_TIMEOUT_S:g} s; retry"
+            ) from None
 
     def _require_deletes_synced(self, what: str) -> None:
         """Unavailable until the node has pulled its peers' delete logs (a repair must not
@@ -262,6 +302,7 @@ class NodeServicer:
     def _list(self, request: pb.ListShardsRequest, principal: Principal) -> pb.ListShardsReply:
         principal.require(Role.NODE, Role.ADMIN)
         self._require_deletes_synced("lists its shards for repair")
+        check_below("group", request.group, self._num_groups(), "the map's number of groups")
         limit = max(1, min(request.limit or MAX_LIST_PAGE, MAX_LIST_PAGE))
         entries, next_after = self._holder.require().list_group(
             request.group, request.start_after, limit
@@ -289,9 +330,13 @@ class NodeServicer:
         principal.require(Role.TENANT, Role.SERVICE, Role.NODE)
         if self._repair is None:
             raise Unavailable(f"node {self._node.id} runs no repair service")
+        check_count("hints", len(request.hints), MAX_HINTS_PER_REQUEST)
+        num_groups = self._num_groups()
         hints = [(principal.tenant_for_repair(h.tenant), h.key, h.group) for h in request.hints]
-        for tenant, _, _ in hints:
+        for i, (tenant, key, group) in enumerate(hints):
             check_tenant(tenant)
+            check_keys([key])
+            check_below(f"hints[{i}].group", group, num_groups, "the map's number of groups")
         return pb.QueueRepairReply(num_queued=self._repair.queue(hints))
 
     def _purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvstore.auth import read_token_file
+from kvstore.auth import TokenFile
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
@@ -70,8 +70,7 @@ class TombstoneSync:
         self._current_store = store
         self._synced_store: ShardStore | None = None
         self._executor = executor
-        token = read_token_file(node.peer_token_file) if node.peer_token_file else None
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._token = TokenFile(node.peer_token_file)
         self._node_id = node.id
         self._credentials = node_channel_credentials(cluster, node)
         self._peers: list[NodeConfig] = []
@@ -93,7 +92,9 @@ class TombstoneSync:
             if self._addresses.get(peer.id) != peer.address:
                 if peer.id in self._channels:
                     self._retired.append(self._channels[peer.id])
-                self._channels[peer.id] = aio_channel(peer.address, self._credentials)
+                self._channels[peer.id] = aio_channel(
+                    peer.address, self._credentials, node_id=peer.id
+                )
                 self._addresses[peer.id] = peer.address
 
     async def pull_all(self) -> int:
@@ -128,7 +129,7 @@ class TombstoneSync:
             reply = await stub.ListTombstones(
                 pb.ListTombstonesRequest(after_seq=cursor, limit=MAX_TOMBSTONES_PER_REPLY),
                 timeout=PULL_TIMEOUT_S,
-                metadata=self._metadata,
+                metadata=self._token.metadata(),
             )
             if reply.last_seq < cursor:  # the peer's log restarted (its data_dir was replaced)
                 cursor = 0

@@ -49,6 +49,7 @@ from kvstore.store.index_codec import (
 USED_BYTES = "node/used_bytes"
 NEXT_SEGMENT_ID = "node/next_segment_id"
 LAST_TOMBSTONE_SEQ = "node/last_tombstone_seq"
+U64_MAX = (1 << 64) - 1  # the largest delete-log sequence number (uint64 on the wire)
 INDEX_FORMAT = "node/index_format"  # absent = 1 (entries without record format or shard index)
 CURRENT_INDEX_FORMAT = 2
 RETIRED_VERSIONS = "node/retired_versions"  # older versions dropped when a newer one committed
@@ -85,6 +86,8 @@ class IndexView:
 
     def tombstones(self, after_seq: int, limit: int) -> list[Tombstone]:
         """Up to ``limit`` delete-log records with a sequence number above ``after_seq``."""
+        if after_seq >= U64_MAX:  # no sequence number is above the largest one
+            return []
         items = self._txn.scan("tombstones", u64_key(after_seq + 1), None, limit)
         return [decode_tombstone(k, v) for k, v in items]
 

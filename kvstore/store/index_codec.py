@@ -54,6 +54,7 @@ index in place (kvstore/store/migration.py), and ``node/index_format`` says whic
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -161,7 +162,10 @@ def decode_tombstone(seq_key: bytes, value: bytes) -> Tombstone:
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def tenant_hash(tenant: str) -> bytes:
+    """The 8 bytes that stand for a tenant in index keys and record headers (cached: a
+    read computes it for every key it looks up)."""
     return xxhash.xxh3_64_digest(tenant.encode())
 
 

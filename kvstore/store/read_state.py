@@ -63,12 +63,28 @@ class ReadState:
             return entry
         return touched(entry, refreshed[1], self._retention())
 
+    def with_refreshes(self, entries: Sequence[Entry]) -> list[Entry]:
+        """:meth:`with_refresh` of many entries under one lock (a batch read's lookups)."""
+        with self._lock:
+            refreshes = [self._refreshed.get(entry.index_key) for entry in entries]
+        return [
+            entry
+            if refreshed is None or refreshed[1] <= entry.last_access_s
+            else touched(entry, refreshed[1], self._retention())
+            for entry, refreshed in zip(entries, refreshes, strict=True)
+        ]
+
     def record_hit(self, served: Sequence[Entry], now: float) -> None:
         """Refresh every served entry; count one hit, for the class of the first."""
+        self.record_hits([served], now)
+
+    def record_hits(self, served_per_key: Sequence[Sequence[Entry]], now: float) -> None:
+        """:meth:`record_hit` for every key of a batch read, under one lock."""
         with self._lock:
-            for entry in served:
-                self._refreshed[entry.index_key] = (entry, now)
-            self._counts[class_counter(served[0].traffic_class, "hits")] += 1
+            for served in served_per_key:
+                for entry in served:
+                    self._refreshed[entry.index_key] = (entry, now)
+                self._counts[class_counter(served[0].traffic_class, "hits")] += 1
 
     def record_touch(self, touched_entries: Sequence[Entry], now: float) -> None:
         """Refresh entries a client touched (its read hit was served by other nodes)."""

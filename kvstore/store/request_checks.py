@@ -6,6 +6,7 @@ expected, what came and how to fix it, and changes nothing: a put is validated w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from erasure.config import CodecConfig
@@ -20,6 +21,7 @@ ShardIndexOf = Callable[[bytes], int | None]
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_TENANT_CHARS = 256
+MAX_HINTS_PER_REQUEST = 4096  # repair hints of one QueueRepair (clients send at most 512)
 
 
 def check_tenant(tenant: str) -> None:
@@ -43,6 +45,24 @@ def check_keys(keys: Sequence[bytes]) -> None:
                 f"keys must be {KEY_BYTES} bytes (xxh3-128 block keys), got {len(key)} "
                 f"bytes: {bytes(key[:32]).hex()}"
             )
+
+
+def check_seconds(field: str, value: float) -> None:
+    """Raise, naming ``field``, unless ``value`` is a finite time in seconds, >= 0."""
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgument(f"{field} must be a finite number of seconds >= 0, got {value}")
+
+
+def check_count(field: str, count: int, limit: int) -> None:
+    """Raise, naming ``field``, unless a request carries at most ``limit`` of it."""
+    if count > limit:
+        raise InvalidArgument(f"{count} {field} in one request; at most {limit}, split it")
+
+
+def check_below(field: str, value: int, bound: int, what: str) -> None:
+    """Raise, naming ``field``, unless ``0 <= value < bound`` (``what`` says what bound is)."""
+    if not 0 <= value < bound:
+        raise InvalidArgument(f"{field} {value} is out of range: {what} is {bound}")
 
 
 def check_version(version: bytes) -> None:

@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from erasure.shard import HEADER_BYTES, SplitShard, verify_shard
+from erasure.shard import HEADER_BYTES, verify_shard
 from kvstore.byte_arena import Region
 from kvstore.errors import ChecksumMismatch, CodecError, InvalidArgument
 from kvstore.store.index import Index
 from kvstore.store.index_codec import Entry, tenant_hash
 from kvstore.store.read_state import ReadState
+from kvstore.store.record_reads import Outcome, RecordRead, address_of, read_records
 from kvstore.store.segments import SegmentFiles
 from kvstore.wire import batch_answer
+from kvstore.wire.landing import PoolLanding
 from ttl.policy import is_expired
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class ShardReader:
         max_payload_bytes: int | None = None,
         *,
         shared: bool = False,
+        pool: PoolLanding | None = None,
     ) -> BatchRead:
         """The newest live version of each key (or ``version``), payloads read into one
         staging region from ``take``, each distinct key read once and counted as one hit or
@@ -129,20 +131,26 @@ class ShardReader:
 
         The payload bytes are summed from the index first: above ``max_payload_bytes`` the
         request gets InvalidArgument having read nothing. This is the node's hot path for
-        batch reads: one index snapshot, then per shard one ``preadv`` and one checksum
-        pass. A segment gone under us (moved or expired) makes its keys be looked up once
-        more, as in :meth:`read`. ``shared``: the staging is memory the client can write too
-        (the local channel, kvstore/node/local_server.py); a shard that fails its check there is
-        read again into private memory before it is taken for corrupt, so a client cannot make the
-        node drop good shards.
+        batch reads: one index snapshot, then every record read in one native call
+        (kvstore/store/record_reads.py). A segment gone under us (moved or expired) makes its
+        keys be looked up once more, as in :meth:`read`. ``shared``: the staging is memory
+        the client can write too (the local channel, kvstore/node/local_server.py); a shard
+        that fails its check there is read again into private memory before it is taken for
+        corrupt, so a client cannot make the node drop good shards. ``pool``: a local
+        client's landing pool and the places its request names (kvstore/wire/landing.py): a
+        data shard whose index and length are the place's lands there instead of the staging
+        (its table entry says so), and nothing lands there once the request's permit was
+        revoked.
         """
         positions = _positions_by_key(keys)
         distinct = list(positions)
         live = self._live_batch(tenant, distinct, version, now)
         payload_bytes = _reply_bytes(live, distinct, positions, range(len(distinct)))
         _check_reply_size(payload_bytes, max_payload_bytes, len(keys), len(distinct))
-        out = _BatchOut(take(payload_bytes), shared)
-        retry = self._read_entries(tenant, live, range(len(distinct)), out)
+        places = _pool_places(pool, distinct, positions, live)
+        placed_bytes = sum(end - start for start, end in places.values())
+        out = _BatchOut(take(payload_bytes - placed_bytes), shared)
+        retry = self._read_entries(tenant, live, range(len(distinct)), out, places, pool)
         if retry:
             self._read_again(tenant, distinct, positions, live, retry, version, now, out)
         self._record_outcomes(live, out, now)
@@ -161,13 +169,13 @@ class ShardReader:
         out: _BatchOut,
     ) -> None:
         """Look the keys whose segment was gone (``retry``) up on a fresh snapshot and read
-        them once more, the staging grown for what the fresh entries hold; a key gone twice
-        is a miss."""
+        them once more (into the staging, never a pool), the staging grown for what the
+        fresh entries hold; a key gone twice is a miss."""
         fresh = self._live_batch(tenant, [distinct[d] for d in retry], version, now)
         for d, found in zip(retry, fresh, strict=True):
             live[d] = found
         out.grow(_reply_bytes(live, distinct, positions, retry))
-        for d in self._read_entries(tenant, live, retry, out):
+        for d in self._read_entries(tenant, live, retry, out, {}, None):
             live[d] = ([], [], live[d][2])  # gone twice: a miss
 
     def _record_outcomes(
@@ -178,11 +186,9 @@ class ShardReader:
     ) -> None:
         """Count each distinct key as one hit or miss; a key nothing was served of gets a
         CORRUPT entry (it had a live entry that failed) or a MISS entry in the table."""
+        self._reads.record_hits(list(out.served.values()), now)
         for d, (found, _, expired) in enumerate(live):
-            served = out.served.get(d, [])
-            if served:
-                self._reads.record_hit(served, now)
-            else:
+            if d not in out.served:
                 self._reads.record_miss({e.traffic_class for e in found + expired})
                 status = Status.CORRUPT if found else Status.MISS
                 out.entries.append(batch_answer.Entry(d, int(status), b"", 0))
@@ -216,9 +222,13 @@ class ShardReader:
         """Per key: (live entries newest first, expired entries), in one snapshot; keys that
         look expired are looked up again on a fresh one (see :meth:`live_entries`)."""
         with self._index.read() as view:
-            per_key = [
-                [self._reads.with_refresh(e) for e in view.versions(tenant, k)] for k in keys
-            ]
+            per_key = [view.versions(tenant, k) for k in keys]
+        flat = self._reads.with_refreshes([e for entries in per_key for e in entries])
+        refreshed, at = [], 0
+        for entries in per_key:
+            refreshed.append(flat[at : at + len(entries)])
+            at += len(entries)
+        per_key = refreshed
         found = []
         for key, entries in zip(keys, per_key, strict=True):
             if any(is_expired(e.expires_at_s, now) for e in entries):
@@ -233,52 +243,34 @@ class ShardReader:
         live: list[tuple[list[Entry], list[Entry], list[Entry]]],
         positions: Sequence[int],
         out: _BatchOut,
+        places: dict[int, tuple[int, int]],
+        pool: PoolLanding | None,
     ) -> list[int]:
-        """Read the live entries of the keys at ``positions`` into ``out``; the positions
-        whose segment was gone (to look up again)."""
+        """Read the live entries of the keys at ``positions`` (into ``places`` of the pool,
+        or ``out``'s staging); the positions whose segment was gone (to look up again)."""
+        reads = [
+            _into_pool(pool, i, entry, places[i]) if pool and i in places else out.plan(i, entry)
+            for i in positions
+            for entry in live[i][0]
+        ]
+        read_records(
+            self._files,
+            tenant,
+            reads,
+            shared=out.shared,
+            permit=pool.permit if pool is not None else None,
+        )
         retry: list[int] = []
-        fds: dict[int, int] = {}
-        longest = max((e.header_bytes for i in positions for e in live[i][0]), default=0)
-        head = bytearray(longest + HEADER_BYTES)
-        owner = tenant_hash(tenant)
-        try:
-            for i in positions:
-                try:
-                    for entry in live[i][0]:
-                        self._read_one(entry, i, tenant, owner, fds, head, out)
-                except FileNotFoundError:
-                    out.served.pop(i, None)
-                    out.drop_key(i)
-                    retry.append(i)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        for read in reads:
+            if read.outcome is Outcome.GONE:
+                retry.append(read.position)
+            elif read.outcome is Outcome.CORRUPT:
+                log.error(
+                    "corrupt shard %s in segment %d", read.entry.key.hex(), read.entry.segment_id
+                )
+                self._reads.mark_corrupt(read.entry)
+        out.keep_served(reads)
         return retry
-
-    def _read_one(
-        self,
-        entry: Entry,
-        position: int,
-        tenant: str,
-        owner: bytes,
-        fds: dict[int, int],
-        head: bytearray,
-        out: _BatchOut,
-    ) -> None:
-        fd = fds.get(entry.segment_id)
-        if fd is None:
-            fd = fds[entry.segment_id] = self._files.open_reader(entry.segment_id)
-        payload = out.next_payload(entry.shard_bytes - HEADER_BYTES)
-        try:
-            header = _read_checked(fd, entry, payload, tenant, owner, head)
-        except CodecError as exc:
-            if out.shared and _intact_in_private(fd, entry, len(payload), tenant, owner):
-                log.warning("shard %s changed in shared staging: not served", entry.key.hex())
-                return
-            log.error("corrupt shard %s in segment %d: %s", entry.key.hex(), entry.segment_id, exc)
-            self._reads.mark_corrupt(entry)
-            return
-        out.keep(position, entry, bytes(header), len(payload))
 
     def live_entries(self, tenant: str, key: bytes, now: float) -> tuple[list[Entry], list[Entry]]:
         """(live entries newest first, expired entries) of a key, TTL refreshes applied.
@@ -363,29 +355,32 @@ def _check_reply_size(
         )
 
 
-def _read_checked(
-    fd: int, entry: Entry, payload: memoryview, tenant: str, owner: bytes, head: bytearray
-) -> memoryview:
-    """Read one record's shard (payload into ``payload``), its record header checked for
-    the key and ``tenant``, and verify it; its shard header."""
-    header = SegmentFiles.read_into(
-        fd, entry.offset, entry.header_bytes, payload, entry.key, owner, tenant, head
-    )
-    if verify_shard(SplitShard(header, payload)).block_checksum != entry.version:
-        raise ChecksumMismatch("shard version differs from the indexed version")
-    return header
+def _pool_places(
+    pool: PoolLanding | None,
+    distinct: list[bytes],
+    positions: dict[bytes, list[int]],
+    live: list[tuple[list[Entry], list[Entry], list[Entry]]],
+) -> dict[int, tuple[int, int]]:
+    """Distinct key -> the range of the client's pool its shard goes to, for keys named once
+    whose place fits the shard they serve (kvstore/wire/landing.py ``Place.range_for``)."""
+    if pool is None:
+        return {}
+    places: dict[int, tuple[int, int]] = {}
+    for d, key in enumerate(distinct):
+        request_positions = positions[key]
+        place = pool.places[request_positions[0]] if len(request_positions) == 1 else None
+        if place is None or len(live[d][0]) != 1:
+            continue
+        entry = live[d][0][0]
+        span = place.range_for(entry.shard_index, entry.shard_bytes - HEADER_BYTES)
+        if span is not None and span[1] <= len(pool.memory):
+            places[d] = span
+    return places
 
 
-def _intact_in_private(
-    fd: int, entry: Entry, payload_bytes: int, tenant: str, owner: bytes
-) -> bool:
-    """Whether the record verifies when read into memory only this process sees."""
-    head = bytearray(entry.header_bytes + HEADER_BYTES)
-    try:
-        _read_checked(fd, entry, memoryview(bytearray(payload_bytes)), tenant, owner, head)
-    except CodecError:
-        return False
-    return True
+def _into_pool(pool: PoolLanding, position: int, entry: Entry, span: tuple[int, int]) -> RecordRead:
+    start, end = span
+    return RecordRead(position, entry, pool.memory[start:end], pool.address + start, True)
 
 
 class _BatchOut:
@@ -393,34 +388,45 @@ class _BatchOut:
 
     def __init__(self, staging: Region, shared: bool = False) -> None:
         self.staging = staging
+        self._address = address_of(staging.view)  # where the stream starts in this process
         self.shared = shared  # the staging is a local client's arena (see read_batch)
         self.position = 0  # payload bytes kept so far
         self.entries: list[batch_answer.Entry] = []
         self.served: dict[int, list[Entry]] = {}  # key position -> entries served
+        self._planned = 0  # stream bytes handed to planned reads not yet kept
 
-    def next_payload(self, num_bytes: int) -> memoryview:
-        """Where the next payload goes; it counts only once :meth:`keep` is called."""
-        return self.staging.view[self.position : self.position + num_bytes]
+    def plan(self, position: int, entry: Entry) -> RecordRead:
+        """A read of ``entry`` whose payload goes to the next free part of the stream."""
+        start = self.position + self._planned
+        num_bytes = entry.shard_bytes - HEADER_BYTES
+        self._planned += num_bytes
+        view = self.staging.view[start : start + num_bytes]
+        return RecordRead(position, entry, view, self._address + start)
 
-    def keep(self, position: int, entry: Entry, header: bytes, num_bytes: int) -> None:
-        self.entries.append(batch_answer.Entry(position, batch_answer.HIT, header, num_bytes))
-        self.served.setdefault(position, []).append(entry)
-        self.position += num_bytes
-
-    def drop_key(self, position: int) -> None:
-        """Forget what was kept of one key (its segment vanished mid-read): compact."""
-        kept = list(zip(self.entries, self._offsets(), strict=True))
-        stream = self.staging.view
-        self.entries, write = [], 0
-        for entry, start in kept:
-            if entry.key_index == position:
+    def keep_served(self, reads: Sequence[RecordRead]) -> None:
+        """File every served read in the table; stream payloads of reads that failed leave
+        gaps, closed here by moving the later payloads down (rare: a corrupt or gone shard)."""
+        write = self.position
+        for read in reads:
+            if read.outcome is not Outcome.SERVED:
                 continue
-            stream[write : write + entry.payload_bytes] = stream[
-                start : start + entry.payload_bytes
-            ]
-            self.entries.append(entry)
-            write += entry.payload_bytes
-        self.position = write
+            placed = read.in_pool
+            if not placed:
+                start = read.address - self._address
+                if start != write:
+                    self.staging.view[write : write + len(read.destination)] = read.destination
+                write += len(read.destination)
+            self.entries.append(
+                batch_answer.Entry(
+                    read.position,
+                    batch_answer.HIT,
+                    read.shard_header,
+                    0 if placed else len(read.destination),
+                    placed,
+                )
+            )
+            self.served.setdefault(read.position, []).append(read.entry)
+        self.position, self._planned = write, 0
 
     def grow(self, num_bytes: int) -> None:
         """Make room for ``num_bytes`` more (a retry found entries the first pass had not)."""
@@ -431,11 +437,14 @@ class _BatchOut:
         bigger.view[: self.position] = self.staging.view[: self.position]
         self.staging.release()
         self.staging = bigger
+        self._address = address_of(bigger.view)
 
     def spread_to_positions(self, positions: Sequence[Sequence[int]]) -> None:
         """Entries were filed by distinct key (``positions[d]``: where key d stands in the
         request): file each under the key's first position, and copy it, payload included,
         for every later position (the staging has room: the reply size counted them)."""
+        if all(len(p) == 1 and p[0] == d for d, p in enumerate(positions)):
+            return  # every key named once, in order: filed right already
         self.grow(sum(e.payload_bytes * (len(positions[e.key_index]) - 1) for e in self.entries))
         kept = list(zip(self.entries, self._offsets(), strict=True))
         self.entries = []

@@ -63,6 +63,7 @@ from kvstore.store.segment_appender import INF_WINDOW, SegmentAppender, window_e
 from kvstore.store.segments import SegmentFiles
 from kvstore.store.shard_reader import BatchRead, GetResult, ShardReader, Status
 from kvstore.store.store_stats import ClassStats, StoreStats, empty_stats, store_stats
+from kvstore.wire.landing import PoolLanding
 from ttl.clock import Clock
 from ttl.policy import Retention
 
@@ -307,18 +308,19 @@ class ShardStore:
         *,
         max_reply_bytes: int | None = None,
         shared: bool = False,
+        pool: PoolLanding | None = None,
     ) -> BatchRead:
         """:meth:`get` for a batch read: the answer's table entries, payloads read into one
         region from ``take`` (kvstore/wire/batch_answer.py has the layout). Same semantics: the
         newest version only, a key named twice read once, the reply size checked against
         ``max_reply_bytes`` before any byte is read; a hit refreshes the TTL of the shard
         served; a corrupt shard is never served. ``shared``: the region is a local client's
-        memory (ShardReader.read_batch)."""
+        memory; ``pool``: its landing pool's places (ShardReader.read_batch)."""
         check_tenant(tenant)
         check_keys(keys)
         check_version(version)
         return self._reader.read_batch(
-            tenant, keys, version, self.clock.now(), take, max_reply_bytes, shared=shared
+            tenant, keys, version, self.clock.now(), take, max_reply_bytes, shared=shared, pool=pool
         )
 
     def contains(self, tenant: str, keys: Sequence[bytes]) -> list[list[bytes]]:

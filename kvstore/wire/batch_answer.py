@@ -10,8 +10,10 @@ chunks)::
              ------ ---- ----------------------------------------------------------
                   0    4 key index: position of the key in the request
                   4    1 status: 0 MISS, 1 HIT, 2 CORRUPT (kvstore_pb2.ShardStatus)
-                  5    3 reserved, zero
-                  8    4 payload bytes in ``payloads`` (HIT; 0 otherwise)
+                  5    1 placed: 1 = the payload went to its place in the client's landing
+                         pool (kvstore/wire/landing.py), not into ``payloads``
+                  6    2 reserved, zero
+                  8    4 payload bytes in ``payloads`` (HIT and not placed; 0 otherwise)
                  12    4 reserved, zero
                  16   48 the shard's header (erasure/shard.py; HIT only, zeros otherwise)
     payloads = the HIT entries' payloads back to back, in table order
@@ -42,7 +44,7 @@ from kvstore.wire.protowire import decode_varint, field_head
 
 ENTRY_BYTES = 64
 TABLE_HEAD = struct.Struct("<II")  # num_entries, payload_bytes
-_ENTRY = struct.Struct("<IB3xI4x")  # key index, status, payload bytes (then the header)
+_ENTRY = struct.Struct("<IBB2xI4x")  # key index, status, placed, payload bytes (then the header)
 assert _ENTRY.size + HEADER_BYTES == ENTRY_BYTES
 MISS, HIT, CORRUPT = 0, 1, 2
 CHUNK_BYTES = 4 << 20
@@ -53,7 +55,8 @@ ENTRY_DTYPE = np.dtype(
     [
         ("key_index", "<u4"),
         ("status", "u1"),
-        ("_reserved", "V3"),
+        ("placed", "u1"),
+        ("_reserved", "V2"),
         ("payload_bytes", "<u4"),
         ("_reserved2", "V4"),
         ("magic", "V4"),
@@ -78,14 +81,15 @@ class Entry(NamedTuple):
     key_index: int
     status: int
     header: bytes  # the shard's 48 header bytes (HIT), else b""
-    payload_bytes: int
+    payload_bytes: int  # in the payload stream (0 for a placed payload)
+    placed: bool = False  # the payload is at its place in the client's landing pool
 
 
 def encode_table(entries: Sequence[Entry]) -> bytes:
     """The table of ``entries`` (payloads follow it in the same order)."""
     parts = [TABLE_HEAD.pack(len(entries), sum(e.payload_bytes for e in entries))]
     for entry in entries:
-        parts.append(_ENTRY.pack(entry.key_index, entry.status, entry.payload_bytes))
+        parts.append(_ENTRY.pack(entry.key_index, entry.status, entry.placed, entry.payload_bytes))
         parts.append(entry.header or bytes(HEADER_BYTES))
     return b"".join(parts)
 
@@ -100,7 +104,8 @@ def decode_table(table: bytes | memoryview, num_keys: int) -> tuple[np.ndarray, 
     """(entries as an ENTRY_DTYPE array, payload bytes) of a table; ValueError if malformed.
 
     Checks what the client relies on before it lands anything: the sizes add up, every key
-    index names a requested key, and HIT entries carry a payload of their header's length.
+    index names a requested key, and HIT entries carry a payload of their header's length in
+    the stream (none when placed in the client's pool; only HIT entries are placed).
     """
     view = memoryview(table)
     if len(view) < TABLE_HEAD.size:
@@ -110,10 +115,14 @@ def decode_table(table: bytes | memoryview, num_keys: int) -> tuple[np.ndarray, 
         raise ValueError(f"batch answer table is {len(view)} bytes for {num_entries} entries")
     entries = np.frombuffer(view, ENTRY_DTYPE, num_entries, TABLE_HEAD.size)
     hits = entries["status"] == HIT
+    placed = entries["placed"] != 0
+    streamed = hits & ~placed
     if num_entries and int(entries["key_index"].max()) >= num_keys:
         raise ValueError(f"batch answer names a key beyond the {num_keys} asked for")
-    if np.any(entries["payload_bytes"][hits] != entries["payload_len"][hits]) or np.any(
-        entries["payload_bytes"][~hits]
+    if np.any(placed & ~hits) or np.any(entries["placed"] > 1):
+        raise ValueError("batch answer places a payload that is no HIT")
+    if np.any(entries["payload_bytes"][streamed] != entries["payload_len"][streamed]) or np.any(
+        entries["payload_bytes"][~streamed]
     ):
         raise ValueError("batch answer entries disagree with their shard headers' lengths")
     if int(entries["payload_bytes"].sum(dtype=np.uint64)) != payload_bytes:

@@ -26,7 +26,7 @@ import pytest
 
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster, etcd_call, spawn_node, wait_healthy
-from deploy.local_etcd import etcd_binary, start_etcd
+from deploy.local_etcd import etcd_binary, issue_etcd_certs, membership_tls, start_etcd
 from erasure.config import CodecConfig
 from kvstore.certs import init_ca, issue_files
 from kvstore.config import (
@@ -77,7 +77,7 @@ def _node(hosts: Hosts, root: Path, index: int) -> NodeConfig:
     """Host ``index`` made, and its node's entry with a certificate for its address."""
     name = f"h{index:02d}"
     address = hosts.add(name, index)
-    cert, key = issue_files(root / "tls", name, [address, "localhost"])
+    cert, key = issue_files(root / "tls", name, [address, "localhost"], node=True)
     return NodeConfig(
         id=name,
         address=f"{address}:{GRPC_PORT}",
@@ -96,7 +96,10 @@ def _start(hosts: Hosts, root: Path) -> LocalCluster:
     ca_file = init_ca(root / "tls")
     nodes = tuple(_node(hosts, root, i) for i in range(NUM_HOSTS))
     etcd_host = hosts.add("etcd", ETCD_INDEX)
-    endpoint = start_etcd(root, 2379, 2380, host=etcd_host, prefix=hosts.prefix("etcd"))
+    etcd_tls = issue_etcd_certs(root / "tls" / "etcd", etcd_host)  # a TLS cluster: TLS etcd
+    endpoint = start_etcd(
+        root, 2379, 2380, host=etcd_host, prefix=hosts.prefix("etcd"), tls=etcd_tls
+    )
     codec = CodecConfig()
     config = ClusterConfig(
         epoch=1,
@@ -105,7 +108,7 @@ def _start(hosts: Hosts, root: Path) -> LocalCluster:
         codec=codec,
         ttl=TTLConfig(origin_unix_s=time.time()),
         tls=TLSConfig("on", str(ca_file)),
-        membership=MembershipConfig(etcd=endpoint),
+        membership=MembershipConfig(etcd=endpoint, **membership_tls(etcd_tls)),
     )
     save_cluster(config, root / "cluster.toml")
     cluster = LocalCluster(root, config, spawn_prefix=hosts.prefix)

@@ -30,6 +30,26 @@ def test_computes_when_the_store_is_slower_than_compute():
     assert plan.num_blocks == 0, "fetching must not be chosen when it is predicted slower"
 
 
+def test_computes_the_front_while_fetching_the_rest_when_both_take_time():
+    # A 3 MiB block fetches in 3 ms, 64 tokens compute in 3.2 ms: they meet near the middle.
+    model = trained(fetch_bytes_per_s=1e9, compute_tokens_per_s=20_000)
+    model.fetch_latency_s = 0.0
+    plan = model.plan(100, 64, 3 * MiB, chunk_blocks=4)
+    assert plan.first_block % 4 == 0, "the split must fall on a prefill chunk"
+    assert 40 <= plan.first_block <= 56 and plan.num_blocks == 100 - plan.first_block
+    overlapped = max(
+        model.compute_s(plan.first_block * 64), model.fetch_s(plan.num_blocks, 3 * MiB)
+    )
+    assert overlapped < min(model.fetch_s(100, 3 * MiB), model.compute_s(6400)), (
+        "computing and loading at once must beat either alone"
+    )
+
+
+def test_always_fetches_everything():
+    plan = trained(fetch_bytes_per_s=1e6, compute_tokens_per_s=1e5).plan(10, 64, MiB, True)
+    assert (plan.first_block, plan.num_blocks) == (0, 10)
+
+
 def test_explores_until_a_fetch_was_measured():
     model = FetchCostModel(fetch_bytes_per_s=1.0)  # a prior that says "never fetch"
     assert model.plan(4, 64, MiB).num_blocks == 4, "without a measurement the model must try"

@@ -111,7 +111,7 @@ async def test_fetch_deadline_exceeded_falls_back_to_compute(cluster, small_mode
     engine = make_engine(small_model, cluster, hurried)
     result, _ = await prefill_kv(engine, PROMPT, tenant="deadline")
     await engine.close()
-    assert result.num_matched_tokens == 192 and result.num_cached_tokens == 0
+    assert result.num_cached_tokens == 0, "a fetch past its deadline must not be waited for"
     assert result.fallback == "deadline" and engine.connector.stats.num_deadlines_exceeded == 1
     assert torch.equal(result.logits, cold.logits), "a fallback changed the answer"
 
@@ -124,9 +124,35 @@ async def test_cost_model_can_choose_to_compute(cluster, small_model):
     model.fetch_bytes_per_s, model.num_fetches = 1.0, 1  # "the store is hopelessly slow"
     result, _ = await prefill_kv(engine, PROMPT, tenant="cost")
     await engine.close()
-    assert (result.num_matched_tokens, result.num_cached_tokens) == (192, 0)
+    assert (result.num_front_tokens, result.num_cached_tokens) == (192, 0), (
+        "a hopelessly slow store must not be fetched from: every usable block is computed"
+    )
     assert result.fallback == "cost" and engine.connector.stats.num_skipped_by_cost == 12
     assert torch.equal(result.logits, cold.logits)
+
+
+async def test_compute_and_load_meet_in_the_middle(cluster, small_model):
+    """With fetching and computing predicted equally fast, the engine computes the first
+    blocks while it fetches the others (Cake), and the answer is the cold one."""
+    engine = make_engine(small_model, cluster, dataclasses.replace(CONFIG, fetch_policy="cost"))
+    cold, cold_kv = await prefill_kv(engine, PROMPT, tenant="meet", use_cache=False)
+    await prefill_kv(engine, PROMPT, tenant="meet")
+    model = engine.connector.cost_model
+    block_bytes, block_tokens = engine.layout.block_bytes, engine.layout.block_tokens
+    # A block takes 1 s to fetch and 1 s to compute: the plan splits the 12 usable blocks.
+    model.fetch_latency_s, model.num_fetches = 0.0, 1
+    model.fetch_bytes_per_s, model.compute_tokens_per_s = block_bytes, block_tokens
+    engine.config = dataclasses.replace(engine.config, write_back=False)
+    result, result_kv = await prefill_kv(engine, PROMPT, tenant="meet")
+    await engine.close()
+    assert result.num_front_tokens == 96 and result.num_cached_tokens == 96, (
+        f"the plan should compute 6 blocks and fetch 6: {result.num_front_tokens} computed "
+        f"in front, {result.num_cached_tokens} fetched"
+    )
+    assert result.fallback == "cost"
+    assert torch.equal(result.logits, cold.logits), "meeting in the middle changed the answer"
+    for index, (got, want) in enumerate(zip(result_kv, cold_kv, strict=True)):
+        assert torch.equal(got, want), f"block {index}: KV differs from recomputed KV"
 
 
 async def test_other_models_layouts_dtypes_and_tenants_never_hit(cluster, small_model):

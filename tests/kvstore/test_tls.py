@@ -21,7 +21,7 @@ KEY = b"t" * 16
 
 
 def _node_cert(tls_dir: Path) -> dict[str, str]:
-    cert, key = issue_files(tls_dir, "n0", ["127.0.0.1", "localhost"])
+    cert, key = issue_files(tls_dir, "n0", ["127.0.0.1", "localhost"], node=True)
     return {"tls_cert_file": str(cert), "tls_key_file": str(key)}
 
 
@@ -65,6 +65,7 @@ async def test_expired_node_certificate_is_refused(tmp_path: Path, start_node):
         (tls_dir / "ca.key").read_bytes(),
         "n0",
         ["127.0.0.1"],
+        node=True,
         days=1,
         not_before=past,
     )
@@ -89,16 +90,16 @@ async def test_mutual_tls_needs_a_certificate_of_the_ca(tmp_path: Path, start_no
     )
     with pytest.raises(InvalidArgument, match="client certificates"):
         await _roundtrip(config)
-    good_cert, good_key = issue_files(tmp_path / "tls", "acme-prefill", [])
+    good_cert, good_key = issue_files(tmp_path / "tls", "acme-prefill")
     assert (
         await _roundtrip(config, tls_cert_file=str(good_cert), tls_key_file=str(good_key))
         == b"over tls"
     ), "the certificate's common name did not authenticate tenant acme"
-    stranger_cert, stranger_key = issue_files(tmp_path / "tls", "stranger", [])
+    stranger_cert, stranger_key = issue_files(tmp_path / "tls", "stranger")
     with pytest.raises(PermissionDenied):  # a valid certificate no principal claims
         await _roundtrip(config, tls_cert_file=str(stranger_cert), tls_key_file=str(stranger_key))
     init_ca(tmp_path / "rogue")
-    rogue_cert, rogue_key = issue_files(tmp_path / "rogue", "acme-prefill", [])
+    rogue_cert, rogue_key = issue_files(tmp_path / "rogue", "acme-prefill")
     with pytest.raises(Unavailable):  # same name, signed by another CA: handshake fails
         await _roundtrip(config, tls_cert_file=str(rogue_cert), tls_key_file=str(rogue_key))
 
@@ -109,7 +110,7 @@ async def test_certificate_reload_without_restart(tmp_path: Path, start_node):
     # Replace the node's certificate with one of a new CA; new connections get it.
     new_dir = tmp_path / "new-ca"
     new_ca = init_ca(new_dir)
-    cert, key = issue_files(new_dir, "n0", ["127.0.0.1"])
+    cert, key = issue_files(new_dir, "n0", ["127.0.0.1"], node=True)
     (tmp_path / "tls" / "n0.key").write_bytes(key.read_bytes())
     (tmp_path / "tls" / "n0.pem").write_bytes(cert.read_bytes())
     trusting_new = tmp_path / "new.toml"
