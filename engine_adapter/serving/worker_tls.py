@@ -10,10 +10,11 @@
                                              client certificate, a node) can drive a worker
 
 The serving certificate is ``kvstore serve --tls-cert-file/--tls-key-file`` (issued by the
-cluster's CA for the workers' host: ``kvstore certs issue --dir CA_DIR serving --host
-127.0.0.1``), or, when the cluster's CA key sits beside its CA file (a development cluster
-from ``kvstore cluster up --tls``), one ``kvstore serve`` issues itself into its run
-directory. Without TLS on the cluster the channels are plaintext on 127.0.0.1, as before.
+cluster's CA for the workers' host as a server certificate that names no node: ``kvstore
+certs issue --dir CA_DIR serving --server --host 127.0.0.1``), or, when the cluster's CA key
+sits beside its CA file (a development cluster from ``kvstore cluster up --tls``), one
+``kvstore serve`` issues itself into its run directory. Without TLS on the cluster the
+channels are plaintext on 127.0.0.1, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvstore.auth import write_private
 from kvstore.certs import CA_KEY, issue
 from kvstore.config import load_cluster
 from kvstore.errors import InvalidArgument, PermissionDenied
-from kvstore.tls import peer_identity
+from kvstore.tls import peer_certificate
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,15 @@ class WorkerTLS:
 
 
 def check_peer(context: Any, identity: str | None) -> None:
-    """PermissionDenied unless the call's client certificate names ``identity`` (None: no TLS,
-    every caller is on 127.0.0.1)."""
-    if identity is not None and peer_identity(context) != identity:
+    """PermissionDenied unless the call's client certificate names ``identity`` and is no
+    node's (None: no TLS, every caller is on 127.0.0.1)."""
+    if identity is None:
+        return
+    peer = peer_certificate(context)
+    if peer is None or peer.common_name != identity or peer.node_id is not None:
         raise PermissionDenied(
             f"worker calls are taken only from the serving certificate {identity!r}, "
-            f"not from {peer_identity(context)!r}"
+            f"not from {peer.common_name if peer else None!r}"
         )
 
 
@@ -117,7 +121,7 @@ def worker_tls_for(
         raise InvalidArgument(
             "the cluster runs TLS, so router and workers do too: give --tls-cert-file and "
             "--tls-key-file, a certificate of the cluster's CA for 127.0.0.1 (kvstore certs "
-            "issue --dir CA_DIR serving --host 127.0.0.1)"
+            "issue --dir CA_DIR serving --server --host 127.0.0.1)"
         )
     return _issue_for_run(ca_file, ca_key, run_dir / "tls")
 
@@ -125,7 +129,11 @@ def worker_tls_for(
 def _issue_for_run(ca_file: str, ca_key: Path, directory: Path) -> WorkerTLS:
     """A serving certificate from the development CA, written into ``directory``."""
     cert_pem, key_pem = issue(
-        Path(ca_file).read_bytes(), ca_key.read_bytes(), SERVING_CERT_NAME, WORKER_HOSTS
+        Path(ca_file).read_bytes(),
+        ca_key.read_bytes(),
+        SERVING_CERT_NAME,
+        WORKER_HOSTS,
+        server=True,  # workers serve with it, the router dials with it
     )
     directory.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = directory / "serving.pem", directory / "serving.key"

@@ -2,7 +2,7 @@
 
 - The router's channels to its workers are TLS: a worker refuses plaintext, and over TLS it
   takes calls only from the serving certificate (another certificate of the cluster's CA,
-  here the admin's, is refused), while the router serves requests through it.
+  here the admin's or a node's, is refused), while the router serves requests through it.
 - An API key mapped to a tenant the serving principal may not act for (not on its
   allow-list) is refused with 403 and the fix, instead of being served without the cache.
 """
@@ -105,9 +105,10 @@ def test_worker_channels_are_tls_and_take_only_the_serving_certificate(secure_se
     with pytest.raises(grpc.RpcError) as plaintext:
         _health(address, None)
     assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE, "a worker spoke plaintext"
-    with pytest.raises(grpc.RpcError) as other_cert:
-        _health(address, credentials("admin", tls_dir))
-    assert other_cert.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    for other in ("admin", cluster.config.nodes[0].id):  # a client's and a node's certificate
+        with pytest.raises(grpc.RpcError) as other_cert:
+            _health(address, credentials(other, tls_dir))
+        assert other_cert.value.code() == grpc.StatusCode.PERMISSION_DENIED, other
     reply = _health(address, credentials("serving", run_dir / "tls"))
     assert reply.worker_id == "p0" and reply.role == "prefill"
     assert _complete(server, "sk-acme").usage.completion_tokens == 2, "the router lost its way"
