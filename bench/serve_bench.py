@@ -1,11 +1,14 @@
 """``kvstore bench serve``: prefill balance on a mixed-length burst, per routing policy, against
-a perfect offline assignment of the same work.
+a perfect offline assignment of the same work; with ``--flood``/``--slow-sockets``, the HTTP
+front of ``kvstore serve`` under a flood and under slow clients (``bench/serve_load.py``).
 
 ::
 
     kvstore bench serve [--json PATH] [--model random:small] [--num-requests 48]
         [--prefill-workers 2] [--min-tokens 64] [--max-tokens 3968] [--rounds 3]
         [--policies balanced,least-loaded,round-robin] [--bucket-bounds 512,1024,2048]
+    kvstore bench serve --flood 200 [--slow-sockets 120] [--json PATH] [--cluster TOML]
+        [--flood-max-tokens 16] [--serve-args "..."]
 
 Method: a local 12-node cluster, prefill workers and one decode worker (real processes) are
 started once. Each round sends, for each policy in turn, a burst of ``--num-requests``
@@ -229,6 +232,7 @@ def _policies(text: str) -> list[str]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore bench serve``."""
+    _add_load_flags(parser)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--model", default="random:small", help="the workers' model")
     parser.add_argument("--num-requests", type=int, default=48, help="prompts per burst")
@@ -268,8 +272,40 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_load_flags(parser: argparse.ArgumentParser) -> None:
+    """The HTTP front's load runs (serve_load.py)."""
+    parser.add_argument(
+        "--flood",
+        type=int,
+        default=0,
+        help="send this many chat requests at once to kvstore serve (its defaults) instead "
+        "of the balance bursts; 0: no flood",
+    )
+    parser.add_argument(
+        "--flood-max-tokens", type=int, default=16, help="max_tokens of each flood request"
+    )
+    parser.add_argument(
+        "--slow-sockets",
+        type=int,
+        default=0,
+        help="open this many slow clients (half never finish their headers, half send a body "
+        "at one byte a second) against kvstore serve while normal requests go on; 0: none",
+    )
+    parser.add_argument(
+        "--probe-interval-s", type=float, default=1.0, help="flood: /health probes this often"
+    )
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="extra kvstore serve flags for the load runs, e.g. '--max-waiting-requests 8' "
+        "(default: none, serve's defaults)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the cluster and workers, run the bursts, print the table, write JSON."""
+    if args.flood or args.slow_sockets:
+        return run_load(args)
     console = Console(width=None if sys.stdout.isatty() else 140)
     work_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-serve-"))
     worker_args = ["--max-model-len", str(args.max_model_len), "--fetch-policy", "always"]
@@ -303,3 +339,106 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=1))
         console.print(f"wrote {args.json}")
     return 0
+
+
+def run_load(args: argparse.Namespace) -> int:
+    """``--flood`` and ``--slow-sockets`` against a real ``kvstore serve`` (serve_load.py)."""
+    import shlex
+    import signal
+
+    from bench import serve_load
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    work_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-serve-load-"))
+    serve_args = shlex.split(args.serve_args)
+    report: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v)
+                                         for k, v in vars(args).items()},
+                              "load_average_start": serve_load.load_average()}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        cluster_toml = args.cluster
+        if cluster_toml is None:
+            cluster = stack.enter_context(
+                LocalCluster.start(work_dir / "cluster", num_nodes=12, fsync=False)
+            )
+            cluster_toml = cluster.cluster_toml
+        with console.status("starting kvstore serve (its workers load the model)..."):
+            proc, base_url = serve_load.start_serve(
+                str(cluster_toml), str(work_dir / "serve"), serve_args
+            )
+        stack.callback(_stop, proc, signal.SIGTERM)
+        console.print(f"kvstore serve at {base_url} (log: {work_dir / 'serve' / 'serve.log'})")
+        report.update(asyncio.run(_load_runs(args, base_url, serve_args, console)))
+    report["load_average_end"] = serve_load.load_average()
+    console.print(load_table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {args.json}")
+    flood_ok = report.get("flood", {}).get("contract_met", True)
+    slow_ok = report.get("slow_sockets", {}).get("all_closed", True)
+    return 0 if flood_ok and slow_ok else 1
+
+
+async def _load_runs(
+    args: argparse.Namespace, base_url: str, serve_args: list[str], console: Console
+) -> dict[str, Any]:
+    from bench import serve_load
+
+    model = await serve_load.served_model(base_url)
+    warm = await serve_load.warm_up(base_url, model)
+    result: dict[str, Any] = {"model": model, "single_request_s": warm}
+    if args.flood:
+        console.print(f"flood: {args.flood} chat requests at once (max_tokens "
+                      f"{args.flood_max_tokens})...")  # fmt: skip
+        result["flood"] = await serve_load.flood(
+            base_url, model, args.flood, args.flood_max_tokens,
+            deadline_s=serve_load.flag_value(serve_args, "--request-timeout-s",
+                                             serve_load.DEFAULT_TIMEOUT_S),
+            probe_interval_s=args.probe_interval_s, seed=args.seed,
+        )  # fmt: skip
+    if args.slow_sockets:
+        console.print(f"slow sockets: {args.slow_sockets} slow clients and normal requests...")
+        limits = serve_load.limits_of(serve_args)
+        result["slow_sockets"] = await serve_load.slow_sockets(
+            base_url, model, args.slow_sockets, limits
+        )
+    return result
+
+
+def _stop(proc: Any, sig: int) -> None:
+    import subprocess
+
+    proc.send_signal(sig)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def load_table(report: dict[str, Any]) -> Table:
+    """The load runs' figures, one row each."""
+    table = Table(title="kvstore serve under load")
+    table.add_column("run", justify="left")
+    table.add_column("figures", justify="left")
+    if "flood" in report:
+        flood = report["flood"]
+        ok = "met" if flood["contract_met"] else "MISSED"
+        table.add_row(
+            f"flood of {flood['num_requests']}",
+            f"statuses {flood['status_counts']}, codes {flood['code_counts']}; late "
+            f"{flood['num_late']}, 504s {flood['num_504']}; /health agreement "
+            f"{flood['health_agreement_ratio']:.2f} of {flood['health_probes']}; contract {ok}",
+        )
+    if "slow_sockets" in report:
+        slow = report["slow_sockets"]
+        ok = "yes" if slow["all_closed_within_timeout_plus_2s"] else "NO"
+        table.add_row(
+            f"{slow['num_sockets']} slow sockets",
+            f"closed by the server {slow['num_closed_by_server']}, at most "
+            f"{slow['closed_after_timeout_s'].get('max', 0):.1f} s after their timeout (all in "
+            f"time: {ok}); normal request p50 {slow['normal_latency_before_s']['p50']:.2f} s "
+            f"before, {slow['normal_latency_during_s']['p50']:.2f} s during (ratio "
+            f"{slow['normal_latency_ratio_p50']:.2f})",
+        )
+    return table

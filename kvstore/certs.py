@@ -5,6 +5,8 @@
     kvstore certs init  --dir DIR [--days 3650]            DIR/ca.pem, DIR/ca.key (0600)
     kvstore certs issue --dir DIR ID --node --host H [--host H2 ...] [--days 825]
                                       a node's:  DIR/ID.pem, DIR/ID.key (0600)
+    kvstore certs issue --dir DIR NAME --server --host H [--host H2 ...] [--days 825]
+                                      another server's (a serving tier's workers)
     kvstore certs issue --dir DIR NAME [--days 825]
                                       a client's: DIR/NAME.pem, DIR/NAME.key (0600)
 
@@ -212,10 +214,16 @@ def configure_issue(parser: argparse.ArgumentParser) -> None:
         help="a node's certificate (NAME is its node id): it may serve; else a client's",
     )
     parser.add_argument(
+        "--server",
+        action="store_true",
+        help="a server's certificate that names no node (a serving tier's workers, "
+        "kvstore serve --tls-cert-file): it may serve on --host and dial",
+    )
+    parser.add_argument(
         "--host",
         action="append",
         default=[],
-        help="with --node: a DNS name or IP address the node serves on (repeat the flag)",
+        help="with --node or --server: a DNS name or IP address it serves on (repeat the flag)",
     )
     parser.add_argument("--days", type=float, default=825, help="validity of the certificate")
 
@@ -223,7 +231,7 @@ def configure_issue(parser: argparse.ArgumentParser) -> None:
 def run_issue(args: argparse.Namespace) -> int:
     try:
         cert_path, key_path = issue_files(
-            args.dir, args.name, args.host, node=args.node, days=args.days
+            args.dir, args.name, args.host, node=args.node, server=args.server, days=args.days
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+POLICIES = ("balanced", "least-loaded", "round-robin")  # the router's ways to pick a worker
 DEFAULT_BUCKET_BOUNDS_TOKENS = (16_384, 65_536, 262_144)  # <16K, 16-64K, 64-256K, >=256K
 DEFAULT_FIT_WINDOW = 256
 TIE_TOLERANCE_S = 1e-3

@@ -49,6 +49,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
     async def Drain(  # gRPC method name
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainReply:
+        await self.check_caller(context)
         num_active = self.num_active
         self.start_drain(request.grace_s)
         self.drain_requested.set()

@@ -35,6 +35,7 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
             if not holds:
                 raise Unavailable(f"prefill worker {self.worker_id} is draining")
             busy_start_s = time.perf_counter()
+            await self.tenant_access.check(self.engine, request.tenant)
             await self.check_traffic_class(request.traffic_class)
             prompt_ids = self.prompt_ids(request)
             self.check_length(len(prompt_ids), request.sampling)

@@ -13,10 +13,19 @@ in-process or against a running ``kvstore serve``::
     async with ServingClient("127.0.0.1:8701") as client:                   # remote (gRPC)
         async for event in client.stream(messages=messages): ...            # GenerateEvent
 
+Admission (``admission.py``): at most ``max_running_requests`` requests are dispatched to
+the workers at once; the others wait in a bounded FIFO queue here, and a request that would
+wait too long, or did, is refused with ``QueueFull`` (HTTP 429 and ``Retry-After``) rather
+than left to pass its deadline. :meth:`Router.refusal` says what a request arriving now would
+get, which is also what the HTTP front's ``/health`` answers.
+
 Failure handling, with a deadline on every RPC: a prefill attempt that fails with
-UNAVAILABLE (the worker died, is unreachable or is draining) or passes its attempt deadline
-marks that worker down and is retried on another one; prefill is idempotent (blocks are
-content addressed), so a retry is safe. A decode stream that breaks mid-request is restarted
+UNAVAILABLE (the worker died, is unreachable or is draining) marks that worker down and is
+retried on another one; prefill is idempotent (blocks are content addressed), so a retry is
+safe. A stream that stays silent (``prefill_attempt_timeout_s``, ``token_timeout_s``) makes
+the router ask the worker's Health: a worker that answers is busy, not dead (it computes in a
+thread while its event loop answers), and is waited for up to the request's deadline; one
+that does not answer is hung and given up on. A decode stream that breaks mid-request is restarted
 on another decode worker from the same handoff; decoding is deterministic (greedy or
 seeded), so the tokens already streamed are checked and skipped. A draining decode worker
 hands its requests back as ``migrate`` events (their KV in the store, the tail inline), and
@@ -43,13 +52,20 @@ import grpc
 
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-from engine_adapter.serving.balancer import BalancerConfig, PrefillBalancer, PrefillSample
-from engine_adapter.serving.errors import ContextTooLong, QueueFull
+from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S, AdmissionConfig, AdmissionQueue
+from engine_adapter.serving.balancer import (
+    POLICIES,
+    BalancerConfig,
+    PrefillBalancer,
+    PrefillSample,
+)
+from engine_adapter.serving.errors import ContextTooLong
 from engine_adapter.serving.metrics import RouterMetrics
 from engine_adapter.serving.request import Request, StopMatcher, chat_prompt_ids
 from engine_adapter.tokenizer import ChatTokenizer
-from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, Unavailable
+from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, KVStoreError, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
+from kvstore.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +76,13 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-DEFAULT_TIMEOUT_S = 120.0  # a whole request
-PREFILL_ATTEMPT_TIMEOUT_S = 60.0  # one prefill attempt (a hung worker is given up on)
-TOKEN_TIMEOUT_S = 30.0  # longest silence on a decode stream before the worker counts as hung
+PREFILL_ATTEMPT_TIMEOUT_S = 60.0  # silence on a prefill stream before its worker is asked Health
+TOKEN_TIMEOUT_S = 15.0  # silence on a decode stream before its worker is asked Health
 HEALTH_TIMEOUT_S = 2.0
+# A silent worker gets this long to answer Health before it counts as hung: generous, as a
+# worker's event loop shares 2 busy cores with torch threads under a flood.
+LIVENESS_TIMEOUT_S = 5.0
 PROBE_INTERVAL_S = 1.0
-POLICIES = ("balanced", "least-loaded", "round-robin")
 CHARS_PER_TOKEN_ESTIMATE = 4  # length of a conversation the router cannot tokenize
 
 # Failures that say "this worker is gone, hung or draining", not "this request is bad".
@@ -154,8 +171,11 @@ class WorkerEndpoint:
     health: pb.HealthReply = field(default_factory=pb.HealthReply)
 
     @classmethod
-    def open(cls, address: str, role: str) -> WorkerEndpoint:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def open(
+        cls, address: str, role: str, credentials: grpc.ChannelCredentials | None = None
+    ) -> WorkerEndpoint:
+        """A channel to the worker at ``address``: TLS when ``credentials`` are given."""
+        channel = aio_channel(address, credentials, CHANNEL_OPTIONS)
         stub_type = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
         return cls(address, role, channel, stub_type(channel), worker_id=address)
 
@@ -177,6 +197,14 @@ class WorkerEndpoint:
         self.worker_id, self.healthy, self.draining = reply.worker_id, True, reply.draining
         self.health = reply
         return reply
+
+    async def answers_health(self) -> bool:
+        """Whether the worker's event loop still answers (busy computing is not hung)."""
+        try:
+            await self.stub.Health(pb.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
 
 
 @dataclass
@@ -203,6 +231,14 @@ class WorkerSet:
         return [
             w for w in self.workers if w.healthy and not w.draining and w.address not in exclude
         ]
+
+    def states(self) -> str:
+        """Each worker's state, e.g. ``d0: draining; d1: down (connection refused)``."""
+        return "; ".join(
+            f"{w.worker_id}: "
+            + ("draining" if w.draining else f"down ({w.last_error})" if not w.healthy else "up")
+            for w in self.workers
+        )
 
     def describe(self, addresses: set[str]) -> str:
         return "; ".join(
@@ -265,28 +301,33 @@ class Router(RequestAPI):
         balancer: BalancerConfig | None = None,
         tokenizer: ChatTokenizer | None = None,
         metrics: RouterMetrics | None = None,
-        max_waiting_requests: int = 0,
+        admission: AdmissionConfig | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         prefill_attempt_timeout_s: float = PREFILL_ATTEMPT_TIMEOUT_S,
         token_timeout_s: float = TOKEN_TIMEOUT_S,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         """``tokenizer`` lets the router apply the chat template itself (then it knows every
-        prompt's length, for the balancer and the length check); ``max_waiting_requests``
-        (0: no limit) is how many requests may wait for their first token before new ones
-        get ``QueueFull``."""
+        prompt's length, for the balancer and the length check); ``admission`` bounds the
+        requests dispatched at once and those queued (default: no limits); ``credentials``
+        (TLS) secure the channels to the workers."""
         if not prefill_addresses or not decode_addresses:
             raise InvalidArgument("a router needs at least one prefill and one decode worker")
         if policy not in POLICIES:
             raise InvalidArgument(f"routing policy {policy!r}: choose one of {POLICIES}")
         self.policy = policy
-        self.prefill = WorkerSet([WorkerEndpoint.open(a, "prefill") for a in prefill_addresses])
-        self.decode = WorkerSet([WorkerEndpoint.open(a, "decode") for a in decode_addresses])
+        self.prefill = WorkerSet(
+            [WorkerEndpoint.open(a, "prefill", credentials) for a in prefill_addresses]
+        )
+        self.decode = WorkerSet(
+            [WorkerEndpoint.open(a, "decode", credentials) for a in decode_addresses]
+        )
         if policy == "round-robin":
             self.prefill.policy = policy
         self.balancer = PrefillBalancer(balancer)
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
-        self.max_waiting_requests = max_waiting_requests
+        self.admission = AdmissionQueue(admission)
         self.num_waiting = self.num_running = 0
         self.timeout_s = timeout_s
         self.prefill_attempt_timeout_s = prefill_attempt_timeout_s
@@ -380,29 +421,49 @@ class Router(RequestAPI):
         self._count(waiting=+1)
         waiting = True
         try:
-            matcher = StopMatcher(flight.request.stop)
-            async for event in self._prefill_then_decode(flight):
-                kind = event.WhichOneof("event")
-                if kind == "token":
-                    if waiting:  # the first token: the request now runs
-                        waiting = False
+            async with self.admission.slot(flight.deadline_s):
+                async for event in self._prefill_then_decode(flight):
+                    if waiting and event.WhichOneof("event") == "token":
+                        waiting = False  # the first token: the request now runs
                         self._count(waiting=-1, running=+1)
-                    self._observe_token(flight)
-                    event.token.text = matcher.feed(event.token.text)
-                    yield event
-                    if matcher.stopped:
-                        yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
-                        return
-                elif kind == "finish":
-                    yield self._finish(flight, event.finish, matcher)
-                    return
-                else:
                     yield event
         finally:
             if waiting:
                 self._count(waiting=-1)
             else:
                 self._count(running=-1)
+
+    async def _prefill_then_decode(self, flight: _Flight) -> AsyncIterator[pb.GenerateEvent]:
+        """The request's events from the workers, stop strings matched, timings observed."""
+        matcher = StopMatcher(flight.request.stop)
+        async for event in self._worker_events(flight):
+            kind = event.WhichOneof("event")
+            if kind == "token":
+                self._observe_token(flight)
+                event.token.text = matcher.feed(event.token.text)
+                yield event
+                if matcher.stopped:
+                    yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
+                    return
+            elif kind == "finish":
+                yield self._finish(flight, event.finish, matcher)
+                return
+            else:
+                yield event
+
+    def refusal(self) -> KVStoreError | None:
+        """What a request arriving now would get instead of being queued (None: queued).
+
+        ``Unavailable`` while no prefill or no decode worker takes requests; ``QueueFull``
+        while the queue is full or the wait for a slot would pass the queue's limit.
+        """
+        for workers in (self.prefill, self.decode):
+            if not workers.candidates(set()):
+                role = workers.workers[0].role
+                return Unavailable(
+                    f"no {role} worker takes requests now ({workers.states()}); retry later"
+                )
+        return self.admission.refusal()
 
     def _admit(self, request: Request, proto: pb.GenerateRequest) -> _Flight:
         """Tokenize ``proto`` (when the router can), check the length and the queue; the
@@ -425,11 +486,9 @@ class Router(RequestAPI):
                     f"exceed the model's context of {max_model_len} tokens; shorten the prompt "
                     "or lower max_tokens"
                 )
-        if self.max_waiting_requests and self.num_waiting >= self.max_waiting_requests:
-            raise QueueFull(
-                f"{self.num_waiting} requests are waiting for a prefill worker (the limit is "
-                f"{self.max_waiting_requests}); retry later"
-            )
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         deadline_s = now_s + (request.timeout_s or self.timeout_s)
         return _Flight(request, proto, now_s, deadline_s, num_prompt_tokens)
 
@@ -459,7 +518,7 @@ class Router(RequestAPI):
         self.metrics.waiting.set(self.num_waiting)
         self.metrics.running.set(self.num_running)
 
-    async def _prefill_then_decode(self, flight: _Flight) -> AsyncIterator[pb.GenerateEvent]:
+    async def _worker_events(self, flight: _Flight) -> AsyncIterator[pb.GenerateEvent]:
         proto = flight.proto
         prefill_request = pb.PrefillRequest(
             request_id=proto.request_id,
@@ -555,15 +614,13 @@ class Router(RequestAPI):
     async def _prefill_attempt(
         self, worker: WorkerEndpoint, request: pb.PrefillRequest, flight: _Flight
     ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
-        timeout_s = min(
-            _remaining_s(flight.deadline_s, request.request_id), self.prefill_attempt_timeout_s
-        )
+        timeout_s = _remaining_s(flight.deadline_s, request.request_id)
         balanced = self.policy == "balanced"
         worker.num_active += 1
         sample = None
         try:
             call = worker.stub.Prefill(request, timeout=timeout_s)
-            async for event in _read_events(call, worker, timeout_s):
+            async for event in _read_events(call, worker, self.prefill_attempt_timeout_s):
                 event = getattr(event, event.WhichOneof("event"))
                 if balanced and isinstance(event, pb.PrefillFirst):
                     stats = event.stats
@@ -677,24 +734,33 @@ async def _read_events(
 ) -> AsyncIterator[Any]:
     """Events of a server-streaming call; worker faults become ``_WorkerFault``.
 
-    ``idle_timeout_s`` bounds the silence between two events: a hung worker (stopped, stuck
-    in a loop) is given up on even while its stream stays open.
+    After ``idle_timeout_s`` without an event the worker is asked Health: one that answers
+    is busy (queued requests, a long prefill) and is waited for again; one that does not is
+    hung (stopped, its process wedged) and is given up on while its stream stays open.
     """
+    read: asyncio.Future[Any] | None = None
     try:
         while True:
-            async with asyncio.timeout(idle_timeout_s):
-                event = await call.read()
+            # The read is waited for, never cancelled by the wait: cancelling a grpc.aio
+            # read cancels the whole call, and a busy worker's call must live on.
+            read = asyncio.ensure_future(call.read())
+            while not (await asyncio.wait({read}, timeout=idle_timeout_s))[0]:
+                if not await worker.answers_health():
+                    raise _WorkerFault(
+                        f"{worker.worker_id} sent nothing for {idle_timeout_s:g} s and did not "
+                        f"answer Health within {LIVENESS_TIMEOUT_S:g} s"
+                    )
+            event = read.result()
             if event is grpc.aio.EOF:
                 return
             yield event
-    except TimeoutError:
-        call.cancel()
-        raise _WorkerFault(f"{worker.worker_id} sent nothing for {idle_timeout_s} s") from None
     except grpc.aio.AioRpcError as exc:
         if exc.code() in _WORKER_FAULT_CODES:
             raise _WorkerFault(f"{worker.worker_id}: {exc.code().name}: {exc.details()}") from None
         raise from_grpc_status(exc.code(), exc.details()) from None
     finally:
+        if read is not None and not read.done():
+            read.cancel()
         call.cancel()
 
 
@@ -723,10 +789,16 @@ class RouterService(pb_grpc.RouterServicer):
 class ServingClient(RequestAPI):
     """Python client of a running router's gRPC face (``kvstore serve --grpc-port P``)."""
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """``credentials``: TLS, for a router whose cluster runs TLS (its CA verifies it)."""
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, credentials, CHANNEL_OPTIONS)
         self.stub = pb_grpc.RouterStub(self.channel)
 
     async def __aenter__(self) -> ServingClient:

@@ -4,9 +4,15 @@ decode worker processes.
 ::
 
     kvstore serve --cluster DIR/cluster.toml [--host 127.0.0.1] [--port 8000]
-                  [--api-keys keys.toml] [--grpc-port P] [--prefill-workers 2]
-                  [--decode-workers 1] [--model default] [--policy balanced]
-                  [--run-dir DIR] [--store-transport grpc|auto|ucx]
+                  [--api-keys keys.toml] [--api-key KEY] [--admin-key-file F]
+                  [--grpc-port P] [--prefill-workers 2] [--decode-workers 1]
+                  [--model default] [--policy balanced] [--run-dir DIR]
+                  [--store-transport grpc|auto|ucx] [--request-timeout-s 120]
+                  [--max-running-requests N] [--max-waiting-requests 64]
+                  [--max-queue-wait-s 30] [--max-connections 1024] [--max-body-bytes 2MiB]
+                  [--header-timeout-s 10] [--body-timeout-s 30]
+                  [--tls-cert-file F --tls-key-file F] [--stats-interval-s 10]
+                  [--disable-log-requests] [--disable-log-stats]
 
 Layout (every box is a process; the store's nodes are started separately)::
 
@@ -19,6 +25,11 @@ Layout (every box is a process; the store's nodes are started separately)::
                             tail KV, first token)
 
 The HTTP front (uvicorn) and the router's gRPC face run in one event loop with the router.
+Start-up logs each stage with its time (every worker's model load, store connection and
+calibration; the router; the front), also when stderr is no terminal; then one line per
+request and a stats line every ``--stats-interval-s`` (``request_log.py``). When the cluster
+runs TLS, so do the router's channels to its workers (``worker_tls.py``). This module imports
+no torch (``kvstore serve --help`` stays fast): the workers are processes of their own.
 Worker processes run in their own sessions (a terminal's Ctrl-C reaches only this process,
 which then stops them in order), watch this process (they exit if it dies, even by SIGKILL)
 and are stopped on exit, on SIGTERM/SIGINT and by ``atexit``: no orphans. A worker that
@@ -41,21 +52,26 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import grpc
-import uvicorn
-
-from engine_adapter.loader import load_tokenizer, model_name
-from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-from engine_adapter.serving.api_keys import ApiKeys
-from engine_adapter.serving.balancer import DEFAULT_BUCKET_BOUNDS_TOKENS, BalancerConfig
-from engine_adapter.serving.openai_api import create_app
-from engine_adapter.serving.router import CHANNEL_OPTIONS, POLICIES, Router, RouterService
-from engine_adapter.serving.worker_main import add_worker_tuning_arguments, tuning_argv
-from kvstore.cli.args import list_arg
+from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S, AdmissionConfig
+from engine_adapter.serving.api_keys import ApiKeys, admin_key
+from engine_adapter.serving.balancer import (
+    DEFAULT_BUCKET_BOUNDS_TOKENS,
+    POLICIES,
+    BalancerConfig,
+)
+from engine_adapter.serving.http_limits import FrontLimits, guarded_h11_protocol
+from engine_adapter.serving.request_log import ServingStats
+from engine_adapter.serving.worker_flags import add_worker_tuning_arguments, tuning_argv
+from engine_adapter.serving.worker_tls import WorkerTLS, worker_tls_for
+from kvstore.cli.args import duration_arg, list_arg, size_arg
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+
+if TYPE_CHECKING:
+    from engine_adapter.serving.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +80,10 @@ STARTUP_TIMEOUT_S = 300.0  # loading the default model takes 15-60 s on a busy 2
 STOP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 2.0  # in-flight RPCs get this long when the router stops
 SUPERVISE_INTERVAL_S = 1.0
+STARTUP_PROGRESS_S = 15.0  # a "still waiting for" line this often while workers start
+DEFAULT_MAX_WAITING_REQUESTS = 64
+DEFAULT_MAX_QUEUE_WAIT_S = 30.0
+DEFAULT_STATS_INTERVAL_S = 10.0
 _POLL_S = 0.1
 WORKER_MODULE = "engine_adapter.serving.worker_main"  # python -m: one worker process
 
@@ -78,6 +98,7 @@ class WorkerProcess:
     ready_file: Path
     address: str = ""
     port: int = 0
+    spawned_s: float = 0.0  # time.monotonic() when started
 
     @property
     def alive(self) -> bool:
@@ -160,13 +181,16 @@ class WorkerPool:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        worker = WorkerProcess(worker_id, role, proc, ready_file, port=port)
+        worker = WorkerProcess(
+            worker_id, role, proc, ready_file, port=port, spawned_s=time.monotonic()
+        )
         self.workers[worker_id] = worker
         return worker
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Wait until every worker wrote its ready file; Unavailable if one exits or is late."""
-        deadline_s = time.monotonic() + timeout_s
+        start_s = time.monotonic()
+        deadline_s, progress_s = start_s + timeout_s, start_s + STARTUP_PROGRESS_S
         waiting = [w for w in self.workers.values() if not w.address]
         while waiting:
             for worker in list(waiting):
@@ -176,8 +200,13 @@ class WorkerPool:
                     raise Unavailable(
                         self._failure(worker, f"exited with {worker.proc.returncode}")
                     )
-            if waiting and time.monotonic() > deadline_s:
+            now_s = time.monotonic()
+            if waiting and now_s > deadline_s:
                 raise Unavailable(self._failure(waiting[0], f"not ready after {timeout_s} s"))
+            if waiting and now_s > progress_s:
+                names = ", ".join(w.worker_id for w in waiting)
+                log.info("start-up: still waiting for %s (%.0f s so far)", names, now_s - start_s)
+                progress_s = now_s + STARTUP_PROGRESS_S
             if waiting:
                 time.sleep(_POLL_S)
 
@@ -188,6 +217,15 @@ class WorkerPool:
             return False
         worker.address = info["address"]
         worker.port = int(worker.address.rpartition(":")[2])
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in info.get("stages_s", {}).items())
+        log.info(
+            "start-up: %s worker %s ready on %s after %.1f s (%s)",
+            worker.role,
+            worker.worker_id,
+            worker.address,
+            time.monotonic() - worker.spawned_s,
+            stages or "no stages reported",
+        )
         return True
 
     def _failure(self, worker: WorkerProcess, what: str) -> str:
@@ -220,20 +258,13 @@ class WorkerPool:
 
     def remove(self, worker_id: str) -> None:
         """Stop one worker and forget it (scale down); routers must drop its address."""
-        worker = self.workers.pop(worker_id)
-        worker.proc.terminate()
-        try:
-            worker.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            worker.proc.wait()
+        _stop_process(self.workers.pop(worker_id).proc)
 
     def restart(self, worker_id: str, extra_args: Sequence[str] = ()) -> None:
         """Stop the worker if it runs, start it on its port with ``extra_args``; wait."""
         worker = self.workers[worker_id]
         if worker.alive:
-            worker.proc.terminate()
-            worker.proc.wait(STOP_TIMEOUT_S)
+            _stop_process(worker.proc)
         self.spawn(worker_id, worker.role, worker.port, extra_args)
         self.wait_ready()
 
@@ -282,6 +313,16 @@ class WorkerPool:
         self.stop()
 
 
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it is still there after STOP_TIMEOUT_S (a loaded machine)."""
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into KeyboardInterrupt while inside, so ``finally`` blocks stop children."""
@@ -320,69 +361,167 @@ class FrontConfig:
     model: str = "default"
     served_model_name: str = ""  # "" = loader.model_name(model)
     api_keys: Path | None = None
+    api_key_values: tuple[str, ...] = ()  # --api-key: keys of tenant "default"
+    admin_key_file: Path | None = None
     policy: str = "balanced"
-    max_waiting_requests: int = 0
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    request_timeout_s: float = DEFAULT_TIMEOUT_S
+    limits: FrontLimits = field(default_factory=FrontLimits)
     bucket_bounds_tokens: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS_TOKENS
+    log_requests: bool = True
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S  # 0: no stats line
+
+    def __post_init__(self) -> None:
+        wait_s = self.admission.max_queue_wait_s
+        if not self.request_timeout_s > 0 or wait_s >= self.request_timeout_s:
+            raise ValueError(
+                f"request timeout {self.request_timeout_s} s: give a positive one, above the "
+                f"longest queue wait ({wait_s} s)"
+            )
+
+    def keys(self) -> ApiKeys:
+        """The API keys and the admin key (a new one is written where none exists)."""
+        admin = admin_key(self.admin_key_file) if self.admin_key_file else None
+        return ApiKeys.load(self.api_keys, self.api_key_values, admin)
 
 
-async def serve_router(pool: WorkerPool, front: FrontConfig) -> None:
+async def serve_router(pool: WorkerPool, front: FrontConfig, tls: WorkerTLS | None = None) -> None:
     """Serve the HTTP front (and the gRPC face) until cancelled; restart crashed workers."""
+    # Imported here, not at the top: `kvstore serve --help` must stay fast (no torch, no
+    # FastAPI); the router's process needs the loader only for the tokenizer.
+    from engine_adapter.loader import load_tokenizer, model_name
+    from engine_adapter.serving.metrics import RouterMetrics
+    from engine_adapter.serving.openai_api import create_app
+    from engine_adapter.serving.router import Router
+
     cancel_on_signals()
-    api_keys = ApiKeys.load(front.api_keys)
-    tokenizer = await asyncio.to_thread(load_tokenizer, front.model)
+    start_s = time.monotonic()
+    api_keys = front.keys()
+    with _stage("tokenizer loaded"):
+        tokenizer = await asyncio.to_thread(load_tokenizer, front.model)
+    name = front.served_model_name or model_name(front.model)
     router = Router(
         pool.addresses("prefill"),
         pool.addresses("decode"),
         policy=front.policy,
         balancer=BalancerConfig(bucket_bounds_tokens=front.bucket_bounds_tokens),
         tokenizer=tokenizer,
-        max_waiting_requests=front.max_waiting_requests,
+        metrics=RouterMetrics(model_name=name),
+        admission=front.admission,
+        timeout_s=front.request_timeout_s,
+        credentials=tls.channel_credentials() if tls is not None else None,
     )
-    async with router:
-        name = front.served_model_name or model_name(front.model)
-        http = _HttpServer(create_app(router, name, api_keys), front.host, front.port)
-        grpc_server, grpc_line = None, ""
-        if front.grpc_port is not None:
-            grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
-            pb_grpc.add_RouterServicer_to_server(RouterService(router), grpc_server)
-            bound = grpc_server.add_insecure_port(f"{front.host}:{front.grpc_port}")
-            await grpc_server.start()
-            grpc_line = f", gRPC {front.host}:{bound}"
-        http_task = asyncio.create_task(http.serve())
-        try:
-            port = await http.bound_port()
-            auth = "API keys" if api_keys.enabled else "no auth"
-            print(
-                f"kvstore serve: http://{front.host}:{port}/v1 ({name}, {auth}){grpc_line}; "
-                f"run dir {pool.run_dir}; workers: {pool.pids()}",
-                flush=True,
-            )
-            while not http_task.done():
-                await asyncio.sleep(SUPERVISE_INTERVAL_S)
-                pool.restart_dead()
-            await http_task  # uvicorn exited by itself: its error, if any
-        finally:
-            http.should_exit = True
-            await asyncio.gather(http_task, return_exceptions=True)
-            if grpc_server is not None:
-                await grpc_server.stop(STOP_GRACE_S)
+    with _stage(f"router connected to {len(router.endpoints)} workers"):
+        await router.start()
+    try:
+        stats = ServingStats()
+        app = create_app(router, name, api_keys, limits=front.limits, stats=stats,
+                         log_requests=front.log_requests)  # fmt: skip
+        await _serve_front(pool, front, router, app, stats, tls, start_s, name, api_keys)
+    finally:
+        await router.close()
 
 
-class _HttpServer(uvicorn.Server):
+async def _serve_front(
+    pool: WorkerPool,
+    front: FrontConfig,
+    router: Router,
+    app: object,
+    stats: ServingStats,
+    tls: WorkerTLS | None,
+    start_s: float,
+    name: str,
+    api_keys: ApiKeys,
+) -> None:
+    """Serve HTTP (and gRPC) until cancelled: restart crashed workers, log the stats."""
+    import grpc
+
+    from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+    from engine_adapter.serving.router import CHANNEL_OPTIONS, RouterService
+
+    closed = router.metrics.closed_connections.labels
+    protocol = guarded_h11_protocol(front.limits, lambda reason: closed(reason).inc())
+    http = _http_server(app, front.host, front.port, protocol, front.limits.keep_alive_s)
+    grpc_server, grpc_line = None, ""
+    if front.grpc_port is not None:
+        grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        pb_grpc.add_RouterServicer_to_server(RouterService(router), grpc_server)
+        address = f"{front.host}:{front.grpc_port}"
+        if tls is None:
+            bound = grpc_server.add_insecure_port(address)
+        else:
+            bound = grpc_server.add_secure_port(address, tls.face_credentials())
+        await grpc_server.start()
+        grpc_line = f", gRPC {front.host}:{bound}" + (" (TLS)" if tls is not None else "")
+    http_task = asyncio.create_task(http.serve())
+    try:
+        port = await http.bound_port()
+        auth = "API keys" if api_keys.enabled else "no auth"
+        admin = f"; admin key file {front.admin_key_file}" if front.admin_key_file else ""
+        print(
+            f"kvstore serve: http://{front.host}:{port}/v1 ({name}, {auth}){grpc_line}; "
+            f"run dir {pool.run_dir}{admin}; workers: {pool.pids()}",
+            flush=True,
+        )
+        log.info("start-up: serving http://%s:%d/v1 after %.1f s (router and front; worker "
+                 "channels %s)", front.host, port, time.monotonic() - start_s,
+                 "over TLS" if tls is not None else "plaintext on 127.0.0.1")  # fmt: skip
+        await _supervise(pool, front, router, stats, http_task)
+    finally:
+        http.should_exit = True
+        await asyncio.gather(http_task, return_exceptions=True)
+        if grpc_server is not None:
+            await grpc_server.stop(STOP_GRACE_S)
+
+
+async def _supervise(
+    pool: WorkerPool,
+    front: FrontConfig,
+    router: Router,
+    stats: ServingStats,
+    http_task: asyncio.Task[None],
+) -> None:
+    """Each second restart crashed workers; every stats interval log what happened."""
+    last, last_s = stats.snapshot(), time.monotonic()
+    while not http_task.done():
+        await asyncio.sleep(SUPERVISE_INTERVAL_S)
+        pool.restart_dead()
+        now_s = time.monotonic()
+        if front.stats_interval_s and now_s - last_s >= front.stats_interval_s:
+            busy = router.num_running + router.num_waiting
+            if stats.num_by_status != last.num_by_status or busy:
+                queued = router.admission.num_waiting
+                running = router.num_running + router.num_waiting - queued
+                log.info("%s", stats.line(last, now_s - last_s, running, queued))
+            last, last_s = stats.snapshot(), now_s
+    await http_task  # uvicorn exited by itself: its error, if any
+
+
+@contextlib.contextmanager
+def _stage(what: str) -> Iterator[None]:
+    """Log one start-up stage with its time."""
+    start_s = time.monotonic()
+    yield
+    log.info("start-up: %s (%.1f s)", what, time.monotonic() - start_s)
+
+
+def _http_server(app: object, host: str, port: int, protocol: type, keep_alive_s: int) -> Any:
     """uvicorn inside our event loop; signals stay ours (they cancel ``serve_router``)."""
+    import uvicorn
 
-    def __init__(self, app: object, host: str, port: int) -> None:
-        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                        lifespan="off", access_log=False))  # fmt: skip
+    class HttpServer(uvicorn.Server):
+        def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        async def bound_port(self) -> int:
+            """The port uvicorn listens on, once it does (``port`` 0 picks a free one)."""
+            while not self.started:
+                await asyncio.sleep(_POLL_S)
+            return self.servers[0].sockets[0].getsockname()[1]
 
-    async def bound_port(self) -> int:
-        """The port uvicorn listens on, once it does (``port`` 0 picks a free one)."""
-        while not self.started:
-            await asyncio.sleep(_POLL_S)
-        return self.servers[0].sockets[0].getsockname()[1]
+    return HttpServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                     lifespan="off", access_log=False, http=protocol,
+                                     timeout_keep_alive=keep_alive_s))  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -390,18 +529,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     defaults = FrontConfig()
     parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
     _add_front_flags(parser, defaults)
+    _add_limit_flags(parser, defaults)
     _add_worker_flags(parser, defaults)
     _add_router_flags(parser, defaults)
+    _add_log_flags(parser, defaults)
     add_worker_tuning_arguments(parser)
 
 
 def _add_front_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
     """Where the HTTP front (and the gRPC face) listen, and whom they serve."""
-    parser.add_argument(
-        "--host",
-        default=defaults.host,
-        help="HTTP (and gRPC) address to bind",
-    )
+    parser.add_argument("--host", default=defaults.host, help="HTTP (and gRPC) address to bind")
     parser.add_argument(
         "--port",
         type=int,
@@ -417,13 +554,62 @@ def _add_front_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> 
     parser.add_argument(
         "--api-keys",
         type=Path,
-        help='TOML file with a [keys] table of "KEY" = "TENANT" (default: none, no auth, '
-        "every request is tenant 'default')",
+        help='TOML file with a [keys] table of "KEY" = "TENANT" (default: none; without it '
+        "and --api-key there is no auth and every request is tenant 'default')",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an API key of tenant 'default', as vllm serve's (repeat the flag for more)",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="file with the key /admin/* needs (kvstore serve drain); made, mode 0600, if "
+        "missing (default: RUN_DIR/admin.key)",
     )
     parser.add_argument(
         "--served-model-name",
         default="",
         help="the model name clients send (default: the model's name, e.g. SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--tls-cert-file",
+        type=Path,
+        help="with a TLS cluster: the certificate (of its CA, for 127.0.0.1) router and workers "
+        "talk over (default: issued from the CA key beside the cluster's CA file, if there)",
+    )
+    parser.add_argument("--tls-key-file", type=Path, help="the key of --tls-cert-file")
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """Limits against floods and slow clients."""
+    limits = defaults.limits
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="open HTTP connections; more are answered 503 and closed",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=size_arg,
+        default=limits.max_body_bytes,
+        help="largest request body (e.g. 2MiB); larger ones get 413 before they are read",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=duration_arg,
+        default=limits.header_timeout_s,
+        help="seconds a client has to send a request's headers (else 408, closed)",
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=duration_arg,
+        default=limits.body_timeout_s,
+        help="seconds a client has to send the whole body after the headers (else 408, closed)",
     )
 
 
@@ -464,16 +650,87 @@ def _add_router_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) ->
         help="prompt-length bucket bounds in tokens (<16K, 16-64K, 64-256K, >=256K)",
     )
     parser.add_argument(
-        "--max-waiting-requests",
+        "--request-timeout-s",
+        type=duration_arg,
+        default=defaults.request_timeout_s,
+        help="a request's deadline, from its arrival to its last token",
+    )
+    parser.add_argument(
+        "--max-running-requests",
         type=int,
         default=0,
-        help="requests that may wait for their first token before new ones get 429 (0: no limit)",
+        help="requests sent to the workers at once (0: prefill workers + 2 x decode workers, "
+        "what they serve without queueing out of sight)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests queued for a worker; more get 429 at once (0: no limit)",
+    )
+    parser.add_argument(
+        "--max-queue-wait-s",
+        type=duration_arg,
+        default=DEFAULT_MAX_QUEUE_WAIT_S,
+        help="longest wait in the queue: a request that waited this long, or would by the "
+        "rate requests finish, gets 429 with Retry-After (0: up to its deadline)",
     )
     parser.add_argument(
         "--run-dir",
         type=Path,
         help="worker logs and ready files (default: a new temporary directory)",
     )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=duration_arg,
+        default=STARTUP_TIMEOUT_S,
+        help="how long the workers may take to load the model and calibrate",
+    )
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
+    """The request log and the stats line (vllm serve's flags)."""
+    parser.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per request"
+    )
+    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    parser.add_argument(
+        "--stats-interval-s",
+        type=duration_arg,
+        default=defaults.stats_interval_s,
+        help="seconds between two stats lines (logged only while something happens)",
+    )
+
+
+def front_config(args: argparse.Namespace, run_dir: Path) -> FrontConfig:
+    """The FrontConfig of parsed ``kvstore serve`` flags; ValueError/KVStoreError if bad."""
+    max_running = args.max_running_requests or args.prefill_workers + 2 * args.decode_workers
+    front = FrontConfig(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        api_keys=args.api_keys,
+        api_key_values=tuple(args.api_key),
+        admin_key_file=args.admin_key_file or run_dir / "admin.key",
+        policy=args.policy,
+        admission=AdmissionConfig(max_running, args.max_waiting_requests, args.max_queue_wait_s),
+        request_timeout_s=args.request_timeout_s,
+        limits=FrontLimits(
+            max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s,
+            max_body_bytes=args.max_body_bytes,
+        ),
+        bucket_bounds_tokens=BalancerConfig(
+            bucket_bounds_tokens=tuple(args.bucket_bounds)
+        ).bucket_bounds_tokens,
+        log_requests=not args.disable_log_requests,
+        stats_interval_s=0.0 if args.disable_log_stats else args.stats_interval_s,
+    )
+    front.keys()  # a bad key file fails before the workers start
+    return front
 
 
 def run(args: argparse.Namespace) -> int:
@@ -481,27 +738,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.cluster.is_file():
         print(f"error: no cluster config at {args.cluster}", file=sys.stderr)
         return 1
+    # Start-up stages, request lines and stats are INFO, shown whatever --log-level says.
+    serving_log = logging.getLogger("engine_adapter.serving")
+    serving_log.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
     try:
-        front = FrontConfig(
-            host=args.host,
-            port=args.port,
-            grpc_port=args.grpc_port,
-            model=args.model,
-            served_model_name=args.served_model_name,
-            api_keys=args.api_keys,
-            policy=args.policy,
-            max_waiting_requests=args.max_waiting_requests,
-            bucket_bounds_tokens=BalancerConfig(
-                bucket_bounds_tokens=args.bucket_bounds
-            ).bucket_bounds_tokens,
-        )
-        BalancerConfig(bucket_bounds_tokens=front.bucket_bounds_tokens)  # checks the bounds
-        ApiKeys.load(front.api_keys)  # a bad key file fails before the workers start
+        front = front_config(args, run_dir)
+        tls = worker_tls_for(args.cluster, args.tls_cert_file, args.tls_key_file, run_dir)
     except (ValueError, KVStoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="kvstore-serve-"))
-    worker_args = tuning_argv(args)
+    worker_args = tuning_argv(args) + (tls.argv() if tls is not None else [])
+    if args.served_model_name:
+        worker_args += ["--served-model-name", args.served_model_name]
+    log.info("start-up: %d prefill and %d decode workers loading %s (logs in %s)",
+             args.prefill_workers, args.decode_workers, args.model, run_dir / "logs")  # fmt: skip
     try:
         with (
             sigterm_as_interrupt(),
@@ -512,9 +763,10 @@ def run(args: argparse.Namespace) -> int:
                 num_decode=args.decode_workers,
                 model=args.model,
                 worker_args=worker_args,
+                startup_timeout_s=args.startup_timeout_s,
             ) as pool,
         ):
-            asyncio.run(serve_router(pool, front))
+            asyncio.run(serve_router(pool, front, tls))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("stopped; workers stopped", file=sys.stderr)
     except (KVStoreError, OSError) as exc:

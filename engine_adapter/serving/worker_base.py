@@ -2,7 +2,13 @@
 Health, and an await that survives cancellation.
 
 A worker serves one request at a time (requests queue on a lock; torch runs off the event
-loop, so Health answers during a prefill).
+loop, so Health answers during a prefill, which is how the router tells busy from hung).
+With TLS a worker takes calls only from the serving certificate (``worker_tls.py``).
+
+Before a prefill, a worker asks the store whether the serving tier's credential may act for
+the request's tenant (:class:`TenantAccess`): with auth on, a tenant missing from the
+service principal's allow-list would otherwise be served silently without the cache (every
+lookup refused, every write-back dropped); it is refused instead, naming the fix.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -20,15 +27,58 @@ import grpc
 from engine_adapter.engine import Engine
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.balancer import PrefillSample
+from engine_adapter.serving.errors import TenantNotAllowed
 from engine_adapter.serving.metrics import WorkerMetrics
+from engine_adapter.serving.worker_tls import check_peer
 from kvstore.config import load_cluster
-from kvstore.errors import ERRORS, InvalidArgument
+from kvstore.errors import ERRORS, InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.grpc_errors import to_grpc_status
 from ttl.policy import TrafficClasses
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+ACCESS_ALLOWED_TTL_S = 30.0  # an allowed tenant is asked again after this
+ACCESS_REFUSED_TTL_S = 2.0  # a refused one sooner: an allow-list change takes about a second
+ACCESS_CHECK_TIMEOUT_S = 5.0
+_PROBE_KEY = bytes(16)  # any key: the question is whether the nodes take the credential
+
+
+class TenantAccess:
+    """Whether the store takes this worker's credential for a tenant, remembered a while."""
+
+    def __init__(self) -> None:
+        self._tenant_to_answer: dict[str, tuple[bool, float]] = {}  # (allowed, asked at)
+
+    async def check(self, engine: Engine, tenant: str) -> None:
+        """TenantNotAllowed if the nodes refuse the serving tier's credential for ``tenant``.
+        A store that does not answer counts as allowed (the cache may then miss)."""
+        allowed, asked_s = self._tenant_to_answer.get(tenant, (True, -1e9))
+        ttl_s = ACCESS_ALLOWED_TTL_S if allowed else ACCESS_REFUSED_TTL_S
+        if time.monotonic() - asked_s > ttl_s:
+            allowed = await self._ask(engine, tenant)
+            self._tenant_to_answer[tenant] = (allowed, time.monotonic())
+        if not allowed:
+            raise TenantNotAllowed(
+                f"the store refuses the serving tier's credential for tenant {tenant!r} (the "
+                "API key's tenant): add it to the service principal's allow-list (kvstore "
+                f"cluster add-tenant NAME --role service --tenants ...,{tenant}) or map the "
+                "key to a tenant it may act for"
+            )
+
+    @staticmethod
+    async def _ask(engine: Engine, tenant: str) -> bool:
+        if engine.connector is None:
+            return True
+        try:
+            client = await engine.connector.client(tenant)
+            await client.contains([_PROBE_KEY], timeout_s=ACCESS_CHECK_TIMEOUT_S)
+        except PermissionDenied:
+            return False
+        except (KVStoreError, OSError) as exc:
+            log.warning("could not ask the store about tenant %r: %s", tenant, exc)
+        return True
 
 
 async def complete(
@@ -78,6 +128,8 @@ class WorkerBase:
         self.draining = asyncio.Event()  # set: no new requests
         self.drain_requested = asyncio.Event()  # a Drain RPC came: exit once drained
         self._classes: TrafficClasses | None = None
+        self.peer_identity: str | None = None  # TLS: the one client certificate taken
+        self.tenant_access = TenantAccess()
 
     def start_drain(self, grace_s: float) -> None:
         """Take no new requests (requests queued for the engine leave at once)."""
@@ -88,9 +140,17 @@ class WorkerBase:
         while self.num_active:
             await asyncio.sleep(0.05)
 
+    async def check_caller(self, context: grpc.aio.ServicerContext) -> None:
+        """Abort the call unless it comes from the serving certificate (with TLS)."""
+        try:
+            check_peer(context, self.peer_identity)
+        except PermissionDenied as exc:
+            await context.abort(*to_grpc_status(exc))
+
     async def Health(  # gRPC method name
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthReply:
+        await self.check_caller(context)
         return pb.HealthReply(
             worker_id=self.worker_id,
             role=self.role,
@@ -136,6 +196,7 @@ class WorkerBase:
         Yields True once the request holds the engine, or False (at once) if the worker
         drains before that: the request has not started here and belongs elsewhere.
         """
+        await self.check_caller(context)
         self.num_active += 1
         self.metrics.waiting.inc()
         holds = False

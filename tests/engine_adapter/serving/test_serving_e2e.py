@@ -12,7 +12,8 @@ import random
 import pytest
 
 from client import KVClient
-from engine_adapter.serving.errors import ContextTooLong
+from engine_adapter.serving.admission import AdmissionConfig
+from engine_adapter.serving.errors import ContextTooLong, QueueFull
 from engine_adapter.serving.router import Router
 from engine_adapter.serving.serve import WorkerPool
 from kvstore.errors import DeadlineExceeded, InvalidArgument
@@ -154,3 +155,29 @@ async def test_cancelled_requests_leave_no_trace_in_the_next(worker_pool, refere
                 f"after a request cancelled at {timeout_s} s the next one differs: a cancelled "
                 "request's compute thread wrote into blocks handed to the next request"
             )
+
+
+async def test_a_full_queue_is_refused_exactly_when_refusal_says_so(worker_pool):
+    """One slot, one queue place: with one request running and one queued, ``refusal()``
+    (what the HTTP front's /health answers) is QueueFull, and a third request gets exactly
+    that at once; once they are done, both say the router takes requests again."""
+    admission = AdmissionConfig(max_running_requests=1, max_waiting_requests=1)
+    router = Router(*(worker_pool.addresses(r) for r in ("prefill", "decode")), admission=admission)
+    async with router:
+        assert router.refusal() is None
+        long = [
+            asyncio.create_task(
+                router.generate(token_ids=_prompt(40 + i, 200), tenant="queue", max_new_tokens=300)
+            )
+            for i in range(2)
+        ]
+        while (router.admission.num_running, router.admission.num_waiting) != (1, 1):
+            await asyncio.sleep(0.01)
+        refusal = router.refusal()
+        assert isinstance(refusal, QueueFull) and refusal.code == "queue_full"
+        with pytest.raises(QueueFull, match="queued"):
+            await router.generate(token_ids=[1, 2, 3], tenant="queue", max_new_tokens=1)
+        done = await asyncio.gather(*long)
+        assert [len(c.token_ids) for c in done] == [300, 300]
+        assert router.refusal() is None
+        assert len((await router.generate(token_ids=[1, 2, 3], max_new_tokens=2)).token_ids) == 2

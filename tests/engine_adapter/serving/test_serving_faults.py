@@ -143,6 +143,27 @@ async def test_decode_worker_killed_mid_stream_resumes_on_another(
     assert token_ids == expected, "the resumed stream repeated, skipped or changed tokens"
 
 
+@pytest.mark.slow
+async def test_a_busy_decode_worker_is_waited_for_not_declared_dead(worker_pool: WorkerPool):
+    """d0 stays silent far longer than the router's silence limit (each token takes 2 s, the
+    limit is 0.3 s) but answers Health: the router waits, the request finishes on d0, and d0
+    is never marked down (under a flood a decode worker with queued requests is busy, not
+    dead)."""
+    worker_pool.restart("d0", ["--inject-delay-ms", "2000"])
+    try:
+        addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
+        router = Router(*addresses, token_timeout_s=0.3, prefill_attempt_timeout_s=0.3)
+        async with started(router):
+            completion = await router.generate(
+                token_ids=_prompt(6, 70), tenant="busy", max_new_tokens=3
+            )
+            d0 = next(w for w in router.endpoints if w.worker_id == "d0")
+            assert d0.healthy and d0.last_error == "", f"d0 was declared down: {d0.last_error}"
+    finally:
+        worker_pool.restart("d0")
+    assert completion.decode_worker_id == "d0" and len(completion.token_ids) == 3
+
+
 async def test_hung_prefill_worker_is_given_up_on(worker_pool: WorkerPool):
     prompt = _prompt(3, 80)
     addresses = worker_pool.addresses("prefill"), worker_pool.addresses("decode")
