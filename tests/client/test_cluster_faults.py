@@ -439,18 +439,22 @@ async def test_concurrent_writers_never_mix(cluster: LocalCluster, transport: st
             *(reader.get(k) for k in keys),
             *(reader.get_batch(keys[i : i + 16]) for i in range(0, len(keys), 16)),
         )
-        half = len(keys) // 2
+        half, slow = len(keys) // 2, 60.0  # 480 puts at once on a loaded machine: no deadline
         await asyncio.gather(
-            *(writer_a.put(k, a[k]) for k in keys[:half]),
-            writer_a.put_batch(keys[half:], [a[k] for k in keys[half:]], traffic_class="chat"),
-            writer_b.put_batch(keys[:half], [b[k] for k in keys[:half]], traffic_class="chat"),
-            *(writer_b.put(k, b[k]) for k in keys[half:]),
+            *(writer_a.put(k, a[k], timeout_s=slow) for k in keys[:half]),
+            writer_a.put_batch(
+                keys[half:], [a[k] for k in keys[half:]], traffic_class="chat", timeout_s=slow
+            ),
+            writer_b.put_batch(
+                keys[:half], [b[k] for k in keys[:half]], traffic_class="chat", timeout_s=slow
+            ),
+            *(writer_b.put(k, b[k], timeout_s=slow) for k in keys[half:]),
         )
         gathered = await reads_during
         during = list(gathered[: len(keys)]) + [v for batch in gathered[len(keys) :] for v in batch]
         # A long deadline: 240 blocks at once on a loaded machine may take longer than the
         # default 5 s, and a deadline's miss is not what this test is about.
-        after = await reader.get_batch(keys, timeout_s=60.0)
+        after = await reader.get_batch(keys, timeout_s=slow)
     for key, value in zip(keys * 3, during + after, strict=True):
         assert value in (a[key], b[key], None), "a read returned a MIX of two writers' bytes"
     assert all(value in (a[k], b[k]) for k, value in zip(keys, after, strict=True)), (

@@ -45,12 +45,9 @@ READS_INPUT_LATE = {
 }
 # Modules that take seconds to import; printing help must not need them.
 HEAVY_MODULES = ("torch", "ucxx", "ray", "matplotlib", "fastapi", "uvicorn", "transformers")
-# Help still imports torch here, in modules of other areas (the engine's, the serving
-# tier's): strict, so the entry must go once the module imports torch lazily.
+# Help still imports torch here, in the engine's modules: strict, so the entry must go
+# once the module imports torch lazily.
 HEAVY_HELP = {
-    ("serve",): "engine_adapter/serving/serve.py imports the engine at module level",
-    ("demo",): "engine_adapter/serving/demo.py imports serve.py",
-    ("bench", "serve"): "bench/serve_bench.py imports the serving tier",
     ("bench", "engine"): "bench/engine_bench.py imports the engine",
     ("bench", "swapin"): "bench/swapin_bench.py imports the engine's host buffers",
 }
