@@ -25,14 +25,11 @@ pytestmark = [
 PROMPT = [(i * 31 + 7) % 1000 for i in range(200)]  # 12 full blocks of 16 and a tail
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_side_stream_swap_in_equals_recompute(dtype):
-    config = EngineConfig(block_tokens=16, prefill_chunk_tokens=32, device="cuda", dtype=dtype)
-    engine = Engine(load_model("random:small", "cuda", dtype, seed=0), config)
-    cold = asyncio.run(engine.prefill(PROMPT, use_cache=False))
-    host = HostBlockPool(engine.layout, num_slots=12, pin_memory=True)
+def _swap_in_from(engine: Engine, cold, host: HostBlockPool, pinned_why: str):
+    """Save the cold prefill's 12 full blocks into ``host``'s slots, swap them into a new
+    sequence from there, and compute the tail: (sequence, last logits, first token)."""
     slots = host.acquire(12)
-    assert slots[0].block.is_pinned(), "swap-in buffers must be pinned on CUDA"
+    assert slots[0].block.is_pinned(), pinned_why
     for index, slot in enumerate(slots):
         engine.cache.save_block(cold.sequence.table.block_ids[index], slot.block)
     torch.cuda.synchronize()
@@ -42,6 +39,16 @@ def test_side_stream_swap_in_equals_recompute(dtype):
         swap_in.block_arrived(index)
     swap_in.start(num_blocks=12)
     logits, first = engine._compute(seq, 12 * 16, swap_in)
+    return seq, logits, first
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_side_stream_swap_in_equals_recompute(dtype):
+    config = EngineConfig(block_tokens=16, prefill_chunk_tokens=32, device="cuda", dtype=dtype)
+    engine = Engine(load_model("random:small", "cuda", dtype, seed=0), config)
+    cold = asyncio.run(engine.prefill(PROMPT, use_cache=False))
+    host = HostBlockPool(engine.layout, num_slots=12, pin_memory=True)
+    seq, logits, first = _swap_in_from(engine, cold, host, "swap-in buffers must be pinned on CUDA")
     assert first == cold.first_token_id
     assert torch.equal(logits, cold.logits), "swapped-in KV gave other logits than recomputing"
     for index in range(12):
@@ -59,17 +66,9 @@ def test_the_landing_pool_is_registered_and_swaps_in_by_dma():
     cold = asyncio.run(engine.prefill(PROMPT, use_cache=False))
     host = HostBlockPool(engine.layout, num_slots=12, pin_memory=True, shared=True)
     try:
-        slots = host.acquire(12)
-        assert slots[0].block.is_pinned(), "the registered landing pool must count as pinned"
-        for index, slot in enumerate(slots):
-            engine.cache.save_block(cold.sequence.table.block_ids[index], slot.block)
-        torch.cuda.synchronize()
-        seq = engine._new_sequence(PROMPT, "t", "chat", 0)
-        swap_in = SwapIn(engine.cache, seq.table.block_ids, [s.block for s in slots])
-        for index in range(12):
-            swap_in.block_arrived(index)
-        swap_in.start(num_blocks=12)
-        logits, first = engine._compute(seq, 12 * 16, swap_in)
+        _, logits, first = _swap_in_from(
+            engine, cold, host, "the registered landing pool must count as pinned"
+        )
         torch.cuda.synchronize()
         assert first == cold.first_token_id
         assert torch.equal(logits, cold.logits), "the landing pool's swap-in changed the logits"
