@@ -11,7 +11,12 @@ kills the process with SIGBUS (seen on a full tmpfs: lock.mdb's reader table). S
 allocated whole at open, and ``data.mdb`` is kept allocated ``reserve_bytes`` ahead of lmdb's
 last page (``posix_fallocate``): the index's own writes land in space the node already holds,
 puts are refused (CapacityExhausted) once that reserve cannot be kept, and deletes, expiry and
-eviction still commit from what is left. The allocated size counts inside the node's byte limit.
+eviction still commit from what is left. The allocated size counts inside the node's byte limit:
+each file's size rounded up to whole pages, since both are allocated whole. Not ``st_blocks``:
+that also counts the filesystem's own metadata, which moves with the write pattern (ext4 adds
+an extent tree block once writes split the fallocated, unwritten extent into more than four,
+xfs its bmap blocks and speculative preallocation), so the node's capacity would shrink by a
+page when nothing but the index's write order changed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import bisect
 import errno
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -217,10 +223,12 @@ class LmdbBackend:
 
 
 def _allocated(path: Path) -> int:
+    """A file allocated whole (no holes): its size rounded up to whole pages."""
     try:
-        return path.stat().st_blocks * 512
+        size = path.stat().st_size
     except FileNotFoundError:
         return 0
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _allocate_whole(path: Path) -> None:
