@@ -210,12 +210,15 @@ async def test_shards_corrupt_on_disk_read_right(cluster: LocalCluster) -> None:
             views = [view for _, view in _slots(pool, blocks)]
             landed = await _land(kv, blocks, views)
             stats = await kv.node_stats()
+            # Which path a miss took: a reserve never asked, a slot held for a node caught
+            # writing (client/local/reader.py), or a block that failed to decode.
+            counters = (kv.read_counters, kv.local.counters if kv.local else None)
     finally:
         for path, offset, original in undo:
             with contextlib.suppress(FileNotFoundError), path.open("r+b") as f:
                 f.seek(offset)
                 f.write(bytes([original]))
-    assert all(landed), "two corrupt nodes of 12 made a block miss"
+    assert all(landed), f"two corrupt nodes of 12 made a block miss: {counters}"
     _check(blocks, views, landed)
     found = sum(stats[n].corrupt_shards for n in ("n01", "n09") if stats[n])
     assert found > 0, "the nodes' read loop did not notice the corrupt records"
