@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-integrations install native system-packages lint bench-erasure bench-storage bench-engine bench-swapin bench-serve clean proto
+.PHONY: demo test test-full test-load test-integrations install native system-packages lint bench-erasure bench-storage bench-engine bench-swapin bench-serve clean proto
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,8 +71,24 @@ system-packages:
 
 # pytest runs under a marker in its environment (tests/leftover_processes.py): whatever way it
 # ends, a process it left running (a node, a worker) is killed and named, and fails the run.
+# Two xdist workers, a test file to one worker (--dist loadfile): a module's shared cluster
+# starts once. `make test` skips the long soak and fault tests (marked slow); `make test-full`
+# runs those; CI runs both. `make test-load` runs the fault and landing tests while
+# tests/cpu_burner.py spins on every core: they wait on conditions, never on an idle machine.
+XDIST := -n 2 --dist loadfile
+RUN_PYTEST := $(PY) tests/leftover_processes.py run -- $(PY) -m pytest -q $(XDIST)
+LOAD_TESTS := tests/client/test_landing_pool.py tests/client/test_landing.py \
+	tests/client/test_cluster_faults.py tests/client/test_read_timeouts.py \
+	tests/client/test_repair_truth.py tests/engine_adapter/test_engine_store_faults.py
 test: install system-packages
-	$(PY) tests/leftover_processes.py run -- $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(RUN_PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-full: install system-packages
+	$(RUN_PYTEST) -m slow $(PYTEST_ARGS)
+
+test-load: install system-packages
+	$(PY) tests/leftover_processes.py run -- $(PY) tests/cpu_burner.py -- \
+		$(PY) -m pytest -q $(XDIST) $(LOAD_TESTS) $(PYTEST_ARGS)
 
 # The vLLM, LMCache and SGLang adapters against each engine's real code, in venvs of their
 # own (.venv-vllm, .venv-sglang; built on first use, rebuilt when pyproject.toml changes): the

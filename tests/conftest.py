@@ -50,8 +50,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own teardown of what fixtures are still set up
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Kill every process of this session still alive, and fail the session naming them."""
-    leftovers = leftover_processes.sweep(SESSION_MARKER)
+    """Kill every process of this session still alive, and fail the session naming them.
+
+    Under pytest-xdist every worker is a session of its own, nested under the controller's
+    marker (it sets its own at import), and sweeps what its tests left. The workers carry the
+    controller's marker too (inherited): the controller's sweep, after theirs, spares them
+    while they exit and catches what a worker that died left."""
+    workers = _xdist_workers(session.config)
+    leftovers = leftover_processes.sweep(SESSION_MARKER, exclude=workers)
     if not leftovers:
         return
     first_seen = {pid: f"alive after {module}" for pid, module in _pid_to_first_seen.items()}
@@ -61,6 +67,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(text, file=sys.stderr)
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _xdist_workers(config: pytest.Config) -> set[int]:
+    """The xdist worker processes (this process's children) when this is the controller."""
+    if not config.pluginmanager.hasplugin("dsession"):
+        return set()
+    me = os.getpid()
+    return {
+        pid for pid in leftover_processes.live_pids() if leftover_processes.parent_pid(pid) == me
+    }
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

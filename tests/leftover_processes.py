@@ -80,7 +80,7 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
-def _parent_pid(pid: int) -> int:
+def parent_pid(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -93,17 +93,20 @@ def self_and_ancestors() -> set[int]:
     pids, pid = set(), os.getpid()
     while pid > 0 and pid not in pids:
         pids.add(pid)
-        pid = _parent_pid(pid)
+        pid = parent_pid(pid)
     return pids
+
+
+def live_pids() -> list[int]:
+    return sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
 
 
 def find(marker: str, exclude: Iterable[int] = ()) -> list[Leftover]:
     """Live processes carrying ``marker`` (zombies have an empty environ: not found)."""
     skip = set(exclude) | self_and_ancestors()
-    pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
     return [
         Leftover(pid, _cmdline(pid))
-        for pid in pids
+        for pid in live_pids()
         if pid not in skip and _carries_pid(pid, marker)
     ]
 
