@@ -55,14 +55,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     Under pytest-xdist every worker is a session of its own, nested under the controller's
     marker (it sets its own at import), and sweeps what its tests left. The workers carry the
     controller's marker too (inherited): the controller's sweep, after theirs, spares them
-    while they exit and catches what a worker that died left."""
+    while they exit and catches what a worker that died left. A worker hands its report to
+    the controller (xdist's workeroutput), which fails the run and prints it."""
     workers = _xdist_workers(session.config)
     leftovers = leftover_processes.sweep(SESSION_MARKER, exclude=workers)
     if not leftovers:
+        if _leftover_reports and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a worker's, reported to us
         return
     first_seen = {pid: f"alive after {module}" for pid, module in _pid_to_first_seen.items()}
     text = leftover_processes.report(leftovers, "the test session", first_seen)
     _leftover_reports.append(text)
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["leftover_processes"] = text
     if session.config.pluginmanager.get_plugin("terminalreporter") is None:
         print(text, file=sys.stderr)
     if session.exitstatus == pytest.ExitCode.OK:
@@ -77,6 +83,15 @@ def _xdist_workers(config: pytest.Config) -> set[int]:
     return {
         pid for pid in leftover_processes.live_pids() if leftover_processes.parent_pid(pid) == me
     }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """On the xdist controller: a worker's leftover report (see pytest_sessionfinish)."""
+    text = getattr(node, "workeroutput", {}).get("leftover_processes")
+    if text:
+        gateway = getattr(node, "gateway", None)
+        _leftover_reports.append(f"{gateway.id if gateway else 'a worker'}: {text}")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
