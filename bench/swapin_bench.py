@@ -5,7 +5,7 @@
     kvstore bench swapin [--json PATH] [--transport auto] [--cluster DIR/cluster.toml]
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
         [--num-blocks 64] [--concurrency 128] [--chunk-blocks 32] [--rounds 5]
-        [--device cpu|cuda[:N]]
+        [--device cpu|cuda[:N]] [--timeline-png PATH]
         [--nodes 12] [--no-fsync]
 
 It measures the engine's own fetch path, with no model forward around it. Per transport one
@@ -29,11 +29,17 @@ transport is ``auto``: the local channel to this host's nodes.
 - ``cache_gb_per_s``: fetched bytes / time until the blocks are in the paged KV cache (device
   memory on CUDA); median over rounds.
 - ``p50_ms``/``p99_ms``: the ``land_batch`` time of each block's chunk, all rounds pooled.
+- ``timeline``: the median round's fetch span by span (client/read_timeline.py: per node its
+  request, the node's own read and the client's landing of it; the client's waits, tallies,
+  block checks, stop, decode, then the swap-in), ms from the fetch's start; ``--timeline-png``
+  draws it.
 - ``stages_ms``: where one fetch's time goes, medians over rounds: ``gather`` (node answers
   arriving and tallied: the nodes' reads and the landing), ``stop`` (cancelling what was
   still out), ``decode`` (the block checksum pass, and any parity rebuild), summed over the
-  fetch's chunks (chunks overlap, so these can add up to more than the fetch), and
-  ``swap_in_wait`` (after the fetch, until the KV cache holds every block).
+  fetch's chunks (chunks overlap, so these can add up to more than the fetch),
+  ``swap_in_wait`` (after the fetch, until the KV cache holds every block), and the timeline's
+  sums (ReadTimeline.stages_ms: first send to last answer, the median node's read, the
+  client's waits, tallies and checks summed).
 - ``limits``: the same bytes in the same run, copied from a pinned host buffer to the device
   (``pinned_h2d_gb_per_s``, CUDA) and by one host memcpy (``host_copy_gb_per_s``): the
   ceilings the fetch is measured against.
@@ -75,6 +81,7 @@ from rich.table import Table
 from bench.common import bench_cluster, percentile_ms, process_cpu_s, transport_list
 from bench.limits import copy_limits
 from client import KVClient
+from client.read_timeline import CLIENT, ReadTimeline
 from engine_adapter import weights
 from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome, StoreConnector
@@ -114,6 +121,8 @@ class Record:
     nodes_cpu_s_per_gb: float = 0.0  # the local cluster's node processes, the same spans
     stages_ms: dict[str, float] = field(default_factory=dict)  # one fetch, medians
     transport_used: str = ""  # what answered most node requests: local, ucx or grpc
+    # The median round's fetch, span by span (client/read_timeline.py): lane, what, ms.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +135,7 @@ class Runner:
     fetch_s: list[float] = field(default_factory=list)
     cache_s: list[float] = field(default_factory=list)
     stages_s: list[dict[str, float]] = field(default_factory=list)
+    timelines: list[ReadTimeline] = field(default_factory=list)
     fetched_bytes: list[int] = field(default_factory=list)
     block_fetch_s: list[float] = field(default_factory=list)
     num_verified: int = 0
@@ -209,11 +219,15 @@ class Bench:
         keys = self.keys()
         cpu_before = time.process_time(), self._nodes_cpu_s()
         times_before = dataclasses.replace(runner.kv.read_times)
+        timeline = runner.kv.timeline = ReadTimeline()
         started = time.perf_counter()
         outcome = await runner.connector.fetch_prefix(keys, self.table, len(keys), self.tenant)
-        fetched_at = time.perf_counter()
+        fetched_at, fetched_ns = time.perf_counter(), time.monotonic_ns()
         self._finish_swap_in(outcome)
         cache_s = time.perf_counter() - started
+        runner.kv.timeline = None
+        timeline.add(CLIENT, "fetch", timeline.start_ns, fetched_ns)
+        timeline.add(CLIENT, "swap-in", fetched_ns)
         client_cpu_s = time.process_time() - cpu_before[0]
         nodes_cpu_s = self._nodes_cpu_s() - cpu_before[1]
         try:
@@ -235,8 +249,10 @@ class Bench:
                     "stop": times.stop_s - times_before.stop_s,
                     "decode": times.decode_s - times_before.decode_s,
                     "swap_in_wait": time.perf_counter() - fetched_at,
+                    **{name: ms / 1000 for name, ms in timeline.stages_ms().items()},
                 }
             )
+            runner.timelines.append(timeline)
             runner.fetched_bytes.append(outcome.num_fetched_blocks * self.layout.block_bytes)
             runner.block_fetch_s += outcome.block_fetch_s
             runner.client_cpu_s += client_cpu_s
@@ -318,11 +334,20 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         client_cpu_s_per_gb=runner.client_cpu_s / fetched_gb if fetched_gb else 0.0,
         nodes_cpu_s_per_gb=runner.nodes_cpu_s / fetched_gb if fetched_gb else 0.0,
         stages_ms={
-            name: 1000 * statistics.median(stage[name] for stage in runner.stages_s)
+            name: 1000 * statistics.median(stage.get(name, 0.0) for stage in runner.stages_s)
             for name in (runner.stages_s[0] if runner.stages_s else {})
         },
         transport_used=transport_used(runner.kv),
+        timeline=median_timeline(runner),
     )
+
+
+def median_timeline(runner: Runner) -> list[dict[str, Any]]:
+    """The spans of the round whose fetch took the median time."""
+    if not runner.timelines:
+        return []
+    order = sorted(range(len(runner.fetch_s)), key=lambda i: runner.fetch_s[i])
+    return runner.timelines[order[len(order) // 2]].rows()
 
 
 def transport_used(kv: KVClient) -> str:
@@ -475,6 +500,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="fetch deadline")
     parser.add_argument("--seed", type=int, default=0, help="seed of the blocks' contents")
+    parser.add_argument(
+        "--timeline-png",
+        type=Path,
+        default=None,
+        help="draw each transport's median fetch, stage by stage, into this PNG (matplotlib)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -496,5 +527,10 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
         console.print(f"wrote {args.json}")
+    if args.timeline_png and records:
+        from bench.timeline_plot import plot_timelines  # matplotlib: only when asked
+
+        plot_timelines(records, title, args.timeline_png)
+        console.print(f"wrote {args.timeline_png}")
     ok = all(r.bytes_verified and not r.incomplete_fetches for r in records)
     return 0 if records and ok else 1
