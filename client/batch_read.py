@@ -450,8 +450,16 @@ class _State:
                 completed.append(position)
         if landed and self.on_landed is not None:
             self.on_landed(landed)
+        # Check blocks as soon as they are whole: those just completed, and those completed
+        # earlier (by a parity shard) whose last data shard came now.
+        fresh = set(completed)
+        completed += (
+            p
+            for p, _ in landed
+            if p not in fresh and p not in self.verified and self.complete[p] is not None
+        )
         if completed:
-            self._check_whole(completed)
+            self._check_whole(list(dict.fromkeys(completed)))
 
     def _check_whole(self, positions: list[int]) -> None:
         """Start the block check of the keys just completed whose data shards all lie at
@@ -511,10 +519,21 @@ class _State:
         best = self.collectors[position].best_count
         return not can_complete(best, self.pending[position], self.k)
 
+    def _reserve_helps(self, position: int) -> bool:
+        """Whether asking the key's reserve nodes could still give it k shards: not when
+        they were asked, or are too few (a key absent everywhere is a miss after 3 MISS
+        answers of 11, one round trip, not two)."""
+        reserve = self.reserve[self.groups[position]]
+        return (
+            not self.reserve_asked[position]
+            and bool(reserve)
+            and can_complete(
+                self.collectors[position].best_count, self.pending[position] + len(reserve), self.k
+            )
+        )
+
     def _decide_if_hopeless(self, position: int) -> None:
-        if self._hopeless(position) and (
-            self.reserve_asked[position] or not self.reserve[self.groups[position]]
-        ):
+        if self._hopeless(position) and not self._reserve_helps(position):
             self._decide(position)
 
     def _decide(self, position: int) -> None:
@@ -526,7 +545,14 @@ class _State:
         every undecided key at the hedge (once per key)."""
         group_to_positions: dict[int, list[int]] = {}
         for position in range(len(self.keys)):
-            wanted = self._hopeless(position) or (every_undecided and not self.decided[position])
+            hopeless = self._hopeless(position)
+            # A key no node has a shard of yet waits for its other answers before its
+            # reserves are asked: MISS from everyone is a key the store lacks (a prefix
+            # past what is cached), decided by its answers alone (_reserve_helps).
+            unheard = not self.collectors[position].best_count and self.pending[position]
+            wanted = (hopeless and not unheard and self._reserve_helps(position)) or (
+                every_undecided and not hopeless and not self.decided[position]
+            )
             if wanted and not self.reserve_asked[position]:
                 self.reserve_asked[position] = True
                 group_to_positions.setdefault(self.groups[position], []).append(position)

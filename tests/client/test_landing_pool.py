@@ -120,6 +120,30 @@ async def test_blocks_land_in_place_with_no_copy(cluster: LocalCluster) -> None:
             )
 
 
+async def test_a_mostly_missing_prefix_is_decided_by_one_round_trip(
+    cluster: LocalCluster,
+) -> None:
+    """A prefix whose tail the store lacks (the 10%-cached prompt): every node answers MISS
+    for the tail, so those keys are misses from the first answers alone (no reserve asked:
+    it could not give them k shards), and the stored head lands right."""
+    blocks = _blocks(7, "mostly-missing", [256 * KiB] * 10)
+    head = dict(list(blocks.items())[:1])
+    await _put(cluster.cluster_toml, head)
+    pool = LandingPool(SLOT_BYTES, len(blocks))
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="acme", transport="local", landing_pool=pool
+    ) as kv:
+        views = [view for _, view in _slots(pool, blocks)]
+        landed = await _land(kv, blocks, views)
+        counters = kv.read_counters
+    assert landed == [True] + [False] * 9, f"expected the head only, got {landed}"
+    _check(blocks, views, landed)
+    assert counters.num_misses == 9 and counters.num_reserve_asks == 0, (
+        f"absent keys asked the reserve node ({counters.num_reserve_asks} asks): a second "
+        "round trip for keys no node holds"
+    )
+
+
 @pytest.mark.parametrize("delay_ms", [50, STRAGGLER_DELAY_MS])
 async def test_a_straggler_mid_fetch_never_writes_after_the_read(
     cluster: LocalCluster, delay_ms: int
