@@ -48,7 +48,9 @@ transport is ``auto``: the local channel to this host's nodes.
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
   threads, decode pool, CUDA copies) per fetched GB, over each fetch and its swap-in, the
   sample check not counted; ``nodes_cpu_s_per_gb``: the local cluster's node processes' CPU
-  seconds per GB over the same spans (0 with ``--cluster``: their processes are not ours).
+  seconds per GB over the same spans (0 with ``--cluster``: their processes are not ours);
+  ``nodes_idle_cpu_s_per_gb`` the part of it the nodes burn idle anyway (``config``'s
+  ``nodes_idle_cpu_cores``, measured for a second before the rounds, over the same spans).
 - ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto);
   ``local_counters``: its local-channel counters (transport local/auto: ``num_placed`` are
   payloads the nodes wrote into the pool themselves); ``transport_used``: what answered the
@@ -119,6 +121,9 @@ class Record:
     local_counters: dict[str, int] | None = None  # transport local/auto: the local channel
     client_cpu_s_per_gb: float = 0.0  # this process, over the measured fetches and swap-ins
     nodes_cpu_s_per_gb: float = 0.0  # the local cluster's node processes, the same spans
+    # The part of nodes_cpu_s_per_gb the nodes burn idle anyway (config's
+    # nodes_idle_cpu_cores over the same spans): the rest is the reads' own.
+    nodes_idle_cpu_s_per_gb: float = 0.0
     stages_ms: dict[str, float] = field(default_factory=dict)  # one fetch, medians
     transport_used: str = ""  # what answered most node requests: local, ucx or grpc
     # The median round's fetch, span by span (client/read_timeline.py): lane, what, ms.
@@ -145,6 +150,7 @@ class Runner:
     local_before: dict[str, int] | None = None
     client_cpu_s: float = 0.0
     nodes_cpu_s: float = 0.0
+    span_s: float = 0.0  # the measured fetches and swap-ins, summed
 
 
 class Bench:
@@ -165,6 +171,7 @@ class Bench:
         self._check = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype))
         self._rng = random.Random(args.seed)
         self.node_pids: list[int] = []  # the local cluster's nodes, for their CPU seconds
+        self.nodes_idle_cpu_cores = 0.0  # what they burn with no requests
 
     def engine_config(self, transport: str) -> EngineConfig:
         return EngineConfig(
@@ -257,6 +264,7 @@ class Bench:
             runner.block_fetch_s += outcome.block_fetch_s
             runner.client_cpu_s += client_cpu_s
             runner.nodes_cpu_s += nodes_cpu_s
+            runner.span_s += cache_s
 
     def _nodes_cpu_s(self) -> float:
         return sum(process_cpu_s(pid) for pid in self.node_pids)
@@ -333,6 +341,9 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         local_counters=counters_delta(runner.local_before, local_after),
         client_cpu_s_per_gb=runner.client_cpu_s / fetched_gb if fetched_gb else 0.0,
         nodes_cpu_s_per_gb=runner.nodes_cpu_s / fetched_gb if fetched_gb else 0.0,
+        nodes_idle_cpu_s_per_gb=(
+            bench.nodes_idle_cpu_cores * runner.span_s / fetched_gb if fetched_gb else 0.0
+        ),
         stages_ms={
             name: 1000 * statistics.median(stage.get(name, 0.0) for stage in runner.stages_s)
             for name in (runner.stages_s[0] if runner.stages_s else {})
@@ -376,6 +387,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
         try:
             await swapin.open(cluster_toml)
+            swapin.nodes_idle_cpu_cores = await nodes_idle_cpu_cores(swapin.node_pids)
             await measure(swapin)
             records = [make_record(swapin, runner) for runner in swapin.runners]
         finally:
@@ -395,11 +407,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "cluster": str(args.cluster) if args.cluster else f"local, {args.nodes} nodes",
             "fsync": not args.no_fsync,
             "cpus": os.cpu_count(),
+            "nodes_idle_cpu_cores": swapin.nodes_idle_cpu_cores,
             "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
         },
         "results": [asdict(record) for record in records],
         "notes": swapin.notes,
     }
+
+
+async def nodes_idle_cpu_cores(pids: list[int], seconds: float = 1.0) -> float:
+    """What the node processes burn with no requests (their background loops), in cores."""
+    if not pids:
+        return 0.0
+    before_s = sum(process_cpu_s(pid) for pid in pids)
+    await asyncio.sleep(seconds)
+    return round((sum(process_cpu_s(pid) for pid in pids) - before_s) / seconds, 3)
 
 
 async def measure(bench: Bench) -> None:
@@ -421,7 +443,7 @@ def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
     for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
-    for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes"]:
+    for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes (idle)"]:
         table.add_column(name, justify="right")
     table.add_column("verified", justify="right")
     table.add_column("UCX replies/shards/inline/fallback", justify="right")
@@ -445,7 +467,8 @@ def results_table(records: list[Record], title: str) -> Table:
             f"{r.p50_ms:.1f}",
             f"{r.p99_ms:.1f}",
             stages,
-            f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f}",
+            f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f} "
+            f"({r.nodes_idle_cpu_s_per_gb:.2f})",
             f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
             shards if r.ucx_counters is not None else "-",
         )
