@@ -32,7 +32,6 @@ class SwapIn:
         self.num_blocks = 0  # usable leading blocks, fixed by start()
         self._cuda = cache.kv.device.type == "cuda"
         self._loaded_layers: set[int] = set()
-        self._stacked: torch.Tensor | list[torch.Tensor] | None = None  # CPU: see stacked()
         self._events: list[torch.cuda.Event] = []
         if self._cuda and host_blocks:
             self._stream = torch.cuda.Stream(device=cache.kv.device)
@@ -70,34 +69,5 @@ class SwapIn:
             torch.cuda.current_stream(self.cache.kv.device).wait_event(self._events[layer])
         elif layer not in self._loaded_layers:
             ids = self.block_ids[: self.num_blocks]
-            if self._stacked is None:
-                self._stacked = stacked(self.host_blocks[: self.num_blocks])
-            self.cache.load_layer(layer, ids, self._stacked)
+            self.cache.load_layer(layer, ids, self.host_blocks[: self.num_blocks])
             self._loaded_layers.add(layer)
-
-
-def stacked(blocks: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-    """The blocks as one ``[n, *block shape]`` tensor when they lie in one storage at equal
-    steps (slots of one pool, acquired in order: no copy), so that a layer is placed with one
-    copy instead of one per block (a 16k prompt's 256 blocks x 30 layers are 7,680 torch
-    calls); else the list itself."""
-    first = blocks[0]
-    if len(blocks) < 2 or not first.is_contiguous():
-        return blocks
-    size = first.element_size()
-    step = blocks[1].data_ptr() - first.data_ptr()
-    if (
-        step <= 0
-        or step % size
-        or any(
-            b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or b.data_ptr() - first.data_ptr() != i * step
-            or b.shape != first.shape
-            or b.dtype != first.dtype
-            for i, b in enumerate(blocks)
-        )
-    ):
-        return blocks
-    return torch.as_strided(
-        first, (len(blocks), *first.shape), (step // size, *first.stride()), first.storage_offset()
-    )
