@@ -5,7 +5,7 @@
     kvstore bench swapin [--json PATH] [--transport auto] [--cluster DIR/cluster.toml]
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
         [--num-blocks 64] [--concurrency 128] [--chunk-blocks 32] [--rounds 5]
-        [--device cpu|cuda[:N]]
+        [--device cpu|cuda[:N]] [--timeline-png PATH]
         [--nodes 12] [--no-fsync]
 
 It measures the engine's own fetch path, with no model forward around it. Per transport one
@@ -29,11 +29,17 @@ transport is ``auto``: the local channel to this host's nodes.
 - ``cache_gb_per_s``: fetched bytes / time until the blocks are in the paged KV cache (device
   memory on CUDA); median over rounds.
 - ``p50_ms``/``p99_ms``: the ``land_batch`` time of each block's chunk, all rounds pooled.
+- ``timeline``: the median round's fetch span by span (client/read_timeline.py: per node its
+  request, the node's own read and the client's landing of it; the client's waits, tallies,
+  block checks, stop, decode, then the swap-in), ms from the fetch's start; ``--timeline-png``
+  draws it.
 - ``stages_ms``: where one fetch's time goes, medians over rounds: ``gather`` (node answers
   arriving and tallied: the nodes' reads and the landing), ``stop`` (cancelling what was
   still out), ``decode`` (the block checksum pass, and any parity rebuild), summed over the
-  fetch's chunks (chunks overlap, so these can add up to more than the fetch), and
-  ``swap_in_wait`` (after the fetch, until the KV cache holds every block).
+  fetch's chunks (chunks overlap, so these can add up to more than the fetch),
+  ``swap_in_wait`` (after the fetch, until the KV cache holds every block), and the timeline's
+  sums (ReadTimeline.stages_ms: first send to last answer, the median node's read, the
+  client's waits, tallies and checks summed).
 - ``limits``: the same bytes in the same run, copied from a pinned host buffer to the device
   (``pinned_h2d_gb_per_s``, CUDA) and by one host memcpy (``host_copy_gb_per_s``): the
   ceilings the fetch is measured against.
@@ -42,7 +48,9 @@ transport is ``auto``: the local channel to this host's nodes.
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
   threads, decode pool, CUDA copies) per fetched GB, over each fetch and its swap-in, the
   sample check not counted; ``nodes_cpu_s_per_gb``: the local cluster's node processes' CPU
-  seconds per GB over the same spans (0 with ``--cluster``: their processes are not ours).
+  seconds per GB over the same spans (0 with ``--cluster``: their processes are not ours);
+  ``nodes_idle_cpu_s_per_gb`` the part of it the nodes burn idle anyway (``config``'s
+  ``nodes_idle_cpu_cores``, measured for a second before the rounds, over the same spans).
 - ``ucx_counters``: the client's UCX counters over the measured rounds (transport ucx/auto);
   ``local_counters``: its local-channel counters (transport local/auto: ``num_placed`` are
   payloads the nodes wrote into the pool themselves); ``transport_used``: what answered the
@@ -75,6 +83,7 @@ from rich.table import Table
 from bench.common import bench_cluster, percentile_ms, process_cpu_s, transport_list
 from bench.limits import copy_limits
 from client import KVClient
+from client.read_timeline import CLIENT, ReadTimeline
 from engine_adapter import weights
 from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome, StoreConnector
@@ -112,8 +121,13 @@ class Record:
     local_counters: dict[str, int] | None = None  # transport local/auto: the local channel
     client_cpu_s_per_gb: float = 0.0  # this process, over the measured fetches and swap-ins
     nodes_cpu_s_per_gb: float = 0.0  # the local cluster's node processes, the same spans
+    # The part of nodes_cpu_s_per_gb the nodes burn idle anyway (config's
+    # nodes_idle_cpu_cores over the same spans): the rest is the reads' own.
+    nodes_idle_cpu_s_per_gb: float = 0.0
     stages_ms: dict[str, float] = field(default_factory=dict)  # one fetch, medians
     transport_used: str = ""  # what answered most node requests: local, ucx or grpc
+    # The median round's fetch, span by span (client/read_timeline.py): lane, what, ms.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +140,7 @@ class Runner:
     fetch_s: list[float] = field(default_factory=list)
     cache_s: list[float] = field(default_factory=list)
     stages_s: list[dict[str, float]] = field(default_factory=list)
+    timelines: list[ReadTimeline] = field(default_factory=list)
     fetched_bytes: list[int] = field(default_factory=list)
     block_fetch_s: list[float] = field(default_factory=list)
     num_verified: int = 0
@@ -135,6 +150,7 @@ class Runner:
     local_before: dict[str, int] | None = None
     client_cpu_s: float = 0.0
     nodes_cpu_s: float = 0.0
+    span_s: float = 0.0  # the measured fetches and swap-ins, summed
 
 
 class Bench:
@@ -155,6 +171,7 @@ class Bench:
         self._check = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype))
         self._rng = random.Random(args.seed)
         self.node_pids: list[int] = []  # the local cluster's nodes, for their CPU seconds
+        self.nodes_idle_cpu_cores = 0.0  # what they burn with no requests
 
     def engine_config(self, transport: str) -> EngineConfig:
         return EngineConfig(
@@ -209,11 +226,15 @@ class Bench:
         keys = self.keys()
         cpu_before = time.process_time(), self._nodes_cpu_s()
         times_before = dataclasses.replace(runner.kv.read_times)
+        timeline = runner.kv.timeline = ReadTimeline()
         started = time.perf_counter()
         outcome = await runner.connector.fetch_prefix(keys, self.table, len(keys), self.tenant)
-        fetched_at = time.perf_counter()
+        fetched_at, fetched_ns = time.perf_counter(), time.monotonic_ns()
         self._finish_swap_in(outcome)
         cache_s = time.perf_counter() - started
+        runner.kv.timeline = None
+        timeline.add(CLIENT, "fetch", timeline.start_ns, fetched_ns)
+        timeline.add(CLIENT, "swap-in", fetched_ns)
         client_cpu_s = time.process_time() - cpu_before[0]
         nodes_cpu_s = self._nodes_cpu_s() - cpu_before[1]
         try:
@@ -235,12 +256,15 @@ class Bench:
                     "stop": times.stop_s - times_before.stop_s,
                     "decode": times.decode_s - times_before.decode_s,
                     "swap_in_wait": time.perf_counter() - fetched_at,
+                    **{name: ms / 1000 for name, ms in timeline.stages_ms().items()},
                 }
             )
+            runner.timelines.append(timeline)
             runner.fetched_bytes.append(outcome.num_fetched_blocks * self.layout.block_bytes)
             runner.block_fetch_s += outcome.block_fetch_s
             runner.client_cpu_s += client_cpu_s
             runner.nodes_cpu_s += nodes_cpu_s
+            runner.span_s += cache_s
 
     def _nodes_cpu_s(self) -> float:
         return sum(process_cpu_s(pid) for pid in self.node_pids)
@@ -317,12 +341,24 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         local_counters=counters_delta(runner.local_before, local_after),
         client_cpu_s_per_gb=runner.client_cpu_s / fetched_gb if fetched_gb else 0.0,
         nodes_cpu_s_per_gb=runner.nodes_cpu_s / fetched_gb if fetched_gb else 0.0,
+        nodes_idle_cpu_s_per_gb=(
+            bench.nodes_idle_cpu_cores * runner.span_s / fetched_gb if fetched_gb else 0.0
+        ),
         stages_ms={
-            name: 1000 * statistics.median(stage[name] for stage in runner.stages_s)
+            name: 1000 * statistics.median(stage.get(name, 0.0) for stage in runner.stages_s)
             for name in (runner.stages_s[0] if runner.stages_s else {})
         },
         transport_used=transport_used(runner.kv),
+        timeline=median_timeline(runner),
     )
+
+
+def median_timeline(runner: Runner) -> list[dict[str, Any]]:
+    """The spans of the round whose fetch took the median time."""
+    if not runner.timelines:
+        return []
+    order = sorted(range(len(runner.fetch_s)), key=lambda i: runner.fetch_s[i])
+    return runner.timelines[order[len(order) // 2]].rows()
 
 
 def transport_used(kv: KVClient) -> str:
@@ -351,6 +387,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
         try:
             await swapin.open(cluster_toml)
+            swapin.nodes_idle_cpu_cores = await nodes_idle_cpu_cores(swapin.node_pids)
             await measure(swapin)
             records = [make_record(swapin, runner) for runner in swapin.runners]
         finally:
@@ -370,11 +407,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "cluster": str(args.cluster) if args.cluster else f"local, {args.nodes} nodes",
             "fsync": not args.no_fsync,
             "cpus": os.cpu_count(),
+            "nodes_idle_cpu_cores": swapin.nodes_idle_cpu_cores,
             "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
         },
         "results": [asdict(record) for record in records],
         "notes": swapin.notes,
     }
+
+
+async def nodes_idle_cpu_cores(pids: list[int], seconds: float = 1.0) -> float:
+    """What the node processes burn with no requests (their background loops), in cores."""
+    if not pids:
+        return 0.0
+    before_s = sum(process_cpu_s(pid) for pid in pids)
+    await asyncio.sleep(seconds)
+    return round((sum(process_cpu_s(pid) for pid in pids) - before_s) / seconds, 3)
 
 
 async def measure(bench: Bench) -> None:
@@ -396,7 +443,7 @@ def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
     for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
-    for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes"]:
+    for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes (idle)"]:
         table.add_column(name, justify="right")
     table.add_column("verified", justify="right")
     table.add_column("UCX replies/shards/inline/fallback", justify="right")
@@ -420,7 +467,8 @@ def results_table(records: list[Record], title: str) -> Table:
             f"{r.p50_ms:.1f}",
             f"{r.p99_ms:.1f}",
             stages,
-            f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f}",
+            f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f} "
+            f"({r.nodes_idle_cpu_s_per_gb:.2f})",
             f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
             shards if r.ucx_counters is not None else "-",
         )
@@ -475,6 +523,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="fetch deadline")
     parser.add_argument("--seed", type=int, default=0, help="seed of the blocks' contents")
+    parser.add_argument(
+        "--timeline-png",
+        type=Path,
+        default=None,
+        help="draw each transport's median fetch, stage by stage, into this PNG (matplotlib)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -496,5 +550,10 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
         console.print(f"wrote {args.json}")
+    if args.timeline_png and records:
+        from bench.timeline_plot import plot_timelines  # matplotlib: only when asked
+
+        plot_timelines(records, title, args.timeline_png)
+        console.print(f"wrote {args.timeline_png}")
     ok = all(r.bytes_verified and not r.incomplete_fetches for r in records)
     return 0 if records and ok else 1

@@ -45,6 +45,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from client.landing import NodeAnswer, Wanted, header_rows
 from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result, finish_despite_cancel
 from client.read_plan import plan_read
+from client.read_timeline import CLIENT, ReadTimeline
 from client.shard_tally import ShardCollector, can_complete
 from erasure.codec import Codec
 from erasure.shard import SplitShard, shard_payload
@@ -115,6 +117,7 @@ class _Request:
     node: int  # index into BatchRead.conns
     keys: list[bytes]
     wanted: Wanted
+    sent_ns: int = 0  # when it was sent (CLOCK_MONOTONIC), for the read timeline
 
 
 class BatchRead:
@@ -136,6 +139,7 @@ class BatchRead:
         landing_pool: LandingPool | None = None,
         times: ReadTimes | None = None,
         block_check: BlockCheck = XXH3_CHECK,
+        timeline: ReadTimeline | None = None,
     ) -> None:
         self.codec = codec
         self.conns = conns  # every node of the cluster; health lives here
@@ -153,6 +157,7 @@ class BatchRead:
         # How each block is checked against its version: xxh3-128, or a tenant's keyed
         # digest under end-to-end integrity (client/integrity.py). The one pass over it.
         self.block_check = block_check
+        self.timeline = timeline  # where the stages' spans go (client/read_timeline.py)
         # After run(): positions whose bytes decoding wrote after on_landed announced them.
         self.rewritten: set[int] = set()
 
@@ -184,10 +189,10 @@ class BatchRead:
             log.debug("batch read: deadline passed with %d keys undecided", state.num_undecided)
             state.deadline_passed = True
         finally:
-            gathered_s = clock()
+            gathered_s, gathered_ns = clock(), time.monotonic_ns()
             await state.stop()
             await state.settle_checks()
-        stopped_s = clock()
+        stopped_s, stopped_ns = clock(), time.monotonic_ns()
         self.timed_out = state.timed_out()
         try:
             blocks = await state.decode(self.decode_pool)
@@ -197,6 +202,9 @@ class BatchRead:
         times.gather_s += gathered_s - started_s
         times.stop_s += stopped_s - gathered_s
         times.decode_s += clock() - stopped_s
+        if self.timeline is not None:
+            self.timeline.add(CLIENT, "stop", gathered_ns, stopped_ns)
+            self.timeline.add(CLIENT, "decode", stopped_ns)
         if self.follow_ups is not None:
             state.follow_up(blocks, self.follow_ups)
         self.rewritten = state.rewritten
@@ -293,7 +301,7 @@ class _State:
                 [s for _, s in chunk],
                 None if offsets is None else [offsets[p] for p in positions],
             )
-            request = _Request(node, [self.keys[p] for p in positions], wanted)
+            request = _Request(node, [self.keys[p] for p in positions], wanted, time.monotonic_ns())
             for position in positions:
                 self.pending[position] += 1
             reader = self.read.readers[node]
@@ -317,9 +325,12 @@ class _State:
         hedge_at_s = started_s + self.read.hedge_delay_s if self.read.hedge_delay_s else None
         while self.tasks and self.num_undecided:
             timeout_s = None if hedge_at_s is None else max(0.0, hedge_at_s - loop.time())
+            waited_ns = time.monotonic_ns()
             done, _ = await asyncio.wait(
                 self.tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
+            if self.read.timeline is not None:
+                self.read.timeline.add(CLIENT, "wait", waited_ns)
             for task in done:
                 self._absorb(task, self.tasks.pop(task))
             hedged = hedge_at_s is not None and loop.time() >= hedge_at_s
@@ -364,12 +375,29 @@ class _State:
             )
             answer = None
         if answer is not None:
+            tallied_ns = time.monotonic_ns()
             self.answers.append(answer)
             self._note_heard(answer, request)
             self._tally(answer, request)
+            if self.read.timeline is not None:
+                self._add_spans(self.read.timeline, answer, request, tallied_ns)
         for position in request.wanted.positions:
             self.pending[position] -= 1
             self._decide_if_hopeless(position)
+
+    def _add_spans(
+        self, timeline: ReadTimeline, answer: NodeAnswer, request: _Request, tallied_ns: int
+    ) -> None:
+        """One node answer's spans: its request, the node's read and the landing (where
+        the transport timed them), and its tally on the event loop."""
+        lane = f"node {self.read.conns[request.node].node_id}"
+        timeline.add(lane, "request", request.sent_ns, tallied_ns)
+        if answer.node_read_ns is not None:
+            timeline.add(lane, "queue", request.sent_ns, answer.node_read_ns[0])
+            timeline.add(lane, "read", *answer.node_read_ns)
+        if answer.landed_ns is not None:
+            timeline.add(lane, "land", *answer.landed_ns)
+        timeline.add(CLIENT, "tally", tallied_ns)
 
     def _note_heard(self, answer: NodeAnswer, request: _Request) -> None:
         """Which shard indexes answered each key, with a HIT or without (for follow-ups)."""
@@ -422,8 +450,16 @@ class _State:
                 completed.append(position)
         if landed and self.on_landed is not None:
             self.on_landed(landed)
+        # Check blocks as soon as they are whole: those just completed, and those completed
+        # earlier (by a parity shard) whose last data shard came now.
+        fresh = set(completed)
+        completed += (
+            p
+            for p, _ in landed
+            if p not in fresh and p not in self.verified and self.complete[p] is not None
+        )
         if completed:
-            self._check_whole(completed)
+            self._check_whole(list(dict.fromkeys(completed)))
 
     def _check_whole(self, positions: list[int]) -> None:
         """Start the block check of the keys just completed whose data shards all lie at
@@ -441,9 +477,10 @@ class _State:
         keys = [self.keys[position] for position, _, _ in whole]
         outs = [out for _, _, out in whole]
         versions = [version for _, version, _ in whole]
-        future = asyncio.get_running_loop().run_in_executor(
-            pool, self.read.block_check.verify, keys, outs, versions
-        )
+        check = functools.partial(self.read.block_check.verify, keys, outs, versions)
+        if self.read.timeline is not None:
+            check = functools.partial(_timed, self.read.timeline, "check", check)
+        future = asyncio.get_running_loop().run_in_executor(pool, check)
         for position, _, _ in whole:
             self.verified[position] = False  # until the check says otherwise
 
@@ -482,10 +519,21 @@ class _State:
         best = self.collectors[position].best_count
         return not can_complete(best, self.pending[position], self.k)
 
+    def _reserve_helps(self, position: int) -> bool:
+        """Whether asking the key's reserve nodes could still give it k shards: not when
+        they were asked, or are too few (a key absent everywhere is a miss after 3 MISS
+        answers of 11, one round trip, not two)."""
+        reserve = self.reserve[self.groups[position]]
+        return (
+            not self.reserve_asked[position]
+            and bool(reserve)
+            and can_complete(
+                self.collectors[position].best_count, self.pending[position] + len(reserve), self.k
+            )
+        )
+
     def _decide_if_hopeless(self, position: int) -> None:
-        if self._hopeless(position) and (
-            self.reserve_asked[position] or not self.reserve[self.groups[position]]
-        ):
+        if self._hopeless(position) and not self._reserve_helps(position):
             self._decide(position)
 
     def _decide(self, position: int) -> None:
@@ -497,7 +545,14 @@ class _State:
         every undecided key at the hedge (once per key)."""
         group_to_positions: dict[int, list[int]] = {}
         for position in range(len(self.keys)):
-            wanted = self._hopeless(position) or (every_undecided and not self.decided[position])
+            hopeless = self._hopeless(position)
+            # A key no node has a shard of yet waits for its other answers before its
+            # reserves are asked: MISS from everyone is a key the store lacks (a prefix
+            # past what is cached), decided by its answers alone (_reserve_helps).
+            unheard = not self.collectors[position].best_count and self.pending[position]
+            wanted = (hopeless and not unheard and self._reserve_helps(position)) or (
+                every_undecided and not hopeless and not self.decided[position]
+            )
             if wanted and not self.reserve_asked[position]:
                 self.reserve_asked[position] = True
                 group_to_positions.setdefault(self.groups[position], []).append(position)
@@ -703,6 +758,15 @@ class _State:
         """Free the scratch of every answer (after decoding: parity shards live there)."""
         for answer in self.answers:
             answer.release()
+
+
+def _timed(timeline: ReadTimeline, what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, its span added to the client lane of ``timeline`` (any thread)."""
+    started_ns = time.monotonic_ns()
+    try:
+        return call()
+    finally:
+        timeline.add(CLIENT, what, started_ns)
 
 
 def _is_in(payload: memoryview | SplitShard | bytes, out: memoryview) -> bool:

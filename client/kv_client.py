@@ -65,6 +65,7 @@ from client.local.reader import LocalReads
 from client.map_follower import MapFollower
 from client.node_conn import NodeConn, NodeReader, consume_result
 from client.read_outcome import BatchResult, check_on_timeout, raise_timeouts
+from client.read_timeline import ReadTimeline
 from client.sealer import OVERHEAD_BYTES, BlockSealer
 from client.shard_tally import PresenceTally
 from client.transports import NodeTransports
@@ -133,6 +134,8 @@ class KVClient:
         self._place(config)
         self.read_counters = ReadCounters()
         self.read_times = ReadTimes()
+        # Set a ReadTimeline here to record where batch reads spend their time (benchmarks).
+        self.timeline: ReadTimeline | None = None
         self.write_counters = WriteCounters()
         # Touches after read hits, repair hints after short reads and writes (background).
         self.follow_ups = FollowUps(self.conns, config.groups, tenant, config.client.timeout_s)
@@ -568,6 +571,7 @@ class KVClient:
             landing_pool=self.landing_pool,
             times=self.read_times,
             block_check=self.integrity or XXH3_CHECK,
+            timeline=self.timeline,
         )
 
     async def _read_placed(

@@ -164,6 +164,10 @@ class NodeAnswer:
     scratch: list[Region] = field(default_factory=list)
     headers: list[ShardHeader | None] | None = None
     checked: list[bool] | None = None
+    # CLOCK_MONOTONIC ns, for the read timeline (client/read_timeline.py), where known: the
+    # node's read (start, end), and the client's landing of the answer (start, end).
+    node_read_ns: tuple[int, int] | None = None
+    landed_ns: tuple[int, int] | None = None
 
     def release(self) -> None:
         for region in self.scratch:

@@ -41,6 +41,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -325,7 +326,13 @@ class LocalLink:
             pending.state = _LANDING
         result: NodeAnswer | KVStoreError
         try:
-            if status == frames.OK:
+            if status == frames.TIMED:
+                landing_ns = time.monotonic_ns()
+                read_start_ns, read_end_ns, table = frames.decode_timed(body)
+                result = self._land(pending, table)
+                result.node_read_ns = (read_start_ns, read_end_ns)
+                result.landed_ns = (landing_ns, time.monotonic_ns())
+            elif status == frames.OK:
                 result = self._land(pending, body)
             elif status == frames.ERROR:
                 code, message = frames.decode_status(body)

@@ -13,7 +13,8 @@ same everywhere::
                    named by $KVSTORE_TOKEN_FILE (never cluster.toml, never the engine config:
                    engines log their configs)
     tls_cert_file, tls_key_file   client certificate for mutual TLS (or $KVSTORE_TLS_*)
-    transport      "grpc" | "auto" | "ucx" | "local" (KVClient.connect's; default "grpc")
+    transport      "auto" | "grpc" | "ucx" | "local" (KVClient.connect's; default "auto": the
+                   local channel to this host's nodes, UCX or gRPC to the rest)
     model_id       names the model in the key namespace instead of the engine's model path
                    (set it when replicas load one model from different paths)
 
@@ -61,7 +62,7 @@ class AdapterConfig:
     token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    transport: str = "grpc"
+    transport: str = "auto"
     model_id: str | None = None
     where: str = "the adapter config"  # names the engine's config in error messages
 

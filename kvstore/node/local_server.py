@@ -38,6 +38,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -270,6 +271,7 @@ class LocalServer:
                 raise InvalidArgument(
                     f"region [{start}, {end}) lies outside the {len(session.arena)}-byte arena"
                 )
+            started_ns = time.monotonic_ns()
             table = self._read(session, request, session.arena[start:end])
         except RegionTooSmall as exc:
             return frames.encode_too_big(request.request_id, exc.payload_bytes)
@@ -279,7 +281,7 @@ class LocalServer:
                 log.exception("local read request failed")
                 error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
             return frames.encode_error(request.request_id, status_code(error).value[0], str(error))
-        return frames.encode_answer(request.request_id, frames.OK, table)
+        return frames.encode_timed(request.request_id, started_ns, time.monotonic_ns(), table)
 
 
 MAX_CANCELLED_IDS = 1024  # CANCELs kept for READs not seen yet (or answered already)

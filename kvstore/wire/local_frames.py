@@ -35,6 +35,8 @@ Every frame::
                num keys x (u64 place offset, NO_PLACE = none | u64 capacity bytes |
                            u32 payload bytes | u8 shard index | 3 B zero)]
     ANSWER    u64 request id | u8 status | OK: the table (kvstore/wire/batch_answer.py)
+                                           TIMED: u64 read start ns | u64 read end ns
+                                                  (CLOCK_MONOTONIC) | the table
                                            ERROR: u8 gRPC status code | UTF-8 message
                                            TOO_BIG: u64 payload bytes the answer needs
                                            CANCELLED: (empty)
@@ -67,7 +69,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.wire.landing import PLACE_DTYPE, Place, places_from_rows
 
 HELLO, WELCOME, REFUSED, READ, ANSWER, CANCEL = 1, 2, 3, 4, 5, 6
-OK, ERROR, TOO_BIG, CANCELLED = 0, 1, 2, 3  # ANSWER statuses
+OK, ERROR, TOO_BIG, CANCELLED, TIMED = 0, 1, 2, 3, 4  # ANSWER statuses
 MAX_FRAME_BYTES = 1 << 20  # a READ holds keys only, an ANSWER's table 64 bytes per entry
 MAX_ARENA_BYTES = 1 << 40
 PERMIT_AREA_BYTES = 64 << 10  # the arena's first bytes: permit words, 4 bytes each
@@ -79,6 +81,7 @@ _PERMIT = struct.Struct("<II")
 _ANSWER = struct.Struct("<QB")
 _CODE = struct.Struct("<B")
 _U64 = struct.Struct("<Q")
+_TIMES = struct.Struct("<QQ")
 _U16 = struct.Struct("<H")
 HEAD_BYTES = _HEAD.size
 
@@ -218,6 +221,20 @@ def decode_answer(body: memoryview) -> tuple[int, int, memoryview]:
         raise ValueError(f"local ANSWER frame of {len(body)} bytes is cut short")
     request_id, status = _ANSWER.unpack_from(body)
     return request_id, status, body[_ANSWER.size :]
+
+
+def encode_timed(request_id: int, start_ns: int, end_ns: int, table: bytes) -> bytes:
+    """An OK answer that also says when the node's read ran (CLOCK_MONOTONIC, which every
+    process of the host shares: the client's read timeline lines it up with its own)."""
+    return encode_answer(request_id, TIMED, _TIMES.pack(start_ns, end_ns) + table)
+
+
+def decode_timed(body: memoryview) -> tuple[int, int, memoryview]:
+    """(read start ns, read end ns, the table) of a TIMED body; ValueError if cut short."""
+    if len(body) < _TIMES.size:
+        raise ValueError(f"local TIMED answer of {len(body)} bytes is cut short")
+    start_ns, end_ns = _TIMES.unpack_from(body)
+    return start_ns, end_ns, body[_TIMES.size :]
 
 
 def decode_too_big(body: memoryview) -> int:

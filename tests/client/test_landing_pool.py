@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -118,6 +119,35 @@ async def test_blocks_land_in_place_with_no_copy(cluster: LocalCluster) -> None:
                 f"block {position}: on_landed reported shards {sorted(set(shards))}, yet it "
                 f"was not rewritten; its {needed} data shards must all have been reported"
             )
+
+
+async def test_a_mostly_missing_prefix_is_decided_by_one_round_trip(
+    cluster: LocalCluster,
+) -> None:
+    """A prefix whose tail the store lacks (the 10%-cached prompt): every node answers MISS
+    for the tail, so those keys are misses from the first answers alone (no reserve asked:
+    it could not give them k shards), and the stored head lands right."""
+    blocks = _blocks(7, "mostly-missing", [256 * KiB] * 10)
+    head = dict(list(blocks.items())[:1])
+    await _put(cluster.cluster_toml, head)
+    pool = LandingPool(SLOT_BYTES, len(blocks))
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="acme", transport="local", landing_pool=pool
+    ) as kv:
+        # No hedge: on a loaded machine answers may come later than the hedge delay, and
+        # then every undecided key asks its reserves by design (not what is tested here).
+        kv.config = dataclasses.replace(
+            kv.config, client=dataclasses.replace(kv.config.client, hedge_delay_s=0.0)
+        )
+        views = [view for _, view in _slots(pool, blocks)]
+        landed = await _land(kv, blocks, views)
+        counters = kv.read_counters
+    assert landed == [True] + [False] * 9, f"expected the head only, got {landed}"
+    _check(blocks, views, landed)
+    assert counters.num_misses == 9 and counters.num_reserve_asks == 0, (
+        f"absent keys asked the reserve node ({counters.num_reserve_asks} asks): a second "
+        "round trip for keys no node holds"
+    )
 
 
 @pytest.mark.parametrize("delay_ms", [50, STRAGGLER_DELAY_MS])

@@ -27,7 +27,7 @@ def test_keys_map_to_fields_with_defaults() -> None:
         "acme",
         "/t",
     )
-    assert (config.traffic_class, config.transport, config.model_id) == ("chat", "grpc", None)
+    assert (config.traffic_class, config.transport, config.model_id) == ("chat", "auto", None)
 
 
 @pytest.mark.parametrize(

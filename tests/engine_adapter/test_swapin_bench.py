@@ -32,6 +32,11 @@ def test_bench_swapin_measures_every_transport_and_verifies_bytes(tmp_path):
         assert record["incomplete_fetches"] == []
         assert record["gb_per_s"] > 0 and record["cache_gb_per_s"] > 0
         assert 0 < record["p50_ms"] <= record["p99_ms"]
+        # The median fetch's timeline: a request per asked node, the client's stages.
+        lanes = {(span["lane"], span["what"]) for span in record["timeline"]}
+        assert sum(what == "request" for _, what in lanes) >= 10, sorted(lanes)
+        assert {("client", "fetch"), ("client", "swap-in")} <= lanes
+        assert record["stages_ms"]["first_send_to_last_answer"] > 0
     assert records["grpc"]["ucx_counters"] is None
     if with_ucx:
         ucx = records["ucx"]["ucx_counters"]
