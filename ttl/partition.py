@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ttl import simloop
 from ttl.simulator import CountsTotal, SimConfig, SimCounts, simulate_counts
 from ttl.traces import (
     LoadOptions,
@@ -100,6 +101,21 @@ def split_unit(
     block_of_access, distinct = dense_ids(identities)
     group = partition_of(distinct, num_partitions) if len(distinct) else np.empty(0, np.int64)
     local_of_distinct, distinct_by_group, group_bounds = _rank_within_groups(group, num_partitions)
+    if simloop.NATIVE:
+        split = simloop.split_accesses(
+            raw.lengths, block_of_access, group, local_of_distinct, num_partitions
+        )
+        pieces = [
+            BlockPiece(
+                split.run_rows[split.run_bounds[p] : split.run_bounds[p + 1]],
+                split.run_lengths[split.run_bounds[p] : split.run_bounds[p + 1]],
+                split.positions[split.access_bounds[p] : split.access_bounds[p + 1]],
+                split.local_ids[split.access_bounds[p] : split.access_bounds[p + 1]],
+                distinct[distinct_by_group[group_bounds[p] : group_bounds[p + 1]]],
+            )
+            for p in range(num_partitions)
+        ]
+        return (_request_piece(raw), *pieces)
     # One stable radix sort of the accesses by partition; each keeps request then position
     # order inside its partition, and the pieces are slices.
     where = group[block_of_access]

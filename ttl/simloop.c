@@ -287,3 +287,91 @@ void sim_results(const sim_t *s, int64_t *misses, int64_t *evictions, int64_t *e
     memcpy(expired, s->expired, s->num_classes * sizeof(int64_t));
     memcpy(evicted, s->evicted, s->num_classes * sizeof(int64_t));
 }
+
+/* --- splitting a unit's accesses by partition (ttl/partition.py) ------------------------------
+ * A counting sort, stable: each partition's accesses stay in request then position order.
+ * Pass 1 counts accesses and runs (a run: one request's accesses in one partition) per
+ * partition; pass 2 places each access and each run. ``access_bounds`` and ``run_bounds`` are
+ * [partitions + 1]; the outputs are [accesses] (positions, local ids) and [runs]. */
+int sim_split(int64_t num_requests, const int64_t *lengths, const int32_t *block_of_access,
+              const int32_t *group_of_block, const int32_t *local_of_block,
+              int64_t num_partitions, int64_t *access_bounds, int64_t *run_bounds,
+              int32_t *positions, int32_t *local_ids, int32_t *run_rows, int32_t *run_lengths) {
+    int64_t *last = malloc(num_partitions * sizeof(int64_t));
+    int64_t *access_at = malloc(num_partitions * sizeof(int64_t));
+    int64_t *run_at = malloc(num_partitions * sizeof(int64_t));
+    if (!last || !access_at || !run_at) {
+        free(last); free(access_at); free(run_at);
+        return 1;
+    }
+    memset(access_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
+    memset(run_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < num_partitions; p++) last[p] = -1;
+    int64_t a = 0;
+    for (int64_t r = 0; r < num_requests; r++)
+        for (int64_t j = 0; j < lengths[r]; j++, a++) {
+            int32_t g = group_of_block[block_of_access[a]];
+            access_bounds[g + 1]++;
+            if (last[g] != r) { last[g] = r; run_bounds[g + 1]++; }
+        }
+    for (int64_t p = 0; p < num_partitions; p++) {
+        access_bounds[p + 1] += access_bounds[p];
+        run_bounds[p + 1] += run_bounds[p];
+        access_at[p] = access_bounds[p];
+        run_at[p] = run_bounds[p] - 1;
+        last[p] = -1;
+    }
+    a = 0;
+    for (int64_t r = 0; r < num_requests; r++)
+        for (int64_t j = 0; j < lengths[r]; j++, a++) {
+            int32_t b = block_of_access[a], g = group_of_block[b];
+            int64_t at = access_at[g]++;
+            positions[at] = (int32_t)j;
+            local_ids[at] = local_of_block[b];
+            if (last[g] != r) {
+                last[g] = r;
+                run_at[g]++;
+                run_rows[run_at[g]] = (int32_t)r;
+                run_lengths[run_at[g]] = 0;
+            }
+            run_lengths[run_at[g]]++;
+        }
+    free(last); free(access_at); free(run_at);
+    return 0;
+}
+
+/* --- the store's placement: rendezvous over xxh3_64 (kvstore.placement.groups_of_keys) -------
+ * Each 16-byte key goes to the group with the highest xxh3_64(group id (u32 LE) || key); the
+ * 20-byte case of XXH3 with its default secret, as groups_of_keys computes it in numpy, so the
+ * two agree bit for bit (tests/kvstore/cli/test_sim_partitions.py checks it). */
+static const uint64_t XXH_SECRET[4] = {0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL,
+                                       0xdb979083e96dd4deULL, 0x1f67b3b7a4a44072ULL};
+
+static uint64_t mul128_fold64(uint64_t a, uint64_t b) {
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+}
+
+static uint64_t xxh3_avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ULL;
+    return h ^ (h >> 32);
+}
+
+void sim_rendezvous(int64_t n, const uint64_t *keys, int64_t num_groups, int64_t *out) {
+    const uint64_t len20 = 20ULL * 0x9E3779B185EBCA87ULL;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t k0 = keys[2 * i], k1 = keys[2 * i + 1];
+        uint64_t key_part = len20 + mul128_fold64(k0 ^ XXH_SECRET[2], k1 ^ XXH_SECRET[3]);
+        uint64_t high_word = ((k0 >> 32) | (k1 << 32)) ^ XXH_SECRET[1];
+        uint64_t low_key = (k0 & 0xFFFFFFFFULL) << 32;
+        int64_t best = 0;
+        uint64_t best_score = 0;
+        for (int64_t g = 0; g < num_groups; g++) {
+            uint64_t mixed = mul128_fold64((low_key | (uint64_t)g) ^ XXH_SECRET[0], high_word);
+            uint64_t score = xxh3_avalanche(key_part + mixed);
+            if (g == 0 || score > best_score) { best = g; best_score = score; }
+        }
+        out[i] = best;
+    }
+}

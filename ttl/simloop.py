@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,10 @@ def _load() -> ctypes.CDLL | None:
     lib.sim_sizes.restype = None
     lib.sim_results.argtypes = [ptr] * 7
     lib.sim_results.restype = None
+    lib.sim_split.argtypes = [i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 6]
+    lib.sim_split.restype = ctypes.c_int
+    lib.sim_rendezvous.argtypes = [i64, ptr, i64, ptr]
+    lib.sim_rendezvous.restype = None
     return lib
 
 
@@ -141,3 +146,61 @@ class NativePass:
         if failed == 1:
             raise MemoryError("the simulator's compiled loop ran out of memory")
         assert not failed, "evict() with no resident block: the live count is off"
+
+
+@dataclass(frozen=True)
+class SplitAccesses:
+    """A unit's accesses sorted by partition (stable): partition ``p`` has accesses
+    ``access_bounds[p]:access_bounds[p + 1]`` (``positions`` in their request, ``local_ids``)
+    and runs ``run_bounds[p]:run_bounds[p + 1]`` (``run_rows``: the request, ``run_lengths``:
+    its accesses there)."""
+
+    access_bounds: np.ndarray  # int64 [partitions + 1]
+    run_bounds: np.ndarray  # int64 [partitions + 1]
+    positions: np.ndarray  # int32 [accesses]
+    local_ids: np.ndarray  # int32 [accesses]
+    run_rows: np.ndarray  # int32 [runs]
+    run_lengths: np.ndarray  # int32 [runs]
+
+
+def split_accesses(
+    lengths: np.ndarray,
+    block_of_access: np.ndarray,
+    group_of_block: np.ndarray,
+    local_of_block: np.ndarray,
+    num_partitions: int,
+) -> SplitAccesses:
+    """Counting-sort a unit's accesses by their block's partition, in one C pass (two reads)."""
+    assert _lib is not None, "split_accesses needs ttl/_simloop.so (make native)"
+    inputs = (
+        np.ascontiguousarray(lengths, np.int64),
+        np.ascontiguousarray(block_of_access, np.int32),
+        np.ascontiguousarray(group_of_block, np.int32),
+        np.ascontiguousarray(local_of_block, np.int32),
+    )
+    num_accesses = len(inputs[1])
+    out = SplitAccesses(
+        np.empty(num_partitions + 1, np.int64),
+        np.empty(num_partitions + 1, np.int64),
+        np.empty(num_accesses, np.int32),
+        np.empty(num_accesses, np.int32),
+        np.empty(num_accesses, np.int32),  # at most one run per access; cut below
+        np.empty(num_accesses, np.int32),
+    )
+    failed = _lib.sim_split(
+        len(inputs[0]), *map(_address, inputs), num_partitions,
+        *(_address(getattr(out, f.name)) for f in fields(out)),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("no memory to split the accesses")
+    num_runs = int(out.run_bounds[-1])
+    return replace(out, run_rows=out.run_rows[:num_runs], run_lengths=out.run_lengths[:num_runs])
+
+
+def rendezvous_groups(keys: np.ndarray, num_groups: int) -> np.ndarray:
+    """``kvstore.placement.groups_of_keys`` for uint64 [n, 2] keys, in C (int64 [n])."""
+    assert _lib is not None, "rendezvous_groups needs ttl/_simloop.so (make native)"
+    keys = np.ascontiguousarray(keys, np.uint64)
+    out = np.empty(len(keys), np.int64)
+    _lib.sim_rendezvous(len(keys), _address(keys), num_groups, _address(out))
+    return out
