@@ -375,3 +375,27 @@ void sim_rendezvous(int64_t n, const uint64_t *keys, int64_t num_groups, int64_t
         out[i] = best;
     }
 }
+
+/* --- chained block identities (ttl/traces.py chain_identities) ---------------------------------
+ * identity_j = mix64(identity_{j-1}, id_j) along each request from mix64(root, 0), where
+ * mix64(a, b) = splitmix64(a * GOLDEN ^ splitmix64(b)): the numpy version's arithmetic, one
+ * pass in access order instead of one numpy pass per position. */
+static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL;
+
+static uint64_t splitmix64(uint64_t z) {
+    z += GOLDEN;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t mix64(uint64_t a, uint64_t b) { return splitmix64(a * GOLDEN ^ splitmix64(b)); }
+
+void sim_chain(int64_t num_requests, const int64_t *lengths, const int64_t *ids,
+               const int64_t *roots, uint64_t *out) {
+    int64_t a = 0;
+    for (int64_t r = 0; r < num_requests; r++) {
+        uint64_t identity = mix64((uint64_t)roots[r], 0);
+        for (int64_t j = 0; j < lengths[r]; j++, a++) out[a] = identity = mix64(identity, (uint64_t)ids[a]);
+    }
+}

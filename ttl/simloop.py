@@ -55,6 +55,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sim_split.restype = ctypes.c_int
     lib.sim_rendezvous.argtypes = [i64, ptr, i64, ptr]
     lib.sim_rendezvous.restype = None
+    lib.sim_chain.argtypes = [i64, ptr, ptr, ptr, ptr]
+    lib.sim_chain.restype = None
     return lib
 
 
@@ -203,4 +205,17 @@ def rendezvous_groups(keys: np.ndarray, num_groups: int) -> np.ndarray:
     keys = np.ascontiguousarray(keys, np.uint64)
     out = np.empty(len(keys), np.int64)
     _lib.sim_rendezvous(len(keys), _address(keys), num_groups, _address(out))
+    return out
+
+
+def chain_identities(lengths: np.ndarray, ids: np.ndarray, roots: np.ndarray) -> np.ndarray:
+    """``ttl.traces.chain_identities`` in one C pass: uint64 identity of every access."""
+    assert _lib is not None, "chain_identities needs ttl/_simloop.so (make native)"
+    inputs = (
+        np.ascontiguousarray(lengths, np.int64),
+        np.ascontiguousarray(ids, np.int64),
+        np.ascontiguousarray(roots, np.int64),
+    )
+    out = np.empty(len(inputs[1]), np.uint64)
+    _lib.sim_chain(len(inputs[0]), *map(_address, inputs), _address(out))
     return out

@@ -28,7 +28,8 @@ import numpy as np
 
 from kvstore.placement import groups_of_keys
 from ttl import simloop
-from ttl.partition import InlineExecutor, mix64
+from ttl.partition import InlineExecutor
+from ttl.traces import mix64
 
 log = logging.getLogger(__name__)
 

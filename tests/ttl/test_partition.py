@@ -17,7 +17,6 @@ from ttl import simloop
 from ttl.generate import WorkloadParams, generate_trace
 from ttl.partition import (
     InlineExecutor,
-    mix64,
     partition_capacity,
     simulate_partitioned,
     split_trace,
@@ -25,7 +24,7 @@ from ttl.partition import (
 )
 from ttl.policy import EvictionOrder, TrafficClasses
 from ttl.simulator import ClassStats, SimConfig, sim_result, simulate
-from ttl.traces import LoadOptions, Trace, load_trace, trace_units
+from ttl.traces import LoadOptions, Trace, load_trace, mix64, trace_units
 
 from .sim_reference import reference_simulate
 
