@@ -43,6 +43,7 @@ skipped, counted in ``Trace.num_skipped`` and logged. Nothing is dropped silentl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -269,9 +270,11 @@ def parse_unit(unit: TraceUnit, fmt: str, options: LoadOptions) -> RawRequests:
         return columns.raw(block_tokens, options.partial_blocks, roots)
     jsonl = _JSONL_FORMATS[fmt]
     columns = _Columns()
-    first_line = _line_number(unit.path, unit.start) if unit.start else 1
-    chunks = _read_line_chunks(unit.path, options.chunk_bytes, unit.start, unit.end, first_line)
-    _parse_jsonl_chunks(chunks, unit.path, jsonl, options, columns)
+    # Lines are numbered from the unit's start; the unit's own first line number (a count of
+    # the file's lines before it) is only needed, and counted, for an error message.
+    chunks = _read_line_chunks(unit.path, options.chunk_bytes, unit.start, unit.end)
+    lines_before = functools.cache(lambda: _line_number(unit.path, unit.start) - 1)
+    _parse_jsonl_chunks(chunks, unit.path, jsonl, options, columns, lines_before)
     block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[jsonl.name]
     roots = None if jsonl.chained else np.zeros(columns.num_requests(), np.int64)
     return columns.raw(block_tokens, options.partial_blocks, roots)
@@ -358,13 +361,17 @@ def _parse_jsonl_chunks(
     fmt: _JsonlFormat,
     options: LoadOptions,
     columns: _Columns,
+    lines_before: Callable[[], int] = lambda: 0,
 ) -> None:
+    """Parse chunks numbered from line 1 of their unit (``lines_before()``: the file's lines
+    before the unit)."""
     for first_line, chunk in chunks:
         table = _parse_chunk_arrow(chunk, fmt)
         if table is not None:
             columns.add_table(table, fmt, options)
         else:  # pyarrow refused the chunk: find the bad lines one by one
-            records = _parse_chunk_python(chunk, first_line, path, fmt, options, columns)
+            line = first_line + lines_before()
+            records = _parse_chunk_python(chunk, line, path, fmt, options, columns)
             columns.add_records(records, fmt.seconds_per_time_unit)
 
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ttl import simloop
+from ttl.errors import TraceFormatError
 from ttl.generate import WorkloadParams, generate_trace
 from ttl.partition import (
     InlineExecutor,
@@ -195,3 +196,17 @@ def test_capacity_shares_add_up(capacity: int, num_partitions: int) -> None:
 
 def test_class_stats_fields_are_all_compared() -> None:
     assert {f.name for f in fields(ClassStats)} >= {"peak_hit_blocks_per_s", "written_blocks"}
+
+
+def test_a_bad_line_in_a_later_unit_is_named_by_its_line_in_the_file(
+    workload: Path, tmp_path: Path
+) -> None:
+    lines = workload.read_bytes().splitlines(keepends=True)
+    bad_line = len(lines) - 3  # 1-based: in the last units
+    lines[bad_line - 1] = b'{"timestamp": "soon", "input_length": 1, "hash_ids": [1]}\n'
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(lines))
+    units = trace_units(path, "mooncake", 20_000)
+    assert len(units) > 3 and units[-1].start > 0, "the bad line must sit in a later unit"
+    with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:{bad_line}: "):
+        split_unit(units[-1], "mooncake", LoadOptions(block_tokens=128), 2, _by_mix)
