@@ -396,6 +396,7 @@ void sim_chain(int64_t num_requests, const int64_t *lengths, const int64_t *ids,
     int64_t a = 0;
     for (int64_t r = 0; r < num_requests; r++) {
         uint64_t identity = mix64((uint64_t)roots[r], 0);
-        for (int64_t j = 0; j < lengths[r]; j++, a++) out[a] = identity = mix64(identity, (uint64_t)ids[a]);
+        for (int64_t j = 0; j < lengths[r]; j++, a++)
+            out[a] = identity = mix64(identity, (uint64_t)ids[a]);
     }
 }
