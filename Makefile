@@ -31,12 +31,19 @@ install: $(STAMP) native
 # Without a compiler or the header the build is skipped and says so; the same work then runs
 # through python-xxhash and Python (the local channel lands through its arena). -march=native:
 # a library is built where it runs (`make native NATIVE_CFLAGS=-O3` for a portable build).
+# - ttl/simloop.c -> ttl/_simloop.so: the simulator's per-access loop (ttl/simloop.py); needs
+#   no header, so it is built wherever there is a compiler (else the Python pass runs).
 NATIVE_LIBS := erasure/_fastsum.so kvstore/wire/_landing.so
+PLAIN_NATIVE_LIBS := ttl/_simloop.so
 NATIVE_CFLAGS ?= -O3 -march=native
 native:
 	@if ! command -v $(CC) >/dev/null 2>&1; then \
-		echo "no C compiler ($(CC)): not building $(NATIVE_LIBS); Python fallbacks run"; \
+		echo "no C compiler ($(CC)): not building $(NATIVE_LIBS) $(PLAIN_NATIVE_LIBS); Python fallbacks run"; \
 		exit 0; fi; \
+	for lib in $(PLAIN_NATIVE_LIBS); do \
+		src=$$(dirname $$lib)/$$(basename $$lib .so | sed 's/^_//').c; \
+		$(CC) $(NATIVE_CFLAGS) -shared -fPIC -Wall -Werror -o $$lib $$src -lm \
+			&& echo "built $$lib" || exit 1; done; \
 	has_header() { echo '#include <xxhash.h>' | $(CC) -E -x c - >/dev/null 2>&1; }; \
 	if ! has_header && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing Debian package: libxxhash-dev"; \

@@ -29,8 +29,9 @@ units' distinct blocks, and re-sorts nothing when the units come in time order.
 Block identity: Mooncake ids already name a block with its prefix; per-block ids (Bailian,
 sessions) are chained here by hashing (``chain_identities``: a 64-bit hash of the previous
 identity and the id; sessions start from the file's index, as their ids are local to a
-file), so a split task needs no other unit to name its blocks. Two blocks are the same when
-their identities are, as in ``ttl.traces``' dense chaining (up to 64-bit hash collisions).
+file), so a split task needs no other unit to name its blocks. The loaders number blocks by
+the same identities (``ttl.traces.chain_identities``), so two blocks are the same here exactly
+when they are in one process (and the same up to 64-bit hash collisions).
 """
 
 from __future__ import annotations
@@ -42,19 +43,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ttl import simloop
 from ttl.simulator import CountsTotal, SimConfig, SimCounts, simulate_counts
 from ttl.traces import (
     LoadOptions,
     RawRequests,
     Trace,
     TraceUnit,
+    chain_identities,
     dense_ids,
     parse_unit,
     reorder_segments,
 )
 
 PartitionFn = Callable[[np.ndarray, int], np.ndarray]  # identities (uint64), P -> partition ids
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,21 @@ def split_unit(
     block_of_access, distinct = dense_ids(identities)
     group = partition_of(distinct, num_partitions) if len(distinct) else np.empty(0, np.int64)
     local_of_distinct, distinct_by_group, group_bounds = _rank_within_groups(group, num_partitions)
+    if simloop.NATIVE:
+        split = simloop.split_accesses(
+            raw.lengths, block_of_access, group, local_of_distinct, num_partitions
+        )
+        pieces = [
+            BlockPiece(
+                split.run_rows[split.run_bounds[p] : split.run_bounds[p + 1]],
+                split.run_lengths[split.run_bounds[p] : split.run_bounds[p + 1]],
+                split.positions[split.access_bounds[p] : split.access_bounds[p + 1]],
+                split.local_ids[split.access_bounds[p] : split.access_bounds[p + 1]],
+                distinct[distinct_by_group[group_bounds[p] : group_bounds[p + 1]]],
+            )
+            for p in range(num_partitions)
+        ]
+        return (_request_piece(raw), *pieces)
     # One stable radix sort of the accesses by partition; each keeps request then position
     # order inside its partition, and the pieces are slices.
     where = group[block_of_access]
@@ -180,34 +197,6 @@ def block_identities(raw: RawRequests, offsets: np.ndarray) -> np.ndarray:
     return chain_identities(offsets, raw.ids, raw.chain_roots)
 
 
-def chain_identities(offsets: np.ndarray, ids: np.ndarray, roots: np.ndarray) -> np.ndarray:
-    """``identity_j = mix64(identity_{j-1}, id_j)`` along each request, from its root.
-
-    Position by position across all requests at once, as ``ttl.traces.chain_block_ids``."""
-    lengths = np.diff(offsets)
-    order = np.argsort(-lengths, kind="stable")  # longest first: active requests are a prefix
-    neg_sorted_lengths = -lengths[order]
-    prev = mix64(roots[order].astype(np.uint64), np.zeros(len(order), np.uint64))
-    out = np.empty(len(ids), np.uint64)
-    for position in range(int(lengths.max(initial=0))):
-        num_active = int(np.searchsorted(neg_sorted_lengths, -position, side="left"))
-        where = offsets[order[:num_active]] + position
-        out[where] = prev[:num_active] = mix64(prev[:num_active], ids[where].astype(np.uint64))
-    return out
-
-
-def mix64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of the pair ``(a, b)``: splitmix64's finaliser over ``a`` and ``b``."""
-    return _splitmix64(a * _GOLDEN ^ _splitmix64(b))
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 @dataclass(frozen=True)
 class MergedRequests:
     """Every request of a split trace in time order (``requests``, a ``Trace`` without blocks)
@@ -256,8 +245,11 @@ def assemble_partition(merged: MergedRequests, block_pieces: Sequence[BlockPiece
     positions = _concat([piece.positions for piece in block_pieces], np.int32)
     # The units' block numbers -> the partition's: one hash pass over their distinct blocks.
     all_distinct = _concat([piece.distinct for piece in block_pieces], np.uint64)
-    dense_of_distinct, distinct = dense_ids(all_distinct)
-    num_blocks = len(distinct)
+    if sum(len(piece.distinct) > 0 for piece in block_pieces) > 1:
+        dense_of_distinct, distinct = dense_ids(all_distinct)
+        num_blocks = len(distinct)
+    else:  # one unit's blocks are distinct already: nothing to renumber
+        dense_of_distinct, num_blocks = np.arange(len(all_distinct)), len(all_distinct)
     firsts = np.cumsum([0, *(len(piece.distinct) for piece in block_pieces)])
     pieces_ids = [
         dense_of_distinct[first + piece.local_ids]

@@ -50,12 +50,15 @@ a pass records where they change (inserts and evictions at their request, expiri
 instant) and ``CountsTotal`` rebuilds every request's counts from those changes with one
 cumulative sum, so a partition costs its own accesses and its own requests, not the trace's.
 
-The core is pure: no clock, no I/O. Speed comes from one dense hot loop in ``_Cache.visit``:
-dense int block ids in flat lists, and per class a queue of *visits* in time order (the
-class's TTL is fixed, so time order is expiry order and LRU order) that expiry and eviction
-consume lazily; a block's live entry is the visit that touched it last. Per access the loop
-does one list read and one list write (more only on inserts); expiry and eviction later walk
-each queued position once, skipping stale ones in C.
+The core is pure: no clock, no I/O. The pass is one dense loop: dense int block ids in flat
+arrays, and per class a queue of *visits* in time order (the class's TTL is fixed, so time
+order is expiry order and LRU order) that expiry and eviction consume lazily; a block's live
+entry is the visit that touched it last. Per access the loop does one read and one write
+(more only on inserts); expiry and eviction later walk each queued position once. It runs
+compiled (``ttl/simloop.c`` through ``ttl.simloop``, built by ``make native``: tens of
+nanoseconds a visit, so P partitions cost what one process does) and, where the library is
+not built, as ``_Cache`` here in Python: the reference of the same semantics, which
+``tests/ttl/test_simloop.py`` checks the C loop against on random traces.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from operator import length_hint
 
 import numpy as np
 
+from ttl import simloop
 from ttl.policy import DEFAULT_EVICTION_ORDER, EvictionOrder, TrafficClasses, is_expired
 from ttl.traces import Trace
 
@@ -225,12 +229,58 @@ def simulate(trace: Trace, config: SimConfig, progress: ProgressFn | None = None
 
 
 def simulate_counts(
-    trace: Trace, config: SimConfig, progress: ProgressFn | None = None
+    trace: Trace,
+    config: SimConfig,
+    progress: ProgressFn | None = None,
+    compiled: bool | None = None,
 ) -> SimCounts:
-    """One pass over ``trace`` (or one partition of it), before the per-class sums."""
+    """One pass over ``trace`` (or one partition of it), before the per-class sums.
+
+    ``compiled``: run the C loop (``ttl.simloop``; None: when it is built) or the Python pass,
+    the reference of the same semantics."""
+    use_native = simloop.NATIVE if compiled is None else compiled
+    if use_native and len(trace.class_names) <= simloop.MAX_CLASSES:
+        return _native_counts(trace, config, progress)
     cache = _Cache(trace, config)
     cache.run(progress)
     return cache.counts()
+
+
+def _native_counts(trace: Trace, config: SimConfig, progress: ProgressFn | None) -> SimCounts:
+    """``_Cache``'s pass in C over the same arrays, in chunks of visits for ``progress``."""
+    lengths = np.diff(trace.block_offsets)
+    visits = np.flatnonzero(lengths)
+    starts, lengths = trace.block_offsets[visits], lengths[visits]
+    visit_times = _relative_times(trace)[visits]
+    end_s = _relative_end_s(trace)
+    window_start_s = config.warmup_fraction * end_s
+    ttl_s = [config.classes.ttl_s(name) for name in trace.class_names]
+    native = simloop.NativePass(
+        visit_times, trace.class_ids[visits], starts, lengths, trace.block_ids, trace.num_blocks,
+        ttl_s, config.capacity_blocks, config.eviction is EvictionOrder.LRU, window_start_s,
+    )  # fmt: skip
+    try:
+        edge = int(np.searchsorted(visit_times, window_start_s, side="left"))
+        done, chunk = 0, _VISIT_CHUNK * 16 if progress is not None else len(visits) or 1
+        for begin, end in ((0, edge), (edge, len(visits))):
+            if begin == edge:
+                native.start_window()
+            for first in range(begin, end, chunk):
+                last = min(first + chunk, end)
+                native.visit(first, last)
+                done += int(lengths[first:last].sum())
+                if progress is not None:
+                    progress(done)
+        native.finish(end_s)
+        out = native.results()
+    finally:
+        native.close()
+    stats = [
+        ClassStats(expired_blocks=int(x), evicted_blocks=int(y), block_seconds=float(s))
+        for x, y, s in zip(out["expired"], out["evicted"], out["block_seconds"], strict=True)
+    ]
+    return _pass_counts(trace, visits, starts, out["misses"], out["evictions"],
+                        out["expiries"], stats)  # fmt: skip
 
 
 def sim_result(trace: Trace, config: SimConfig, total: CountsTotal) -> SimResult:
@@ -552,28 +602,49 @@ class _Cache:
 
     def counts(self) -> SimCounts:
         """The pass's counts, with requests and positions in the whole trace (numpy, once)."""
-        trace = self.trace
-        rows = self.visit_rows
-        requests = rows if trace.request_ids is None else trace.request_ids[rows]
-        misses = np.asarray(self.miss_visits, np.int64)
-        at = np.asarray(self.miss_indexes, np.int64)
-        if trace.block_positions is not None:  # a partition: positions in the whole request
-            at = trace.block_positions[self.starts[misses] + at].astype(np.int64)
-        evictions = np.asarray(self.evictions, np.int64).reshape(-1, 3)
-        expiries = np.asarray(self.expiries, np.float64).reshape(-1, 3)
-        return SimCounts(
-            miss_requests=requests[misses].astype(np.int64),
-            miss_positions=at,
-            miss_inserted=np.asarray(self.miss_inserted, np.int64),
-            evict_requests=requests[evictions[:, 0]].astype(np.int64),
-            evict_classes=evictions[:, 1],
-            evict_counts=evictions[:, 2],
-            expiry_s=expiries[:, 0],
-            expiry_classes=expiries[:, 1].astype(np.int64),
-            expiry_counts=expiries[:, 2].astype(np.int64),
-            deaths=tuple(self.stats),
-            num_blocks=trace.num_blocks,
-        )
+        misses = np.column_stack([
+            np.asarray(self.miss_visits, np.int64),
+            np.asarray(self.miss_indexes, np.int64),
+            np.asarray(self.miss_inserted, np.int64),
+        ])  # fmt: skip
+        return _pass_counts(
+            self.trace, self.visit_rows, self.starts, misses,
+            np.asarray(self.evictions, np.int64).reshape(-1, 3),
+            np.asarray(self.expiries, np.float64).reshape(-1, 3), self.stats,
+        )  # fmt: skip
+
+
+def _pass_counts(
+    trace: Trace,
+    visit_rows: np.ndarray,
+    starts: np.ndarray,
+    misses: np.ndarray,
+    evictions: np.ndarray,
+    expiries: np.ndarray,
+    stats: list[ClassStats],
+) -> SimCounts:
+    """A pass's records as ``SimCounts``: ``misses`` [n, 3] (visit, index of the first miss in
+    the visit's blocks, blocks inserted), ``evictions`` [n, 3] (visit, class, blocks) and
+    ``expiries`` [n, 3] (instant, class, blocks), with requests and positions in the whole
+    trace."""
+    requests = visit_rows if trace.request_ids is None else trace.request_ids[visit_rows]
+    misses = misses.reshape(-1, 3)
+    miss_visits, at = misses[:, 0], misses[:, 1]
+    if trace.block_positions is not None:  # a partition: positions in the whole request
+        at = trace.block_positions[starts[miss_visits] + at].astype(np.int64)
+    return SimCounts(
+        miss_requests=requests[miss_visits].astype(np.int64),
+        miss_positions=at,
+        miss_inserted=misses[:, 2].copy(),
+        evict_requests=requests[evictions[:, 0]].astype(np.int64),
+        evict_classes=evictions[:, 1].copy(),
+        evict_counts=evictions[:, 2].copy(),
+        expiry_s=expiries[:, 0].copy(),
+        expiry_classes=expiries[:, 1].astype(np.int64),
+        expiry_counts=expiries[:, 2].astype(np.int64),
+        deaths=tuple(stats),
+        num_blocks=trace.num_blocks,
+    )
 
 
 def _find_live(blocks: list[int], start: int, end: int, entry: int, block_entry: list[int]) -> int:

@@ -43,6 +43,7 @@ skipped, counted in ``Trace.num_skipped`` and logged. Nothing is dropped silentl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -60,6 +61,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 from msgspec import UNSET, UnsetType
 
+from ttl import simloop
 from ttl.errors import TraceFormatError
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ PARTIAL_DROP, PARTIAL_COUNT = "drop", "count"
 PARTIAL_BLOCKS = (PARTIAL_DROP, PARTIAL_COUNT)
 DEFAULT_BLOCK_TOKENS = {MOONCAKE: 512, BAILIAN: 16}
 MiB = 1 << 20
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 # time_s, class label, input tokens, output tokens, raw block ids
 _Record = tuple[float, str, int, int, "np.ndarray | list[int]"]
@@ -261,20 +264,17 @@ def trace_units(path: str | Path, fmt: str, unit_bytes: int = 64 * MiB) -> list[
 def parse_unit(unit: TraceUnit, fmt: str, options: LoadOptions) -> RawRequests:
     """Parse one unit of a trace (see ``trace_units``) into raw columns."""
     if fmt == SESSIONS:
-        columns, block_sizes, roots = _Columns(), set(), []
-        for index, file in unit.session_files:
-            num_before = columns.num_requests()
-            block_size = _read_session_file(file, options, columns)
-            if block_size is not None:
-                block_sizes.add(block_size)
-                roots += [index] * (columns.num_requests() - num_before)
+        columns = _Columns()
+        block_sizes, roots = _read_session_files(unit.session_files, options, columns)
         block_tokens = _session_block_tokens(unit.path, block_sizes, options.block_tokens)
-        return columns.raw(block_tokens, options.partial_blocks, np.array(roots, np.int64))
+        return columns.raw(block_tokens, options.partial_blocks, roots)
     jsonl = _JSONL_FORMATS[fmt]
     columns = _Columns()
-    first_line = _line_number(unit.path, unit.start) if unit.start else 1
-    chunks = _read_line_chunks(unit.path, options.chunk_bytes, unit.start, unit.end, first_line)
-    _parse_jsonl_chunks(chunks, unit.path, jsonl, options, columns)
+    # Lines are numbered from the unit's start; the unit's own first line number (a count of
+    # the file's lines before it) is only needed, and counted, for an error message.
+    chunks = _read_line_chunks(unit.path, options.chunk_bytes, unit.start, unit.end)
+    lines_before = functools.cache(lambda: _line_number(unit.path, unit.start) - 1)
+    _parse_jsonl_chunks(chunks, unit.path, jsonl, options, columns, lines_before)
     block_tokens = options.block_tokens or DEFAULT_BLOCK_TOKENS[jsonl.name]
     roots = None if jsonl.chained else np.zeros(columns.num_requests(), np.int64)
     return columns.raw(block_tokens, options.partial_blocks, roots)
@@ -361,13 +361,17 @@ def _parse_jsonl_chunks(
     fmt: _JsonlFormat,
     options: LoadOptions,
     columns: _Columns,
+    lines_before: Callable[[], int] = lambda: 0,
 ) -> None:
+    """Parse chunks numbered from line 1 of their unit (``lines_before()``: the file's lines
+    before the unit)."""
     for first_line, chunk in chunks:
         table = _parse_chunk_arrow(chunk, fmt)
         if table is not None:
             columns.add_table(table, fmt, options)
         else:  # pyarrow refused the chunk: find the bad lines one by one
-            records = _parse_chunk_python(chunk, first_line, path, fmt, options, columns)
+            line = first_line + lines_before()
+            records = _parse_chunk_python(chunk, line, path, fmt, options, columns)
             columns.add_records(records, fmt.seconds_per_time_unit)
 
 
@@ -455,7 +459,9 @@ def _record_from_json_line(line: bytes, fmt: _JsonlFormat, options: LoadOptions)
 
 
 def _session_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    # Sorted by name (the order of Paths in one folder), not by Path: comparing Paths costs
+    # more than reading a small file.
+    files = sorted(path.glob("*.json"), key=lambda file: file.name) if path.is_dir() else [path]
     if not files:
         raise TraceFormatError(f"{path}: no *.json session files in this folder")
     return files
@@ -463,36 +469,89 @@ def _session_files(path: Path) -> list[Path]:
 
 def _load_sessions(path: Path, options: LoadOptions, progress: BytesProgress) -> Trace:
     files = _session_files(path)
-    sizes = [file.stat().st_size for file in files]
-    total, done = sum(sizes), 0
-    columns, block_sizes = _Columns(), set()
-    file_of_request: list[int] = []
-    for index, file in enumerate(files):
+    sizes = np.cumsum([0, *(file.stat().st_size for file in files)])
+    columns = _Columns()
+    block_sizes, file_of_request = _read_session_files(
+        list(enumerate(files)), options, columns, lambda num: progress(sizes[num], sizes[-1])
+    )
+    block_tokens = _session_block_tokens(path, block_sizes, options.block_tokens)
+    return columns.finish(block_tokens, True, options.partial_blocks, file_of_request)
+
+
+_SESSION_BATCH = 256  # files whose requests the fast path converts to arrays together
+
+
+def _read_session_files(
+    files: Sequence[tuple[int, Path]],
+    options: LoadOptions,
+    columns: _Columns,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[set[int], np.ndarray]:
+    """Add the requests of ``files`` ((index, path), in order) to ``columns``: the block sizes
+    seen and each request's file index (int64). ``progress`` sees the files done.
+
+    The fast path decodes each file with msgspec against ``_SessionDocument`` (types and
+    ranges checked in C) and converts a batch of files to arrays at once (ids: one numpy parse
+    per batch); a file it does not take goes through ``_read_session_file``, whose checking
+    path accepts it or says exactly what is wrong."""
+    block_sizes: set[int] = set()
+    file_of_request: list[np.ndarray] = []
+    pending: list[tuple[int, Path, int, list]] = []  # index, path, block size, requests
+
+    def add_checked(index: int, file: Path) -> None:
         num_before = columns.num_requests()
         block_size = _read_session_file(file, options, columns)
-        done += sizes[index]
-        if not index % 256:
-            progress(done, total)
         if block_size is not None:
             block_sizes.add(block_size)
-            file_of_request += [index] * (columns.num_requests() - num_before)
-    columns.localize_ids(np.array(file_of_request, np.int64))
-    block_tokens = _session_block_tokens(path, block_sizes, options.block_tokens)
-    return columns.finish(block_tokens, True, options.partial_blocks)
+            file_of_request.append(np.full(columns.num_requests() - num_before, index))
+
+    def flush(num_done: int) -> None:
+        if _add_sessions_fast([requests for *_, requests in pending], columns):
+            for index, _, block_size, requests in pending:
+                block_sizes.add(block_size)
+                file_of_request.append(np.full(len(requests), index))
+        else:  # an id numpy would not take: file by file, to find and name it
+            for index, file, _, _ in pending:
+                add_checked(index, file)
+        pending.clear()
+        if progress is not None:
+            progress(num_done)
+
+    for num_done, (index, file) in enumerate(files):
+        fast = _session_requests_fast(file.read_bytes(), options.default_class)
+        if fast is None:
+            flush(num_done)
+            add_checked(index, file)
+        else:
+            pending.append((index, file, *fast))
+            if len(pending) >= _SESSION_BATCH:
+                flush(num_done + 1)
+    flush(len(files))
+    parts = file_of_request
+    return block_sizes, np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+
+
+def _add_sessions_fast(batch: list[list], columns: _Columns) -> bool:
+    """Add the fast path's requests of several files (False, adding nothing, where an id
+    list does not parse)."""
+    requests = [request for requests in batch for request in requests]
+    if not requests:
+        return True
+    parsed = _session_ids([ids for *_, ids in requests])
+    if parsed is None:
+        return False
+    times, labels, inputs, outputs, _ = zip(*requests, strict=True)
+    columns.add_columns(times, labels, inputs, outputs, *parsed)
+    return True
 
 
 def _read_session_file(file: Path, options: LoadOptions, columns: _Columns) -> int | None:
-    """Add one session file's requests to ``columns``; its block size, or None if skipped.
-
-    The fast path decodes with msgspec against ``_SessionDocument`` (types and ranges checked
-    in C) and parses each file's ids with numpy in one call; anything it does not take, the
-    checking path below reads again, to accept it or to say exactly what is wrong."""
+    """Add one session file's requests to ``columns``; its block size, or None if skipped:
+    the fast path (``_read_session_files``) for one file, else the checking path."""
     raw = file.read_bytes()
-    fast = _session_columns_fast(raw, options.default_class)
-    if fast is not None:
-        block_size, times, labels, inputs, outputs, lengths, ids = fast
-        columns.add_columns(times, labels, inputs, outputs, lengths, ids)
-        return block_size
+    fast = _session_requests_fast(raw, options.default_class)
+    if fast is not None and _add_sessions_fast([fast[1]], columns):
+        return fast[0]
     parsed = _parse_session_file(file, raw, options, columns)
     if parsed is None:
         return None
@@ -523,8 +582,9 @@ _SESSION_DECODER = msgspec.json.Decoder(_SessionDocument)
 _INT64_LIMITS = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)  # numpy saturates to these
 
 
-def _session_columns_fast(raw: bytes, default_class: str) -> tuple | None:
-    """One session file's columns, or None where the checking path must read it."""
+def _session_requests_fast(raw: bytes, default_class: str) -> tuple[int, list] | None:
+    """One session file's block size and requests (time, class, in, out, raw id list), or
+    None where the checking path must read it."""
     try:
         doc = _SESSION_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -533,7 +593,12 @@ def _session_columns_fast(raw: bytes, default_class: str) -> tuple | None:
     requests: list[tuple[float, str, int, int, bytes]] = []
     if not _walk_session_fast(doc.requests, doc.t, label, requests) or not requests:
         return None
-    times, labels, inputs, outputs, id_lists = zip(*requests, strict=True)
+    return doc.block_size, requests
+
+
+def _session_ids(id_lists: Sequence[bytes]) -> tuple[list[int], np.ndarray] | None:
+    """Raw JSON id lists (``b'[1,2,3]'``) as their lengths and one flat int64 array, parsed by
+    numpy in one call; None where a token is not a 64-bit integer."""
     lengths, contents = [], []
     for ids in id_lists:  # '[1,2,3]' -> '1,2,3' and its count; '[]' -> 0
         if ids[:1] != b"[" or ids[-1:] != b"]":
@@ -553,7 +618,7 @@ def _session_columns_fast(raw: bytes, default_class: str) -> tuple | None:
         return None
     if len(flat) and (flat.min() == _INT64_LIMITS[0] or flat.max() == _INT64_LIMITS[1]):
         return None  # out of range, or at its limit: the checking path tells them apart
-    return doc.block_size, times, labels, inputs, outputs, lengths, flat
+    return lengths, flat
 
 
 def _walk_session_fast(entries: list[_SessionEntry], start_s: float, label: str, out: list) -> bool:
@@ -760,12 +825,13 @@ class _Columns:
         ids: np.ndarray,
     ) -> None:
         """One file's requests, columns already checked (the session fast path)."""
+        codes = {label: self.code(label) for label in dict.fromkeys(labels)}  # first-seen order
         self._add(
             time_s=np.array(times, np.float64),
-            label=np.array([self.code(label) for label in labels], np.int32),
+            label=np.fromiter(map(codes.__getitem__, labels), np.int32, len(labels)),
             input=np.array(inputs, np.int64),
             output=np.array(outputs, np.int64),
-            length=np.array(lengths, np.int64),
+            length=np.asarray(lengths, np.int64),
             ids=ids,
         )
 
@@ -773,17 +839,6 @@ class _Columns:
         self._num_requests += len(arrays["time_s"])
         for name, array in arrays.items():
             self.parts[name].append(array)
-
-    def localize_ids(self, file_of_request: np.ndarray) -> None:
-        """Make ids local to a file (sessions) unique across files: the pair (file, id) gets
-        one number, over all files at once (a hash pass) instead of one per file."""
-        ids = self._concat("ids", np.int64)
-        if not len(ids):
-            return
-        lengths = self._concat("length", np.int64)
-        rank, distinct = dense_ids(ids)
-        files = np.repeat(file_of_request, lengths)
-        self.parts["ids"] = [files * len(distinct) + rank]
 
     def num_requests(self) -> int:
         return self._num_requests
@@ -819,16 +874,25 @@ class _Columns:
         parts = self.parts[name]
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
-    def finish(self, block_tokens: int, chain: bool, partial_blocks: str = PARTIAL_DROP) -> Trace:
-        """The parsed requests in time order (stable) with dense, chained when asked, ids."""
+    def finish(
+        self,
+        block_tokens: int,
+        chain: bool,
+        partial_blocks: str = PARTIAL_DROP,
+        chain_roots: np.ndarray | None = None,
+    ) -> Trace:
+        """The parsed requests in time order (stable) with dense ids; with ``chain`` the ids
+        name single blocks and are chained first (``chain_identities``, from each request's
+        ``chain_roots``, 0 by default: sessions pass their file's index)."""
         raw = self.raw(block_tokens, partial_blocks, None)
         order = np.argsort(raw.time_s, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
         offsets, raw_ids = reorder_segments(order, offsets, raw.ids)
+        if chain:
+            roots = np.zeros(len(order), np.int64) if chain_roots is None else chain_roots[order]
+            raw_ids = chain_identities(offsets, raw_ids, roots)
         block_ids, distinct = dense_ids(raw_ids)
         num_blocks = len(distinct)
-        if chain:
-            block_ids, num_blocks = chain_block_ids(offsets, block_ids)
         class_names, class_ids = self._sorted_classes(raw.class_codes[order])
         return Trace(
             time_s=raw.time_s[order],
@@ -890,23 +954,33 @@ def dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return encoded.indices.to_numpy().astype(np.int32, copy=False), distinct
 
 
-def chain_block_ids(offsets: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """Dense ids of (prefix, block) chains: one id per distinct run of ids from a request start.
-
-    Works position by position across all requests at once: the chained id at position ``j``
-    is a dense number for the pair (chained id at ``j-1``, id at ``j``).
-    """
+def chain_identities(offsets: np.ndarray, ids: np.ndarray, roots: np.ndarray) -> np.ndarray:
+    """uint64 ``identity_j = mix64(identity_{j-1}, id_j)`` along each request, from
+    ``mix64(root, 0)``: a block named together with its prefix (and its root: session ids are
+    local to their file, whose index is the root). One C pass where ``ttl/_simloop.so`` is
+    built; else position by position across all requests at once. Two blocks are the same when
+    their identities are (up to 64-bit hash collisions)."""
     lengths = np.diff(offsets)
+    if simloop.NATIVE:
+        return simloop.chain_identities(lengths, ids, roots)
     order = np.argsort(-lengths, kind="stable")  # longest first: active requests are a prefix
     neg_sorted_lengths = -lengths[order]
-    prev = np.full(len(order), -1, np.int64)
-    out = np.empty(len(ids), np.int64)
-    num_blocks = 0
+    prev = mix64(roots[order].astype(np.uint64), np.zeros(len(order), np.uint64))
+    out = np.empty(len(ids), np.uint64)
     for position in range(int(lengths.max(initial=0))):
         num_active = int(np.searchsorted(neg_sorted_lengths, -position, side="left"))
         where = offsets[order[:num_active]] + position
-        pair = ((prev[:num_active] + 1) << 32) | ids[where].astype(np.int64)
-        inverse, distinct = dense_ids(pair)
-        out[where] = prev[:num_active] = inverse + num_blocks
-        num_blocks += len(distinct)
-    return out.astype(np.int32), num_blocks
+        out[where] = prev[:num_active] = mix64(prev[:num_active], ids[where].astype(np.uint64))
+    return out
+
+
+def mix64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of the pair ``(a, b)``: splitmix64's finaliser over ``a`` and ``b``."""
+    return _splitmix64(a * _GOLDEN ^ _splitmix64(b))
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.placement import groups_of_keys
-from ttl.partition import InlineExecutor, mix64
+from ttl import simloop
+from ttl.partition import InlineExecutor
+from ttl.traces import mix64
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,13 @@ def identity_keys(identities: np.ndarray) -> np.ndarray:
 
 
 def placement_partitions(identities: np.ndarray, num_partitions: int) -> np.ndarray:
-    """The placement group (of ``num_partitions``) the store would put each block in."""
-    return groups_of_keys(identity_keys(identities), num_partitions)
+    """The placement group (of ``num_partitions``) the store would put each block in (the same
+    hash in C where ``ttl/_simloop.so`` is built: a pass over the keys per group in numpy costs
+    what the rest of the split does)."""
+    keys = identity_keys(identities)
+    if simloop.NATIVE:
+        return simloop.rendezvous_groups(keys, num_partitions)
+    return groups_of_keys(keys, num_partitions)
 
 
 class RayExecutor:

@@ -13,17 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ttl import simloop
+from ttl.errors import TraceFormatError
 from ttl.generate import WorkloadParams, generate_trace
 from ttl.partition import (
     InlineExecutor,
-    mix64,
     partition_capacity,
     simulate_partitioned,
     split_trace,
+    split_unit,
 )
 from ttl.policy import EvictionOrder, TrafficClasses
 from ttl.simulator import ClassStats, SimConfig, sim_result, simulate
-from ttl.traces import LoadOptions, Trace, load_trace, trace_units
+from ttl.traces import LoadOptions, Trace, load_trace, mix64, trace_units
 
 from .sim_reference import reference_simulate
 
@@ -93,6 +95,25 @@ def test_one_partition_agrees_exactly_with_the_whole_trace(workload: Path) -> No
             "request bookkeeping differs"
         )
         assert (got.window_s, got.num_trace_blocks) == (want.window_s, want.num_trace_blocks)
+
+
+@pytest.mark.skipif(not simloop.NATIVE, reason="ttl/_simloop.so is not built")
+@pytest.mark.parametrize("num_partitions", [1, 3, 7])
+def test_the_compiled_split_equals_the_numpy_split(
+    workload: Path, num_partitions: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = LoadOptions(block_tokens=128)
+    for unit in trace_units(workload, "mooncake", 20_000):
+        compiled = split_unit(unit, "mooncake", options, num_partitions, _by_mix)
+        monkeypatch.setattr(simloop, "NATIVE", False)
+        plain = split_unit(unit, "mooncake", options, num_partitions, _by_mix)
+        monkeypatch.undo()
+        for got, want in zip(compiled[1:], plain[1:], strict=True):
+            for field in fields(got):
+                np.testing.assert_array_equal(
+                    getattr(got, field.name), getattr(want, field.name),
+                    err_msg=f"{field.name}: the counting sort in C differs from numpy's",
+                )  # fmt: skip
 
 
 @pytest.mark.parametrize("num_partitions", [2, 5])
@@ -175,3 +196,17 @@ def test_capacity_shares_add_up(capacity: int, num_partitions: int) -> None:
 
 def test_class_stats_fields_are_all_compared() -> None:
     assert {f.name for f in fields(ClassStats)} >= {"peak_hit_blocks_per_s", "written_blocks"}
+
+
+def test_a_bad_line_in_a_later_unit_is_named_by_its_line_in_the_file(
+    workload: Path, tmp_path: Path
+) -> None:
+    lines = workload.read_bytes().splitlines(keepends=True)
+    bad_line = len(lines) - 3  # 1-based: in the last units
+    lines[bad_line - 1] = b'{"timestamp": "soon", "input_length": 1, "hash_ids": [1]}\n'
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(lines))
+    units = trace_units(path, "mooncake", 20_000)
+    assert len(units) > 3 and units[-1].start > 0, "the bad line must sit in a later unit"
+    with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:{bad_line}: "):
+        split_unit(units[-1], "mooncake", LoadOptions(block_tokens=128), 2, _by_mix)

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ttl import simloop
 from ttl.errors import TraceFormatError
 from ttl.policy import TrafficClasses
 from ttl.simulator import ALL, SimConfig, simulate
-from ttl.traces import LoadOptions, chain_block_ids, load_trace, parse_type_map
+from ttl.traces import LoadOptions, chain_identities, load_trace, parse_type_map
 
 
 def _jsonl(path: Path, records: list[dict | str]) -> Path:
@@ -137,14 +138,19 @@ def test_partial_tail_blocks_drop_by_default_and_count_on_request(tmp_path: Path
         LoadOptions(partial_blocks="keep")
 
 
-def test_chain_block_ids_numbers_each_prefix_once() -> None:
-    offsets = np.array([0, 3, 5, 5, 8])
-    ids = np.array([1, 2, 3, 1, 2, 2, 2, 2])
-    chained, num_blocks = chain_block_ids(offsets, ids)
-    # request 1 repeats the prefix of request 0; request 3 is [2, 2, 2]: three new blocks
-    assert chained[3:5].tolist() == chained[0:2].tolist()
-    assert len(set(chained[5:8].tolist())) == 3
-    assert num_blocks == len(set(chained.tolist())) == 6
+def test_chain_identities_name_each_prefix_once(monkeypatch) -> None:
+    offsets = np.array([0, 3, 5, 5, 8, 10])
+    ids = np.array([1, 2, 3, 1, 2, 2, 2, 2, 1, 2])
+    roots = np.array([0, 0, 0, 0, 7])
+    compiled = chain_identities(offsets, ids, roots).tolist()
+    monkeypatch.setattr(simloop, "NATIVE", False)
+    chained = chain_identities(offsets, ids, roots).tolist()
+    assert compiled == chained, "the C chain and the numpy chain must give the same identities"
+    # request 1 repeats the prefix of request 0; request 3 is [2, 2, 2]: three new blocks;
+    # request 4 has request 0's ids under another root (another session file): new blocks
+    assert chained[3:5] == chained[0:2]
+    assert len(set(chained[5:8])) == 3
+    assert len(set(chained)) == 8
 
 
 def _session(tmp_path: Path, name: str, doc: dict) -> Path:

@@ -11,6 +11,7 @@ import pytest
 from kvstore.cli.commands import main
 from kvstore.cli.sim_partitions import identity_keys, placement_partitions
 from kvstore.placement import groups_of_keys
+from ttl import simloop
 from ttl.generate import WorkloadParams, write_workload
 
 GRID = ["--block-tokens", "128", "--ttl", "chat=1d,7d", "--ttl", "agent=3d",
@@ -73,6 +74,12 @@ def test_placement_of_identities_is_the_store_hash() -> None:
     keys = identity_keys(identities)
     assert len({bytes(k) for k in keys.view(np.uint8).reshape(-1, 16)}) == 1000
     assert placement_partitions(identities, 12).tolist() == groups_of_keys(keys, 12).tolist()
+    if simloop.NATIVE:  # the C copy of the hash agrees bit for bit at every group count
+        many = identity_keys(np.arange(20_000, dtype=np.uint64))
+        for num_groups in (1, 2, 3, 16, 129):
+            assert np.array_equal(
+                simloop.rendezvous_groups(many, num_groups), groups_of_keys(many, num_groups)
+            ), f"ttl/simloop.c's rendezvous differs from kvstore.placement at {num_groups} groups"
     shares = np.bincount(placement_partitions(np.arange(60_000, dtype=np.uint64), 4))
     assert shares.min() > 0.9 * 15_000, f"placement must spread blocks evenly: {shares}"
 

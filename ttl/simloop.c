@@ -1,0 +1,402 @@
+/* The simulator's per-access loop in C: visit, lazy expiry, capacity eviction, live counts.
+ * ttl/simloop.py loads this (built by `make native`); without it ttl/simulator.py's pure-Python
+ * pass runs, with the same semantics, and a property test checks the two agree.
+ *
+ * Why C: a pass costs a few list operations per block access, and with partitions a few
+ * microseconds of Python per visit (a request touches nearly every partition). Here a visit
+ * costs tens of nanoseconds, so P partitions cost what one process costs.
+ *
+ * The algorithm is ttl/simulator.py's _Cache, line for line (its docstrings say why it is
+ * correct): dense block ids; per block its class (-1: not resident) and the queue entry that
+ * holds its last touch (entry = visit * num_classes + class); per class a queue of visits in
+ * time order, which expiry and eviction consume lazily from its head, skipping blocks whose
+ * entry moved on. No allocation per access; queues and the output records grow by doubling.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t *data;
+    int64_t len, cap;
+} vec_t;
+
+typedef struct {
+    /* inputs, owned by the caller (numpy arrays that outlive the state) */
+    int64_t num_visits, num_classes;
+    const double *times;   /* [visits] relative request times */
+    const int64_t *classes; /* [visits] */
+    const int64_t *starts, *lengths; /* [visits] into ids */
+    const int32_t *ids;
+    double ttl_s[64];
+    int64_t capacity; /* -1: none */
+    int lru;
+    double window_start_s;
+    /* state */
+    int32_t *block_class;
+    int64_t *block_entry;
+    vec_t queues[64];
+    int64_t heads[64], cursors[64], live_by_class[64];
+    int64_t live;
+    double next_expiry_s;
+    int counting, failed;
+    /* outputs */
+    vec_t misses;    /* visit, index in the visit, blocks inserted */
+    vec_t evictions; /* visit, class, blocks */
+    vec_t expiries;  /* instant (double bits), class, blocks */
+    double block_seconds[64];
+    int64_t expired[64], evicted[64];
+} sim_t;
+
+static void push(sim_t *s, vec_t *v, int64_t x) {
+    if (v->len == v->cap) {
+        int64_t cap = v->cap ? 2 * v->cap : 1024;
+        int64_t *data = realloc(v->data, cap * sizeof(int64_t));
+        if (!data) { s->failed = 1; return; }
+        v->data = data;
+        v->cap = cap;
+    }
+    v->data[v->len++] = x;
+}
+
+static void push3(sim_t *s, vec_t *v, int64_t a, int64_t b, int64_t c) {
+    push(s, v, a);
+    push(s, v, b);
+    push(s, v, c);
+}
+
+void sim_free(sim_t *s) {
+    if (!s) return;
+    free(s->block_class);
+    free(s->block_entry);
+    for (int k = 0; k < 64; k++) free(s->queues[k].data);
+    free(s->misses.data);
+    free(s->evictions.data);
+    free(s->expiries.data);
+    free(s);
+}
+
+sim_t *sim_new(int64_t num_visits, int64_t num_classes, int64_t num_blocks, const double *times,
+               const int64_t *classes, const int64_t *starts, const int64_t *lengths,
+               const int32_t *ids, const double *ttl_s, int64_t capacity, int lru,
+               double window_start_s) {
+    if (num_classes > 64) return NULL;
+    sim_t *s = calloc(1, sizeof(sim_t));
+    if (!s) return NULL;
+    s->num_visits = num_visits;
+    s->num_classes = num_classes;
+    s->times = times;
+    s->classes = classes;
+    s->starts = starts;
+    s->lengths = lengths;
+    s->ids = ids;
+    memcpy(s->ttl_s, ttl_s, num_classes * sizeof(double));
+    s->capacity = capacity;
+    s->lru = lru;
+    s->window_start_s = window_start_s;
+    s->next_expiry_s = INFINITY;
+    s->block_class = malloc((num_blocks ? num_blocks : 1) * sizeof(int32_t));
+    s->block_entry = malloc((num_blocks ? num_blocks : 1) * sizeof(int64_t));
+    if (!s->block_class || !s->block_entry) { sim_free(s); return NULL; }
+    memset(s->block_class, 0xff, num_blocks * sizeof(int32_t));
+    memset(s->block_entry, 0xff, num_blocks * sizeof(int64_t));
+    return s;
+}
+
+static void record_deaths(sim_t *s, int64_t k, int64_t num, double death_s, int evicted) {
+    s->live_by_class[k] -= num;
+    if (!s->counting) return;
+    s->block_seconds[k] += num * (death_s > s->window_start_s ? death_s : s->window_start_s);
+    if (evicted) s->evicted[k] += num;
+    else if (death_s >= s->window_start_s) s->expired[k] += num;
+}
+
+/* Queue k's front visit, its entry, and the [position, end) of its unconsumed blocks. */
+static int64_t front(sim_t *s, int64_t k, int64_t *position, int64_t *end) {
+    int64_t v = s->queues[k].data[s->heads[k]];
+    int64_t start = s->starts[v];
+    *position = s->cursors[k] > start ? s->cursors[k] : start;
+    *end = start + s->lengths[v];
+    return v * s->num_classes + k;
+}
+
+static int64_t drop_front(sim_t *s, int64_t k, double expires_at_s) {
+    int64_t position, end, entry = front(s, k, &position, &end), num = 0;
+    for (; position < end; position++) {
+        int32_t b = s->ids[position];
+        if (s->block_entry[b] == entry) {
+            s->block_class[b] = -1;
+            s->block_entry[b] = -1;
+            num++;
+        }
+    }
+    s->heads[k]++;
+    if (num) {
+        int64_t bits;
+        memcpy(&bits, &expires_at_s, sizeof bits);
+        push3(s, &s->expiries, bits, k, num);
+        record_deaths(s, k, num, expires_at_s, 0);
+    }
+    return num;
+}
+
+static int64_t expire(sim_t *s, double now) {
+    int64_t num = 0;
+    double next = INFINITY;
+    for (int64_t k = 0; k < s->num_classes; k++) {
+        vec_t *q = &s->queues[k];
+        while (s->heads[k] < q->len) {
+            double expires_at_s = s->times[q->data[s->heads[k]]] + s->ttl_s[k];
+            if (!(now >= expires_at_s)) {
+                if (expires_at_s < next) next = expires_at_s;
+                break;
+            }
+            num += drop_front(s, k, expires_at_s);
+        }
+    }
+    s->next_expiry_s = next;
+    return num;
+}
+
+static double front_priority(sim_t *s, int64_t k) {
+    double last_s = s->times[s->queues[k].data[s->heads[k]]];
+    double expires_at_s = last_s + s->ttl_s[k];
+    return (!s->lru || isinf(expires_at_s)) ? expires_at_s : last_s;
+}
+
+/* The class whose next live block is evicted first; leaves its cursor on that block. */
+static int64_t lowest_priority_class(sim_t *s) {
+    for (;;) {
+        int64_t best = -1;
+        double best_priority = INFINITY;
+        for (int64_t k = 0; k < s->num_classes; k++) {
+            if (!s->live_by_class[k]) continue;
+            double priority = front_priority(s, k);
+            if (best < 0 || priority < best_priority) {
+                best = k;
+                best_priority = priority;
+            }
+        }
+        if (best < 0) return -1;
+        int64_t position, end, entry = front(s, best, &position, &end);
+        for (; position < end; position++)
+            if (s->block_entry[s->ids[position]] == entry) break;
+        if (position < end) {
+            s->cursors[best] = position;
+            return best;
+        }
+        s->heads[best]++; /* nothing live in it: its priority may rise */
+    }
+}
+
+static void evict(sim_t *s, int64_t num, double now, int64_t v) {
+    while (num) {
+        int64_t k = lowest_priority_class(s);
+        if (k < 0) { s->failed = 2; return; } /* the live count is off */
+        int64_t position, end, entry = front(s, k, &position, &end), wanted = num;
+        for (; num && position < end; position++) {
+            int32_t b = s->ids[position];
+            if (s->block_entry[b] == entry) {
+                s->block_class[b] = -1;
+                s->block_entry[b] = -1;
+                num--;
+            }
+        }
+        s->cursors[k] = position;
+        push3(s, &s->evictions, v, k, wanted - num);
+        record_deaths(s, k, wanted - num, now, 1);
+    }
+}
+
+static void touch_foreign(sim_t *s, int32_t b, int64_t k, int64_t v) {
+    s->block_entry[b] = v * s->num_classes + k;
+    vec_t *q = &s->queues[k];
+    if (q->data[q->len - 1] != v) push(s, q, v);
+}
+
+/* Visits [begin, end); returns 0, or nonzero when memory ran out or a count was off. */
+int sim_visit(sim_t *s, int64_t begin, int64_t end) {
+    const int32_t *ids = s->ids;
+    int32_t *block_class = s->block_class;
+    int64_t *block_entry = s->block_entry;
+    for (int64_t v = begin; v < end && !s->failed; v++) {
+        double now = s->times[v];
+        int64_t c = s->classes[v], entry = v * s->num_classes + c;
+        if (now >= s->next_expiry_s) s->live -= expire(s, now);
+        push(s, &s->queues[c], v);
+        double expires_s = now + s->ttl_s[c];
+        if (expires_s < s->next_expiry_s) s->next_expiry_s = expires_s;
+        int64_t i = s->starts[v], stop = i + s->lengths[v];
+        for (; i < stop; i++) { /* the prefix hit: leading resident blocks, touched */
+            int32_t b = ids[i];
+            int32_t k = block_class[b];
+            if (k == c) block_entry[b] = entry;
+            else if (k < 0) break;
+            else touch_foreign(s, b, k, v);
+        }
+        if (i == stop) continue; /* every block hit: nothing inserted */
+        int64_t miss_index = i - s->starts[v], num_new = 0;
+        for (; i < stop; i++) { /* the rest: insert missing blocks, touch resident ones */
+            int32_t b = ids[i];
+            int32_t k = block_class[b];
+            if (k == c) block_entry[b] = entry;
+            else if (k < 0) {
+                block_class[b] = (int32_t)c;
+                block_entry[b] = entry;
+                num_new++;
+            } else touch_foreign(s, b, k, v);
+        }
+        push3(s, &s->misses, v, miss_index, num_new);
+        s->live_by_class[c] += num_new;
+        s->live += num_new;
+        if (s->capacity >= 0 && s->live > s->capacity) {
+            evict(s, s->live - s->capacity, now, v);
+            s->live = s->capacity;
+        }
+    }
+    return s->failed;
+}
+
+/* Start counting: the blocks resident now count from the window's start. */
+void sim_start_window(sim_t *s) {
+    s->counting = 1;
+    for (int64_t k = 0; k < s->num_classes; k++)
+        s->block_seconds[k] = -(double)s->live_by_class[k] * s->window_start_s;
+}
+
+int sim_finish(sim_t *s, double end_s) {
+    s->live -= expire(s, end_s);
+    return s->failed;
+}
+
+/* Record counts: misses, evictions, expiries (each a record of 3 int64). */
+void sim_sizes(const sim_t *s, int64_t *out) {
+    out[0] = s->misses.len / 3;
+    out[1] = s->evictions.len / 3;
+    out[2] = s->expiries.len / 3;
+}
+
+/* Copy the records out; per class block_seconds, expired and evicted counts. */
+void sim_results(const sim_t *s, int64_t *misses, int64_t *evictions, int64_t *expiries,
+                 double *block_seconds, int64_t *expired, int64_t *evicted) {
+    memcpy(misses, s->misses.data, s->misses.len * sizeof(int64_t));
+    memcpy(evictions, s->evictions.data, s->evictions.len * sizeof(int64_t));
+    memcpy(expiries, s->expiries.data, s->expiries.len * sizeof(int64_t));
+    memcpy(block_seconds, s->block_seconds, s->num_classes * sizeof(double));
+    memcpy(expired, s->expired, s->num_classes * sizeof(int64_t));
+    memcpy(evicted, s->evicted, s->num_classes * sizeof(int64_t));
+}
+
+/* --- splitting a unit's accesses by partition (ttl/partition.py) ------------------------------
+ * A counting sort, stable: each partition's accesses stay in request then position order.
+ * Pass 1 counts accesses and runs (a run: one request's accesses in one partition) per
+ * partition; pass 2 places each access and each run. ``access_bounds`` and ``run_bounds`` are
+ * [partitions + 1]; the outputs are [accesses] (positions, local ids) and [runs]. */
+int sim_split(int64_t num_requests, const int64_t *lengths, const int32_t *block_of_access,
+              const int32_t *group_of_block, const int32_t *local_of_block,
+              int64_t num_partitions, int64_t *access_bounds, int64_t *run_bounds,
+              int32_t *positions, int32_t *local_ids, int32_t *run_rows, int32_t *run_lengths) {
+    int64_t *last = malloc(num_partitions * sizeof(int64_t));
+    int64_t *access_at = malloc(num_partitions * sizeof(int64_t));
+    int64_t *run_at = malloc(num_partitions * sizeof(int64_t));
+    if (!last || !access_at || !run_at) {
+        free(last); free(access_at); free(run_at);
+        return 1;
+    }
+    memset(access_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
+    memset(run_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < num_partitions; p++) last[p] = -1;
+    int64_t a = 0;
+    for (int64_t r = 0; r < num_requests; r++)
+        for (int64_t j = 0; j < lengths[r]; j++, a++) {
+            int32_t g = group_of_block[block_of_access[a]];
+            access_bounds[g + 1]++;
+            if (last[g] != r) { last[g] = r; run_bounds[g + 1]++; }
+        }
+    for (int64_t p = 0; p < num_partitions; p++) {
+        access_bounds[p + 1] += access_bounds[p];
+        run_bounds[p + 1] += run_bounds[p];
+        access_at[p] = access_bounds[p];
+        run_at[p] = run_bounds[p] - 1;
+        last[p] = -1;
+    }
+    a = 0;
+    for (int64_t r = 0; r < num_requests; r++)
+        for (int64_t j = 0; j < lengths[r]; j++, a++) {
+            int32_t b = block_of_access[a], g = group_of_block[b];
+            int64_t at = access_at[g]++;
+            positions[at] = (int32_t)j;
+            local_ids[at] = local_of_block[b];
+            if (last[g] != r) {
+                last[g] = r;
+                run_at[g]++;
+                run_rows[run_at[g]] = (int32_t)r;
+                run_lengths[run_at[g]] = 0;
+            }
+            run_lengths[run_at[g]]++;
+        }
+    free(last); free(access_at); free(run_at);
+    return 0;
+}
+
+/* --- the store's placement: rendezvous over xxh3_64 (kvstore.placement.groups_of_keys) -------
+ * Each 16-byte key goes to the group with the highest xxh3_64(group id (u32 LE) || key); the
+ * 20-byte case of XXH3 with its default secret, as groups_of_keys computes it in numpy, so the
+ * two agree bit for bit (tests/kvstore/cli/test_sim_partitions.py checks it). */
+static const uint64_t XXH_SECRET[4] = {0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL,
+                                       0xdb979083e96dd4deULL, 0x1f67b3b7a4a44072ULL};
+
+static uint64_t mul128_fold64(uint64_t a, uint64_t b) {
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+}
+
+static uint64_t xxh3_avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ULL;
+    return h ^ (h >> 32);
+}
+
+void sim_rendezvous(int64_t n, const uint64_t *keys, int64_t num_groups, int64_t *out) {
+    const uint64_t len20 = 20ULL * 0x9E3779B185EBCA87ULL;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t k0 = keys[2 * i], k1 = keys[2 * i + 1];
+        uint64_t key_part = len20 + mul128_fold64(k0 ^ XXH_SECRET[2], k1 ^ XXH_SECRET[3]);
+        uint64_t high_word = ((k0 >> 32) | (k1 << 32)) ^ XXH_SECRET[1];
+        uint64_t low_key = (k0 & 0xFFFFFFFFULL) << 32;
+        int64_t best = 0;
+        uint64_t best_score = 0;
+        for (int64_t g = 0; g < num_groups; g++) {
+            uint64_t mixed = mul128_fold64((low_key | (uint64_t)g) ^ XXH_SECRET[0], high_word);
+            uint64_t score = xxh3_avalanche(key_part + mixed);
+            if (g == 0 || score > best_score) { best = g; best_score = score; }
+        }
+        out[i] = best;
+    }
+}
+
+/* --- chained block identities (ttl/traces.py chain_identities) ---------------------------------
+ * identity_j = mix64(identity_{j-1}, id_j) along each request from mix64(root, 0), where
+ * mix64(a, b) = splitmix64(a * GOLDEN ^ splitmix64(b)): the numpy version's arithmetic, one
+ * pass in access order instead of one numpy pass per position. */
+static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL;
+
+static uint64_t splitmix64(uint64_t z) {
+    z += GOLDEN;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t mix64(uint64_t a, uint64_t b) { return splitmix64(a * GOLDEN ^ splitmix64(b)); }
+
+void sim_chain(int64_t num_requests, const int64_t *lengths, const int64_t *ids,
+               const int64_t *roots, uint64_t *out) {
+    int64_t a = 0;
+    for (int64_t r = 0; r < num_requests; r++) {
+        uint64_t identity = mix64((uint64_t)roots[r], 0);
+        for (int64_t j = 0; j < lengths[r]; j++, a++)
+            out[a] = identity = mix64(identity, (uint64_t)ids[a]);
+    }
+}
