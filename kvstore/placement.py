@@ -77,6 +77,11 @@ def _highest_weighted_score(key: bytes, group_ids: list[bytes], weights: Sequenc
     return best_index
 
 
+def map_group_weights(config: ClusterConfig) -> tuple[int, ...] | None:
+    """The group weights a map places by (kvstore/placement_weights.py); None: equal."""
+    return group_weights(config.groups, node_weights(config.nodes))
+
+
 class Placement:
     """The cluster map's placement: key -> group index -> node ids (shard i on nodes[i]).
 
@@ -86,7 +91,7 @@ class Placement:
     def __init__(self, config: ClusterConfig) -> None:
         self.groups: tuple[tuple[str, ...], ...] = config.groups
         self._group_ids = [_GROUP_ID.pack(g) for g in range(len(self.groups))]
-        self.weights = group_weights(self.groups, node_weights(config.nodes))
+        self.weights = map_group_weights(config)
 
     def group_index(self, key: bytes) -> int:
         """Which group holds ``key``; raises InvalidArgument for a key of the wrong size."""
