@@ -64,7 +64,7 @@ demo: install
 # alert rules of deploy/observability/: prometheus' promtool).
 # Installed when missing where that is possible (root with apt-get, as in CI); elsewhere the
 # tests and benchmarks that need them skip and say so.
-SYSTEM_PACKAGES := redis-server:redis-server etcd-server:etcd prometheus:promtool
+SYSTEM_PACKAGES := redis-server:redis-server etcd-server:etcd prometheus:promtool xfsprogs:mkfs.xfs
 system-packages:
 	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
 		pkg=$${entry%%:*}; cmd=$${entry##*:}; \

@@ -12,7 +12,10 @@ then, for each change, the shards whose node differs are counted (kvstore.map_ch
 * join by regeneration: the same node list with groups made from scratch (what a map
   generator run again would do, for comparison);
 * drain: one node's slots given away (its own shards are the ideal);
-* out: the same for a node marked out after ``down_out_s``.
+* out: the same for a node marked out after ``down_out_s``;
+* to weights: 4 nodes get half the byte limit of the others (kvstore/placement_weights.py),
+  by the limits alone (groups weighted in rendezvous) and with slots handed over in the same
+  change; the ideal is the shards the nodes whose share grows gain.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from erasure.config import CodecConfig
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.map_changes import (
+    MoveCount,
     drain,
     finish_move,
     held_shards,
@@ -38,6 +42,13 @@ from kvstore.map_changes import (
     shards_moved,
 )
 from kvstore.placement import make_groups
+from kvstore.placement_weights import node_weights, rebalance_slots
+
+GiB = 1 << 30
+WEIGHTED_SMALL = 4  # nodes given half the byte limit in the weight rows
+# The weight rows' smallest map: with 12 nodes in groups of 12 every group holds every node,
+# so weights can shift nothing (each node holds one shard of every block).
+WEIGHTED_NODES = 24
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,13 +61,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         rows = measure_moves(args.nodes, args.keys, args.seed)
+        rows += measure_weight_moves(max(args.nodes, WEIGHTED_NODES), args.keys, args.seed)
     except ValueError as exc:
         print(f"kvstore bench map-moves: {exc}", file=sys.stderr)
         return 2
-    print(f"{'change':<28} {'moved shards':>13} {'ideal':>9} {'ratio':>6} {'keys touched':>13}")
+    print(f"{'change':<52} {'moved shards':>13} {'ideal':>9} {'ratio':>6} {'keys touched':>13}")
     for row in rows:
         print(
-            f"{row['change']:<28} {row['moved_shards']:>13,} {row['ideal_shards']:>9,} "
+            f"{row['change']:<52} {row['moved_shards']:>13,} {row['ideal_shards']:>9,} "
             f"{row['ratio_to_ideal']:>6.3f} {row['keys_touched']:>13,}"
         )
     if args.json is not None:
@@ -104,18 +116,52 @@ def measure_moves(num_nodes: int, num_keys: int, seed: int) -> list[dict[str, An
             held_shards(settled, "n02", keys),
         ),
     ]
-    rows = []
-    for name, old, new, ideal in changes:
-        count = shards_moved(old, new, keys, ideal)
-        rows.append(
-            {
-                "change": name,
-                "keys": count.num_keys,
-                "shards": count.num_shards,
-                "moved_shards": count.moved_shards,
-                "ideal_shards": count.ideal_shards,
-                "ratio_to_ideal": round(count.ratio_to_ideal, 4),
-                "keys_touched": count.moved_keys,
-            }
+    return [_row(name, shards_moved(old, new, keys, ideal)) for name, old, new, ideal in changes]
+
+
+def measure_weight_moves(num_nodes: int, num_keys: int, seed: int) -> list[dict[str, Any]]:
+    """Moving a map to capacity weights (kvstore/placement_weights.py): the last
+    ``WEIGHTED_SMALL`` of ``num_nodes`` equal nodes get half the byte limit. The ideal is
+    the shards the nodes' shares gain, summed; rows: the limits alone (groups weighted in
+    rendezvous, slots kept), and slots handed over in the same change (``rebalance_slots``)."""
+    codec = CodecConfig()
+    keys = np.random.default_rng(seed).integers(0, 256, (num_keys, 16), dtype=np.uint8)
+    nodes = tuple(_node(i) for i in range(num_nodes))
+    groups = make_groups([(n.id, n.failure_domain) for n in nodes], codec.num_shards)
+    before = ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=codec)
+    half = GiB // 2
+    limited = tuple(
+        dataclasses.replace(n, max_bytes=half if i >= num_nodes - WEIGHTED_SMALL else GiB)
+        for i, n in enumerate(nodes)
+    )
+    weighted = dataclasses.replace(before, nodes=limited, epoch=2)
+    domains = {n.id: n.failure_domain for n in limited}
+    rebalanced = dataclasses.replace(
+        weighted, groups=tuple(rebalance_slots(groups, domains, node_weights(limited)))
+    )
+    return [
+        _row(name, shards_moved(before, new, keys, _share_gain(before, new, keys)))
+        for name, new in (
+            (f"to weights ({WEIGHTED_SMALL} half nodes), limits only", weighted),
+            (f"to weights ({WEIGHTED_SMALL} half nodes), slots handed over", rebalanced),
         )
-    return rows
+    ]
+
+
+def _share_gain(old: ClusterConfig, new: ClusterConfig, keys: np.ndarray) -> int:
+    """Shards the nodes that gain share gain, summed: the fewest any move could move."""
+    nodes = [n.id for n in old.nodes]
+    gain = [held_shards(new, n, keys) - held_shards(old, n, keys) for n in nodes]
+    return sum(g for g in gain if g > 0)
+
+
+def _row(name: str, count: MoveCount) -> dict[str, Any]:
+    return {
+        "change": name,
+        "keys": count.num_keys,
+        "shards": count.num_shards,
+        "moved_shards": count.moved_shards,
+        "ideal_shards": count.ideal_shards,
+        "ratio_to_ideal": round(count.ratio_to_ideal, 4),
+        "keys_touched": count.moved_keys,
+    }

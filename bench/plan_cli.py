@@ -37,7 +37,9 @@ from kvstore.cli.sim import (
     simulate_from_args,
 )
 from kvstore.cli.tables import print_fitted
-from kvstore.config import load_cluster
+from kvstore.config import ClusterConfig, load_cluster
+from kvstore.placement_weights import node_weights, share_report
+from ttl.cluster_fill import usable_fraction
 from ttl.errors import TTLError
 from ttl.plan import TierConfig, parse_count, plan_records, scale_for_tokens_per_day
 from ttl.plan_report import plan_table, write_plan_plots
@@ -197,6 +199,7 @@ def tier_from_args(args: argparse.Namespace) -> TierConfig:
             expiry_window_s=cluster.ttl.expiry_window_s,
             high_watermark=node.high_watermark,
             low_watermark=node.low_watermark,
+            usable_fraction=_usable_fraction(cluster),
         )
     if args.erasure is not None:  # the client's default fanout for that code: k+1
         k, m = _k_plus_m(args.erasure)
@@ -215,6 +218,16 @@ def tier_from_args(args: argparse.Namespace) -> TierConfig:
         node_read_bytes_per_s=args.node_read_gb_per_s * 1e9,
         node_write_bytes_per_s=args.node_write_gb_per_s * 1e9,
     )
+
+
+def _usable_fraction(cluster: ClusterConfig) -> float:
+    """What of the nodes' byte limits the map's placement fills before a node evicts (1.0
+    without limits; kvstore/placement_weights.py weighs groups by them)."""
+    if not any(n.max_bytes for n in cluster.nodes):
+        return 1.0
+    shares = share_report(cluster.nodes, cluster.groups)
+    node_bytes = node_weights(cluster.nodes)
+    return min(1.0, usable_fraction(node_bytes, {n: s for n, (s, _) in shares.items()}))
 
 
 def _k_plus_m(text: str) -> tuple[int, int]:

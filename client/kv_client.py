@@ -207,6 +207,8 @@ class KVClient:
         self.config = config
         self.placement = Placement(config)
         self.follow_ups.set_groups(config.groups)
+        for conn in self._conn_list:  # a node back in the map is dialed now, not after backoff
+            conn.redial()
 
     @classmethod
     def connect(

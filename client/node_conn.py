@@ -15,8 +15,9 @@ here with one copy of each shard.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -25,7 +26,7 @@ from client.landing import NodeAnswer, StreamLander, Wanted
 from client.node_health import NodeHealth
 from client.wire import parse_get_shards_reply
 from kvstore.config import NodeConfig
-from kvstore.errors import BadReply, KVStoreError, Overloaded
+from kvstore.errors import RETRYABLE, BadReply, KVStoreError, Overloaded
 from kvstore.grpc_errors import from_grpc_status
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
@@ -45,6 +46,15 @@ CHANNEL_OPTIONS = (
     # failed as UNAVAILABLE. A refused connection (a node down) still fails at once.
     ("grpc.min_reconnect_backoff_ms", 5000),
 )
+
+REDIAL_EVERY_S = 0.05  # a failed channel is dialed afresh at most this often
+REDIAL_GRACE_S = 10.0  # calls in flight on a replaced channel get this long to finish
+FIRST_BACKOFF_S = 0.01  # a put's first retry; then x4, up to MAX_BACKOFF_S
+MAX_BACKOFF_S = 0.16
+# How long a put keeps retrying a node that fails (within its deadline): long enough for a
+# node that serves again to be dialed, short enough that puts with 3 nodes of a group truly
+# down fail in seconds, not at the deadline.
+RETRY_WINDOW_S = 2.0
 
 # Status codes that say "this node is down or broken" (not "your request is wrong").
 _NODE_FAULT_CODES = frozenset(
@@ -88,9 +98,21 @@ class NodeConn:
         self.token = token
         self.k = k
         self.max_batch_bytes = node.max_batch_bytes
+        self._credentials = credentials
+        self._open_channel()
+        self.health = NodeHealth()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._redialed_at_s = -math.inf
+        self._closing: set[asyncio.Task[None]] = set()  # replaced channels, closing
+        self.num_redials = 0
+
+    def _open_channel(self) -> None:
         # TLS when the cluster has it on (kvstore/tls.py); plaintext only on loopback. The
-        # server must hold node ``node.id``'s certificate, or no call (and no token) goes out.
-        self.channel = aio_channel(node.address, credentials, CHANNEL_OPTIONS, node_id=node.id)
+        # server must hold node ``self.node_id``'s certificate, or no call (and no token) goes
+        # out.
+        self.channel = aio_channel(
+            self.address, self._credentials, CHANNEL_OPTIONS, node_id=self.node_id
+        )
         self.stub = ShardStoreStub(self.channel)
         # GetShards replies carry the shards: parse them without protobuf's copies.
         self.stub.GetShards = self.channel.unary_unary(
@@ -104,8 +126,35 @@ class NodeConn:
             "/kvstore.v1.ShardStore/PutShards",
             response_deserializer=pb.PutShardsReply.FromString,
         )
-        self.health = NodeHealth()
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    def redial(self, *, force: bool = False) -> bool:
+        """Dial the node now on a fresh channel if this one failed to connect (or ``force``);
+        True if it did.
+
+        A channel whose connection attempt failed waits out gRPC's reconnect backoff (up to
+        ``grpc.max_reconnect_backoff_ms``) and fails every call meanwhile, even once the node
+        serves again. A node's return is an event (a map change, a Health "serving", a put
+        that needs it): a fresh channel connects at once. At most one redial per
+        ``REDIAL_EVERY_S`` unless forced, so the puts waiting on a dead node share them.
+        """
+        now_s = time.monotonic()
+        failed = self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        if not force and (not failed or now_s - self._redialed_at_s < REDIAL_EVERY_S):
+            return False
+        self._redialed_at_s = now_s
+        old = self.channel
+        self._open_channel()
+        self.num_redials += 1
+        # Calls in flight on the old channel finish (or fail) on it; then it closes.
+        task = asyncio.ensure_future(old.close(grace=REDIAL_GRACE_S))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return True
+
+    def node_is_back(self) -> None:
+        """The node serves again (a Health reply, a map that lists it): use it at once."""
+        self.health.record_success()
+        self.redial()
 
     async def read_batch(
         self,
@@ -162,6 +211,30 @@ class NodeConn:
         self.health.record_success()
         return reply
 
+    async def put_until(
+        self, request: bytes, deadline_s: float, counters: Any, wanted: Callable[[], bool]
+    ) -> None:
+        """One encoded PutShards, retried on transient errors while ``wanted()`` and before
+        ``deadline_s``: after a failure to reach the node, each retry dials it afresh
+        (:meth:`redial`), so a node that comes back takes the put at once.
+
+        ``counters.num_put_retries`` counts the retries."""
+        backoff_s = FIRST_BACKOFF_S
+        give_up_s = min(deadline_s, time.monotonic() + RETRY_WINDOW_S)
+        while True:
+            try:
+                await self.put_encoded(request, deadline_s - time.monotonic())
+                return
+            except KVStoreError as exc:
+                if not isinstance(exc, RETRYABLE) or not wanted():
+                    raise
+                if time.monotonic() + backoff_s >= give_up_s:
+                    raise
+            counters.num_put_retries += 1
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(MAX_BACKOFF_S, 4 * backoff_s)
+            self.redial()
+
     def _failed(self, method: str, exc: grpc.aio.AioRpcError) -> KVStoreError:
         error = from_grpc_status(exc.code(), f"node {self.node_id} {method}: {exc.details()}")
         if isinstance(error, Overloaded):
@@ -175,6 +248,7 @@ class NodeConn:
 
     async def close(self) -> None:
         await self.channel.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 T = TypeVar("T")

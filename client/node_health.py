@@ -3,7 +3,8 @@
 Pure code: time comes in as ``now_s`` (monotonic seconds), so tests drive it directly.
 
 * **Suspect.** A failed RPC (unreachable, deadline, internal error) makes the node suspect for
-  ``2 s``, doubling on each consecutive failure up to ``30 s``. Reads skip suspect nodes; when
+  ``2 s``, doubling on each consecutive failed probe up to ``30 s`` (failures while it is
+  suspect belong to the same outage and do not lengthen it). Reads skip suspect nodes; when
   the window passes, the next request is the probe: success clears the state, failure doubles
   the window.
 * **Overloaded.** A node that shed a request (RESOURCE_EXHAUSTED, kvstore/node/admission.py)
@@ -40,7 +41,12 @@ class NodeHealth:
         return now_s < self.suspect_until_s
 
     def record_failure(self, now_s: float) -> None:
-        """An RPC to the node failed: suspect it, for twice as long as last time."""
+        """An RPC to the node failed: suspect it, for twice as long as last time. Failures
+        while it is suspect already (concurrent calls, a put retrying it) are the same
+        outage: they do not lengthen the window, or a put retrying a node that restarts
+        would keep reads off it for 30 s after it is back."""
+        if self.is_suspect(now_s) and self.suspect_window_s >= SUSPECT_MIN_S:
+            return
         self.suspect_window_s = min(SUSPECT_MAX_S, max(SUSPECT_MIN_S, 2 * self.suspect_window_s))
         self.suspect_until_s = now_s + self.suspect_window_s
 

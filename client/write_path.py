@@ -8,7 +8,9 @@ write quorum, or degraded at min_write_shards.
               every key of the batch (encoded with one copy of each shard and the batch's
               write time, client/node_conn.py)
            -> every node of each key's group at once, each request retried on transient
-              errors until the deadline
+              errors while a key still waits on it (within the deadline, and at most
+              RETRY_WINDOW_S): each retry dials a node that could not be reached afresh
+              (NodeConn.put_until), so a node that just came back takes it
            -> a key is decided when it has write_quorum (11) shards stored; or when it has
               min_write_shards (10, = k) and hedge_delay_s passed since every key of the
               batch had that many, or only nodes that just failed are still pending for it
@@ -47,7 +49,6 @@ from client.node_conn import NodeConn, consume_result
 from erasure.codec import Codec
 from kvstore.byte_arena import ByteArena
 from kvstore.errors import (
-    RETRYABLE,
     InvalidArgument,
     KVStoreError,
     PermissionDenied,
@@ -55,8 +56,6 @@ from kvstore.errors import (
 )
 from kvstore.wire.put_request import encode_put_request
 
-PUT_ATTEMPTS = 3
-FIRST_BACKOFF_S = 0.01  # then x4 per attempt
 _VERSION = slice(20, 36)  # the block checksum in a shard header (erasure/shard.py)
 
 
@@ -78,24 +77,6 @@ class WritePolicy:
     min_shards: int  # min_write_shards: below it a key fails
     hedge_delay_s: float  # how long keys at min_shards wait for more
     k: int  # shards a read needs
-
-
-async def put_with_retries(
-    conn: NodeConn, request: bytes, deadline_s: float, counters: WriteCounters
-) -> None:
-    """One encoded PutShards, retried with exponential backoff on transient errors until the
-    deadline."""
-    for attempt in range(PUT_ATTEMPTS):
-        try:
-            await conn.put_encoded(request, deadline_s - time.monotonic())
-            return
-        except KVStoreError as exc:
-            backoff_s = FIRST_BACKOFF_S * 4**attempt
-            retryable = isinstance(exc, RETRYABLE) and attempt + 1 < PUT_ATTEMPTS
-            if not retryable or time.monotonic() + backoff_s >= deadline_s:
-                raise
-        counters.num_put_retries += 1
-        await asyncio.sleep(backoff_s)
 
 
 class BatchWrite:
@@ -129,6 +110,7 @@ class BatchWrite:
         self.integrity = integrity  # keyed block versions (client/integrity.py), or xxh3
         self._reported: set[int] = set()
         self._versions: list[bytes] = []
+        self._decided = False  # every key decided: requests still failing stop retrying
 
     async def run(
         self,
@@ -146,7 +128,7 @@ class BatchWrite:
         requests = self._requests(keys, groups, blocks, traffic_class, written_at_s, ttl_s)
         tasks = {
             asyncio.ensure_future(
-                put_with_retries(self.conns[node], request, deadline_s, self.counters)
+                self.conns[node].put_until(request, deadline_s, self.counters, self._undecided)
             ): (node, positions)
             for node, request, positions in requests
         }
@@ -221,6 +203,7 @@ class BatchWrite:
                 state.record(node, positions, exc is None)
             if hedge_at_s is None and state.all_at_min(policy):
                 hedge_at_s = time.monotonic() + policy.hedge_delay_s
+        self._decided = True
         failed = [i for i, nodes in enumerate(state.stored) if len(nodes) < policy.min_shards]
         failed_set = set(failed)
         short = [i for i in range(len(keys)) if state.failed[i] and i not in failed_set]
@@ -234,6 +217,9 @@ class BatchWrite:
         if failed:
             self.counters.num_quorum_failures += len(failed)
             raise self._quorum_error(keys, failed, state, errors)
+
+    def _undecided(self) -> bool:
+        return not self._decided
 
     def _is_suspect(self, node: int) -> bool:
         return self.conns[node].is_suspect()

@@ -10,6 +10,7 @@ The JSON (``--json``)::
      "retention_caps": [{"tenant", "traffic_class", "max_ttl_s"}],
      "nodes": [{"id", "address", "failure_domain", "state", "registered", "pid", "up",
                 "epoch", "filesystem_id", "shards", "bytes",
+                "placement_share", "weight_share",  # of all shards placed; of the byte limits
                 "used_bytes", "index_bytes", "capacity_bytes", "quarantined_bytes",
                 "corrupt_shards", "segments", "hits", "misses", "retired_versions",
                 "last_tombstone_seq",
@@ -46,6 +47,7 @@ from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import Unavailable
 from kvstore.map_cache import fallback_map, save_cached_map
 from kvstore.membership import EtcdMembership
+from kvstore.placement_weights import share_report
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tls import channel_credentials, sync_channel
@@ -89,14 +91,19 @@ def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Tabl
     moving = ", moving shards" if config.moving_from else ""
     capacity = format_bytes(cluster_capacity_bytes(stats))
     table = Table(title=f"kvstore cluster, map epoch {config.epoch}{moving}; capacity {capacity}")
-    columns = ("node", "address", "state", "pid", "up", "shards", "bytes", "capacity")
-    for column in (*columns, "corrupt", "backlog"):
+    columns = ("node", "address", "state", "pid", "up", "share/weight", "shards", "bytes")
+    for column in (*columns, "capacity", "corrupt", "backlog"):
         table.add_column(column, justify="left" if column in ("node", "address") else "right")
+    shares = share_report(config.nodes, config.groups)
     for node in config.nodes:
         reply = stats[node.id]
         pid = str(node_pid(node.id, pids, reply) or "-")
+        share, weight = shares[node.id]
+        placed = f"{100 * share:.1f}%/{100 * weight:.1f}%"
         if reply is None:
-            table.add_row(node.id, node.address, node.state, pid, "[red]down[/red]", *["-"] * 5)
+            table.add_row(
+                node.id, node.address, node.state, pid, "[red]down[/red]", placed, *["-"] * 5
+            )
             continue
         capacity = format_bytes(reply.capacity_bytes) if reply.capacity_bytes else "-"
         table.add_row(
@@ -105,6 +112,7 @@ def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Tabl
             node.state,
             pid,
             "[green]up[/green]",
+            placed,
             str(reply.shards),
             format_bytes(reply.bytes),
             capacity,
@@ -193,6 +201,7 @@ def status_document(
 ) -> dict[str, Any]:
     """The ``--json`` form of the status (see the module docstring). ``live``: the nodes
     registered in etcd (None without etcd membership)."""
+    shares = share_report(config.nodes, config.groups)
     return {
         "cluster_toml": str(cluster_toml),
         "epoch": config.epoch,
@@ -205,10 +214,19 @@ def status_document(
         **repair_figures(stats),
         "retention_caps": retention_caps(stats),
         "nodes": [
-            _node_record(node, node_pid(node.id, pids, stats[node.id]), stats[node.id], live)
+            {
+                **_node_record(node, node_pid(node.id, pids, stats[node.id]), stats[node.id], live),
+                **_share_record(shares[node.id]),
+            }
             for node in config.nodes
         ],
     }
+
+
+def _share_record(share_weight: tuple[float, float]) -> dict[str, float]:
+    """A node's fraction of the shards placement gives it, and of the weight (byte limits)."""
+    share, weight = share_weight
+    return {"placement_share": round(share, 6), "weight_share": round(weight, 6)}
 
 
 def repair_figures(stats: dict) -> dict[str, Any]:

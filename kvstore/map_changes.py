@@ -38,7 +38,7 @@ import xxhash
 
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.errors import InvalidArgument
-from kvstore.placement import groups_of_keys
+from kvstore.placement import groups_of_keys, map_group_weights
 
 Groups = tuple[tuple[str, ...], ...]
 
@@ -217,8 +217,8 @@ def shards_moved(
 
     Keys keep their group when the number of groups is kept; otherwise they are placed in
     each map by its own groups (so a regenerated map can be compared too)."""
-    old_groups = groups_of_keys(keys, len(old.groups))
-    new_groups = groups_of_keys(keys, len(new.groups))
+    old_groups = groups_of_keys(keys, len(old.groups), map_group_weights(old))
+    new_groups = groups_of_keys(keys, len(new.groups), map_group_weights(new))
     moved = np.zeros(len(keys), np.int64)
     for position in range(old.codec.num_shards):
         old_nodes = np.array([g[position] for g in old.groups])[old_groups]
@@ -240,7 +240,7 @@ def ideal_join_shards(num_shards: int, num_nodes_after: int) -> int:
 
 def held_shards(cfg: ClusterConfig, node_id: str, keys: np.ndarray) -> int:
     """Shards of ``keys`` that ``node_id`` holds in ``cfg``: what its drain must move."""
-    groups = groups_of_keys(keys, len(cfg.groups))
+    groups = groups_of_keys(keys, len(cfg.groups), map_group_weights(cfg))
     per_group = np.array([sum(m == node_id for m in g) for g in cfg.groups])
     return int(per_group[groups].sum())
 

@@ -29,22 +29,29 @@ in the domain-interleaved ring. Consequences:
 
 from __future__ import annotations
 
+import math
 import struct
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import xxhash
 
 from kvstore.config import KEY_BYTES, ClusterConfig
 from kvstore.errors import InvalidArgument
+from kvstore.placement_weights import group_weights, node_weights
 
 _GROUP_ID = struct.Struct("<I")
+_TO_UNIT = 2.0**-64
 
 
-def group_of_key(key: bytes, num_groups: int) -> int:
-    """Index of the placement group that holds ``key`` among ``num_groups`` groups."""
-    return _highest_score(key, [_GROUP_ID.pack(g) for g in range(num_groups)])
+def group_of_key(key: bytes, num_groups: int, weights: Sequence[int] | None = None) -> int:
+    """Index of the placement group that holds ``key`` among ``num_groups`` groups
+    (``weights``: the groups' integer weights, kvstore/placement_weights.py; None: equal)."""
+    group_ids = [_GROUP_ID.pack(g) for g in range(num_groups)]
+    if weights is None:
+        return _highest_score(key, group_ids)
+    return _highest_weighted_score(key, group_ids, weights)
 
 
 def _highest_score(key: bytes, group_ids: list[bytes]) -> int:
@@ -57,16 +64,40 @@ def _highest_score(key: bytes, group_ids: list[bytes]) -> int:
     return best_index
 
 
+def _highest_weighted_score(key: bytes, group_ids: list[bytes], weights: Sequence[int]) -> int:
+    """Weighted rendezvous: the group with the highest ``w / -ln(u)``, ``u`` the group's
+    ``xxh3_64(group_id || key)`` scaled into (0, 1); i.e. the lowest ``-ln(u) / w``. Group
+    ``g`` wins ``w_g / sum(w)`` of the keys."""
+    best_index, best_cost = 0, math.inf
+    for index, (group_id, weight) in enumerate(zip(group_ids, weights, strict=True)):
+        u = (xxhash.xxh3_64_intdigest(group_id + key) + 0.5) * _TO_UNIT
+        cost = -math.log(u) / weight
+        if cost < best_cost:
+            best_index, best_cost = index, cost
+    return best_index
+
+
+def map_group_weights(config: ClusterConfig) -> tuple[int, ...] | None:
+    """The group weights a map places by (kvstore/placement_weights.py); None: equal."""
+    return group_weights(config.groups, node_weights(config.nodes))
+
+
 class Placement:
-    """The cluster map's placement: key -> group index -> node ids (shard i on nodes[i])."""
+    """The cluster map's placement: key -> group index -> node ids (shard i on nodes[i]).
+
+    Groups are weighted by their nodes' byte limits (kvstore/placement_weights.py); with
+    equal limits this is plain rendezvous."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.groups: tuple[tuple[str, ...], ...] = config.groups
         self._group_ids = [_GROUP_ID.pack(g) for g in range(len(self.groups))]
+        self.weights = map_group_weights(config)
 
     def group_index(self, key: bytes) -> int:
         """Which group holds ``key``; raises InvalidArgument for a key of the wrong size."""
-        return _highest_score(check_key(key), self._group_ids)
+        if self.weights is None:
+            return _highest_score(check_key(key), self._group_ids)
+        return _highest_weighted_score(check_key(key), self._group_ids, self.weights)
 
     def nodes_for_key(self, key: bytes) -> tuple[str, ...]:
         """The k+m node ids of the key's group; shard i goes to element i."""
@@ -104,12 +135,17 @@ def interleave_domains(node_to_domain: Sequence[tuple[str, str]]) -> list[str]:
 
 
 def make_groups(
-    node_to_domain: Sequence[tuple[str, str]], width: int, num_groups: int | None = None
+    node_to_domain: Sequence[tuple[str, str]],
+    width: int,
+    num_groups: int | None = None,
+    node_to_weight: Mapping[str, float] | None = None,
 ) -> list[tuple[str, ...]]:
     """Placement groups of ``width`` nodes for ``(node_id, failure_domain)`` pairs.
 
     Builds ``num_groups`` groups (default: one per node); see the module docstring for the rule.
-    Raises InvalidArgument when there are fewer nodes than ``width``.
+    With ``node_to_weight`` (byte limits), "least used" is uses per unit of weight, so a node
+    with half the space is in about half as many groups. Raises InvalidArgument when there are
+    fewer nodes than ``width``.
     """
     if len(node_to_domain) < width:
         raise InvalidArgument(
@@ -117,26 +153,33 @@ def make_groups(
             f"start at least {width} nodes"
         )
     ring = interleave_domains(node_to_domain)
+    weight = dict.fromkeys(ring, 1.0) if node_to_weight is None else node_to_weight
     num_uses: Counter[str] = Counter()
     groups = []
     for g in range(len(ring) if num_groups is None else num_groups):
-        group = _build_group(ring, dict(node_to_domain), num_uses, start=g, width=width)
+        group = _build_group(ring, dict(node_to_domain), num_uses, weight, start=g, width=width)
         num_uses.update(group)
         groups.append(group)
     return groups
 
 
 def _build_group(
-    ring: list[str], domain_of: dict[str, str], num_uses: Counter[str], start: int, width: int
+    ring: list[str],
+    domain_of: dict[str, str],
+    num_uses: Counter[str],
+    weight: Mapping[str, float],
+    start: int,
+    width: int,
 ) -> tuple[str, ...]:
-    """Greedy: least-represented domain, then least-used node, then ring order from ``start``."""
+    """Greedy: least-represented domain, then least-used node (per unit of weight), then ring
+    order from ``start``."""
     rotated = ring[start % len(ring) :] + ring[: start % len(ring)]
     group: list[str] = []
     domain_counts: Counter[str] = Counter()
     for _ in range(width):
         candidates = [n for n in rotated if n not in group]
         # min() keeps the first of equal candidates, i.e. the one nearest after ``start``.
-        best = min(candidates, key=lambda n: (domain_counts[domain_of[n]], num_uses[n]))
+        best = min(candidates, key=lambda n: (domain_counts[domain_of[n]], num_uses[n] / weight[n]))
         group.append(best)
         domain_counts[domain_of[best]] += 1
     return tuple(group)
@@ -152,10 +195,14 @@ _XXH3_LEN20 = np.uint64(20 * 0x9E3779B185EBCA87 % 2**64)  # input length x XXH_P
 _M32 = np.uint64(0xFFFFFFFF)
 
 
-def groups_of_keys(keys: np.ndarray, num_groups: int) -> np.ndarray:
+def groups_of_keys(
+    keys: np.ndarray, num_groups: int, weights: Sequence[int] | None = None
+) -> np.ndarray:
     """``group_of_key`` for many keys at once: ``keys`` is uint8 [n, 16] (or its little-endian
     uint64 [n, 2] view); returns int64 [n]. The same rendezvous scores, xxh3_64 of
-    ``group_id || key``, computed with numpy over the batch (one pass per group)."""
+    ``group_id || key``, computed with numpy over the batch (one pass per group); with
+    ``weights``, weighted as :func:`group_of_key` weighs them (numpy's log may differ from
+    libm's in the last bit: a key at a near-tie may land elsewhere, for tools only)."""
     words = _key_words(keys)
     k0, k1 = words[:, 0], words[:, 1]
     # xxh3_64 of 20 bytes: avalanche(20 * P1 + mix16B(bytes 0..16) + mix16B(bytes 4..20)),
@@ -165,9 +212,15 @@ def groups_of_keys(keys: np.ndarray, num_groups: int) -> np.ndarray:
     low_key = (k0 & _M32) << np.uint64(32)
     best_group = np.zeros(len(words), np.int64)
     best_score = np.zeros(len(words), np.uint64)
+    best_cost = np.full(len(words), np.inf)
     for g in range(num_groups):
         mixed = _mul128_fold64((low_key | np.uint64(g)) ^ _XXH3_SECRET[0], high_word)
         score = _xxh3_avalanche(key_part + mixed)
+        if weights is not None:
+            cost = -np.log((score.astype(np.float64) + 0.5) * _TO_UNIT) / weights[g]
+            wins = cost < best_cost if g else np.ones(len(words), bool)
+            best_group[wins], best_cost[wins] = g, cost[wins]
+            continue
         wins = score > best_score if g else np.ones(len(words), bool)
         best_group[wins], best_score[wins] = g, score[wins]
     return best_group

@@ -121,6 +121,9 @@ class TierConfig:
     node_write_bytes_per_s: float = 20e9
     usd_per_tb_month: float | None = None
     index_bytes_per_shard: float = DEFAULT_INDEX_BYTES_PER_SHARD
+    # Share of the nodes' space the cluster fills before its first node evicts: 1.0 when
+    # placement follows the byte limits (ttl/cluster_fill.py usable_fraction).
+    usable_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.data_shards < 1 or self.parity_shards < 0:
@@ -144,6 +147,8 @@ class TierConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.usd_per_tb_month is not None and self.usd_per_tb_month < 0:
             raise ValueError(f"usd per TB-month must be >= 0, got {self.usd_per_tb_month}")
+        if not 0 < self.usable_fraction <= 1:
+            raise ValueError(f"usable fraction must be in (0, 1], got {self.usable_fraction}")
         if self.index_bytes_per_shard < 0:
             raise ValueError(
                 f"index bytes per shard must be >= 0, got {self.index_bytes_per_shard}"
@@ -259,7 +264,7 @@ def _rates(record: Record, sizes: BlockBytes, tier: TierConfig, scale: float) ->
 def _nodes(raw_bytes: float, rates: dict[str, float], tier: TierConfig) -> dict[str, Any]:
     """Nodes for capacity, for peak reads, for peak writes, and one placement group."""
     need = {
-        "capacity": math.ceil(raw_bytes / tier.node_bytes),
+        "capacity": math.ceil(raw_bytes / (tier.node_bytes * tier.usable_fraction)),
         "read": math.ceil(rates["read_gb_per_s"] / tier.node_read_bytes_per_s),
         "write": math.ceil(rates["write_gb_per_s"] / tier.node_write_bytes_per_s),
         "group": tier.width,

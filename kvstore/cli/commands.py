@@ -88,6 +88,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "bench.map_moves_bench",
         "shards a cluster map change moves, against the ideal",
     ),
+    ("bench", "capacity-fill"): (
+        "bench.capacity_fill_bench",
+        "hit ratio of a cluster with small disks, capacity-blind vs weighted placement",
+    ),
     ("sim",): ("kvstore.cli.sim", "replay a request trace through the TTL and capacity policies"),
     ("sim", "generate"): ("kvstore.cli.sim:generate", "write a seeded multi-day workload"),
     ("sim", "replay"): ("bench.replay", "replay a trace against a live cluster, vs simulated"),

@@ -72,7 +72,7 @@ LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 
 _NODE_GAUGES = {
     "shards": ("num_shards", "shards held"),
     "shard_bytes": ("shard_bytes", "bytes of live shards"),
-    "used_bytes": ("used_bytes", "bytes of segment files, live and dead records"),
+    "used_bytes": ("used_bytes", "disk bytes of segment data: live records, dead ones not punched"),
     "capacity_bytes": ("capacity_bytes", "effective byte limit (configured or disk)"),
     "segments": ("num_segments", "segment files"),
     "index_bytes": ("index_bytes", "disk bytes of the index files (inside the byte limit)"),

@@ -6,7 +6,9 @@ the node evict rather than fail. The index's allocated files (kvstore/store/inde
 keeps a reserve allocated for it) count inside the limit: segment data may use the limit less
 the index, and the watermarks apply to that. When a put would pass ``high_watermark`` of it,
 the store expires, then evicts entries in the configured order (``[ttl] eviction_order``,
-ttl/policy.py) until usage is under ``low_watermark``:
+ttl/policy.py) until usage is under ``low_watermark``, and no further. Usage is the disk space
+segments hold (:meth:`Evictor.held_bytes`: dead records count only where holes cannot be
+punched), plus the put's own bytes, once:
 
     lru      least recently accessed first, whatever the class (the default: the simulator
              showed earliest expiry first starves short-TTL traffic; ttl/policy.py has figures)
@@ -95,7 +97,7 @@ class Evictor:
         index_bytes = self._index.backend.allocated_bytes()
         free = shutil.disk_usage(self._files.directory).free
         configured = self._node.max_bytes if self._node.max_bytes > 0 else math.inf
-        total = min(configured, free + self.used_bytes() + index_bytes)
+        total = min(configured, free + self.held_bytes() + index_bytes)
         return int(max(0, total - index_bytes))
 
     def used_bytes(self) -> int:
@@ -103,16 +105,33 @@ class Evictor:
         with self._index.read() as view:
             return view.used_bytes()
 
+    def held_bytes(self) -> int:
+        """Disk space segment data holds: live records, plus dead ones where the filesystem
+        cannot punch holes (there they hold their space until compaction).
+
+        This, not :meth:`used_bytes`, is what the watermarks apply to. Counting punched dead
+        records made eviction run on after the evicted records were already free: with one
+        segment (one expiry window) compaction could not fit, ``used_bytes`` never fell, and a
+        node evicted until the copy fit the disk, to under half its limit (issue 38). Partial
+        pages at a punched record's ends stay allocated and are not counted (at most a page per
+        record: the byte limit is of data, the disk-derived limit sees them as used space).
+        """
+        with self._index.read() as view:
+            used = view.used_bytes()
+            if not self._files.punches_holes:
+                return used
+            return used - sum(m.dead_bytes for m in view.segments())
+
     def make_room(self, need_bytes: int, now: float, keep: Collection[bytes] = ()) -> None:
         """Evict so that ``need_bytes`` more fit under the high watermark, or raise.
 
         Entries whose index key is in ``keep`` (blocks the caller is touching) are not evicted.
         """
         limit = self.capacity_bytes()
-        if self.used_bytes() + need_bytes <= self._node.high_watermark * limit:
+        if self.held_bytes() + need_bytes <= self._node.high_watermark * limit:
             return
         self.evict_to(self._node.low_watermark * limit - need_bytes, now, keep)
-        used = self.used_bytes()
+        used = self.held_bytes()
         if used + need_bytes > limit:
             raise CapacityExhausted(
                 f"node {self._node.id}: {need_bytes} more bytes do not fit: {used} of {limit} "
@@ -123,7 +142,7 @@ class Evictor:
     def evict_if_over_high_watermark(self, now: float) -> None:
         """Evict down to the low watermark if usage passed the high one."""
         limit = self.capacity_bytes()
-        if self.used_bytes() > self._node.high_watermark * limit:
+        if self.held_bytes() > self._node.high_watermark * limit:
             self.evict_to(self._node.low_watermark * limit, now)
 
     def evict_to(self, target_bytes: float, now: float, keep: Collection[bytes] = ()) -> None:
@@ -131,7 +150,7 @@ class Evictor:
         self._reclaimer.expire(now)
         while True:
             self._free_dead_space(target_bytes, now)
-            used = self.used_bytes()
+            used = self.held_bytes()
             if used <= target_bytes or not self._evict_entries(used - target_bytes, now, keep):
                 return
             self._erase()  # the evicted records' disk blocks are free from here on
@@ -158,7 +177,7 @@ class Evictor:
         only those whose live records fit the disk's free space (a copy that cannot fit would
         end in evicting the whole segment), or, when a copy fails anyway, evict them whole."""
         self._reclaimer.free_empty_segments()
-        while self.used_bytes() > target_bytes:
+        while self.held_bytes() > target_bytes:
             free_bytes = shutil.disk_usage(self._files.directory).free
             with self._index.read() as view:
                 candidates = sorted(

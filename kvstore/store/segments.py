@@ -263,6 +263,9 @@ class SegmentFiles:
         directory.mkdir(parents=True, exist_ok=True)
         self._write_fds: dict[int, int] = {}
         self._dir_dirty = False  # a file was created: its name is durable only after a dir fsync
+        # Whether the last erase freed its range (a punched hole) or wrote zeros over it: dead
+        # records hold no disk space in the first case (kvstore/store/eviction.py held_bytes).
+        self.punches_holes = True
 
     def path(self, segment_id: int) -> Path:
         return self.directory / f"{segment_id:012d}{_SUFFIX}"
@@ -343,7 +346,8 @@ class SegmentFiles:
         except FileNotFoundError:
             return
         try:
-            if not punch_hole(fd, offset, length):
+            self.punches_holes = punch_hole(fd, offset, length)
+            if not self.punches_holes:
                 overwrite_with_zeros(fd, offset, length)
             if self.fsync:
                 os.fdatasync(fd)

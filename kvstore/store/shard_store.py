@@ -534,6 +534,10 @@ class ShardStore:
         """The byte limit: configured, or the disk's free space plus what segments use."""
         return self._evictor.capacity_bytes()
 
+    def held_bytes(self) -> int:
+        """Disk space segment data holds: what the watermarks apply to (store/eviction.py)."""
+        return self._evictor.held_bytes()
+
     def stats(self) -> StoreStats:
         """Figures per node and per traffic class, including not yet persisted counts."""
         with self._index.read() as view:
@@ -550,6 +554,7 @@ class ShardStore:
             quarantined_bytes=self._files.quarantined_bytes(),
             retired_versions=int(counters[RETIRED_VERSIONS]),
             dead_bytes=sum(m.dead_bytes for m in segments),
+            dead_bytes_free=self._files.punches_holes,
         )
 
     def close(self) -> None:

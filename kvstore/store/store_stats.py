@@ -40,7 +40,7 @@ class ClassStats:
 class StoreStats:
     num_shards: int
     shard_bytes: int  # bytes of live shards
-    used_bytes: int  # bytes of segment files (live + dead records)
+    used_bytes: int  # disk bytes segment data holds: live records, + dead ones not punched
     capacity_bytes: int  # what segment data may use: the byte limit less the index files
     num_segments: int
     corrupt_shards: int
@@ -81,15 +81,19 @@ def store_stats(
     quarantined_bytes: int = 0,
     retired_versions: int = 0,
     dead_bytes: int = 0,
+    dead_bytes_free: bool = False,
 ) -> StoreStats:
-    """Node and class figures from the counters (persisted plus pending ones)."""
+    """Node and class figures from the counters (persisted plus pending ones).
+
+    ``dead_bytes_free``: the filesystem punches holes, so dead records hold no disk space."""
     names = dict.fromkeys(class_names)
     names.update(dict.fromkeys(_classes_in(counters)))
     classes = tuple(_class_stats(name, counters) for name in names)
     return StoreStats(
         num_shards=sum(c.blocks for c in classes),
         shard_bytes=sum(c.bytes for c in classes),
-        used_bytes=int(counters[USED_BYTES]),
+        # Dead records whose holes were punched hold no space (kvstore/store/eviction.py).
+        used_bytes=int(counters[USED_BYTES]) - (dead_bytes if dead_bytes_free else 0),
         capacity_bytes=capacity_bytes,
         num_segments=num_segments,
         corrupt_shards=int(counters[CORRUPT_SHARDS]),

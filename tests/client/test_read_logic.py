@@ -96,8 +96,10 @@ def test_node_health_backoff_and_slowness() -> None:
     health = NodeHealth()
     health.record_failure(now_s=100.0)
     assert health.is_suspect(101.0) and not health.is_suspect(102.5)
-    for _ in range(10):
-        health.record_failure(now_s=100.0)
+    health.record_failure(now_s=101.0)
+    assert not health.is_suspect(102.5), "a failure while suspect (same outage) lengthened it"
+    for _ in range(10):  # each a failed probe, once the window passed
+        health.record_failure(now_s=health.suspect_until_s)
     assert health.suspect_window_s == SUSPECT_MAX_S
     health.record_success()
     assert not health.is_suspect(100.0)
