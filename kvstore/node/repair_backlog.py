@@ -173,6 +173,11 @@ class PassSchedule:
             return len(led)
         return sum(1 for g in self._group_to_due_s if g in led)
 
+    def next_due_s(self) -> float:
+        """When the next pass is due (monotonic; inf before the first, which readiness starts)."""
+        full_s = self._next_full_s if self._next_full_s is not None else float("inf")
+        return min([full_s, *self._group_to_due_s.values()])
+
     def is_due(self, group: int) -> bool:
         return group in self._group_to_due_s
 

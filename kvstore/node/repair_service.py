@@ -36,7 +36,9 @@ When (kvstore/node/repair_backlog.py PassSchedule). Nothing runs until this node
 ready for repair (serving, and it pulled its peers' delete logs: Health ``repair_ready``); then
 it lists every group it leads. After that a group is listed again every
 ``repair_scan_interval_s``, and ``SETTLE_S`` after a trigger: a member restarted, came back, went
-down or became ready (Health every ``PROBE_S``), or this node took the group's lead over.
+down or became ready (Health every ``PROBE_S``, backing off to ``PROBE_IDLE_S`` while every
+member is up and no probe saw a change: twelve idle nodes probing each other every 2 s were a
+third of their idle CPU), or this node took the group's lead over.
 Triggers during the settle join that pass, so a block whose two members return together is
 decoded once. Shards go only to the member that should hold them; a member that is down waits
 (its shards count in the backlog as waiting). Hints (QueueRepair: reads that decoded around a
@@ -95,8 +97,9 @@ LIST_PAGE = 512
 MAX_HINTS = 100_000  # beyond this the oldest hints go: the next pass finds those blocks anyway
 HINT_RETRY_S = 5.0  # a hint whose owner is down is looked at again this often
 RETRY_S = 5.0  # a pass that left shards missing on members that are up runs again after this
-IDLE_S = 0.2  # how often the loop looks for due hints and passes
-PROBE_S = 2.0  # how often the members of this node's groups are asked for Health
+IDLE_S = 0.2  # the loop's shortest sleep between looks for due hints and passes
+PROBE_S = 2.0  # how often the members of this node's groups are asked for Health ...
+PROBE_IDLE_S = 16.0  # ... doubling up to this while every member is up and nothing changed
 SETTLE_S = 3.0  # a triggered pass waits this long, so members returning together share it
 PEER_TIMEOUT_S = 10.0
 REBUILDS_IN_FLIGHT = 4
@@ -205,6 +208,7 @@ class RepairService:
         self._rate = RateMeter()
         self._was_ready = False
         self._next_probe_s = 0.0
+        self._probe_period_s = PROBE_S
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Future[None]] = set()
         self.stats = RepairStats()
@@ -238,7 +242,7 @@ class RepairService:
         self._placement = Placement(cluster)
         self._closing.add(asyncio.ensure_future(old_peers.close()))
         self._incarnations.clear()
-        self._next_probe_s = 0.0
+        self._next_probe_s, self._probe_period_s = 0.0, PROBE_S
         self._schedule.trigger(range(len(cluster.groups)), time.monotonic())
         self._wake.set()
 
@@ -317,16 +321,28 @@ class RepairService:
                     log.exception("repair step failed; retrying")
                     await asyncio.sleep(HINT_RETRY_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_S)
+                    await asyncio.wait_for(self._wake.wait(), self._sleep_s(time.monotonic()))
                 self._wake.clear()
         finally:
             await self._peers.close()
 
+    def _sleep_s(self, now_s: float) -> float:
+        """How long the loop may sleep: until the next probe or due pass (queue() and map
+        changes wake it sooner), IDLE_S while hints wait or before this node is ready."""
+        with self._hints_lock:
+            if self._hints or not self._was_ready:
+                return IDLE_S
+        due_s = min(self._next_probe_s, self._schedule.next_due_s())
+        return max(IDLE_S, due_s - now_s)
+
     async def _step(self) -> None:
         ready = self._ready()
         if time.monotonic() >= self._next_probe_s or (ready and not self._was_ready):
-            self._next_probe_s = time.monotonic() + PROBE_S
-            await self._probe()
+            steady = await self._probe()
+            # Back off while nothing changes; any change (or a member down) probes at PROBE_S.
+            period_s = min(2 * self._probe_period_s, PROBE_IDLE_S) if steady else PROBE_S
+            self._probe_period_s = period_s
+            self._next_probe_s = time.monotonic() + self._probe_period_s
         if ready and not self._was_ready:
             log.info("node %s is ready for repair: listing its groups", self._node.id)
             self._schedule.start(self.stats.led_groups, time.monotonic())
@@ -354,10 +370,11 @@ class RepairService:
         if self._backlog.missing_in(group) or busy:
             self._schedule.retry(group, time.monotonic() + RETRY_S)
 
-    async def _probe(self) -> None:
+    async def _probe(self) -> bool:
         """Ask the members of this node's groups for Health: which groups it leads now, and
         which members changed since the last probe (restarted, back, down, ready), whose
-        shared led groups then get a pass; so do groups this node just took the lead of."""
+        shared led groups then get a pass; so do groups this node just took the lead of.
+        True when the probe found every member up and nothing changed (steady)."""
         mine = [g for g, members in enumerate(self._cluster.groups) if self._node.id in members]
         others = sorted({m for g in mine for m in self._cluster.groups[g]} - {self._node.id})
         replies = await asyncio.gather(*(self._peers.health(m) for m in others))
@@ -376,12 +393,13 @@ class RepairService:
         self._set_stats(led_groups=tuple(led))
         self._backlog.keep_groups(led)
         if not self._was_ready:
-            return  # the first pass (when this node is ready) lists every led group anyway
+            return False  # the first pass (when this node is ready) lists every led group anyway
         shared = [g for g in led if changed & set(self._cluster.groups[g])]
         taken_over = [g for g in led if g not in was_led]
         if changed:
             log.info("repair: members %s changed; listing groups %s", sorted(changed), shared)
         self._schedule.trigger([*shared, *taken_over], time.monotonic())
+        return not changed and not taken_over and all(up.values())
 
     async def _repair_group(self, group: int) -> set[str]:
         """List ``group``, record what it lacks as its backlog, rebuild in repair order;
