@@ -483,6 +483,7 @@ class UcxWorker:
             now_s = time.monotonic()
             if active:
                 last_active_s = now_s
+                self._next_idle_wait_s = self._idle_wait_s
             self._expire_abandoned(now_s)  # stops at the first tag still in its grace period
             if active or now_s - last_active_s < self._spin_s:
                 await asyncio.sleep(0)

@@ -97,3 +97,14 @@ def test_the_rate_meter_averages_rebuilds() -> None:
     meter.add(100, 1.0)
     meter.add(300, 1.0)
     assert meter.bytes_per_s == 200.0
+
+
+def test_next_due_is_the_earliest_pass_so_an_idle_loop_can_sleep_until_then() -> None:
+    schedule = PassSchedule(settle_s=3.0, interval_s=600.0)
+    assert schedule.next_due_s() == float("inf"), "nothing is due before readiness starts it"
+    schedule.start([0, 1], now_s=100.0)
+    assert schedule.next_due_s() == 103.0, "the settled first pass comes first"
+    schedule.take_due([0, 1], now_s=103.0)
+    assert schedule.next_due_s() == 700.0, "then the periodic pass"
+    schedule.retry(1, at_s=150.0)
+    assert schedule.next_due_s() == 150.0, "a retry due sooner must wake the loop sooner"
