@@ -204,9 +204,21 @@ class KVStoreTarget:
         return [proc.pid for proc in self.cluster.procs.values()]
 
     def transport_counts(self, op: str) -> dict[str, int]:
+        """PUTs: PutShards requests; GETs: replies over the local channel or UCX, and the
+        requests that fell back from them to gRPC (a gRPC client: all its node requests;
+        requests cancelled unanswered, hedges, count for no transport on local and UCX)."""
+        client = self.client
         if op == "put":
-            return {"grpc": self.client.write_counters.num_put_requests}
-        return self.client.replies_by_transport()
+            return {"grpc": client.write_counters.num_put_requests}
+        counts = {"grpc": 0}
+        for name, path in (("local", client.local), ("ucx", client.ucx)):
+            if path is not None:
+                replies = getattr(path.counters, f"num_{name}_replies")
+                counts[name] = replies
+                counts["grpc"] += path.counters.num_fallbacks
+        if len(counts) == 1:
+            counts["grpc"] = client.read_counters.num_node_requests
+        return counts
 
     async def close(self) -> None:
         await self.client.close()
