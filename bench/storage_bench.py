@@ -5,7 +5,7 @@
     kvstore bench storage [--cluster DIR/cluster.toml] --json PATH
         [--block-sizes 256KiB,1MiB,4MiB] [--concurrency 1,8,32] [--batch 1,8] [--seconds S]
         [--straggler-ms 50] [--baseline redis] [--no-fsync] [--transport grpc,ucx,local]
-        [--encryption] [--secure] [--puts-only]
+        [--encryption] [--secure] [--puts-only] [--idle-seconds 60]
 
 One client process runs N (``--concurrency``) asyncio tasks per setting, each issuing one call
 after another for ``--seconds``; ``--batch B`` makes each call carry B keys (``put_batch`` /
@@ -22,7 +22,11 @@ record gives the CPU seconds per GB of the client process, of the servers (the n
 or redis-server) and of both (``total_cpu_s_per_gb``), which hold up where other work shares
 the cores, and its ``fsync`` state (kvstore's nodes "on"/"off", Redis "off"/"always");
 ``settings.servers_idle_cpu_cores`` is what the nodes burn with no requests (part of every
-record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's MB/s). The
+record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's MB/s), and
+``idle_nodes`` what they burn together over ``--idle-seconds`` (default 60) after the
+workload, with the data held. Every record also says which transport carried it
+(``transport_used``: for GETs the read transports that answered, most used first, so a
+fallback shows) and its CPU per GB by side (``cpu_s_per_gb_by_side``). The
 client process tunes glibc's malloc for multi-megabyte buffers first (``--malloc tuned``, see
 erasure/allocator.py). With ``--baseline redis`` the same workload runs through redis-py
 asyncio against a ``redis-server`` this bench starts with persistence off ("redis"), and, when
@@ -117,6 +121,13 @@ class Result:
     # servers_idle_cpu_cores at this record's MB/s): large where throughput is low.
     server_idle_cpu_s_per_gb: float = 0.0
     fsync: str = ""  # kvstore's nodes: "on" / "off"; redis: "off" or "always" (appendfsync)
+    # What carried the setting's bytes: for kvstore GETs the read transports that answered its
+    # node requests, most used first ("ucx", or "ucx+grpc" when some fell back); kvstore PUTs
+    # "grpc" (PutShards); redis "resp/tcp".
+    transport_used: str = ""
+    # CPU seconds per GB by side: {"client": ..., "nodes": ...} (kvstore) or
+    # {"client": ..., "redis-server": ...}; the same figures as client_/server_cpu_s_per_gb.
+    cpu_s_per_gb_by_side: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,6 +160,10 @@ class Target(Protocol):
     async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool: ...
 
     def server_pids(self) -> list[int]: ...
+
+    def transport_counts(self, op: str) -> dict[str, int]:
+        """Requests so far per transport that carried ``op`` (monotonic counts)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -188,6 +203,23 @@ class KVStoreTarget:
             return []
         return [proc.pid for proc in self.cluster.procs.values()]
 
+    def transport_counts(self, op: str) -> dict[str, int]:
+        """PUTs: PutShards requests; GETs: replies over the local channel or UCX, and the
+        requests that fell back from them to gRPC (a gRPC client: all its node requests;
+        requests cancelled unanswered, hedges, count for no transport on local and UCX)."""
+        client = self.client
+        if op == "put":
+            return {"grpc": client.write_counters.num_put_requests}
+        counts = {"grpc": 0}
+        for name, path in (("local", client.local), ("ucx", client.ucx)):
+            if path is not None:
+                replies = getattr(path.counters, f"num_{name}_replies")
+                counts[name] = replies
+                counts["grpc"] += path.counters.num_fallbacks
+        if len(counts) == 1:
+            counts["grpc"] = client.read_counters.num_node_requests
+        return counts
+
     async def close(self) -> None:
         await self.client.close()
 
@@ -204,12 +236,14 @@ class RedisTarget:
         self.name = "redis/fsync" if appendfsync_always else "redis"
         self.fsync = "always" if appendfsync_always else "off"
         self.ops = ("put",) if appendfsync_always else ("put", "get")
+        self._num_calls = 0
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
         """SET or MSET; a Redis error (a timeout on a loaded machine) is a failed PUT, as
         kvstore's errors are."""
         from redis.exceptions import RedisError
 
+        self._num_calls += 1
         try:
             if len(keys) == 1:
                 await self.redis.set(keys[0], blocks[0])
@@ -222,6 +256,7 @@ class RedisTarget:
         """GET or MGET: True if every key was found; a Redis error counts as a failed GET."""
         from redis.exceptions import RedisError
 
+        self._num_calls += 1
         try:
             if len(keys) == 1:
                 return await self.redis.get(keys[0]) is not None
@@ -232,6 +267,9 @@ class RedisTarget:
 
     def server_pids(self) -> list[int]:
         return [self._pid]
+
+    def transport_counts(self, op: str) -> dict[str, int]:
+        return {"resp/tcp": self._num_calls}
 
     async def close(self) -> None:
         await self.redis.aclose()  # the server, this run's own, is stopped with its data
@@ -331,19 +369,28 @@ class Bench:
                 if round_index == 0:
                     await run_load(request, setting[1], round_s / 4)  # warm-up
                 pids = system.target.server_pids()
+                counts_before = system.target.transport_counts(op)
                 cpu_before = time.process_time(), sum(process_cpu_s(p) for p in pids)
                 latencies_s, num_false, elapsed_s = await run_load(request, setting[1], round_s)
                 samples = name_to_samples[system.target.name]
                 samples.add(latencies_s, num_false, elapsed_s)
                 samples.client_cpu_s += time.process_time() - cpu_before[0]
                 samples.server_cpu_s += sum(process_cpu_s(p) for p in pids) - cpu_before[1]
+                samples.count_transports(counts_before, system.target.transport_counts(op))
         for system in systems:
             name = system.target.name
             transport = getattr(system.target, "transport", "")
             result = name_to_samples[name].result(
                 name, op, setting, straggler_ms, repeat, transport
             )
-            self.results.append(replace(result, fsync=system.target.fsync))
+            server_side = "nodes" if isinstance(system.target, KVStoreTarget) else "redis-server"
+            by_side = {
+                "client": result.client_cpu_s_per_gb,
+                server_side: result.server_cpu_s_per_gb,
+            }
+            self.results.append(
+                replace(result, fsync=system.target.fsync, cpu_s_per_gb_by_side=by_side)
+            )
 
 
 @dataclass
@@ -355,11 +402,22 @@ class _Samples:
     elapsed_s: float = 0.0
     client_cpu_s: float = 0.0
     server_cpu_s: float = 0.0
+    transport_to_count: dict[str, int] = field(default_factory=dict)
 
     def add(self, latencies_s: list[float], num_false: int, elapsed_s: float) -> None:
         self.latencies_s += latencies_s
         self.num_false += num_false
         self.elapsed_s += elapsed_s
+
+    def count_transports(self, before: dict[str, int], after: dict[str, int]) -> None:
+        for transport, count in after.items():
+            grown = count - before.get(transport, 0)
+            self.transport_to_count[transport] = self.transport_to_count.get(transport, 0) + grown
+
+    def transport_used(self) -> str:
+        """The transports that carried requests, most used first ("ucx+grpc")."""
+        used = sorted((n, t) for t, n in self.transport_to_count.items() if n > 0)
+        return "+".join(t for _, t in reversed(used))
 
     def result(
         self, name: str, op: str, setting: Setting, straggler_ms: float, repeat: int, transport: str
@@ -387,6 +445,7 @@ class _Samples:
             client_cpu_s_per_gb=round(self.client_cpu_s / gb, 3),
             server_cpu_s_per_gb=round(self.server_cpu_s / gb, 3),
             total_cpu_s_per_gb=round((self.client_cpu_s + self.server_cpu_s) / gb, 3),
+            transport_used=self.transport_used(),
         )
 
 
@@ -489,6 +548,7 @@ def ratios_table(rows: list[dict[str, Any]]) -> Table:
 # (GET per read transport), and total CPU-seconds per GB at most this multiple of the baseline's.
 GET_MB_TARGETS = {"grpc": 1.0, "ucx": 2.0, "local": 1.5}
 PUT_MB_TARGET = 1.0
+IDLE_NODES_TARGET_CORES = 0.05  # twelve idle nodes together (issue 37)
 CPU_TARGETS = {"get": 2.0, "put": 3.0}
 
 
@@ -672,6 +732,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             with ProgressReporter("storage", num_settings * phases_per_setting) as progress:
                 runner = Bench(workload, progress)
                 notes += await run_phases(runner, systems, cluster, args.puts_only)
+            idle_nodes = await _idle_nodes(systems[0].target, args.idle_seconds)
             notes.append(f"client counters: {client.read_counters}, {client.write_counters}")
             notes += [_ucx_note(s.target) for s in systems if isinstance(s.target, KVStoreTarget)]
         finally:
@@ -683,6 +744,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios(results),
         "best": best_of_each(results),
         "seal_cost": seal_cost(workload.block_sizes) if args.encryption else [],
+        "idle_nodes": idle_nodes,
         "notes": notes,
         "settings": {
             **_settings(args, workload, with_redis),
@@ -749,6 +811,26 @@ async def _idle_cpu_cores(target: KVStoreTarget, seconds: float = 2.0) -> float:
     before_s = sum(process_cpu_s(p) for p in pids)
     await asyncio.sleep(seconds)
     return round((sum(process_cpu_s(p) for p in pids) - before_s) / seconds, 3)
+
+
+async def _idle_nodes(target: Target, seconds: float) -> dict[str, Any] | None:
+    """What the nodes burn together over ``seconds`` with no requests, after the workload
+    (their background loops with data held: issue 37's idle target); None with
+    ``--idle-seconds 0`` or a cluster this bench did not start (its node pids are unknown)."""
+    pids = target.server_pids()
+    if seconds <= 0 or not pids:
+        return None
+    before_s = sum(process_cpu_s(p) for p in pids)
+    await asyncio.sleep(seconds)
+    cpu_s = sum(process_cpu_s(p) for p in pids) - before_s
+    return {
+        "num_nodes": len(pids),
+        "seconds": seconds,
+        "cpu_s": round(cpu_s, 3),
+        "cores": round(cpu_s / seconds, 4),
+        "target_cores": IDLE_NODES_TARGET_CORES,
+        "load_avg_1m": os.getloadavg()[0],
+    }
 
 
 def _redis_pid(port: int) -> int:
@@ -875,6 +957,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="delay of the slow node (0: no straggler phase)",
     )
     parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=60.0,
+        help="after the workload, measure the nodes' CPU this long with no requests (the "
+        "JSON's idle_nodes; 0: skip)",
+    )
+    parser.add_argument(
         "--puts-only",
         action="store_true",
         help="measure PUTs only (the write path against Redis SET, without the GET phases)",
@@ -936,6 +1025,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"sealing {size_label(row['block_bytes'])}: {row['seal_cpu_s_per_gb']:.2f} CPU-s/GB, "
             f"opening: {row['open_cpu_s_per_gb']:.2f} CPU-s/GB (one core)"
+        )
+    if idle := report["idle_nodes"]:
+        console.print(
+            f"{idle['num_nodes']} idle nodes: {idle['cores']:.3f} cores over {idle['seconds']:g} s "
+            f"(target <= {idle['target_cores']}; load {idle['load_avg_1m']:.1f})"
         )
     for note in report["notes"]:
         console.print(f"note: {note}")

@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 MESSAGE_SLACK_BYTES = 1 << 20
 NUM_WORKER_THREADS = 8
 STOP_GRACE_S = 5.0
-HEALTH_POLL_S = 0.5  # grpc.health.v1 follows the store's state this often
 
 
 async def serve(
@@ -194,7 +193,7 @@ class _NodeProcess:
             scrub_forever(
                 partial(_scrub, self.holder), self.node, self.executor, self.holder.rebuild_after
             ),
-            sync_forever(self.sync, self.node.tombstone_sync_interval_s),
+            sync_forever(self.sync, self.node.tombstone_sync_interval_s, self.holder),
             self.repair.run(),
             _mirror_health(self.health, self.holder),
         ]
@@ -306,16 +305,17 @@ def bind(
 
 async def _mirror_health(health: health_aio.HealthServicer, holder: StoreHolder) -> None:
     """grpc.health.v1 says what Health says: SERVING while the store is open, NOT_SERVING
-    while it is opened or its index rebuilt (standard probes see it within HEALTH_POLL_S)."""
+    while it is opened or its index rebuilt (woken by the holder's changes, not a poll)."""
     serving = None
     while True:
+        generation = holder.generation
         now_serving = holder.store is not None
         if now_serving != serving:
             status = HealthCheckResponse.SERVING if now_serving else HealthCheckResponse.NOT_SERVING
             for service in ("", SERVICE_NAME):
                 await health.set(service, status)
             serving = now_serving
-        await asyncio.sleep(HEALTH_POLL_S)
+        await holder.changed_since(generation)
 
 
 def _serve_metrics(

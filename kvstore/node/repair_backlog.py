@@ -173,8 +173,49 @@ class PassSchedule:
             return len(led)
         return sum(1 for g in self._group_to_due_s if g in led)
 
+    def next_due_s(self) -> float:
+        """When the next pass is due (monotonic; inf before the first, which readiness starts)."""
+        full_s = self._next_full_s if self._next_full_s is not None else float("inf")
+        return min([full_s, *self._group_to_due_s.values()])
+
     def is_due(self, group: int) -> bool:
         return group in self._group_to_due_s
+
+
+class TokenBucket:
+    """A token bucket in bytes (the repair rate): :meth:`take` spends ``num_bytes`` and says
+    how long to wait before the rate allows them (0: at once)."""
+
+    def __init__(self, bytes_per_s: float, now_s: float, burst_s: float = 0.5) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._burst_bytes = bytes_per_s * burst_s
+        self._tokens = self._burst_bytes
+        self._last_s = now_s
+
+    def take(self, num_bytes: int, now_s: float) -> float:
+        refill = (now_s - self._last_s) * self.bytes_per_s
+        self._tokens = min(self._burst_bytes, self._tokens + refill) - num_bytes
+        self._last_s = now_s
+        return max(0.0, -self._tokens / self.bytes_per_s)
+
+
+class ProbePacer:
+    """When the next Health probe of the group members is due: every ``base_s`` after a probe
+    that saw a change or a member down, doubling up to ``idle_s`` while probes find every
+    member up and nothing changed (steady)."""
+
+    def __init__(self, base_s: float, idle_s: float) -> None:
+        self.base_s, self.idle_s = base_s, idle_s
+        self.period_s = base_s
+        self.next_s = 0.0  # monotonic; 0: probe now
+
+    def probed(self, steady: bool, now_s: float) -> None:
+        self.period_s = min(2 * self.period_s, self.idle_s) if steady else self.base_s
+        self.next_s = now_s + self.period_s
+
+    def reset(self) -> None:
+        """Probe now, then at ``base_s`` (a new map: its members are unknown)."""
+        self.period_s, self.next_s = self.base_s, 0.0
 
 
 def changed_members(previous: Mapping[str, int], seen: Mapping[str, int]) -> set[str]:

@@ -36,7 +36,8 @@ When (kvstore/node/repair_backlog.py PassSchedule). Nothing runs until this node
 ready for repair (serving, and it pulled its peers' delete logs: Health ``repair_ready``); then
 it lists every group it leads. After that a group is listed again every
 ``repair_scan_interval_s``, and ``SETTLE_S`` after a trigger: a member restarted, came back, went
-down or became ready (Health every ``PROBE_S``), or this node took the group's lead over.
+down or became ready (Health every ``PROBE_S``, up to ``PROBE_IDLE_S`` while all is steady: an
+idle node must cost nothing), or this node took the group's lead over.
 Triggers during the settle join that pass, so a block whose two members return together is
 decoded once. Shards go only to the member that should hold them; a member that is down waits
 (its shards count in the backlog as waiting). Hints (QueueRepair: reads that decoded around a
@@ -80,7 +81,9 @@ from kvstore.node.repair_backlog import (
     BlockId,
     Hole,
     PassSchedule,
+    ProbePacer,
     RateMeter,
+    TokenBucket,
     changed_members,
     eta_s,
 )
@@ -95,8 +98,9 @@ LIST_PAGE = 512
 MAX_HINTS = 100_000  # beyond this the oldest hints go: the next pass finds those blocks anyway
 HINT_RETRY_S = 5.0  # a hint whose owner is down is looked at again this often
 RETRY_S = 5.0  # a pass that left shards missing on members that are up runs again after this
-IDLE_S = 0.2  # how often the loop looks for due hints and passes
-PROBE_S = 2.0  # how often the members of this node's groups are asked for Health
+IDLE_S = 0.2  # the loop's shortest sleep between looks for due hints and passes
+PROBE_S = 2.0  # how often the members of this node's groups are asked for Health, backing
+PROBE_IDLE_S = 16.0  # off to this while every member is up and nothing changed (ProbePacer)
 SETTLE_S = 3.0  # a triggered pass waits this long, so members returning together share it
 PEER_TIMEOUT_S = 10.0
 REBUILDS_IN_FLIGHT = 4
@@ -105,8 +109,7 @@ _U32_BYTES = 4
 
 @dataclass(frozen=True)
 class RepairStats:
-    """What the repair service did since the node started, and what it knows is missing now
-    (see the module docstring and kvstore/node/repair_backlog.py)."""
+    """What repair did since the node started, what it knows is missing (repair_backlog.py)."""
 
     backlog_shards: int = 0  # missing + waiting, in the led groups, as last looked at
     rebuilt_shards: int = 0
@@ -127,23 +130,15 @@ class RepairStats:
 
 
 class Throttle:
-    """A token bucket in bytes: :meth:`spend` waits until the rate allows ``num_bytes`` more."""
+    """:meth:`spend` waits until the rate allows ``num_bytes`` more (a TokenBucket)."""
 
-    def __init__(self, bytes_per_s: float, burst_s: float = 0.5) -> None:
+    def __init__(self, bytes_per_s: float) -> None:
         self.bytes_per_s = bytes_per_s
-        self._burst_bytes = bytes_per_s * burst_s
-        self._tokens = self._burst_bytes
-        self._last_s = time.monotonic()
+        self._bucket = TokenBucket(bytes_per_s, time.monotonic())
 
     async def spend(self, num_bytes: int) -> None:
-        now_s = time.monotonic()
-        self._tokens = min(
-            self._burst_bytes, self._tokens + (now_s - self._last_s) * self.bytes_per_s
-        )
-        self._last_s = now_s
-        self._tokens -= num_bytes
-        if self._tokens < 0:
-            await asyncio.sleep(-self._tokens / self.bytes_per_s)
+        if (wait_s := self._bucket.take(num_bytes, time.monotonic())) > 0:
+            await asyncio.sleep(wait_s)
 
 
 @dataclass
@@ -159,8 +154,7 @@ class _GroupListing:
 
 @dataclass
 class _Hint:
-    """A hinted block: its group, when to look at it, when it was queued, and whether it
-    already waited a settle delay for a member that was down."""
+    """A hinted block: group, when to look at it, when queued, whether it waited a settle."""
 
     group: int
     due_s: float
@@ -204,7 +198,7 @@ class RepairService:
         self._schedule = PassSchedule(SETTLE_S, node.repair_scan_interval_s)
         self._rate = RateMeter()
         self._was_ready = False
-        self._next_probe_s = 0.0
+        self._probes = ProbePacer(PROBE_S, PROBE_IDLE_S)
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Future[None]] = set()
         self.stats = RepairStats()
@@ -238,7 +232,7 @@ class RepairService:
         self._placement = Placement(cluster)
         self._closing.add(asyncio.ensure_future(old_peers.close()))
         self._incarnations.clear()
-        self._next_probe_s = 0.0
+        self._probes.reset()
         self._schedule.trigger(range(len(cluster.groups)), time.monotonic())
         self._wake.set()
 
@@ -317,16 +311,21 @@ class RepairService:
                     log.exception("repair step failed; retrying")
                     await asyncio.sleep(HINT_RETRY_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_S)
+                    await asyncio.wait_for(self._wake.wait(), self._sleep_s(time.monotonic()))
                 self._wake.clear()
         finally:
             await self._peers.close()
 
+    def _sleep_s(self, now_s: float) -> float:
+        """Until the next probe or pass (hints, map changes wake it); IDLE_S while hints wait."""
+        if self._hints or not self._was_ready:  # a racing queue() also sets _wake
+            return IDLE_S
+        return max(IDLE_S, min(self._probes.next_s, self._schedule.next_due_s()) - now_s)
+
     async def _step(self) -> None:
         ready = self._ready()
-        if time.monotonic() >= self._next_probe_s or (ready and not self._was_ready):
-            self._next_probe_s = time.monotonic() + PROBE_S
-            await self._probe()
+        if time.monotonic() >= self._probes.next_s or (ready and not self._was_ready):
+            self._probes.probed(await self._probe(), time.monotonic())
         if ready and not self._was_ready:
             log.info("node %s is ready for repair: listing its groups", self._node.id)
             self._schedule.start(self.stats.led_groups, time.monotonic())
@@ -354,10 +353,10 @@ class RepairService:
         if self._backlog.missing_in(group) or busy:
             self._schedule.retry(group, time.monotonic() + RETRY_S)
 
-    async def _probe(self) -> None:
-        """Ask the members of this node's groups for Health: which groups it leads now, and
-        which members changed since the last probe (restarted, back, down, ready), whose
-        shared led groups then get a pass; so do groups this node just took the lead of."""
+    async def _probe(self) -> bool:
+        """Ask the members of this node's groups for Health: which groups it leads now, which
+        members changed since the last probe (restarted, back, down, ready: their shared led
+        groups get a pass, as do groups just taken over); True if all were up, none changed."""
         mine = [g for g, members in enumerate(self._cluster.groups) if self._node.id in members]
         others = sorted({m for g in mine for m in self._cluster.groups[g]} - {self._node.id})
         replies = await asyncio.gather(*(self._peers.health(m) for m in others))
@@ -376,12 +375,13 @@ class RepairService:
         self._set_stats(led_groups=tuple(led))
         self._backlog.keep_groups(led)
         if not self._was_ready:
-            return  # the first pass (when this node is ready) lists every led group anyway
+            return False  # the first pass (when this node is ready) lists every led group anyway
         shared = [g for g in led if changed & set(self._cluster.groups[g])]
         taken_over = [g for g in led if g not in was_led]
         if changed:
             log.info("repair: members %s changed; listing groups %s", sorted(changed), shared)
         self._schedule.trigger([*shared, *taken_over], time.monotonic())
+        return not changed and not taken_over and all(up.values())
 
     async def _repair_group(self, group: int) -> set[str]:
         """List ``group``, record what it lacks as its backlog, rebuild in repair order;

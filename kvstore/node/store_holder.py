@@ -74,6 +74,8 @@ class StoreHolder:
         self._executor = executor
         self.store: ShardStore | None = None
         self.state = "recovering"
+        self.generation = 0  # bumped whenever the store comes or goes
+        self._waiters: set[asyncio.Future[None]] = set()
         self._rebuild: asyncio.Task[None] | None = None
 
     def require(self) -> ShardStore:
@@ -90,6 +92,25 @@ class StoreHolder:
         store = await loop.run_in_executor(self._executor, self._open)
         await loop.run_in_executor(self._executor, store.tick)  # expiry continues
         self.store, self.state = store, "serving"
+        self._changed()
+
+    async def changed_since(self, generation: int) -> None:
+        """Return once the store came or went after ``generation`` (at once if it has):
+        Health's mirror and the delete-log pull wait here instead of polling."""
+        if self.generation != generation:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._waiters.discard(waiter)
+
+    def _changed(self) -> None:
+        self.generation += 1
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def rebuild_after(self, exc: IndexUnusable) -> None:
         """Stop serving and rebuild the index from the segments (once, however many RPCs
@@ -97,6 +118,7 @@ class StoreHolder:
         if self._rebuild is None or self._rebuild.done():
             log.error("node %s: %s; rebuilding its index", self._node.id, exc)
             store, self.store, self.state = self.store, None, "rebuilding index"
+            self._changed()
             self._rebuild = asyncio.ensure_future(self._rebuild_index(store, str(exc)))
 
     async def _rebuild_index(self, store: ShardStore | None, why: str) -> None:

@@ -22,6 +22,7 @@ away longer than that holds only shards that have expired by then anyway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ import grpc
 
 from kvstore.auth import TokenFile
 from kvstore.config import ClusterConfig, NodeConfig
+from kvstore.node.store_holder import StoreHolder
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.store.index_codec import Tombstone
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_TOMBSTONES_PER_REPLY = 4096
 PULL_TIMEOUT_S = 10.0
-UNSYNCED_POLL_S = 0.5  # how soon a new store (an index rebuilt) gets its first pull
+UNSYNCED_RETRY_S = 0.5  # how soon a store whose pull failed is pulled again
 
 
 def group_peers(cluster: ClusterConfig, node_id: str) -> list[NodeConfig]:
@@ -186,10 +188,10 @@ class TombstoneSync:
         await asyncio.gather(*(c.close() for c in channels))
 
 
-async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
-    """Pull the peers' delete logs now and every ``interval_s``, and within ``UNSYNCED_POLL_S``
-    of a store that has had no pull yet (an index just rebuilt: repair waits for it); close
-    the channels at the end.
+async def sync_forever(sync: TombstoneSync, interval_s: float, holder: StoreHolder) -> None:
+    """Pull the peers' delete logs now and every ``interval_s``, and as soon as ``holder``
+    has a new store that has had no pull yet (an index just rebuilt: repair waits for it);
+    close the channels at the end.
 
     Built by the caller first, so a missing or unsafe ``peer_token_file`` stops the node at
     start-up instead of silently disabling the sync.
@@ -204,8 +206,11 @@ async def sync_forever(sync: TombstoneSync, interval_s: float) -> None:
                 log.exception("pulling peers' delete logs failed; retrying later")
             next_s = loop.time() + interval_s
             while loop.time() < next_s:
-                await asyncio.sleep(min(UNSYNCED_POLL_S, next_s - loop.time()))
-                if sync.has_store and not sync.synced:
+                if sync.has_store and not sync.synced:  # a pull failed: retry soon
+                    await asyncio.sleep(UNSYNCED_RETRY_S)
                     break
+                generation = holder.generation
+                with contextlib.suppress(TimeoutError):  # woken by a new store, or the interval
+                    await asyncio.wait_for(holder.changed_since(generation), next_s - loop.time())
     finally:
         await sync.close()

@@ -49,10 +49,13 @@ Progress
     One asyncio task calls ``worker.progress`` while anything is pending (or a listener is
     registered), yielding to the loop between calls; after ``spin_s`` without activity it arms
     the worker and sleeps on its epoll file descriptor (and wakes when new work is submitted).
-    An idle worker costs no CPU, which matters with a dozen nodes and clients sharing two
-    cores. UCX refuses to arm while rendezvous sends wait for their receiver's pull, and those
-    raise no event: then the loop sleeps ``busy_wait_s`` (0.5 ms) between turns instead of
-    spinning, which cut the nodes' CPU per GB at the same throughput. ``spin_s`` defaults to
+    A timer guards that sleep against a missed event: ``idle_wait_s`` at first, doubling up to
+    ``max_idle_wait_s`` while only the timer wakes it (at a fixed 50 ms it was the largest
+    part of an idle node's CPU). An idle worker costs almost no CPU, which matters with a
+    dozen nodes and clients sharing two cores. UCX refuses to arm while rendezvous sends wait
+    for their receiver's pull, and those raise no event: then the loop sleeps ``busy_wait_s``
+    (0.5 ms) between turns instead of spinning, which cut the nodes' CPU per GB at the same
+    throughput. ``spin_s`` defaults to
     0: polling before sleeping cost throughput on the 2-core machine, where a dozen nodes
     poll, and was a wash on a 16-core host (figures in docs/ucx-measurements.md).
 """
@@ -192,6 +195,7 @@ class UcxWorker:
         *,
         spin_s: float = DEFAULT_SPIN_S,
         idle_wait_s: float = 0.05,
+        max_idle_wait_s: float = 2.0,
         busy_wait_s: float = 0.0005,
         grace_s: float = 10.0,
     ) -> None:
@@ -205,6 +209,8 @@ class UcxWorker:
         self.address: bytes = self._worker.address.tobytes()
         self._spin_s = spin_s
         self._idle_wait_s = idle_wait_s
+        self._max_idle_wait_s = max(idle_wait_s, max_idle_wait_s)
+        self._next_idle_wait_s = idle_wait_s  # doubles while waits time out with no event
         self._busy_wait_s = busy_wait_s
         self._grace_s = grace_s  # how long a cancelled tag's late message is still drained
         self._expected: dict[int, _Receive] = {}
@@ -217,7 +223,7 @@ class UcxWorker:
         self._incoming: list[tuple[ucp.Receive, memoryview, _Listener]] = []
         self._tombstones: list[ucp.Receive] = []
         self._tombstone = memoryview(bytearray(_TOMBSTONE_BYTES))
-        self._wakeup: asyncio.Future[None] | None = None  # set while the loop sleeps
+        self._wakeup: asyncio.Future[object] | None = None  # set while the loop sleeps
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -477,6 +483,7 @@ class UcxWorker:
             now_s = time.monotonic()
             if active:
                 last_active_s = now_s
+                self._next_idle_wait_s = self._idle_wait_s
             self._expire_abandoned(now_s)  # stops at the first tag still in its grace period
             if active or now_s - last_active_s < self._spin_s:
                 await asyncio.sleep(0)
@@ -508,13 +515,19 @@ class UcxWorker:
         wakeup = self._wakeup = loop.create_future()
         fd = self._worker.epoll_file_descriptor
         loop.add_reader(fd, _set_once, wakeup)
-        timer = loop.call_later(self._idle_wait_s, _set_once, wakeup)
+        timer = loop.call_later(self._next_idle_wait_s, _set_once, wakeup, _TIMED_OUT)
         try:
-            await wakeup
+            woke_by = await wakeup
         finally:
             timer.cancel()
             loop.remove_reader(fd)
             self._wakeup = None
+        # The timer only guards against a missed event: while it alone wakes us, back off
+        # (an idle node's wakeups were most of its idle CPU); any event starts over.
+        if woke_by is _TIMED_OUT:
+            self._next_idle_wait_s = min(2 * self._next_idle_wait_s, self._max_idle_wait_s)
+        else:
+            self._next_idle_wait_s = self._idle_wait_s
 
     def _dispatch(self) -> bool:
         """Match every arrived message to its slot, or to a tombstone; True if any arrived."""
@@ -719,9 +732,12 @@ def _region(receive: _Receive, num_bytes: int) -> Any:
     return view[:num_bytes]
 
 
-def _set_once(future: asyncio.Future[None]) -> None:
+_TIMED_OUT = object()  # what the idle timer wakes a waiting progress loop with
+
+
+def _set_once(future: asyncio.Future[object], result: object = None) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(result)
 
 
 def _check_tag(tag: int) -> None:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(480)
 
 FIELDS = {"system", "op", "block_bytes", "concurrency", "straggler_ms", "mb_per_s"}
 FIELDS |= {"p50_ms", "p99_ms", "p999_ms", "batch", "client_cpu_s_per_gb", "server_cpu_s_per_gb"}
-FIELDS |= {"total_cpu_s_per_gb", "fsync"}
+FIELDS |= {"total_cpu_s_per_gb", "fsync", "transport_used", "cpu_s_per_gb_by_side"}
 
 
 def test_bench_storage_smoke(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     baseline = "redis" if shutil.which("redis-server") else "none"
     command = [sys.executable, "-m", "kvstore.cli", "bench", "storage", "--json", str(out)]
     command += ["--block-sizes", "64KiB", "--concurrency", "1,4", "--batch", "1,3"]
-    command += ["--seconds", "0.2"]
+    command += ["--seconds", "0.2", "--idle-seconds", "2"]
     command += ["--straggler-ms", "20", "--baseline", baseline, "--no-fsync", "--encryption"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=450)
     assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
@@ -39,6 +39,13 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     assert all(r["client_cpu_s_per_gb"] > 0 for r in ours), "client CPU per GB not measured"
     assert all(r["server_cpu_s_per_gb"] > 0 for r in ours), "node CPU per GB not measured"
     assert all(r["fsync"] == "off" for r in ours), "the nodes' fsync state not recorded"
+    assert {r["transport_used"] for r in ours} == {"grpc"}, "reads or writes left gRPC"
+    assert all(set(r["cpu_s_per_gb_by_side"]) == {"client", "nodes"} for r in ours)
+    idle = report["idle_nodes"]
+    assert idle["num_nodes"] == 12 and idle["seconds"] == 2, idle
+    # A generous bound (the target is 0.05 over 60 s): loops that poll every 50 ms would
+    # exceed it even on a quiet machine, and the shared CI machine's load inflates it.
+    assert 0 <= idle["cores"] < 0.5, f"idle nodes burn {idle['cores']} cores"
     assert report["settings"]["kvstore_fsync"] == "off"
     sealed = [r for r in results if r["system"] == "kvstore/sealed"]
     assert sealed and all(r["mb_per_s"] > 0 and r["num_failed"] == 0 for r in sealed)
@@ -46,6 +53,9 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
     assert report["seal_cost"] and report["seal_cost"][0]["seal_cpu_s_per_gb"] > 0
     if baseline == "redis":
         assert {r["system"] for r in results} == {"kvstore", "kvstore/sealed", "redis"}
+        redis = [r for r in results if r["system"] == "redis"]
+        assert all(r["transport_used"] == "resp/tcp" for r in redis)
+        assert all(set(r["cpu_s_per_gb_by_side"]) == {"client", "redis-server"} for r in redis)
         assert any(row["kind"] == "kvstore/redis MB/s" for row in report["ratios"])
         assert report["settings"]["redis_parser"] in ("hiredis", "python")
         best = {(row["op"], row["baseline"]) for row in report["best"]}

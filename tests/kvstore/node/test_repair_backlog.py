@@ -9,7 +9,9 @@ from kvstore.node.repair_backlog import (
     Backlog,
     Hole,
     PassSchedule,
+    ProbePacer,
     RateMeter,
+    TokenBucket,
     changed_members,
     eta_s,
 )
@@ -97,3 +99,32 @@ def test_the_rate_meter_averages_rebuilds() -> None:
     meter.add(100, 1.0)
     meter.add(300, 1.0)
     assert meter.bytes_per_s == 200.0
+
+
+def test_next_due_is_the_earliest_pass_so_an_idle_loop_can_sleep_until_then() -> None:
+    schedule = PassSchedule(settle_s=3.0, interval_s=600.0)
+    assert schedule.next_due_s() == float("inf"), "nothing is due before readiness starts it"
+    schedule.start([0, 1], now_s=100.0)
+    assert schedule.next_due_s() == 103.0, "the settled first pass comes first"
+    schedule.take_due([0, 1], now_s=103.0)
+    assert schedule.next_due_s() == 700.0, "then the periodic pass"
+    schedule.retry(1, at_s=150.0)
+    assert schedule.next_due_s() == 150.0, "a retry due sooner must wake the loop sooner"
+
+
+def test_probes_back_off_while_steady_and_return_at_once_on_a_change() -> None:
+    pacer = ProbePacer(base_s=2.0, idle_s=16.0)
+    for now_s, want_period_s in ((0.0, 4.0), (4.0, 8.0), (12.0, 16.0), (28.0, 16.0)):
+        pacer.probed(True, now_s)
+        assert pacer.period_s == want_period_s, "steady probes must back off up to idle_s"
+    pacer.probed(False, 44.0)
+    assert (pacer.period_s, pacer.next_s) == (2.0, 46.0), "a change must probe at base_s again"
+    pacer.reset()
+    assert pacer.next_s == 0.0, "a new map must be probed at once"
+
+
+def test_the_token_bucket_allows_a_burst_then_the_rate() -> None:
+    bucket = TokenBucket(bytes_per_s=100.0, now_s=0.0, burst_s=0.5)
+    assert bucket.take(50, now_s=0.0) == 0.0, "the burst must pass at once"
+    assert bucket.take(100, now_s=0.0) == 1.0, "beyond the burst: wait at the rate"
+    assert bucket.take(0, now_s=1.0) == 0.0, "the debt is paid after its wait"

@@ -294,3 +294,27 @@ async def test_a_group_receive_holds_early_messages_until_it_lands_or_is_cancell
     finally:
         await client.close()
         await server.close()
+
+
+async def test_an_idle_listener_backs_off_its_timer_and_still_wakes_on_a_message() -> None:
+    """An idle node's worker must not wake every 50 ms (twelve idle nodes burned most of
+    their CPU that way), yet a request arriving after a long idle must wake it at once: by
+    the epoll event, not the backed-off timer (which only guards against a missed event)."""
+    node = UcxWorker(idle_wait_s=5.0, max_idle_wait_s=3600.0)
+    client = UcxWorker()
+    try:
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Future[float] = loop.create_future()
+        node.listen(77, lambda message: arrived.set_result(loop.time()), 1024)
+        deadline_s = loop.time() + 120
+        while node._next_idle_wait_s < 10.0 and loop.time() < deadline_s:
+            await asyncio.sleep(0.05)
+        assert node._next_idle_wait_s >= 10.0, "the idle worker's timer did not back off"
+        sent_s = loop.time()  # the node's timer started a 10 s wait just now
+        await client.send(client.connect(node.address), 77, b"request")
+        arrived_s = await asyncio.wait_for(arrived, 60)
+        assert arrived_s - sent_s < 8.0, "the request waited for the idle timer, not its event"
+        assert node._next_idle_wait_s == 5.0, "activity must reset the idle backoff"
+    finally:
+        await client.close()
+        await node.close()
