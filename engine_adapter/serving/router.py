@@ -30,8 +30,9 @@ on another decode worker from the same handoff; decoding is deterministic (greed
 seeded), so the tokens already streamed are checked and skipped. A draining decode worker
 hands its requests back as ``migrate`` events (their KV in the store, the tail inline), and
 the router continues each on another decode worker. With no healthy worker left, the
-request fails with ``Unavailable`` naming the workers tried. A background probe brings a
-worker back once its Health RPC answers again.
+request fails with ``Unavailable`` naming the workers tried. A background probe of every
+worker brings one back once its Health answers again, and takes out one whose Health says
+it is wedged (``not_serving``: its engine held with no progress past a request's deadline).
 
 Stop strings are matched here, on the text the workers stream (``request.StopMatcher``):
 the decode stream is cancelled at the first one and the text ends before it.
@@ -194,17 +195,20 @@ class WorkerEndpoint:
             raise InvalidArgument(
                 f"{self.address} is a {reply.role} worker, configured as a {self.role} worker"
             )
-        self.worker_id, self.healthy, self.draining = reply.worker_id, True, reply.draining
-        self.health = reply
+        self.worker_id, self.draining, self.health = reply.worker_id, reply.draining, reply
+        if reply.not_serving:  # wedged: it answers, but sends nothing for its requests
+            self.mark_down(f"not serving: {reply.not_serving}")
+        else:
+            self.healthy = True
         return reply
 
     async def answers_health(self) -> bool:
-        """Whether the worker's event loop still answers (busy computing is not hung)."""
+        """Whether the worker still serves (busy computing is not hung; wedged is)."""
         try:
-            await self.stub.Health(pb.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
+            reply = await self.stub.Health(pb.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return False
-        return True
+        return not reply.not_serving
 
 
 @dataclass
@@ -363,14 +367,13 @@ class Router(RequestAPI):
                 for n, t in zip(health.calibration_tokens, health.calibration_s, strict=True)
             ]
             self.balancer.add_worker(worker.address, calibration)
-        self._probe_task = asyncio.create_task(self._probe_down_workers())
+        self._probe_task = asyncio.create_task(self._probe_workers())
 
-    async def _probe_down_workers(self) -> None:
+    async def _probe_workers(self) -> None:
+        """Every worker's Health now and then: a down one comes back, a wedged one goes."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            down = [w for w in self.endpoints if not w.healthy or w.draining]
-            if down:
-                await asyncio.gather(*(w.probe() for w in down), return_exceptions=True)
+            await asyncio.gather(*(w.probe() for w in self.endpoints), return_exceptions=True)
 
     async def close(self) -> None:
         if self._probe_task is not None:

@@ -749,6 +749,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     worker_args = tuning_argv(args) + (tls.argv() if tls is not None else [])
+    worker_args += ["--stall-timeout-s", str(args.request_timeout_s)]  # a wedge: see worker_base
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name]
     log.info("start-up: %d prefill and %d decode workers loading %s (logs in %s)",
