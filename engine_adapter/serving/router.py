@@ -293,6 +293,14 @@ class _Flight:
     num_migrations: int = 0
 
 
+@dataclass
+class _Attempt:
+    """One prefill attempt: its worker, and what it measured of the worker (the balancer's)."""
+
+    worker: WorkerEndpoint
+    sample: PrefillSample | None = None
+
+
 class Router(RequestAPI):
     """Routes requests over prefill and decode worker processes (see the module doc)."""
 
@@ -424,8 +432,9 @@ class Router(RequestAPI):
         self._count(waiting=+1)
         waiting = True
         try:
-            async with self.admission.slot(flight.deadline_s):
-                async for event in self._prefill_then_decode(flight):
+            events = self._prefill_then_decode(flight)
+            async with self.admission.slot(flight.deadline_s), contextlib.aclosing(events):
+                async for event in events:
                     if waiting and event.WhichOneof("event") == "token":
                         waiting = False  # the first token: the request now runs
                         self._count(waiting=-1, running=+1)
@@ -439,20 +448,23 @@ class Router(RequestAPI):
     async def _prefill_then_decode(self, flight: _Flight) -> AsyncIterator[pb.GenerateEvent]:
         """The request's events from the workers, stop strings matched, timings observed."""
         matcher = StopMatcher(flight.request.stop)
-        async for event in self._worker_events(flight):
-            kind = event.WhichOneof("event")
-            if kind == "token":
-                self._observe_token(flight)
-                event.token.text = matcher.feed(event.token.text)
-                yield event
-                if matcher.stopped:
-                    yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
+        # aclosing: a request left at its finish or stop ends its worker calls now, not at
+        # garbage collection (their counts on the workers go with them).
+        async with contextlib.aclosing(self._worker_events(flight)) as events:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "token":
+                    self._observe_token(flight)
+                    event.token.text = matcher.feed(event.token.text)
+                    yield event
+                    if matcher.stopped:
+                        yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
+                        return
+                elif kind == "finish":
+                    yield self._finish(flight, event.finish, matcher)
                     return
-            elif kind == "finish":
-                yield self._finish(flight, event.finish, matcher)
-                return
-            else:
-                yield event
+                else:
+                    yield event
 
     def refusal(self) -> KVStoreError | None:
         """What a request arriving now would get instead of being queued (None: queued).
@@ -533,45 +545,60 @@ class Router(RequestAPI):
             cache_salt=proto.cache_salt,
         )
         handoff = pb.Handoff()
-        async for event in self._prefill(prefill_request, flight):
-            if isinstance(event, pb.Handoff):
-                handoff = event
-            else:
+        async with contextlib.aclosing(self._prefill(prefill_request, flight)) as prefill:
+            async for event in prefill:
+                if isinstance(event, pb.Handoff):
+                    handoff = event
+                else:
+                    yield event
+        async with contextlib.aclosing(self._decode(handoff, proto.sampling, flight)) as decode:
+            async for event in decode:
                 yield event
-        async for event in self._decode(handoff, proto.sampling, flight):
-            yield event
 
     async def _prefill(
         self, request: pb.PrefillRequest, flight: _Flight
     ) -> AsyncIterator[pb.GenerateEvent | pb.Handoff]:
         """GenerateEvents for the first token, then the Handoff; retried on worker faults."""
         tried: set[str] = set()
-        first_token_id: int | None = None
+        first_token_ids: list[int] = []  # the first attempt's, which a retry must repeat
         while True:
-            worker = await self._pick_prefill(flight, tried)
-            tried.add(worker.address)
-            try:
-                async for event in self._prefill_attempt(worker, request, flight):
-                    if isinstance(event, pb.Handoff):
-                        yield event
-                        return
-                    if first_token_id is None:
-                        first_token_id = event.first_token_id
-                        event.stats.num_attempts = len(tried)
-                        self._observe_prefill(event.stats)
-                        yield pb.GenerateEvent(prefill=event.stats)
-                        token = pb.TokenDelta(token_id=event.first_token_id, text=event.text)
-                        yield pb.GenerateEvent(token=token)
-                    elif event.first_token_id != first_token_id:
-                        raise Unavailable(
-                            f"request {request.request_id}: prefill retry on {worker.worker_id} "
-                            f"sampled token {event.first_token_id}, the first attempt "
-                            f"{first_token_id}; workers disagree (different models or seeds?)"
-                        )
-            except _WorkerFault as exc:
-                _remaining_s(flight.deadline_s, request.request_id)  # the request's own deadline?
-                worker.mark_down(str(exc))
-                log.warning("request %s: retrying prefill: %s", request.request_id, exc)
+            async with self._prefill_place(flight, tried) as attempt:
+                worker = attempt.worker
+                try:
+                    events = self._prefill_attempt(attempt, request, flight)
+                    async with contextlib.aclosing(events):
+                        async for event in events:
+                            if isinstance(event, pb.Handoff):
+                                yield event
+                                return
+                            for first in self._first(event, first_token_ids, tried, worker):
+                                yield first
+                except _WorkerFault as exc:
+                    _remaining_s(flight.deadline_s, request.request_id)  # its own deadline?
+                    worker.mark_down(str(exc))
+                    log.warning("request %s: retrying prefill: %s", request.request_id, exc)
+
+    def _first(
+        self,
+        event: pb.PrefillFirst,
+        first_token_ids: list[int],
+        tried: set[str],
+        worker: WorkerEndpoint,
+    ) -> list[pb.GenerateEvent]:
+        """The prefill stats and first token of the first attempt; none of a retry's, whose
+        first token must agree."""
+        if not first_token_ids:
+            first_token_ids.append(event.first_token_id)
+            event.stats.num_attempts = len(tried)
+            self._observe_prefill(event.stats)
+            token = pb.TokenDelta(token_id=event.first_token_id, text=event.text)
+            return [pb.GenerateEvent(prefill=event.stats), pb.GenerateEvent(token=token)]
+        if event.first_token_id != first_token_ids[0]:
+            raise Unavailable(
+                f"prefill retry on {worker.worker_id} sampled token {event.first_token_id}, the "
+                f"first attempt {first_token_ids[0]}; workers disagree (different models or seeds?)"
+            )
+        return []
 
     def _observe_prefill(self, stats: pb.PrefillStats) -> None:
         self.metrics.prefilled(
@@ -614,32 +641,38 @@ class Router(RequestAPI):
             with contextlib.suppress(TimeoutError):  # re-check health now and then
                 await asyncio.wait_for(self._prefill_room.wait(), wait_s)
 
-    async def _prefill_attempt(
-        self, worker: WorkerEndpoint, request: pb.PrefillRequest, flight: _Flight
-    ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
-        timeout_s = _remaining_s(flight.deadline_s, request.request_id)
-        balanced = self.policy == "balanced"
+    @contextlib.asynccontextmanager
+    async def _prefill_place(self, flight: _Flight, tried: set[str]) -> AsyncIterator[_Attempt]:
+        """A prefill worker for one attempt, counted on it (and held in the balancer) until
+        the attempt ends, however it ends: the count is taken in the turn the worker is."""
+        worker = await self._pick_prefill(flight, tried)
+        tried.add(worker.address)
+        attempt = _Attempt(worker)
         worker.num_active += 1
-        sample = None
         try:
-            call = worker.stub.Prefill(request, timeout=timeout_s)
-            async for event in _read_events(call, worker, self.prefill_attempt_timeout_s):
-                event = getattr(event, event.WhichOneof("event"))
-                if balanced and isinstance(event, pb.PrefillFirst):
-                    stats = event.stats
-                    self.balancer.update(
-                        worker.address,
-                        request.request_id,
-                        stats.num_computed_tokens,
-                        stats.num_cached_tokens,
-                    )
-                    sample = self._sample(worker, request.request_id, stats)
-                yield event
+            yield attempt
         finally:
             worker.num_active -= 1
-            if balanced:
-                self.balancer.finish(worker.address, request.request_id, time.monotonic(), sample)
+            if self.policy == "balanced":
+                request_id, now_s = flight.proto.request_id, time.monotonic()
+                self.balancer.finish(worker.address, request_id, now_s, attempt.sample)
                 self._prefill_room.set()  # waiters wake in arrival order
+
+    async def _prefill_attempt(
+        self, attempt: _Attempt, request: pb.PrefillRequest, flight: _Flight
+    ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
+        worker, timeout_s = attempt.worker, _remaining_s(flight.deadline_s, request.request_id)
+        call = worker.stub.Prefill(request, timeout=timeout_s)
+        async for event in _read_events(call, worker, self.prefill_attempt_timeout_s):
+            event = getattr(event, event.WhichOneof("event"))
+            if self.policy == "balanced" and isinstance(event, pb.PrefillFirst):
+                stats = event.stats
+                self.balancer.update(
+                    worker.address, request.request_id, stats.num_computed_tokens,
+                    stats.num_cached_tokens,
+                )  # fmt: skip
+                attempt.sample = self._sample(worker, request.request_id, stats)
+            yield event
 
     def _sample(
         self, worker: WorkerEndpoint, request_id: str, stats: pb.PrefillStats
@@ -664,22 +697,24 @@ class Router(RequestAPI):
             tried.add(worker.address)
             position = _num_decoded(handoff)
             request = pb.DecodeRequest(handoff=handoff, sampling=sampling)
+            events = self._decode_attempt(worker, request, flight.deadline_s)
             try:
-                async for event in self._decode_attempt(worker, request, flight.deadline_s):
-                    kind = event.WhichOneof("event")
-                    if kind == "finish":
-                        yield pb.GenerateEvent(finish=event.finish)
-                        return
-                    if kind == "migrate":
-                        handoff, tried = event.migrate, {worker.address}
-                        flight.num_migrations += 1
-                        self.metrics.migrations.inc()
-                        log.info("request %s: moves off draining %s", request_id, worker.worker_id)
-                        break
-                    position = _check_replay(streamed, position, event.token.token_id, worker)
-                    if position > len(streamed):
-                        streamed.append(event.token.token_id)
-                        yield pb.GenerateEvent(token=event.token)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        kind = event.WhichOneof("event")
+                        if kind == "finish":
+                            yield pb.GenerateEvent(finish=event.finish)
+                            return
+                        if kind == "migrate":
+                            handoff, tried = event.migrate, {worker.address}
+                            flight.num_migrations += 1
+                            self.metrics.migrations.inc()
+                            log.info("request %s: moves off %s", request_id, worker.worker_id)
+                            break
+                        position = _check_replay(streamed, position, event.token.token_id, worker)
+                        if position > len(streamed):
+                            streamed.append(event.token.token_id)
+                            yield pb.GenerateEvent(token=event.token)
             except _WorkerFault as exc:
                 _remaining_s(flight.deadline_s, request_id)
                 worker.mark_down(str(exc))
