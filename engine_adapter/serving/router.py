@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -63,6 +62,14 @@ from engine_adapter.serving.balancer import (
 from engine_adapter.serving.errors import ContextTooLong
 from engine_adapter.serving.metrics import RouterMetrics
 from engine_adapter.serving.request import Request, StopMatcher, chat_prompt_ids
+from engine_adapter.serving.worker_endpoint import (
+    CHANNEL_OPTIONS,
+    HEALTH_TIMEOUT_S,
+    WorkerEndpoint,
+    WorkerFault,
+    WorkerSet,
+    read_events,
+)
 from engine_adapter.tokenizer import ChatTokenizer
 from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, KVStoreError, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
@@ -70,24 +77,10 @@ from kvstore.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 64 << 20),  # a handoff's tail KV can be a few MiB
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
 PREFILL_ATTEMPT_TIMEOUT_S = 60.0  # silence on a prefill stream before its worker is asked Health
 TOKEN_TIMEOUT_S = 15.0  # silence on a decode stream before its worker is asked Health
-HEALTH_TIMEOUT_S = 2.0
-# A silent worker gets this long to answer Health before it counts as hung: generous, as a
-# worker's event loop shares 2 busy cores with torch threads under a flood.
-LIVENESS_TIMEOUT_S = 5.0
 PROBE_INTERVAL_S = 1.0
 CHARS_PER_TOKEN_ESTIMATE = 4  # length of a conversation the router cannot tokenize
-
-# Failures that say "this worker is gone, hung or draining", not "this request is bad".
-_WORKER_FAULT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass
@@ -154,106 +147,6 @@ def _completion(
         num_recomputed_tokens=finish.num_recomputed_tokens,
         num_migrations=finish.num_migrations,
     )
-
-
-@dataclass
-class WorkerEndpoint:
-    """One worker as the router sees it: channel, stub, load and health."""
-
-    address: str
-    role: str  # "prefill" or "decode"
-    channel: grpc.aio.Channel
-    stub: Any
-    worker_id: str = ""
-    num_active: int = 0  # requests this router has in flight on the worker
-    healthy: bool = True
-    draining: bool = False  # takes no new requests (its Health says so)
-    last_error: str = ""
-    health: pb.HealthReply = field(default_factory=pb.HealthReply)
-
-    @classmethod
-    def open(
-        cls, address: str, role: str, credentials: grpc.ChannelCredentials | None = None
-    ) -> WorkerEndpoint:
-        """A channel to the worker at ``address``: TLS when ``credentials`` are given."""
-        channel = aio_channel(address, credentials, CHANNEL_OPTIONS)
-        stub_type = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
-        return cls(address, role, channel, stub_type(channel), worker_id=address)
-
-    def mark_down(self, error: str) -> None:
-        if self.healthy:
-            log.warning("%s worker %s is down: %s", self.role, self.worker_id, error)
-        self.healthy, self.last_error = False, error
-
-    async def probe(self, timeout_s: float = HEALTH_TIMEOUT_S) -> pb.HealthReply | None:
-        """The worker's Health reply (and mark it up), or None if it does not answer."""
-        try:
-            reply = await self.stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return None
-        if reply.role != self.role:
-            raise InvalidArgument(
-                f"{self.address} is a {reply.role} worker, configured as a {self.role} worker"
-            )
-        self.worker_id, self.draining, self.health = reply.worker_id, reply.draining, reply
-        if reply.not_serving:  # wedged: it answers, but sends nothing for its requests
-            self.mark_down(f"not serving: {reply.not_serving}")
-        else:
-            self.healthy = True
-        return reply
-
-    async def answers_health(self) -> bool:
-        """Whether the worker still serves (busy computing is not hung; wedged is)."""
-        try:
-            reply = await self.stub.Health(pb.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return not reply.not_serving
-
-
-@dataclass
-class WorkerSet:
-    """The workers of one role and the policy that picks among them."""
-
-    workers: list[WorkerEndpoint]
-    policy: str = "least-loaded"
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def pick(self, exclude: set[str]) -> WorkerEndpoint | None:
-        """A healthy worker not in ``exclude`` (by address); None if there is none."""
-        candidates = self.candidates(exclude)
-        if not candidates:
-            return None
-        turn = next(self._turn)
-        rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
-        if self.policy == "round-robin":
-            return rotated[0]
-        return min(rotated, key=lambda w: w.num_active)  # min keeps the first of equals
-
-    def candidates(self, exclude: set[str]) -> list[WorkerEndpoint]:
-        """Healthy workers that take new requests, not in ``exclude`` (by address)."""
-        return [
-            w for w in self.workers if w.healthy and not w.draining and w.address not in exclude
-        ]
-
-    def states(self) -> str:
-        """Each worker's state, e.g. ``d0: draining; d1: down (connection refused)``."""
-        return "; ".join(
-            f"{w.worker_id}: "
-            + ("draining" if w.draining else f"down ({w.last_error})" if not w.healthy else "up")
-            for w in self.workers
-        )
-
-    def describe(self, addresses: set[str]) -> str:
-        return "; ".join(
-            f"{w.worker_id}: {w.last_error or 'failed'}"
-            for w in self.workers
-            if w.address in addresses
-        )
-
-
-class _WorkerFault(Exception):
-    """A worker failed in a way another worker may not (it died, hung or is unreachable)."""
 
 
 class RequestAPI:
@@ -573,7 +466,7 @@ class Router(RequestAPI):
                                 return
                             for first in self._first(event, first_token_ids, tried, worker):
                                 yield first
-                except _WorkerFault as exc:
+                except WorkerFault as exc:
                     _remaining_s(flight.deadline_s, request.request_id)  # its own deadline?
                     worker.mark_down(str(exc))
                     log.warning("request %s: retrying prefill: %s", request.request_id, exc)
@@ -663,7 +556,7 @@ class Router(RequestAPI):
     ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
         worker, timeout_s = attempt.worker, _remaining_s(flight.deadline_s, request.request_id)
         call = worker.stub.Prefill(request, timeout=timeout_s)
-        async for event in _read_events(call, worker, self.prefill_attempt_timeout_s):
+        async for event in read_events(call, worker, self.prefill_attempt_timeout_s):
             event = getattr(event, event.WhichOneof("event"))
             if self.policy == "balanced" and isinstance(event, pb.PrefillFirst):
                 stats = event.stats
@@ -715,7 +608,7 @@ class Router(RequestAPI):
                         if position > len(streamed):
                             streamed.append(event.token.token_id)
                             yield pb.GenerateEvent(token=event.token)
-            except _WorkerFault as exc:
+            except WorkerFault as exc:
                 _remaining_s(flight.deadline_s, request_id)
                 worker.mark_down(str(exc))
                 log.warning("request %s: restarting decode: %s", request_id, exc)
@@ -727,7 +620,7 @@ class Router(RequestAPI):
         worker.num_active += 1
         try:
             call = worker.stub.Decode(request, timeout=timeout_s)
-            async for event in _read_events(call, worker, self.token_timeout_s):
+            async for event in read_events(call, worker, self.token_timeout_s):
                 yield event
         finally:
             worker.num_active -= 1
@@ -765,41 +658,6 @@ def _check_replay(streamed: list[int], position: int, token_id: int, worker: Wor
             f"{position}, the first attempt {streamed[position]}: decoding is not deterministic"
         )
     return position + 1
-
-
-async def _read_events(
-    call: Any, worker: WorkerEndpoint, idle_timeout_s: float
-) -> AsyncIterator[Any]:
-    """Events of a server-streaming call; worker faults become ``_WorkerFault``.
-
-    After ``idle_timeout_s`` without an event the worker is asked Health: one that answers
-    is busy (queued requests, a long prefill) and is waited for again; one that does not is
-    hung (stopped, its process wedged) and is given up on while its stream stays open.
-    """
-    read: asyncio.Future[Any] | None = None
-    try:
-        while True:
-            # The read is waited for, never cancelled by the wait: cancelling a grpc.aio
-            # read cancels the whole call, and a busy worker's call must live on.
-            read = asyncio.ensure_future(call.read())
-            while not (await asyncio.wait({read}, timeout=idle_timeout_s))[0]:
-                if not await worker.answers_health():
-                    raise _WorkerFault(
-                        f"{worker.worker_id} sent nothing for {idle_timeout_s:g} s and did not "
-                        f"answer Health within {LIVENESS_TIMEOUT_S:g} s"
-                    )
-            event = read.result()
-            if event is grpc.aio.EOF:
-                return
-            yield event
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in _WORKER_FAULT_CODES:
-            raise _WorkerFault(f"{worker.worker_id}: {exc.code().name}: {exc.details()}") from None
-        raise from_grpc_status(exc.code(), exc.details()) from None
-    finally:
-        if read is not None and not read.done():
-            read.cancel()
-        call.cancel()
 
 
 class RouterService(pb_grpc.RouterServicer):

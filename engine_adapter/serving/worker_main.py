@@ -48,8 +48,8 @@ from engine_adapter.serving.balancer import PrefillCostModel, PrefillSample
 from engine_adapter.serving.decode_worker import DecodeWorker
 from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.prefill_worker import PrefillWorker
-from engine_adapter.serving.router import CHANNEL_OPTIONS
 from engine_adapter.serving.worker_base import WorkerBase
+from engine_adapter.serving.worker_endpoint import CHANNEL_OPTIONS
 from engine_adapter.serving.worker_flags import add_worker_tuning_arguments
 from engine_adapter.serving.worker_tls import WorkerTLS
 from kvstore.cli.args import duration_arg

@@ -40,10 +40,10 @@ pytestmark = [
 ]
 
 KEY = "sk-chaos"
-CHAOS_REQUESTS = 60  # make test; the slow test sends 500
-CONCURRENCY = 8
+CHAOS_REQUESTS = 40  # make test; the slow test sends 500
+CONCURRENCY = 4
 SETTLE_S = 120.0  # bound on waiting for the gauges to come back after the last drop
-REQUEST_TIMEOUT_S = 120.0  # bound on one normal request on a loaded machine
+REQUEST_TIMEOUT_S = 900.0  # bound on one normal request on a loaded machine
 KINDS = {  # kind -> weight: half are normal
     "normal_stream": 3,
     "normal_whole": 2,
@@ -65,6 +65,9 @@ def serve_url(serving_cluster, tmp_path_factory) -> Iterator[tuple[str, Path]]:
         "--max-model-len", "512",
         "--max-waiting-requests", "0",
         "--max-queue-wait-s", "0",
+        # Deadlines far past what a loaded machine takes: a normal request must not 504 here
+        # (and the workers' stall limit, which serve sets to it, must not fire).
+        "--request-timeout-s", "900",
     )  # fmt: skip
     try:
         yield f"http://127.0.0.1:{ports['http']}", run_dir
@@ -124,7 +127,7 @@ async def _normal_whole(client: httpx.AsyncClient, rng: random.Random) -> str:
 async def _drop_after(client: httpx.AsyncClient, rng: random.Random, num_chunks: int) -> str:
     """Read ``num_chunks`` content chunks (0: none, only the headers), wait 0-50 ms, hang up."""
     async with client.stream(
-        "POST", "/v1/chat/completions", json=_body(rng, True, 24), timeout=REQUEST_TIMEOUT_S
+        "POST", "/v1/chat/completions", json=_body(rng, True, 12), timeout=REQUEST_TIMEOUT_S
     ) as response:
         seen = 0
         async for chunk in _content_lines(response):
@@ -138,7 +141,7 @@ async def _drop_after(client: httpx.AsyncClient, rng: random.Random, num_chunks:
 
 async def _drop_before_first_byte(client: httpx.AsyncClient, rng: random.Random) -> str:
     request = asyncio.ensure_future(
-        client.post("/v1/chat/completions", json=_body(rng, True, 24), timeout=REQUEST_TIMEOUT_S)
+        client.post("/v1/chat/completions", json=_body(rng, True, 12), timeout=REQUEST_TIMEOUT_S)
     )
     await asyncio.sleep(rng.uniform(0, 0.03))
     request.cancel()
