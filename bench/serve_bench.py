@@ -1,13 +1,16 @@
 """``kvstore bench serve``: prefill balance on a mixed-length burst, per routing policy, against
 a perfect offline assignment of the same work; with ``--flood``/``--slow-sockets``, the HTTP
-front of ``kvstore serve`` under a flood and under slow clients (``bench/serve_load.py``).
+front of ``kvstore serve`` under a flood and under slow clients (``bench/serve_load.py``);
+with ``--drop-after-first-token``, streams hung up after their first token, probed for a
+wedge (``bench/serve_drops.py``, issue 42).
 
 ::
 
     kvstore bench serve [--json PATH] [--model random:small] [--num-requests 48]
         [--prefill-workers 2] [--min-tokens 64] [--max-tokens 3968] [--rounds 3]
         [--policies balanced,least-loaded,round-robin] [--bucket-bounds 512,1024,2048]
-    kvstore bench serve --flood 200 [--slow-sockets 120] [--json PATH] [--cluster TOML]
+    kvstore bench serve --flood 200 [--slow-sockets 120] [--drop-after-first-token 2000]
+        [--json PATH] [--cluster TOML]
         [--flood-max-tokens 16] [--serve-args "..."]
 
 Method: a local 12-node cluster, prefill workers and one decode worker (real processes) are
@@ -295,6 +298,13 @@ def _add_load_flags(parser: argparse.ArgumentParser) -> None:
         "--probe-interval-s", type=float, default=1.0, help="flood: /health probes this often"
     )
     parser.add_argument(
+        "--drop-after-first-token",
+        type=int,
+        default=0,
+        help="streamed requests each hung up 0-50 ms after its first token, probed for a "
+        "wedge every 50 (bench/serve_drops.py); 0: none",
+    )
+    parser.add_argument(
         "--serve-args",
         default="",
         help="extra kvstore serve flags for the load runs, e.g. '--max-waiting-requests 8' "
@@ -304,7 +314,7 @@ def _add_load_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the cluster and workers, run the bursts, print the table, write JSON."""
-    if args.flood or args.slow_sockets:
+    if args.flood or args.slow_sockets or args.drop_after_first_token:
         return run_load(args)
     console = Console(width=None if sys.stdout.isatty() else 140)
     work_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-serve-"))
@@ -376,7 +386,8 @@ def run_load(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.json}")
     flood_ok = report.get("flood", {}).get("contract_met", True)
     slow_ok = report.get("slow_sockets", {}).get("all_closed", True)
-    return 0 if flood_ok and slow_ok else 1
+    no_wedge = not report.get("drops", {}).get("wedges", 0)
+    return 0 if flood_ok and slow_ok and no_wedge else 1
 
 
 async def _load_runs(
@@ -401,6 +412,13 @@ async def _load_runs(
         limits = serve_load.limits_of(serve_args)
         result["slow_sockets"] = await serve_load.slow_sockets(
             base_url, model, args.slow_sockets, limits
+        )
+    if args.drop_after_first_token:
+        from bench import serve_drops
+
+        console.print(f"{args.drop_after_first_token} requests dropped after their first token...")
+        result["drops"] = await serve_drops.drops(
+            base_url, model, args.drop_after_first_token, seed=args.seed
         )
     return result
 
@@ -440,5 +458,12 @@ def load_table(report: dict[str, Any]) -> Table:
             f"time: {ok}); normal request p50 {slow['normal_latency_before_s']['p50']:.2f} s "
             f"before, {slow['normal_latency_during_s']['p50']:.2f} s during (ratio "
             f"{slow['normal_latency_ratio_p50']:.2f})",
+        )
+    if "drops" in report:
+        drops = report["drops"]
+        table.add_row(
+            f"{drops['tries']} drops after the first token",
+            f"{drops['dropped_after_first_token']} saw a token before the hang-up; wedges "
+            f"{drops['wedges']} in {drops['probes']} probes (probe p50 {drops['probe_p50_s']} s)",
         )
     return table

@@ -286,6 +286,7 @@ def secure(
                 n,
                 credentials_file=str(credentials.resolve()),
                 peer_token_file=str((root / NODE_TOKEN_FILE).resolve()),
+                metrics_auth=True,  # /metrics names tenants: only an admin or node reads it
             )
             for n in nodes
         )

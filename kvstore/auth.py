@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -74,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import tomli_w
 
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import InvalidArgument, PermissionDenied, quoted
 from ttl.units import parse_duration_s
 
 if TYPE_CHECKING:
@@ -130,8 +131,8 @@ class Principal:
         if self.role is Role.TENANT:
             if claimed and claimed != self.name:
                 raise PermissionDenied(
-                    f"credential of tenant {self.name!r} used for tenant {claimed!r}: a tenant "
-                    "may only touch its own blocks"
+                    f"credential of tenant {self.name!r} used for tenant {quoted(claimed)}: a "
+                    "tenant may only touch its own blocks"
                 )
             return self.name
         if self.role is Role.SERVICE:
@@ -141,8 +142,9 @@ class Principal:
                 )
             if claimed not in self.tenants and ANY_TENANT not in self.tenants:
                 raise PermissionDenied(
-                    f"service {self.name!r} may not act for tenant {claimed!r} (its allow-list: "
-                    f"{', '.join(sorted(self.tenants))}); add it in the credentials file"
+                    f"service {self.name!r} may not act for tenant {quoted(claimed)} (its "
+                    f"allow-list: {', '.join(sorted(self.tenants))}); add it in the credentials "
+                    "file"
                 )
             return claimed
         raise PermissionDenied(
@@ -203,6 +205,13 @@ class Credentials:
         else:
             expires_s = principal.retiring_until_unix_s
         return principal if not expires_s or now_unix_s < expires_s else None
+
+    @functools.cached_property
+    def known_tenants(self) -> frozenset[str]:
+        """The tenants this file names: tenant principals and services' allow-lists."""
+        names = {p.name for p in self.principals if p.role is Role.TENANT}
+        names.update(t for p in self.principals if p.role is Role.SERVICE for t in p.tenants)
+        return frozenset(names - {ANY_TENANT})
 
     def by_cert(self, identity: str) -> Principal | None:
         return next((p for p in self.principals if p.cert_identity == identity), None)
@@ -477,7 +486,11 @@ class NodePeers:
         if principal.role is not Role.NODE or not self.require_cert:
             return
         if cert is None or cert.node_id is None:
-            who = "no certificate" if cert is None else f"client certificate {cert.common_name!r}"
+            who = (
+                "no certificate"
+                if cert is None
+                else f"client certificate {quoted(cert.common_name)}"
+            )
             raise PermissionDenied(
                 f"the node credential came with {who}: under mutual TLS it is accepted only "
                 "from a node, with its node certificate (`kvstore certs issue --node`)"

@@ -151,7 +151,8 @@ class NodeConfig:
     inject_delay_ms: float = 0.0  # test-only: a fixed delay per request (a straggler)
     # Principals (kvstore/auth.py): the node-side credentials file, mode 0600; "" = auth off.
     credentials_file: str = ""
-    metrics_auth: bool = False  # /metrics needs an admin or node bearer token (/healthz never)
+    # /metrics needs an admin or node bearer token (/healthz never); always on with auth
+    metrics_auth: bool = False
     peer_token_file: str = ""  # the token this node presents to its peers (role node)
     tls_cert_file: str = ""  # this node's certificate chain (PEM), when [tls] is on
     tls_key_file: str = ""  # its private key (PEM, mode 0600)

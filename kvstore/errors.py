@@ -136,3 +136,15 @@ ERRORS: tuple[type[Exception], ...] = (KVStoreError, ErasureError, TTLError)
 
 # Failures worth retrying with backoff: the node may answer on the next attempt.
 RETRYABLE: tuple[type[KVStoreError], ...] = (Unavailable, CapacityExhausted)
+
+
+MAX_QUOTED_CHARS = 64  # of a client-supplied string quoted in an error message
+
+
+def quoted(text: str, max_chars: int = MAX_QUOTED_CHARS) -> str:
+    """``repr`` of a client-supplied string, cut to ``max_chars`` and its length said: an
+    error must not echo a 100,000-character name back (a gRPC client would then see
+    RESOURCE_EXHAUSTED instead of the reason)."""
+    if len(text) <= max_chars:
+        return repr(text)
+    return f"{text[:max_chars]!r}... ({len(text)} characters)"

@@ -77,7 +77,8 @@ class TrafficClasses:
             return self.class_to_ttl_s[traffic_class]
         except KeyError:
             raise UnknownTrafficClass(
-                f"unknown traffic class {traffic_class!r}; configured classes: "
+                f"unknown traffic class {traffic_class[:64]!r}"  # a bounded echo of the input
+                f"{'...' if len(traffic_class) > 64 else ''}; configured classes: "
                 f"{', '.join(self.names)} (add it under [ttl.classes] in cluster.toml)"
             ) from None
 

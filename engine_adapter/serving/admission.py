@@ -153,7 +153,7 @@ class AdmissionQueue:
         except BaseException as exc:
             if turn.done() and not turn.cancelled():  # given a slot just as we gave up
                 self._release()
-            else:
+            elif turn in self._waiters:  # _wake_next drops a cancelled turn it meets first
                 self._waiters.remove(turn)
             if isinstance(exc, TimeoutError):
                 raise self._timed_out(time.monotonic() - waited_from_s) from None

@@ -9,6 +9,7 @@ than the context could hold even at the longest token is refused (413) without t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -295,9 +296,12 @@ class _Answer:
 async def _chain(
     first: pb.GenerateEvent, events: AsyncIterator[pb.GenerateEvent]
 ) -> AsyncIterator[pb.GenerateEvent]:
-    yield first
-    async for event in events:
-        yield event
+    """``first``, then ``events``, which close with this (a client that hung up ends the
+    router's request now, its slot and worker calls with it, not at garbage collection)."""
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        yield first
+        async for event in events:
+            yield event
 
 
 def _chunk_choice(

@@ -66,6 +66,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
             "decode %s: draining; requests still running in %.0f s move", self.worker_id, grace_s
         )
         self.draining.set()
+        self.turns.close()
         loop = asyncio.get_running_loop()
         self._grace_timer = loop.call_later(max(grace_s, 0.0), self.migrate_now.set)
 
@@ -192,6 +193,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
         keys = connector.keys(token_ids, block_key_salt(handoff.tenant, handoff.cache_salt))
         fetch = connector.fetch_prefix(keys, table, len(keys), handoff.tenant)
         outcome = await complete(fetch, connector.release)
+        self.turns.progress()
         try:
             place = asyncio.to_thread(self._place_and_compute, token_ids, table, outcome, len(keys))
             await complete(place)
@@ -245,6 +247,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
             step = asyncio.to_thread(self._step, generated[-1], position, table)
             logits = await complete(step)
             generated.append(sampler.sample(logits))
+            self.turns.progress()
             self.metrics.generation_tokens.inc()
             text, delta = self._text_delta(generated, text)
             yield pb.TokenDelta(token_id=generated[-1], text=delta)

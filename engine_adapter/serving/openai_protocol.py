@@ -8,8 +8,10 @@ tenant's block-key salt) and ``traffic_class`` (the store's TTL class of this re
 blocks, default ``chat``); and vLLM's ``top_k``.
 
 Every field is bounded and typed here, before anything else sees it: an integer outside its
-range (``max_tokens`` 2^70, a token id of -1 or 2^40, a seed past 64 bits), a wrong type or
-an overlong string is a validation error, which the front answers 400 naming the field. The
+range (``max_tokens`` 2^70, a token id of -1 or 2^40, a seed past 64 bits), a wrong type
+(``stream: "yes"``: booleans are strict, as OpenAI's are), a message role OpenAI does not
+have, or an overlong string is a validation error, which the front answers 400 naming the
+field. The
 bounds are those of the wire format (``serving.proto``: token ids and counts are uint32, the
 seed uint64), so no value that passes can fail later on the way to a worker. ``/tokenize``
 and ``/detokenize`` take vLLM's request shapes. :class:`ApiError` is every error's answer.
@@ -17,10 +19,10 @@ and ``/detokenize`` take vLLM's request shapes. :class:`ApiError` is every error
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from engine_adapter.serving.errors import ContextTooLong, QueueFull, TenantNotAllowed, error_body
 from kvstore.errors import (
@@ -43,6 +45,10 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (logprobs are refused, but type
 
 Count = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]  # strict: no bools, "5" or 5.0
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+# OpenAI's message roles ("function" is its deprecated form of "tool"); anything else is a 400.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+# Booleans as OpenAI takes them: true or false, never "yes", "true", 1 or "on".
+Bool = StrictBool
 
 
 def _token_ids(value: list[Any], what: str) -> list[int]:
@@ -56,7 +62,7 @@ def _token_ids(value: list[Any], what: str) -> list[int]:
 
 
 class ChatMessage(BaseModel):
-    role: Name
+    role: Role
     content: Any = None  # a string or a list of {"type": "text", "text": ...} parts
 
     @field_validator("content")
@@ -81,7 +87,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SamplingFields(BaseModel):
@@ -96,7 +102,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=-1, strict=True, ge=-1, le=INT32_MAX, description="-1, 0: all")
     stop: Any = None
     seed: int | None = Field(default=None, strict=True, ge=SEED_MIN, le=SEED_MAX)
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, strict=True, ge=1, le=1, description="only n=1 is served")
     logprobs: Any = None
@@ -163,7 +169,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Any  # a string, token ids, or a list holding one of those (batches are refused)
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -193,8 +199,8 @@ class TokenizeRequest(BaseModel):
     model: Name | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -46,6 +46,7 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
                 cache_salt=request.cache_salt,
             )
             result = await complete(prefill, lambda r: self.engine.release(r.sequence))
+            self.turns.progress()
             try:
                 async for event in self._handoff(request, result, start_s, busy_start_s):
                     yield event
@@ -73,6 +74,7 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
         # The decode worker reads these blocks next. A put that failed is logged by the
         # connector; the decode worker then computes that block, so the answer is unchanged.
         await self.engine.flush()
+        self.turns.progress()
         table, token_ids = result.sequence.table, result.sequence.token_ids
         tail = await complete(asyncio.to_thread(tail_kv, self.engine.cache, table, len(token_ids)))
         handoff = self._handoff_message(request, token_ids, tail, first_token_id, sampler)

@@ -30,8 +30,9 @@ on another decode worker from the same handoff; decoding is deterministic (greed
 seeded), so the tokens already streamed are checked and skipped. A draining decode worker
 hands its requests back as ``migrate`` events (their KV in the store, the tail inline), and
 the router continues each on another decode worker. With no healthy worker left, the
-request fails with ``Unavailable`` naming the workers tried. A background probe brings a
-worker back once its Health RPC answers again.
+request fails with ``Unavailable`` naming the workers tried. A background probe of every
+worker brings one back once its Health answers again, and takes out one whose Health says
+it is wedged (``not_serving``: its engine held with no progress past a request's deadline).
 
 Stop strings are matched here, on the text the workers stream (``request.StopMatcher``):
 the decode stream is cancelled at the first one and the text ends before it.
@@ -41,11 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -62,6 +62,14 @@ from engine_adapter.serving.balancer import (
 from engine_adapter.serving.errors import ContextTooLong
 from engine_adapter.serving.metrics import RouterMetrics
 from engine_adapter.serving.request import Request, StopMatcher, chat_prompt_ids
+from engine_adapter.serving.worker_endpoint import (
+    CHANNEL_OPTIONS,
+    HEALTH_TIMEOUT_S,
+    WorkerEndpoint,
+    WorkerFault,
+    WorkerSet,
+    read_events,
+)
 from engine_adapter.tokenizer import ChatTokenizer
 from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, KVStoreError, Unavailable
 from kvstore.grpc_errors import from_grpc_status, to_grpc_status
@@ -69,24 +77,10 @@ from kvstore.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 64 << 20),  # a handoff's tail KV can be a few MiB
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
 PREFILL_ATTEMPT_TIMEOUT_S = 60.0  # silence on a prefill stream before its worker is asked Health
 TOKEN_TIMEOUT_S = 15.0  # silence on a decode stream before its worker is asked Health
-HEALTH_TIMEOUT_S = 2.0
-# A silent worker gets this long to answer Health before it counts as hung: generous, as a
-# worker's event loop shares 2 busy cores with torch threads under a flood.
-LIVENESS_TIMEOUT_S = 5.0
 PROBE_INTERVAL_S = 1.0
 CHARS_PER_TOKEN_ESTIMATE = 4  # length of a conversation the router cannot tokenize
-
-# Failures that say "this worker is gone, hung or draining", not "this request is bad".
-_WORKER_FAULT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass
@@ -155,103 +149,6 @@ def _completion(
     )
 
 
-@dataclass
-class WorkerEndpoint:
-    """One worker as the router sees it: channel, stub, load and health."""
-
-    address: str
-    role: str  # "prefill" or "decode"
-    channel: grpc.aio.Channel
-    stub: Any
-    worker_id: str = ""
-    num_active: int = 0  # requests this router has in flight on the worker
-    healthy: bool = True
-    draining: bool = False  # takes no new requests (its Health says so)
-    last_error: str = ""
-    health: pb.HealthReply = field(default_factory=pb.HealthReply)
-
-    @classmethod
-    def open(
-        cls, address: str, role: str, credentials: grpc.ChannelCredentials | None = None
-    ) -> WorkerEndpoint:
-        """A channel to the worker at ``address``: TLS when ``credentials`` are given."""
-        channel = aio_channel(address, credentials, CHANNEL_OPTIONS)
-        stub_type = pb_grpc.PrefillWorkerStub if role == "prefill" else pb_grpc.DecodeWorkerStub
-        return cls(address, role, channel, stub_type(channel), worker_id=address)
-
-    def mark_down(self, error: str) -> None:
-        if self.healthy:
-            log.warning("%s worker %s is down: %s", self.role, self.worker_id, error)
-        self.healthy, self.last_error = False, error
-
-    async def probe(self, timeout_s: float = HEALTH_TIMEOUT_S) -> pb.HealthReply | None:
-        """The worker's Health reply (and mark it up), or None if it does not answer."""
-        try:
-            reply = await self.stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return None
-        if reply.role != self.role:
-            raise InvalidArgument(
-                f"{self.address} is a {reply.role} worker, configured as a {self.role} worker"
-            )
-        self.worker_id, self.healthy, self.draining = reply.worker_id, True, reply.draining
-        self.health = reply
-        return reply
-
-    async def answers_health(self) -> bool:
-        """Whether the worker's event loop still answers (busy computing is not hung)."""
-        try:
-            await self.stub.Health(pb.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return True
-
-
-@dataclass
-class WorkerSet:
-    """The workers of one role and the policy that picks among them."""
-
-    workers: list[WorkerEndpoint]
-    policy: str = "least-loaded"
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def pick(self, exclude: set[str]) -> WorkerEndpoint | None:
-        """A healthy worker not in ``exclude`` (by address); None if there is none."""
-        candidates = self.candidates(exclude)
-        if not candidates:
-            return None
-        turn = next(self._turn)
-        rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
-        if self.policy == "round-robin":
-            return rotated[0]
-        return min(rotated, key=lambda w: w.num_active)  # min keeps the first of equals
-
-    def candidates(self, exclude: set[str]) -> list[WorkerEndpoint]:
-        """Healthy workers that take new requests, not in ``exclude`` (by address)."""
-        return [
-            w for w in self.workers if w.healthy and not w.draining and w.address not in exclude
-        ]
-
-    def states(self) -> str:
-        """Each worker's state, e.g. ``d0: draining; d1: down (connection refused)``."""
-        return "; ".join(
-            f"{w.worker_id}: "
-            + ("draining" if w.draining else f"down ({w.last_error})" if not w.healthy else "up")
-            for w in self.workers
-        )
-
-    def describe(self, addresses: set[str]) -> str:
-        return "; ".join(
-            f"{w.worker_id}: {w.last_error or 'failed'}"
-            for w in self.workers
-            if w.address in addresses
-        )
-
-
-class _WorkerFault(Exception):
-    """A worker failed in a way another worker may not (it died, hung or is unreachable)."""
-
-
 class RequestAPI:
     """``generate`` and ``stream``, shared by the in-process :class:`Router` and the remote
     :class:`ServingClient`; subclasses implement ``stream_request``."""
@@ -287,6 +184,14 @@ class _Flight:
     num_prompt_tokens: int
     last_token_s: float = 0.0
     num_migrations: int = 0
+
+
+@dataclass
+class _Attempt:
+    """One prefill attempt: its worker, and what it measured of the worker (the balancer's)."""
+
+    worker: WorkerEndpoint
+    sample: PrefillSample | None = None
 
 
 class Router(RequestAPI):
@@ -363,14 +268,13 @@ class Router(RequestAPI):
                 for n, t in zip(health.calibration_tokens, health.calibration_s, strict=True)
             ]
             self.balancer.add_worker(worker.address, calibration)
-        self._probe_task = asyncio.create_task(self._probe_down_workers())
+        self._probe_task = asyncio.create_task(self._probe_workers())
 
-    async def _probe_down_workers(self) -> None:
+    async def _probe_workers(self) -> None:
+        """Every worker's Health now and then: a down one comes back, a wedged one goes."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            down = [w for w in self.endpoints if not w.healthy or w.draining]
-            if down:
-                await asyncio.gather(*(w.probe() for w in down), return_exceptions=True)
+            await asyncio.gather(*(w.probe() for w in self.endpoints), return_exceptions=True)
 
     async def close(self) -> None:
         if self._probe_task is not None:
@@ -421,8 +325,9 @@ class Router(RequestAPI):
         self._count(waiting=+1)
         waiting = True
         try:
-            async with self.admission.slot(flight.deadline_s):
-                async for event in self._prefill_then_decode(flight):
+            events = self._prefill_then_decode(flight)
+            async with self.admission.slot(flight.deadline_s), contextlib.aclosing(events):
+                async for event in events:
                     if waiting and event.WhichOneof("event") == "token":
                         waiting = False  # the first token: the request now runs
                         self._count(waiting=-1, running=+1)
@@ -436,20 +341,23 @@ class Router(RequestAPI):
     async def _prefill_then_decode(self, flight: _Flight) -> AsyncIterator[pb.GenerateEvent]:
         """The request's events from the workers, stop strings matched, timings observed."""
         matcher = StopMatcher(flight.request.stop)
-        async for event in self._worker_events(flight):
-            kind = event.WhichOneof("event")
-            if kind == "token":
-                self._observe_token(flight)
-                event.token.text = matcher.feed(event.token.text)
-                yield event
-                if matcher.stopped:
-                    yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
+        # aclosing: a request left at its finish or stop ends its worker calls now, not at
+        # garbage collection (their counts on the workers go with them).
+        async with contextlib.aclosing(self._worker_events(flight)) as events:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "token":
+                    self._observe_token(flight)
+                    event.token.text = matcher.feed(event.token.text)
+                    yield event
+                    if matcher.stopped:
+                        yield self._finish(flight, pb.Finish(finish_reason="stop"), matcher)
+                        return
+                elif kind == "finish":
+                    yield self._finish(flight, event.finish, matcher)
                     return
-            elif kind == "finish":
-                yield self._finish(flight, event.finish, matcher)
-                return
-            else:
-                yield event
+                else:
+                    yield event
 
     def refusal(self) -> KVStoreError | None:
         """What a request arriving now would get instead of being queued (None: queued).
@@ -530,45 +438,60 @@ class Router(RequestAPI):
             cache_salt=proto.cache_salt,
         )
         handoff = pb.Handoff()
-        async for event in self._prefill(prefill_request, flight):
-            if isinstance(event, pb.Handoff):
-                handoff = event
-            else:
+        async with contextlib.aclosing(self._prefill(prefill_request, flight)) as prefill:
+            async for event in prefill:
+                if isinstance(event, pb.Handoff):
+                    handoff = event
+                else:
+                    yield event
+        async with contextlib.aclosing(self._decode(handoff, proto.sampling, flight)) as decode:
+            async for event in decode:
                 yield event
-        async for event in self._decode(handoff, proto.sampling, flight):
-            yield event
 
     async def _prefill(
         self, request: pb.PrefillRequest, flight: _Flight
     ) -> AsyncIterator[pb.GenerateEvent | pb.Handoff]:
         """GenerateEvents for the first token, then the Handoff; retried on worker faults."""
         tried: set[str] = set()
-        first_token_id: int | None = None
+        first_token_ids: list[int] = []  # the first attempt's, which a retry must repeat
         while True:
-            worker = await self._pick_prefill(flight, tried)
-            tried.add(worker.address)
-            try:
-                async for event in self._prefill_attempt(worker, request, flight):
-                    if isinstance(event, pb.Handoff):
-                        yield event
-                        return
-                    if first_token_id is None:
-                        first_token_id = event.first_token_id
-                        event.stats.num_attempts = len(tried)
-                        self._observe_prefill(event.stats)
-                        yield pb.GenerateEvent(prefill=event.stats)
-                        token = pb.TokenDelta(token_id=event.first_token_id, text=event.text)
-                        yield pb.GenerateEvent(token=token)
-                    elif event.first_token_id != first_token_id:
-                        raise Unavailable(
-                            f"request {request.request_id}: prefill retry on {worker.worker_id} "
-                            f"sampled token {event.first_token_id}, the first attempt "
-                            f"{first_token_id}; workers disagree (different models or seeds?)"
-                        )
-            except _WorkerFault as exc:
-                _remaining_s(flight.deadline_s, request.request_id)  # the request's own deadline?
-                worker.mark_down(str(exc))
-                log.warning("request %s: retrying prefill: %s", request.request_id, exc)
+            async with self._prefill_place(flight, tried) as attempt:
+                worker = attempt.worker
+                try:
+                    events = self._prefill_attempt(attempt, request, flight)
+                    async with contextlib.aclosing(events):
+                        async for event in events:
+                            if isinstance(event, pb.Handoff):
+                                yield event
+                                return
+                            for first in self._first(event, first_token_ids, tried, worker):
+                                yield first
+                except WorkerFault as exc:
+                    _remaining_s(flight.deadline_s, request.request_id)  # its own deadline?
+                    worker.mark_down(str(exc))
+                    log.warning("request %s: retrying prefill: %s", request.request_id, exc)
+
+    def _first(
+        self,
+        event: pb.PrefillFirst,
+        first_token_ids: list[int],
+        tried: set[str],
+        worker: WorkerEndpoint,
+    ) -> list[pb.GenerateEvent]:
+        """The prefill stats and first token of the first attempt; none of a retry's, whose
+        first token must agree."""
+        if not first_token_ids:
+            first_token_ids.append(event.first_token_id)
+            event.stats.num_attempts = len(tried)
+            self._observe_prefill(event.stats)
+            token = pb.TokenDelta(token_id=event.first_token_id, text=event.text)
+            return [pb.GenerateEvent(prefill=event.stats), pb.GenerateEvent(token=token)]
+        if event.first_token_id != first_token_ids[0]:
+            raise Unavailable(
+                f"prefill retry on {worker.worker_id} sampled token {event.first_token_id}, the "
+                f"first attempt {first_token_ids[0]}; workers disagree (different models or seeds?)"
+            )
+        return []
 
     def _observe_prefill(self, stats: pb.PrefillStats) -> None:
         self.metrics.prefilled(
@@ -611,32 +534,38 @@ class Router(RequestAPI):
             with contextlib.suppress(TimeoutError):  # re-check health now and then
                 await asyncio.wait_for(self._prefill_room.wait(), wait_s)
 
-    async def _prefill_attempt(
-        self, worker: WorkerEndpoint, request: pb.PrefillRequest, flight: _Flight
-    ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
-        timeout_s = _remaining_s(flight.deadline_s, request.request_id)
-        balanced = self.policy == "balanced"
+    @contextlib.asynccontextmanager
+    async def _prefill_place(self, flight: _Flight, tried: set[str]) -> AsyncIterator[_Attempt]:
+        """A prefill worker for one attempt, counted on it (and held in the balancer) until
+        the attempt ends, however it ends: the count is taken in the turn the worker is."""
+        worker = await self._pick_prefill(flight, tried)
+        tried.add(worker.address)
+        attempt = _Attempt(worker)
         worker.num_active += 1
-        sample = None
         try:
-            call = worker.stub.Prefill(request, timeout=timeout_s)
-            async for event in _read_events(call, worker, self.prefill_attempt_timeout_s):
-                event = getattr(event, event.WhichOneof("event"))
-                if balanced and isinstance(event, pb.PrefillFirst):
-                    stats = event.stats
-                    self.balancer.update(
-                        worker.address,
-                        request.request_id,
-                        stats.num_computed_tokens,
-                        stats.num_cached_tokens,
-                    )
-                    sample = self._sample(worker, request.request_id, stats)
-                yield event
+            yield attempt
         finally:
             worker.num_active -= 1
-            if balanced:
-                self.balancer.finish(worker.address, request.request_id, time.monotonic(), sample)
+            if self.policy == "balanced":
+                request_id, now_s = flight.proto.request_id, time.monotonic()
+                self.balancer.finish(worker.address, request_id, now_s, attempt.sample)
                 self._prefill_room.set()  # waiters wake in arrival order
+
+    async def _prefill_attempt(
+        self, attempt: _Attempt, request: pb.PrefillRequest, flight: _Flight
+    ) -> AsyncIterator[pb.PrefillFirst | pb.Handoff]:
+        worker, timeout_s = attempt.worker, _remaining_s(flight.deadline_s, request.request_id)
+        call = worker.stub.Prefill(request, timeout=timeout_s)
+        async for event in read_events(call, worker, self.prefill_attempt_timeout_s):
+            event = getattr(event, event.WhichOneof("event"))
+            if self.policy == "balanced" and isinstance(event, pb.PrefillFirst):
+                stats = event.stats
+                self.balancer.update(
+                    worker.address, request.request_id, stats.num_computed_tokens,
+                    stats.num_cached_tokens,
+                )  # fmt: skip
+                attempt.sample = self._sample(worker, request.request_id, stats)
+            yield event
 
     def _sample(
         self, worker: WorkerEndpoint, request_id: str, stats: pb.PrefillStats
@@ -661,23 +590,25 @@ class Router(RequestAPI):
             tried.add(worker.address)
             position = _num_decoded(handoff)
             request = pb.DecodeRequest(handoff=handoff, sampling=sampling)
+            events = self._decode_attempt(worker, request, flight.deadline_s)
             try:
-                async for event in self._decode_attempt(worker, request, flight.deadline_s):
-                    kind = event.WhichOneof("event")
-                    if kind == "finish":
-                        yield pb.GenerateEvent(finish=event.finish)
-                        return
-                    if kind == "migrate":
-                        handoff, tried = event.migrate, {worker.address}
-                        flight.num_migrations += 1
-                        self.metrics.migrations.inc()
-                        log.info("request %s: moves off draining %s", request_id, worker.worker_id)
-                        break
-                    position = _check_replay(streamed, position, event.token.token_id, worker)
-                    if position > len(streamed):
-                        streamed.append(event.token.token_id)
-                        yield pb.GenerateEvent(token=event.token)
-            except _WorkerFault as exc:
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        kind = event.WhichOneof("event")
+                        if kind == "finish":
+                            yield pb.GenerateEvent(finish=event.finish)
+                            return
+                        if kind == "migrate":
+                            handoff, tried = event.migrate, {worker.address}
+                            flight.num_migrations += 1
+                            self.metrics.migrations.inc()
+                            log.info("request %s: moves off %s", request_id, worker.worker_id)
+                            break
+                        position = _check_replay(streamed, position, event.token.token_id, worker)
+                        if position > len(streamed):
+                            streamed.append(event.token.token_id)
+                            yield pb.GenerateEvent(token=event.token)
+            except WorkerFault as exc:
                 _remaining_s(flight.deadline_s, request_id)
                 worker.mark_down(str(exc))
                 log.warning("request %s: restarting decode: %s", request_id, exc)
@@ -689,7 +620,7 @@ class Router(RequestAPI):
         worker.num_active += 1
         try:
             call = worker.stub.Decode(request, timeout=timeout_s)
-            async for event in _read_events(call, worker, self.token_timeout_s):
+            async for event in read_events(call, worker, self.token_timeout_s):
                 yield event
         finally:
             worker.num_active -= 1
@@ -727,41 +658,6 @@ def _check_replay(streamed: list[int], position: int, token_id: int, worker: Wor
             f"{position}, the first attempt {streamed[position]}: decoding is not deterministic"
         )
     return position + 1
-
-
-async def _read_events(
-    call: Any, worker: WorkerEndpoint, idle_timeout_s: float
-) -> AsyncIterator[Any]:
-    """Events of a server-streaming call; worker faults become ``_WorkerFault``.
-
-    After ``idle_timeout_s`` without an event the worker is asked Health: one that answers
-    is busy (queued requests, a long prefill) and is waited for again; one that does not is
-    hung (stopped, its process wedged) and is given up on while its stream stays open.
-    """
-    read: asyncio.Future[Any] | None = None
-    try:
-        while True:
-            # The read is waited for, never cancelled by the wait: cancelling a grpc.aio
-            # read cancels the whole call, and a busy worker's call must live on.
-            read = asyncio.ensure_future(call.read())
-            while not (await asyncio.wait({read}, timeout=idle_timeout_s))[0]:
-                if not await worker.answers_health():
-                    raise _WorkerFault(
-                        f"{worker.worker_id} sent nothing for {idle_timeout_s:g} s and did not "
-                        f"answer Health within {LIVENESS_TIMEOUT_S:g} s"
-                    )
-            event = read.result()
-            if event is grpc.aio.EOF:
-                return
-            yield event
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in _WORKER_FAULT_CODES:
-            raise _WorkerFault(f"{worker.worker_id}: {exc.code().name}: {exc.details()}") from None
-        raise from_grpc_status(exc.code(), exc.details()) from None
-    finally:
-        if read is not None and not read.done():
-            read.cancel()
-        call.cancel()
 
 
 class RouterService(pb_grpc.RouterServicer):

@@ -437,7 +437,8 @@ async def _serve_front(
     import grpc
 
     from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-    from engine_adapter.serving.router import CHANNEL_OPTIONS, RouterService
+    from engine_adapter.serving.router import RouterService
+    from engine_adapter.serving.worker_endpoint import CHANNEL_OPTIONS
 
     closed = router.metrics.closed_connections.labels
     protocol = guarded_h11_protocol(front.limits, lambda reason: closed(reason).inc())
@@ -749,6 +750,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     worker_args = tuning_argv(args) + (tls.argv() if tls is not None else [])
+    worker_args += ["--stall-timeout-s", str(args.request_timeout_s)]  # a wedge: see worker_base
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name]
     log.info("start-up: %d prefill and %d decode workers loading %s (logs in %s)",

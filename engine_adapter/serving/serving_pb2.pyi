@@ -213,7 +213,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("worker_id", "role", "model_fingerprint", "num_active", "pid", "draining", "max_model_len", "calibration_tokens", "calibration_s", "prefill_chunk_tokens", "metrics_address")
+    __slots__ = ("worker_id", "role", "model_fingerprint", "num_active", "pid", "draining", "max_model_len", "calibration_tokens", "calibration_s", "prefill_chunk_tokens", "metrics_address", "not_serving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class HealthReply(_message.Message):
     CALIBRATION_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_fingerprint: str
@@ -236,4 +237,5 @@ class HealthReply(_message.Message):
     calibration_s: _containers.RepeatedScalarFieldContainer[float]
     prefill_chunk_tokens: int
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_active: _Optional[int] = ..., pid: _Optional[int] = ..., draining: bool = ..., max_model_len: _Optional[int] = ..., calibration_tokens: _Optional[_Iterable[int]] = ..., calibration_s: _Optional[_Iterable[float]] = ..., prefill_chunk_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    not_serving: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_active: _Optional[int] = ..., pid: _Optional[int] = ..., draining: bool = ..., max_model_len: _Optional[int] = ..., calibration_tokens: _Optional[_Iterable[int]] = ..., calibration_s: _Optional[_Iterable[float]] = ..., prefill_chunk_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ..., not_serving: _Optional[str] = ...) -> None: ...

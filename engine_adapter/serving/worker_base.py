@@ -1,8 +1,11 @@
 """What the prefill and decode workers share: identity, the engine, request checks, load,
 Health, and an await that survives cancellation.
 
-A worker serves one request at a time (requests queue on a lock; torch runs off the event
-loop, so Health answers during a prefill, which is how the router tells busy from hung).
+A worker serves one request at a time (requests queue for the engine, ``engine_turns.py``;
+torch runs off the event loop, so Health answers during a prefill, which is how the router
+tells busy from hung). An engine held with no progress for longer than a request's deadline
+is a wedge: Health then answers ``not_serving`` with the reason, the worker logs it, and the
+router sends it nothing until it moves again.
 With TLS a worker takes calls only from the serving certificate (``worker_tls.py``).
 
 Before a prefill, a worker asks the store whether the serving tier's credential may act for
@@ -18,7 +21,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,7 +29,9 @@ import grpc
 
 from engine_adapter.engine import Engine
 from engine_adapter.serving import serving_pb2 as pb
+from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S
 from engine_adapter.serving.balancer import PrefillSample
+from engine_adapter.serving.engine_turns import EngineTurns
 from engine_adapter.serving.errors import TenantNotAllowed
 from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.worker_tls import check_peer
@@ -42,6 +47,7 @@ T = TypeVar("T")
 ACCESS_ALLOWED_TTL_S = 30.0  # an allowed tenant is asked again after this
 ACCESS_REFUSED_TTL_S = 2.0  # a refused one sooner: an allow-list change takes about a second
 ACCESS_CHECK_TIMEOUT_S = 5.0
+WATCH_INTERVAL_S = 1.0  # how often a worker looks for a wedged engine, to log it
 _PROBE_KEY = bytes(16)  # any key: the question is whether the nodes take the credential
 
 
@@ -114,6 +120,7 @@ class WorkerBase:
         cluster_toml: Path,
         inject_delay_s: float = 0.0,
         metrics: WorkerMetrics | None = None,
+        stall_after_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
@@ -124,7 +131,9 @@ class WorkerBase:
         self.metrics_address = ""
         self.calibration: list[PrefillSample] = []
         self.num_active = 0
-        self.lock = asyncio.Lock()  # one request holds the engine's KV pool at a time
+        # One request holds the engine's KV pool at a time; the others queue (FIFO).
+        self.turns = EngineTurns(self.metrics.waiting, self.metrics.running)
+        self.stall_after_s = stall_after_s  # held this long with no progress: wedged
         self.draining = asyncio.Event()  # set: no new requests
         self.drain_requested = asyncio.Event()  # a Drain RPC came: exit once drained
         self._classes: TrafficClasses | None = None
@@ -134,6 +143,7 @@ class WorkerBase:
     def start_drain(self, grace_s: float) -> None:
         """Take no new requests (requests queued for the engine leave at once)."""
         self.draining.set()
+        self.turns.close()
 
     async def drained(self) -> None:
         """Wait until no request is left on this worker."""
@@ -163,6 +173,7 @@ class WorkerBase:
             calibration_s=[s.seconds for s in self.calibration],
             prefill_chunk_tokens=self.engine.config.prefill_chunk_tokens,
             metrics_address=self.metrics_address,
+            not_serving=self.not_serving(),
         )
 
     async def check_traffic_class(self, traffic_class: str) -> None:
@@ -194,43 +205,42 @@ class WorkerBase:
         """Count the request, hold the engine, and turn kvstore errors into gRPC statuses.
 
         Yields True once the request holds the engine, or False (at once) if the worker
-        drains before that: the request has not started here and belongs elsewhere.
+        drains before that: the request has not started here and belongs elsewhere. Every
+        count and the engine are given back by ``with`` blocks, however the request ends.
         """
         await self.check_caller(context)
+        with self._active():
+            try:
+                async with self.turns.turn(request_id) as holds:
+                    if holds:
+                        await asyncio.sleep(self.inject_delay_s)
+                    yield holds
+            except ERRORS as exc:
+                log.warning(
+                    "%s %s: request %s failed: %s", self.role, self.worker_id, request_id, exc
+                )
+                await context.abort(*to_grpc_status(exc))
+
+    @contextlib.contextmanager
+    def _active(self) -> Iterator[None]:
         self.num_active += 1
-        self.metrics.waiting.inc()
-        holds = False
         try:
-            holds = await self._acquire_unless_draining()
-            self.metrics.waiting.dec()
-            if holds:
-                self.metrics.running.inc()
-                await asyncio.sleep(self.inject_delay_s)
-            yield holds
-        except ERRORS as exc:
-            log.warning("%s %s: request %s failed: %s", self.role, self.worker_id, request_id, exc)
-            await context.abort(*to_grpc_status(exc))
+            yield
         finally:
-            if holds:
-                self.lock.release()
-                self.metrics.running.dec()
             self.num_active -= 1
 
-    async def _acquire_unless_draining(self) -> bool:
-        """Wait for the engine's lock, or until the worker drains (False, lock not held)."""
-        if self.draining.is_set():
-            return False
-        acquire = asyncio.ensure_future(self.lock.acquire())
-        drain = asyncio.ensure_future(self.draining.wait())
-        try:
-            await asyncio.wait({acquire, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drain.cancel()
-            if not acquire.done():
-                acquire.cancel()
-                await asyncio.gather(acquire, return_exceptions=True)
-        got_lock = acquire.done() and not acquire.cancelled() and acquire.exception() is None
-        if got_lock and self.draining.is_set():
-            self.lock.release()
-            return False
-        return got_lock
+    def not_serving(self) -> str:
+        """Why this worker takes no work ("" while it does): its engine is wedged."""
+        return self.turns.stalled(self.stall_after_s)
+
+    async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
+        """Log when the engine turns wedged and when it moves again (runs until cancelled)."""
+        reported = ""
+        while True:
+            await asyncio.sleep(interval_s)
+            reason = self.not_serving()
+            if reason and not reported:
+                log.error("%s %s: not serving: %s", self.role, self.worker_id, reason)
+            elif reported and not reason:
+                log.warning("%s %s: serving again: the engine moved", self.role, self.worker_id)
+            reported = reason

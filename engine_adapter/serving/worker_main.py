@@ -43,14 +43,16 @@ from engine_adapter.config import EngineConfig
 from engine_adapter.engine import Engine
 from engine_adapter.loader import model_name
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
+from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S
 from engine_adapter.serving.balancer import PrefillCostModel, PrefillSample
 from engine_adapter.serving.decode_worker import DecodeWorker
 from engine_adapter.serving.metrics import WorkerMetrics
 from engine_adapter.serving.prefill_worker import PrefillWorker
-from engine_adapter.serving.router import CHANNEL_OPTIONS
 from engine_adapter.serving.worker_base import WorkerBase
+from engine_adapter.serving.worker_endpoint import CHANNEL_OPTIONS
 from engine_adapter.serving.worker_flags import add_worker_tuning_arguments
 from engine_adapter.serving.worker_tls import WorkerTLS
+from kvstore.cli.args import duration_arg
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add_worker_tuning_arguments(parser)
     parser.add_argument(
+        "--stall-timeout-s",
+        type=duration_arg,
+        default=DEFAULT_TIMEOUT_S,
+        help="an engine held this long with no progress is wedged: Health then answers "
+        "not-serving (kvstore serve passes its --request-timeout-s)",
+    )
+    parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port)"
     )
     parser.add_argument(
@@ -149,7 +158,9 @@ async def serve_worker(args: argparse.Namespace) -> None:
     worker_type = PrefillWorker if args.role == "prefill" else DecodeWorker
     metrics = WorkerMetrics(model_name=args.served_model_name or model_name(args.model))
     tls = _tls(args)
-    worker = worker_type(args.id, engine, args.cluster, args.inject_delay_ms / 1000, metrics)
+    worker = worker_type(
+        args.id, engine, args.cluster, args.inject_delay_ms / 1000, metrics, args.stall_timeout_s
+    )
     worker.calibration = calibration
     worker.peer_identity = tls.identity() if tls is not None else None
     metrics_server, _ = start_http_server(
@@ -169,7 +180,9 @@ async def serve_worker(args: argparse.Namespace) -> None:
     else:
         port = server.add_secure_port(address, tls.server_credentials())
     await server.start()
+    wedge_watch = asyncio.create_task(worker.watch())
     await _serve_until_stopped(args, worker, port, stages_s)
+    wedge_watch.cancel()
     await server.stop(STOP_GRACE_S)
     metrics_server.shutdown()
     await engine.close()

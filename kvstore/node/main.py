@@ -125,7 +125,8 @@ class _NodeProcess:
             cluster, node, self.clock, self.repair_ready, self.sync.note_peer_seqs
         )
         self.health = health_aio.HealthServicer()
-        self.metrics = NodeMetrics(self.holder.stats, lambda: self.repair.stats)
+        known = (lambda: self.auth.current().known_tenants) if self.auth.enabled else None
+        self.metrics = NodeMetrics(self.holder.stats, lambda: self.repair.stats, known)
         self.server = grpc.aio.server(options=_server_options(node))
         self.reads = NodeReads(self.holder, node, self.metrics, self.auth, self.executor)
         self.ucx = _start_ucx(node)
@@ -343,8 +344,9 @@ def _scrub(holder: StoreHolder, max_bytes: int) -> ScrubStep:
 
 
 def _metrics_authorizer(node: NodeConfig, auth: Authenticator) -> Callable[[str], bool] | None:
-    """With ``metrics_auth``: /metrics answers only an admin or node bearer token."""
-    if not node.metrics_auth:
+    """With ``metrics_auth``, or any auth: /metrics answers only an admin or node bearer
+    token (it names tenants, which a node with credentials must not tell strangers)."""
+    if not (node.metrics_auth or auth.enabled):
         return None
 
     def authorize(header: str) -> bool:

@@ -13,7 +13,10 @@ series that has no value yet is absent (never a -1)::
                                   out: in read answers, not what a same-host client's landing
                                   pool got placed straight into it)
     kvstore_tenant_reads_total{tenant,outcome}   shard reads per tenant, outcome hit or miss
-                                                 (a peer's repair reads are not counted)
+                                                 (a peer's repair reads are not counted); only
+                                                 known tenants by name (the credentials file's
+                                                 with auth, else the first 64 seen), the rest
+                                                 as tenant="_other"
     kvstore_shards  kvstore_shard_bytes  kvstore_used_bytes  kvstore_capacity_bytes
     kvstore_segments  kvstore_hits_total  kvstore_misses_total  kvstore_corrupt_shards_total
     kvstore_class_shards{traffic_class}  kvstore_class_shard_bytes{traffic_class}
@@ -45,7 +48,7 @@ from __future__ import annotations
 import platform
 import socketserver
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from importlib import metadata
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -68,6 +71,8 @@ from kvstore.store.shard_store import StoreStats
 
 disable_created_metrics()  # see the module docstring
 # Loopback RPCs take ~100 us; 4 MiB batches and fsyncs take ms; stragglers take seconds.
+MAX_TENANT_LABELS = 64  # tenants named in kvstore_tenant_reads_total; the rest are "_other"
+OTHER_TENANT = "_other"  # not a valid tenant name (request_checks.TENANT_CHARS), so no clash
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 _NODE_GAUGES = {
     "shards": ("num_shards", "shards held"),
@@ -187,7 +192,12 @@ class NodeMetrics:
         self,
         stats: Callable[[], StoreStats],
         repair: Callable[[], RepairStats] = RepairStats,
+        known_tenants: Callable[[], Collection[str]] | None = None,
     ) -> None:
+        """``known_tenants``: the tenants the credentials file names (auth on), the only
+        ones labelled by name; None (auth off): the first ``MAX_TENANT_LABELS`` seen."""
+        self._known_tenants = known_tenants
+        self._labelled_tenants: set[str] = set()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvstore_requests", "RPCs by method and status", ["rpc", "code"], registry=self.registry
@@ -227,9 +237,21 @@ class NodeMetrics:
 
     def observe_reads(self, tenant: str, num_keys: int, num_hits: int, num_bytes: int) -> None:
         """One read of ``num_keys`` keys for ``tenant``: how many it served, and their bytes."""
-        self.tenant_reads.labels(tenant, "hit").inc(num_hits)
-        self.tenant_reads.labels(tenant, "miss").inc(max(num_keys - num_hits, 0))
+        label = self._tenant_label(tenant)
+        self.tenant_reads.labels(label, "hit").inc(num_hits)
+        self.tenant_reads.labels(label, "miss").inc(max(num_keys - num_hits, 0))
         self.read_bytes.inc(num_bytes)
+
+    def _tenant_label(self, tenant: str) -> str:
+        """``tenant`` if it may be a label, else OTHER_TENANT: made-up names in requests must
+        neither grow /metrics without bound nor appear in it."""
+        if tenant in self._labelled_tenants:
+            return tenant
+        known = self._known_tenants is None or tenant in self._known_tenants()
+        if not known or len(self._labelled_tenants) >= MAX_TENANT_LABELS:
+            return OTHER_TENANT
+        self._labelled_tenants.add(tenant)
+        return tenant
 
     def serve(
         self,

@@ -7,12 +7,13 @@ expected, what came and how to fix it, and changes nothing: a put is validated w
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 
 from erasure.config import CodecConfig
 from erasure.shard import HEADER_BYTES, VERSION_BYTES, ShardHeader, verify_shard
 from kvstore.config import KEY_BYTES, NodeConfig
-from kvstore.errors import CodecError, InvalidArgument
+from kvstore.errors import CodecError, InvalidArgument, quoted
 from ttl.policy import TrafficClasses
 
 # The shard index a node holds for a key (its position in the key's group), None if the node
@@ -21,15 +22,28 @@ ShardIndexOf = Callable[[bytes], int | None]
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_TENANT_CHARS = 256
+# Tenant names: ASCII letters, digits and . _ - @ : (an account id, an e-mail-like name, a
+# "org:team" pair); docs/security.md lists this rule.
+TENANT_CHARS_DOC = "ASCII letters, digits and . _ - @ :"
+_TENANT_PATTERN = re.compile(r"[A-Za-z0-9._@:-]+")
 MAX_HINTS_PER_REQUEST = 4096  # repair hints of one QueueRepair (clients send at most 512)
 
 
 def check_tenant(tenant: str) -> None:
-    """Raise unless ``tenant`` is a non-empty name of at most ``MAX_TENANT_CHARS``."""
+    """Raise unless ``tenant`` is 1 to ``MAX_TENANT_CHARS`` characters of ``TENANT_CHARS``.
+
+    The same on every cluster, with auth or without: a tenant name ends up in the index,
+    in logs and in metric labels, where a NUL, a newline or a megabyte name does harm.
+    """
     if not tenant or len(tenant) > MAX_TENANT_CHARS:
         raise InvalidArgument(
             f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} characters "
             f"(e.g. the account id), got {len(tenant)} characters"
+        )
+    if not _TENANT_PATTERN.fullmatch(tenant):
+        raise InvalidArgument(
+            f"tenant {quoted(tenant)} has a character outside {TENANT_CHARS_DOC}; use an "
+            "account id or a name of those characters"
         )
 
 
@@ -117,9 +131,15 @@ def _check_shard(node: NodeConfig, key: bytes, shard: bytes) -> ShardHeader:
             f"{limit} (max_shard_bytes + header); use a larger k or smaller blocks"
         )
     try:
-        return verify_shard(shard)
+        header = verify_shard(shard)
     except CodecError as exc:
         raise InvalidArgument(f"malformed shard for key {key.hex()}: {exc}") from None
+    if not header.payload_len or not header.block_len:  # a client refuses empty blocks too
+        raise InvalidArgument(
+            f"shard of key {key.hex()} is empty ({header.payload_len} payload bytes of a "
+            f"{header.block_len}-byte block): a block holds at least one byte"
+        )
+    return header
 
 
 def _check_fits(

@@ -164,3 +164,28 @@ async def test_no_limits_admit_everything_at_once():
     queue = AdmissionQueue()
     async with queue.slot(_deadline()), queue.slot(_deadline()):
         assert queue.num_running == 2 and queue.refusal() is None
+
+
+async def _hold_slot(queue: AdmissionQueue, num_turns: int) -> None:
+    async with queue.slot(_deadline()):
+        for _ in range(num_turns):
+            await asyncio.sleep(0)
+
+
+async def test_cancel_at_every_turn_while_a_slot_frees_never_leaks():
+    """A waiter cancelled in any turn around the release of the slot it waits for (issue 42:
+    the queue once raised ValueError there, a 500 instead of the cancellation)."""
+    for release_at in range(8):
+        for cancel_at in range(8):
+            queue = AdmissionQueue(AdmissionConfig(max_running_requests=1))
+
+            holder = asyncio.create_task(_hold_slot(queue, release_at))
+            await asyncio.sleep(0)
+            waiter = asyncio.create_task(_hold_slot(queue, 1))
+            for _ in range(cancel_at):
+                await asyncio.sleep(0)
+            waiter.cancel()
+            results = await asyncio.gather(waiter, holder, return_exceptions=True)
+            assert not isinstance(results[0], ValueError), results[0]
+            what = f"released at turn {release_at}, cancelled at {cancel_at}"
+            assert queue.num_running == 0 and queue.num_waiting == 0, what

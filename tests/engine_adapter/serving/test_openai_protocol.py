@@ -37,7 +37,7 @@ BAD_VALUES = {
     "stop": [["a"] * 5, "x" * 2000, [1], {"a": 1}],
     "cache_salt": ["s" * 1000, 5],
     "traffic_class": ["", "c" * 100, 3],
-    "stream": ["maybe", 2],
+    "stream": ["maybe", 2, "yes", "true", 1, 0, "on"],  # OpenAI's booleans are strict
     "model": [5, "m" * 1000],
     "logit_bias": ["x", [1]],
 }
@@ -73,7 +73,8 @@ def test_bad_prompts_are_refused(prompt):
     [[], "hi", [{"content": "no role"}], [{"role": "user", "content": 5}],
      [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
      [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-     [{"role": "r" * 1000, "content": "x"}]],
+     [{"role": "r" * 1000, "content": "x"}], [{"role": "hacker", "content": "x"}],
+     [{"role": "User", "content": "x"}], [{"role": 5, "content": "x"}]],
 )  # fmt: skip
 def test_bad_messages_are_refused(messages):
     _refused(ChatCompletionRequest, {**CHAT, "messages": messages}, "messages")
@@ -101,6 +102,25 @@ def test_good_values_pass_and_fit_the_wire():
     assert completion.unserved_field() == "logprobs", "logprobs must be refused, not ignored"
     request = Request(token_ids=[INT32_MAX], max_new_tokens=INT32_MAX, seed=completion.seed_u64())
     request.to_proto().SerializeToString()  # every bound fits the protobuf fields
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
+def test_openai_roles_pass(role):
+    ChatCompletionRequest(**{**CHAT, "messages": [{"role": role, "content": "x"}]})
+
+
+@pytest.mark.parametrize(
+    "model, body, field",
+    [
+        (ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": "yes"}},
+         "stream_options"),
+        (CompletionRequest, {**COMPLETION, "echo": "yes"}, "echo"),
+        (TokenizeRequest, {"prompt": "x", "add_generation_prompt": 1}, "add_generation_prompt"),
+        (TokenizeRequest, {"prompt": "x", "return_token_strs": "true"}, "return_token_strs"),
+    ],
+)  # fmt: skip
+def test_every_boolean_is_strict(model, body, field):
+    _refused(model, body, field)
 
 
 def test_tokenizer_bodies():

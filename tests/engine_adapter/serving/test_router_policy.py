@@ -6,7 +6,8 @@ import pytest
 
 from engine_adapter.serving.demo import Row, summarize
 from engine_adapter.serving.request import Request
-from engine_adapter.serving.router import WorkerEndpoint, WorkerSet, _check_replay
+from engine_adapter.serving.router import _check_replay
+from engine_adapter.serving.worker_endpoint import WorkerEndpoint, WorkerSet
 from kvstore.errors import InvalidArgument, Unavailable
 
 
