@@ -21,7 +21,7 @@ series that has no value yet is absent (never a -1)::
     kvstore_segments  kvstore_hits_total  kvstore_misses_total  kvstore_corrupt_shards_total
     kvstore_class_shards{traffic_class}  kvstore_class_shard_bytes{traffic_class}
     kvstore_class_{hits,misses,expired,evicted}_total{traffic_class}
-    kvstore_class_youngest_evicted_age_seconds{traffic_class}      (once something was evicted)
+    kvstore_class_youngest_evicted_age_seconds{traffic_class}      (+Inf until one is evicted)
     kvstore_scrubbed_bytes_total  kvstore_scrub_passes_total        (since the node started)
     kvstore_scrub_last_full_pass_timestamp_seconds                  (once a pass finished)
     kvstore_index_bytes  kvstore_quarantined_bytes  kvstore_retired_versions_total
@@ -45,6 +45,7 @@ HTTP: ``/metrics`` serves the metrics and ``/healthz`` answers 200 "ok" while th
 
 from __future__ import annotations
 
+import math
 import platform
 import socketserver
 import threading
@@ -67,6 +68,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstore.node.repair_service import RepairStats
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.shard_store import StoreStats
 
 disable_created_metrics()  # see the module docstring
@@ -171,8 +173,10 @@ def _class_metrics(stats: StoreStats) -> Iterator[Metric]:
         labels=labels,
     )
     for cls in stats.classes:
-        if cls.youngest_evicted_age_s is not None:
-            youngest.add_metric([cls.traffic_class], cls.youngest_evicted_age_s)
+        # The youngest age of nothing evicted is +Inf (the minimum of no ages), not 0, which
+        # would read as "evicts blocks just used" on the dashboard's min().
+        age_s = cls.youngest_evicted_age_s
+        youngest.add_metric([cls.traffic_class], math.inf if age_s is None else age_s)
     yield youngest
 
 
@@ -223,6 +227,7 @@ class NodeMetrics:
             ["tenant", "outcome"],
             registry=self.registry,
         )
+        self._start_series_at_zero()
         self.registry.register(_StoreCollector(stats, repair))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -230,6 +235,15 @@ class NodeMetrics:
             {"version": _version(), "python": platform.python_version()}
         )
         self._http: WSGIServer | None = None
+
+    def _start_series_at_zero(self) -> None:
+        """Every series a dashboard or alert reads exists on a fresh node, at zero: each RPC's
+        OK count and latency, and the reads of tenants not labelled by name."""
+        for rpc in pb.DESCRIPTOR.services_by_name["ShardStore"].methods_by_name:
+            self.requests.labels(rpc, grpc.StatusCode.OK.name)
+            self.latency.labels(rpc)
+        for outcome in ("hit", "miss"):
+            self.tenant_reads.labels(OTHER_TENANT, outcome)
 
     def observe(self, rpc: str, code: grpc.StatusCode, elapsed_s: float) -> None:
         self.requests.labels(rpc, code.name).inc()

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client import SyncKVClient
 from deploy.local_cluster import LocalCluster
+from tests.kvstore.node_harness import NodeProcess, free_port, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PACK = ROOT / "deploy" / "observability"
@@ -136,6 +137,27 @@ def test_every_store_metric_named_is_exported(node_metrics: str) -> None:
     store_names = {n for n in names if ":" not in n}  # vllm:*, kvstore:* are the serving tier's
     missing = store_names - exported_names(node_metrics) - PROMETHEUS_OWN
     assert not missing, f"the dashboard or rules name metrics no node exports: {sorted(missing)}"
+
+
+def sampled_names(text: str) -> set[str]:
+    """The series names a /metrics page holds at least one sample of."""
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_fresh_node_has_every_series_the_dashboard_and_rules_read(tmp_path: Path) -> None:
+    """Scraped before any request: a series that appears only once something happened leaves
+    a dashboard panel empty and an alert unable to fire on a new node."""
+    names = set().union(*(metric_names(e) for e in _expressions()))
+    store_names = {n for n in names if ":" not in n} - PROMETHEUS_OWN
+    port = free_port()
+    node = NodeProcess(write_config(tmp_path, metrics_port=port)).start()
+    try:
+        text = _scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        node.stop()
+    missing = store_names - sampled_names(text)
+    assert not missing, f"a fresh node has no series of: {sorted(missing)}"
+    assert 'kvstore_class_youngest_evicted_age_seconds{traffic_class="agent"} +Inf' in text
 
 
 @pytest.mark.slow

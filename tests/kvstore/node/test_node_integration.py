@@ -85,7 +85,9 @@ async def test_round_trip_versions_restart_and_crash(tmp_path: Path, start_node)
         assert "kvstore_shards 300.0" in text, "shard gauge missing from /metrics"
         assert "kvstore_retired_versions_total 1.0" in text
         assert 'kvstore_class_hits_total{traffic_class="chat"}' in text
-        assert "kvstore_class_youngest_evicted_age_seconds{" not in text, "nothing was evicted"
+        assert 'kvstore_class_youngest_evicted_age_seconds{traffic_class="chat"} +Inf' in text, (
+            "nothing was evicted: the youngest evicted age must be +Inf (the minimum of none)"
+        )
         assert "process_resident_memory_bytes" in text and "kvstore_build_info{" in text
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz") as reply:
             assert reply.read() == b"ok\n", "/healthz answers health, not metrics"
