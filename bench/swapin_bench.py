@@ -5,7 +5,7 @@
     kvstore bench swapin [--json PATH] [--transport auto] [--cluster DIR/cluster.toml]
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
         [--num-blocks 64] [--concurrency 128] [--chunk-blocks 32] [--rounds 5]
-        [--device cpu|cuda[:N]]
+        [--device cpu|cuda[:N]] [--kv-format dtype|e4m3x16|dtype,e4m3x16]
         [--nodes 12] [--no-fsync]
 
 It measures the engine's own fetch path, with no model forward around it. Per transport one
@@ -37,6 +37,13 @@ transport is ``auto``: the local channel to this host's nodes.
 - ``limits``: the same bytes in the same run, copied from a pinned host buffer to the device
   (``pinned_h2d_gb_per_s``, CUDA) and by one host memcpy (``host_copy_gb_per_s``): the
   ceilings the fetch is measured against.
+- ``kv_format``: what the blocks hold (the compute dtype, or e4m3x16: FP8 with a scale per 16
+  values, dequantised into the cache by the swap-in); ``kv_bytes_per_token``: stored bytes of
+  one token's KV; ``tokens_per_s``: tokens through to the paged KV cache per second, median
+  over rounds (the figure that compares formats). ``--kv-format`` takes a comma-separated
+  list, measured interleaved in one run; a list without ``dtype`` gets it added as the
+  baseline, and each e4m3x16 record's ``tokens_per_s_vs_dtype`` is its ratio to it. An
+  e4m3x16 run stores seeded normal KV values, quantised (random bytes would hold NaN scales).
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
@@ -75,8 +82,8 @@ from rich.table import Table
 from bench.common import bench_cluster, percentile_ms, process_cpu_s, transport_list
 from bench.limits import copy_limits
 from client import KVClient
-from engine_adapter import weights
-from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
+from engine_adapter import kv_format, weights
+from engine_adapter.config import KV_FORMATS, STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome, StoreConnector
 from engine_adapter.kv_layout import KVBlockLayout
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
@@ -114,6 +121,10 @@ class Record:
     nodes_cpu_s_per_gb: float = 0.0  # the local cluster's node processes, the same spans
     stages_ms: dict[str, float] = field(default_factory=dict)  # one fetch, medians
     transport_used: str = ""  # what answered most node requests: local, ucx or grpc
+    kv_format: str = ""  # what the blocks hold: the compute dtype, or e4m3x16
+    kv_bytes_per_token: int = 0  # stored bytes of one token's KV, all layers
+    tokens_per_s: float = 0.0  # tokens through to the paged KV cache, median over rounds
+    tokens_per_s_vs_dtype: float = 0.0  # e4m3x16: tokens_per_s over the dtype record's
 
 
 @dataclass
@@ -162,6 +173,7 @@ class Bench:
             prefill_chunk_tokens=self.layout.block_tokens,
             device=self.args.device,
             dtype=self.layout.dtype,
+            kv_format=self.layout.kv_format,
             max_num_seqs=1,
             fetch_policy="always",
             fetch_deadline_s=self.args.deadline_s,
@@ -191,8 +203,7 @@ class Bench:
     async def _write_blocks(self, kv: KVClient) -> None:
         keys = self.keys()
         gate = asyncio.Semaphore(PUT_CONCURRENCY)
-        rng = np.random.default_rng(self.args.seed)
-        blocks = [rng.bytes(self.layout.block_bytes) for _ in keys]
+        blocks = self._blocks(len(keys))
         self.digests = [xxhash.xxh3_128_digest(block) for block in blocks]
 
         async def put(key: bytes, block: bytes) -> None:
@@ -200,6 +211,19 @@ class Bench:
                 await kv.put(key, block, traffic_class="chat")
 
         await asyncio.gather(*(put(k, b) for k, b in zip(keys, blocks, strict=True)))
+
+    def _blocks(self, num_blocks: int) -> list[bytes]:
+        """Seeded block contents: random bytes, or e4m3x16 blocks of normal KV values."""
+        if not self.layout.quantized:
+            rng = np.random.default_rng(self.args.seed)
+            return [rng.bytes(self.layout.block_bytes) for _ in range(num_blocks)]
+        generator = torch.Generator().manual_seed(self.args.seed)
+        out = torch.empty(self.layout.num_layers, self.layout.layer_bytes, dtype=torch.uint8)
+        blocks = []
+        for _ in range(num_blocks):
+            kv_format.encode_block(torch.randn(self.layout.shape, generator=generator), out)
+            blocks.append(out.numpy().tobytes())
+        return blocks
 
     def keys(self) -> list[bytes]:
         return self.runners[0].connector.keys(self.token_ids, self.tenant)
@@ -263,8 +287,15 @@ class Bench:
             self.cache.save_block(self.table.block_ids[index], self._check)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            cached = self._check.view(torch.uint8).numpy()
-            cache_ok = xxhash.xxh3_128_digest(cached) == self.digests[index]
+            if self.layout.quantized:  # the cache holds the dequantised block
+                values, scales = kv_format.split_layer(
+                    outcome.slots[index].block, self.layout.part_shape
+                )
+                want = kv_format.dequantize(values, scales, torch.empty_like(self._check))
+                cache_ok = torch.equal(self._check, want)
+            else:
+                cached = self._check.view(torch.uint8).numpy()
+                cache_ok = xxhash.xxh3_128_digest(cached) == self.digests[index]
             runner.num_verified += 1
             runner.num_mismatched += not (host_ok and cache_ok)
 
@@ -297,6 +328,10 @@ def make_record(bench: Bench, runner: Runner) -> Record:
     after = ucx_counters(runner.kv)
     local_after = ucx_counters(runner.kv, "local")
     fetched_gb = sum(runner.fetched_bytes) / GB
+    tokens = [
+        b / layout.block_bytes * layout.block_tokens / s
+        for b, s in zip(runner.fetched_bytes, runner.cache_s, strict=True)
+    ]
     return Record(
         transport=runner.transport,
         device=str(bench.device),
@@ -322,6 +357,9 @@ def make_record(bench: Bench, runner: Runner) -> Record:
             for name in (runner.stages_s[0] if runner.stages_s else {})
         },
         transport_used=transport_used(runner.kv),
+        kv_format=layout.stored_format,
+        kv_bytes_per_token=layout.bytes_per_token,
+        tokens_per_s=statistics.median(tokens),
     )
 
 
@@ -331,7 +369,7 @@ def transport_used(kv: KVClient) -> str:
     return max(counts, key=lambda name: counts[name])
 
 
-def layout_for(args: argparse.Namespace) -> KVBlockLayout:
+def layout_for(args: argparse.Namespace, kv_format_name: str = "dtype") -> KVBlockLayout:
     if not args.model.startswith("random:"):
         raise InvalidArgument(
             f"--model {args.model!r}: give a random:<size> preset; only its KV layout matters "
@@ -339,22 +377,26 @@ def layout_for(args: argparse.Namespace) -> KVBlockLayout:
         )
     cfg = weights.random_config(args.model.removeprefix("random:"))
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return KVBlockLayout.for_model(cfg, args.block_tokens, dtype)
+    return KVBlockLayout.for_model(cfg, args.block_tokens, dtype, kv_format_name)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    layout = layout_for(args)
-    swapin = Bench(args, layout)
+    formats = kv_formats(args.kv_format)
+    benches = [Bench(args, layout_for(args, name)) for name in formats]
+    layout = benches[0].layout  # the first format's, for the limits and the config
     load_before = os.getloadavg()[0]
     with bench_cluster(args) as (cluster_toml, cluster):
-        if cluster is not None:
-            swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
         try:
-            await swapin.open(cluster_toml)
-            await measure(swapin)
-            records = [make_record(swapin, runner) for runner in swapin.runners]
+            for swapin in benches:
+                if cluster is not None:
+                    swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
+                await swapin.open(cluster_toml)
+            await measure(benches)
+            records = [make_record(b, runner) for b in benches for runner in b.runners]
         finally:
-            await swapin.close()
+            for swapin in benches:
+                await swapin.close()
+    compare_formats(records)
     num_bytes = args.num_blocks * layout.block_bytes
     return {
         "limits": copy_limits(num_bytes, torch.device(args.device), args.rounds),
@@ -364,6 +406,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "block_bytes": layout.block_bytes,
             "device": args.device,
             "dtype": layout.dtype,
+            "kv_formats": [b.layout.stored_format for b in benches],
             "num_blocks": args.num_blocks,
             "concurrency": args.concurrency,
             "rounds": args.rounds,
@@ -373,31 +416,51 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
         },
         "results": [asdict(record) for record in records],
-        "notes": swapin.notes,
+        "notes": [note for b in benches for note in b.notes],
     }
 
 
-async def measure(bench: Bench) -> None:
-    """A warm-up fetch per transport, then rounds with the order alternating (A B, B A, ...)."""
-    runners = bench.runners
-    for runner in runners:
+def kv_formats(text: str) -> list[str]:
+    """``--kv-format``'s list, with the dtype baseline first (added when missing)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in KV_FORMATS:
+            raise InvalidArgument(f"--kv-format {name!r}: choose from {KV_FORMATS}")
+    return ["dtype", *(name for name in dict.fromkeys(names) if name != "dtype")]
+
+
+def compare_formats(records: list[Record]) -> None:
+    """Each quantised record's tokens/s over the dtype record's of the same transport."""
+    baseline = {r.transport: r.tokens_per_s for r in records if r.kv_format != "e4m3x16"}
+    for record in records:
+        if record.kv_format == "e4m3x16" and baseline.get(record.transport):
+            record.tokens_per_s_vs_dtype = record.tokens_per_s / baseline[record.transport]
+
+
+async def measure(benches: list[Bench]) -> None:
+    """A warm-up fetch per transport and format, then rounds with the order alternating
+    (A B, B A, ...)."""
+    pairs = [(bench, runner) for bench in benches for runner in bench.runners]
+    for bench, runner in pairs:
         await bench.fetch(runner, "warm-up", measured=False)
         runner.ucx_before = ucx_counters(runner.kv)
         runner.local_before = ucx_counters(runner.kv, "local")
-    with ProgressReporter("swap-in", bench.args.rounds * len(runners)) as progress:
-        for round_index in range(bench.args.rounds):
-            order = runners if round_index % 2 == 0 else runners[::-1]
-            for runner in order:
+    rounds = benches[0].args.rounds
+    with ProgressReporter("swap-in", rounds * len(pairs)) as progress:
+        for round_index in range(rounds):
+            order = pairs if round_index % 2 == 0 else pairs[::-1]
+            for bench, runner in order:
                 await bench.fetch(runner, f"round {round_index}", measured=True)
                 progress.advance()
 
 
 def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
-    for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
+    for name in ["transport", "format", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
     for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes"]:
         table.add_column(name, justify="right")
+    table.add_column("tokens/s (x dtype)", justify="right")
     table.add_column("verified", justify="right")
     table.add_column("UCX replies/shards/inline/fallback", justify="right")
     for r in records:
@@ -411,7 +474,7 @@ def results_table(records: list[Record], title: str) -> Table:
         )
         table.add_row(
             r.transport if r.transport != "auto" else f"auto ({r.transport_used})",
-            r.device,
+            r.kv_format,
             f"{r.block_bytes:,}",
             str(r.num_blocks),
             str(r.concurrency),
@@ -421,6 +484,8 @@ def results_table(records: list[Record], title: str) -> Table:
             f"{r.p99_ms:.1f}",
             stages,
             f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f}",
+            f"{r.tokens_per_s:,.0f}"
+            + (f" ({r.tokens_per_s_vs_dtype:.2f}x)" if r.tokens_per_s_vs_dtype else ""),
             f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
             shards if r.ucx_counters is not None else "-",
         )
@@ -457,6 +522,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", default=None, help="KV dtype (default: float32 on CPU, bfloat16 on CUDA)"
+    )
+    parser.add_argument(
+        "--kv-format",
+        default="dtype",
+        help="stored block formats, comma-separated: dtype (raw values of --dtype), e4m3x16 "
+        "(FP8 with an e8m0 scale per 16 values); dtype is always measured as the baseline",
     )
     parser.add_argument("--num-blocks", type=_positive, default=64, help="blocks per fetch")
     parser.add_argument(

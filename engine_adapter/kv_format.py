@@ -113,8 +113,8 @@ def encode_block(kv: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def decode_layer(raw: torch.Tensor, part_shape: tuple[int, ...], out: torch.Tensor) -> None:
-    """Dequantise one layer of ``n`` blocks, ``raw`` [n, layer_bytes], into ``out``
-    [n, P, H, T, D] (a view of the pool is fine)."""
+    """Dequantise layers of blocks, ``raw`` [..., layer_bytes], into ``out`` [..., P, H, T, D]
+    (a view of the pool is fine)."""
     values, scales = split_layer(raw, part_shape)
     dequantize(values, scales, out)
 
@@ -143,21 +143,36 @@ def load_layer(
     cache: PagedKVCache, layer: int, block_ids: list[int], blocks: list[torch.Tensor] | torch.Tensor
 ) -> None:
     """Layer ``layer`` of serialised blocks (``HostSlot.block``s, or a stack of them) into the
-    pool blocks ``block_ids``: a copy, or for e4m3x16 a dequantisation straight into the pool
-    (one batch when the ids are consecutive)."""
-    layout = cache.layout
-    if not layout.quantized:
+    pool blocks ``block_ids``: a copy, or an e4m3x16 dequantisation (:func:`load_layers`)."""
+    if not cache.layout.quantized:
         cache.load_layer(layer, block_ids, blocks)
         return
+    load_layers(cache, layer, layer + 1, block_ids, blocks)
+
+
+def load_layers(
+    cache: PagedKVCache,
+    first_layer: int,
+    end_layer: int,
+    block_ids: list[int],
+    blocks: list[torch.Tensor] | torch.Tensor,
+) -> None:
+    """Dequantise layers [first_layer, end_layer) of e4m3x16 blocks (``HostSlot.block``s, or a
+    stack of them) straight into the pool blocks ``block_ids``: one batch of ops for the whole
+    range when the ids are consecutive (few ops matter on a loaded CPU, where every parallel
+    op waits for its threads to be scheduled)."""
+    layout = cache.layout
     if isinstance(blocks, torch.Tensor):
-        raw = blocks[:, layer]  # [n, layer_bytes]
+        raw = blocks[:, first_layer:end_layer]  # [n, layers, layer_bytes]
     else:
-        raw = torch.stack([block[layer] for block in blocks])
+        raw = torch.stack([block[first_layer:end_layer] for block in blocks])
     parts, heads, t, dim = layout.part_shape
-    first, n = block_ids[0] if block_ids else 0, len(block_ids)
+    first, n, num_layers = block_ids[0] if block_ids else 0, len(block_ids), end_layer - first_layer
     if block_ids == list(range(first, first + n)):
-        dest = cache.kv[layer, :, :, first * t : (first + n) * t].view(parts, heads, n, t, dim)
-        decode_layer(raw, layout.part_shape, dest.permute(2, 0, 1, 3, 4))  # [n, P, H, T, D]
+        dest = cache.kv[first_layer:end_layer, :, :, first * t : (first + n) * t]
+        dest = dest.view(num_layers, parts, heads, n, t, dim).permute(3, 0, 1, 2, 4, 5)
+        decode_layer(raw, layout.part_shape, dest)  # [n, layers, P, H, T, D]
         return
     for index, block_id in enumerate(block_ids):
-        decode_layer(raw[index : index + 1], layout.part_shape, cache.block(layer, block_id)[None])
+        dest = cache.kv[first_layer:end_layer, :, :, block_id * t : (block_id + 1) * t]
+        decode_layer(raw[index : index + 1], layout.part_shape, dest[None])

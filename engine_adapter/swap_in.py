@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_adapter.kv_format import load_layer
+from engine_adapter.kv_format import load_layer, load_layers
 from engine_adapter.paged_kv import PagedKVCache
 
 
@@ -70,6 +70,10 @@ class SwapIn:
         if self._cuda:
             torch.cuda.current_stream(self.cache.kv.device).wait_event(self._events[layer])
         elif layer not in self._loaded_layers:
-            ids = self.block_ids[: self.num_blocks]
-            load_layer(self.cache, layer, ids, self.host_blocks[: self.num_blocks])
+            ids, blocks = self.block_ids[: self.num_blocks], self.host_blocks[: self.num_blocks]
+            if self.cache.layout.quantized:  # nothing to overlap on CPU: one batch of ops
+                load_layers(self.cache, 0, self.cache.layout.num_layers, ids, blocks)
+                self._loaded_layers.update(range(self.cache.layout.num_layers))
+                return
+            load_layer(self.cache, layer, ids, blocks)
             self._loaded_layers.add(layer)

@@ -51,7 +51,7 @@ def test_round_trip_error_is_within_e4m3_rounding(dtype):
 def test_scales_are_the_smallest_power_of_two_that_fits():
     x = torch.tensor([[448.0] + [0.0] * 15, [449.0] + [0.0] * 15, [1.0] * 16])
     _, scales = kv_format.quantize(x)
-    assert scales.flatten().tolist() == [127, 128, 127 - 8], "448 fits scale 1; 449 needs 2; 1 fits 2**-8"
+    assert scales.flatten().tolist() == [127, 128, 127 - 8], "448: scale 1; 449: 2; 1: 2**-8"
 
 
 def test_non_finite_values_give_a_nan_scale_and_the_block_is_refused():
