@@ -44,6 +44,8 @@ transport is ``auto``: the local channel to this host's nodes.
   list, measured interleaved in one run; a list without ``dtype`` gets it added as the
   baseline, and each e4m3x16 record's ``tokens_per_s_vs_dtype`` is its ratio to it. An
   e4m3x16 run stores seeded normal KV values, quantised (random bytes would hold NaN scales).
+- ``codec`` (with e4m3x16): this process's CPU seconds to quantise and to dequantise the
+  bench's blocks as bf16 KV on ``--device``, per GB of bf16 KV (medians of ``--rounds``).
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
@@ -397,6 +399,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for swapin in benches:
                 await swapin.close()
     compare_formats(records)
+    codec = [codec_cpu_s_per_gb(b.layout, args) for b in benches if b.layout.quantized]
     num_bytes = args.num_blocks * layout.block_bytes
     return {
         "limits": copy_limits(num_bytes, torch.device(args.device), args.rounds),
@@ -417,6 +420,37 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "results": [asdict(record) for record in records],
         "notes": [note for b in benches for note in b.notes],
+        "codec": codec[0] if codec else {},
+    }
+
+
+def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[str, float]:
+    """CPU seconds (this process, every thread) to quantise, and to dequantise, the bench's
+    blocks as bf16 KV on ``--device``, per GB of that bf16 KV: medians of ``--rounds``."""
+    device = torch.device(args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.num_blocks, *layout.shape)  # [n, L, P, H, T, D]
+    kv = torch.randn(shape, generator=generator).to(device, torch.bfloat16)
+    out = torch.empty_like(kv)
+    gb = kv.numel() * 2 / GB
+    quantize_s, dequantize_s = [], []
+    for _ in range(args.rounds + 1):  # the first is a warm-up
+        started = time.process_time()
+        values, scales = kv_format.quantize(kv)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        quantized = time.process_time()
+        kv_format.dequantize(values, scales, out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        quantize_s.append(quantized - started)
+        dequantize_s.append(time.process_time() - quantized)
+    quantize, dequantize = statistics.median(quantize_s[1:]), statistics.median(dequantize_s[1:])
+    return {
+        "bf16_gb": gb,
+        "quantize_cpu_s_per_gb": quantize / gb,
+        "dequantize_cpu_s_per_gb": dequantize / gb,
+        "cpu_s_per_gb": (quantize + dequantize) / gb,
     }
 
 
@@ -561,6 +595,12 @@ def run(args: argparse.Namespace) -> int:
     print_fitted(results_table(records, title), console)
     limits = ", ".join(f"{name} {value:.2f}" for name, value in report["limits"].items())
     console.print(f"limits, the same bytes in this run: {limits}")
+    if report["codec"]:
+        codec = report["codec"]
+        console.print(
+            f"e4m3x16 codec, bf16 KV: quantise {codec['quantize_cpu_s_per_gb']:.3f} + dequantise "
+            f"{codec['dequantize_cpu_s_per_gb']:.3f} = {codec['cpu_s_per_gb']:.3f} CPU-s per GB"
+        )
     for note in report["notes"]:
         console.print(f"note: {note}")
     if args.json:
