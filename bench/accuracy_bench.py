@@ -7,14 +7,15 @@ the bundled real model with its prefix KV coming back from the store.
         [--num-windows 32] [--block-tokens 64] [--num-prompts 20] [--max-new-tokens 16]
         [--cluster DIR/cluster.toml] [--nodes 12]
 
-Two engines share the loaded model (fp32 on CPU): the reference stores its KV blocks in the
-compute dtype (bitwise what it computed), the other in ``--kv-format``. Each first prefills
-the fixed text (Python's own documentation, ``pydoc_data.topics``: fixed for a Python
-version, no download) and writes its blocks to the store. Then, per window ``k`` of
-``--num-windows``, it prefills the text's first ``k * block_tokens + 1`` tokens, which swaps in
-blocks ``0 .. k-1`` from the store and computes one token, and teacher-forces the block's
-other ``block_tokens - 1`` tokens: every one of the ``num_windows * block_tokens`` evaluated
+One engine (the model in fp32 on CPU, storing ``--kv-format`` blocks). The reference: one
+forward over the fixed text (Python's own documentation, ``pydoc_data.topics``: fixed for a
+Python version, no download), keeping the logits of every evaluated position; its KV is then
+written to the store in ``--kv-format``. Then, per window ``k`` of ``--num-windows``, the
+engine prefills the text's first ``k * block_tokens + 1`` tokens, which swaps in blocks
+``0 .. k-1`` from the store and computes one token, and teacher-forces the block's other
+``block_tokens - 1`` tokens: every one of the ``num_windows * block_tokens`` evaluated
 positions predicts its next token mostly from stored KV (at least ``k / (k + 1)`` of it).
+The greedy references are computed without the store.
 
 - ``num_positions``: positions compared; ``top1_agreement``: share whose argmax equals the
   reference's; ``perplexity_ratio``: the text's perplexity over those positions, this format
@@ -50,6 +51,7 @@ from kvstore.cli.tables import make_console, print_fitted
 from kvstore.errors import InvalidArgument
 
 TENANT = "accuracy"
+REFERENCE_CHUNK_TOKENS = 256  # the reference forward's chunks (bounds attention's memory)
 PROMPT_TAIL_TOKENS = 7  # greedy prompts: whole stored blocks and this many tokens more
 
 
@@ -96,14 +98,45 @@ def fixed_text_ids(engine: Engine, num_tokens: int) -> list[int]:
     raise InvalidArgument(f"the fixed text has only {len(ids)} tokens, {num_tokens} needed")
 
 
-async def evaluate(
+async def reference(
     engine: Engine, text: list[int], prompts: list[list[int]], args: argparse.Namespace
 ) -> Evaluation:
-    """Store the text's blocks, then evaluate with them swapped in."""
+    """The full-precision answers: one forward over the text (logits at the evaluated
+    positions), whose KV is then written to the store in the engine's format; greedy
+    continuations computed without the store."""
     block = engine.config.block_tokens
-    result = await engine.prefill(text, tenant=TENANT, write_back=True)  # every full block
-    engine.release(result.sequence)
-    await engine.flush()
+    result = await engine.prefill(
+        text[:1], tenant=TENANT, use_cache=False, reserve_tokens=len(text) - 1
+    )
+    seq, logits = result.sequence, []
+    try:
+        for start in range(1, len(text), REFERENCE_CHUNK_TOKENS):
+            ids = torch.tensor(text[start : start + REFERENCE_CHUNK_TOKENS], dtype=torch.long)
+            hidden = await asyncio.to_thread(engine.model, ids, start, engine.cache, seq.table)
+            logits.append(engine.model.logits(hidden).float())  # positions start ...
+        seq.token_ids = list(text)
+        store = engine.connector
+        assert store is not None, "open_store first"
+        await store.write_back(store.keys(text, TENANT), seq.table, 0, TENANT, "chat")
+        await engine.flush()
+    finally:
+        engine.release(seq)
+    every = torch.cat([result.logits[None].float(), *logits])  # [len(text), vocab]
+    evaluated = [
+        p for k in range(1, args.num_windows + 1) for p in range(k * block, (k + 1) * block)
+    ]
+    continuations = [
+        (await engine.generate(ids, max_new_tokens=args.max_new_tokens, use_cache=False)).token_ids
+        for ids in prompts
+    ]
+    return Evaluation(every[evaluated], targets(text, args, block), continuations, 0)
+
+
+async def from_store(
+    engine: Engine, text: list[int], prompts: list[list[int]], args: argparse.Namespace
+) -> Evaluation:
+    """The same positions and prompts with the prefix KV swapped in from the store."""
+    block = engine.config.block_tokens
     logits, cached = [], 0
     with ProgressReporter(f"accuracy {engine.layout.stored_format}", args.num_windows) as progress:
         for k in range(1, args.num_windows + 1):
@@ -118,22 +151,16 @@ async def evaluate(
         )
         cached += generation.prefill.num_cached_tokens
         continuations.append(generation.token_ids)
-    targets = torch.tensor(
-        [
-            t
-            for k in range(1, args.num_windows + 1)
-            for t in text[k * block + 1 : (k + 1) * block + 1]
-        ]
-    )
-    return Evaluation(torch.cat(logits), targets, continuations, cached)
+    return Evaluation(torch.cat(logits), targets(text, args, block), continuations, cached)
 
 
 async def window_logits(engine: Engine, ids: list[int], k: int) -> tuple[torch.Tensor, int]:
     """Logits at positions ``k*T .. (k+1)*T - 1`` of ``ids`` (T = block_tokens): blocks
     ``0..k-1`` swapped in from the store, the rest computed; (logits [T, vocab], cached)."""
     block = engine.config.block_tokens
-    prompt = ids[: k * block + 1]
-    result = await engine.prefill(prompt, tenant=TENANT, write_back=False, reserve_tokens=block - 1)
+    result = await engine.prefill(
+        ids[: k * block + 1], tenant=TENANT, write_back=False, reserve_tokens=block - 1
+    )
     try:
         rest = torch.tensor(ids[k * block + 1 : (k + 1) * block], dtype=torch.long)
         hidden = await asyncio.to_thread(
@@ -143,6 +170,17 @@ async def window_logits(engine: Engine, ids: list[int], k: int) -> tuple[torch.T
     finally:
         engine.release(result.sequence)
     return logits.float(), result.num_cached_tokens
+
+
+def targets(text: list[int], args: argparse.Namespace, block: int) -> torch.Tensor:
+    """The next token of each evaluated position: windows 1 .. num_windows."""
+    return torch.tensor(
+        [
+            t
+            for k in range(1, args.num_windows + 1)
+            for t in text[k * block + 1 : (k + 1) * block + 1]
+        ]
+    )
 
 
 def compare(
@@ -182,12 +220,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     records = []
     with bench_cluster(args) as (cluster_toml, _):
-        reference = await run_one(loaded, config, cluster_toml, args)
         for name in args.formats:
             started = time.perf_counter()
-            other = await run_one(loaded, config, cluster_toml, args, name)
+            quantised = dataclasses.replace(config, kv_format=name)
+            full, other = await run_one(loaded, quantised, cluster_toml, args)
             layout = KVBlockLayout.for_model(loaded.model.config, block, "float32", name)
-            records.append(compare(reference, other, layout, time.perf_counter() - started))
+            records.append(compare(full, other, layout, time.perf_counter() - started))
     return {
         "config": {
             "model": args.model,
@@ -205,20 +243,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_one(
-    loaded: LoadedModel,
-    config: EngineConfig,
-    cluster_toml: Path,
-    args: argparse.Namespace,
-    kv_format: str = "dtype",
-) -> Evaluation:
-    """One engine storing ``kv_format`` blocks: its logits and continuations."""
-    engine = Engine(loaded, dataclasses.replace(config, kv_format=kv_format))
+    loaded: LoadedModel, config: EngineConfig, cluster_toml: Path, args: argparse.Namespace
+) -> tuple[Evaluation, Evaluation]:
+    """(the full-precision reference, the same with ``config.kv_format`` blocks from the
+    store) on one engine."""
+    engine = Engine(loaded, config)
     engine.open_store(cluster_toml)
     try:
         block = config.block_tokens
         text = fixed_text_ids(engine, (args.num_windows + 1) * block + 1)
         prompts = greedy_prompts(text, args.num_prompts, block, args.num_windows)
-        return await evaluate(engine, text, prompts, args)
+        full = await reference(engine, text, prompts, args)
+        return full, await from_store(engine, text, prompts, args)
     finally:
         await engine.close()
 
