@@ -59,10 +59,13 @@ def test_non_finite_values_give_a_nan_scale_and_the_block_is_refused():
     kv = torch.ones(layout.shape)
     good = torch.empty(layout.num_layers, layout.layer_bytes, dtype=torch.uint8)
     kv_format.encode_block(kv, good)
-    kv[1, 0, 0, 2, 5] = float("inf")
+    kv[1, 0, 0, 2, 5] = float("-inf")
     bad = torch.empty_like(good)
     kv_format.encode_block(kv, bad)
     assert kv_format.num_valid_blocks([good, good, bad, good], layout.part_shape) == 2
+    kv[1, 0, 0, 2, 5], kv[0, 0, 0, 1, 20] = 1.0, float("nan")
+    kv_format.encode_block(kv, bad)
+    assert kv_format.num_valid_blocks([good, bad], layout.part_shape) == 1, "NaN got a scale"
 
 
 def test_stored_bytes_are_at_most_0_5625_of_bf16():
