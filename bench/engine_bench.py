@@ -67,7 +67,7 @@ from rich.table import Table
 
 from bench.limits import copy_limits
 from deploy.local_cluster import LocalCluster
-from engine_adapter.config import EngineConfig, add_store_transport_argument
+from engine_adapter.config import EngineConfig, add_kv_format_argument, add_store_transport_argument
 from engine_adapter.engine import Engine, PrefillResult, Sequence
 from engine_adapter.loader import load_model
 from kvstore.cli.progress import ProgressReporter
@@ -109,6 +109,8 @@ class Row:
     ttft_cold_spread: float = 0.0
     ttft_spread: float = 0.0
     front_compute_s: float = 0.0  # blocks computed from the front while the fetch ran
+    kv_format: str = ""  # what the store holds: the compute dtype, or e4m3x16
+    kv_bytes_per_token: int = 0  # stored bytes of one token's KV, all layers
 
 
 @dataclass
@@ -241,6 +243,8 @@ def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine:
         ttft_cold_spread=_spread([r.ttft_s for r in cold]),
         ttft_spread=_spread([r.ttft_s for r in cached]),
         front_compute_s=front_compute_s,
+        kv_format=engine.layout.stored_format,
+        kv_bytes_per_token=engine.layout.bytes_per_token,
     )
 
 
@@ -332,6 +336,7 @@ def engine_config(args: argparse.Namespace, max_model_len: int, num_fractions: i
         prefill_chunk_tokens=args.chunk_tokens or (512 if cuda else args.block_tokens),
         device=args.device,
         dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+        kv_format=args.kv_format,
         max_num_seqs=num_fractions + 2,  # the held prefixes, a prefill and a spare
         max_model_len=max_model_len,
         fetch_policy=args.fetch_policy,
@@ -389,7 +394,8 @@ def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         "block_tokens": engine.config.block_tokens,
         "prefill_chunk_tokens": engine.config.prefill_chunk_tokens,
         "block_bytes": engine.layout.block_bytes,
-        "kv_bytes_per_token": cfg.kv_bytes_per_token(engine.config.dtype),
+        "kv_format": engine.layout.stored_format,
+        "kv_bytes_per_token": engine.layout.bytes_per_token,
         "fetch_policy": engine.config.fetch_policy,
         "store_transport": engine.config.store_transport,
         "store_transport_used": engine.connector.transport_used() if engine.connector else "",
@@ -422,6 +428,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)",
     )
+    add_kv_format_argument(parser)
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:

@@ -61,7 +61,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="or the engine's own figure for a model it loads: default, random:1b, a .gguf "
         "file or a safetensors folder (needs the engine extra)",
     )
-    model.add_argument("--kv-dtype", default="bfloat16", help="KV dtype for --model")
+    model.add_argument(
+        "--kv-dtype",
+        default="bfloat16",
+        help="stored KV format for --model: bfloat16, float16, float32 or e4m3x16 (FP8 with a "
+        "scale per 16 values: 0.53x bfloat16's bytes)",
+    )
     tier = parser.add_argument_group("the tier (flags win over --cluster)")
     tier.add_argument("--cluster", type=Path, help="cluster.toml: k+m, read fanout, expiry "
                       "window, watermarks")  # fmt: skip

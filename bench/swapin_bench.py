@@ -6,6 +6,7 @@
         [--model random:135m] [--block-tokens 64] [--dtype float32|bfloat16]
         [--num-blocks 64] [--concurrency 128] [--chunk-blocks 32] [--rounds 5]
         [--device cpu|cuda[:N]] [--timeline-png PATH]
+        [--kv-format dtype|e4m3x16|dtype,e4m3x16]
         [--nodes 12] [--no-fsync]
 
 It measures the engine's own fetch path, with no model forward around it. Per transport one
@@ -43,6 +44,15 @@ transport is ``auto``: the local channel to this host's nodes.
 - ``limits``: the same bytes in the same run, copied from a pinned host buffer to the device
   (``pinned_h2d_gb_per_s``, CUDA) and by one host memcpy (``host_copy_gb_per_s``): the
   ceilings the fetch is measured against.
+- ``kv_format``: what the blocks hold (the compute dtype, or e4m3x16: FP8 with a scale per 16
+  values, dequantised into the cache by the swap-in); ``kv_bytes_per_token``: stored bytes of
+  one token's KV; ``tokens_per_s``: tokens through to the paged KV cache per second, median
+  over rounds (the figure that compares formats). ``--kv-format`` takes a comma-separated
+  list, measured interleaved in one run; a list without ``dtype`` gets it added as the
+  baseline, and each e4m3x16 record's ``tokens_per_s_vs_dtype`` is its ratio to it. An
+  e4m3x16 run stores seeded normal KV values, quantised (random bytes would hold NaN scales).
+- ``codec`` (with e4m3x16): this process's CPU seconds to quantise and to dequantise the
+  bench's blocks as bf16 KV on ``--device``, per GB of bf16 KV (medians of ``--rounds``).
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
@@ -84,8 +94,8 @@ from bench.common import bench_cluster, percentile_ms, process_cpu_s, transport_
 from bench.limits import copy_limits
 from client import KVClient
 from client.read_timeline import CLIENT, ReadTimeline
-from engine_adapter import weights
-from engine_adapter.config import STORE_TRANSPORTS, EngineConfig
+from engine_adapter import kv_format, weights
+from engine_adapter.config import KV_FORMATS, STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome, StoreConnector
 from engine_adapter.kv_layout import KVBlockLayout
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
@@ -128,6 +138,10 @@ class Record:
     transport_used: str = ""  # what answered most node requests: local, ucx or grpc
     # The median round's fetch, span by span (client/read_timeline.py): lane, what, ms.
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    kv_format: str = ""  # what the blocks hold: the compute dtype, or e4m3x16
+    kv_bytes_per_token: int = 0  # stored bytes of one token's KV, all layers
+    tokens_per_s: float = 0.0  # tokens through to the paged KV cache, median over rounds
+    tokens_per_s_vs_dtype: float = 0.0  # e4m3x16: tokens_per_s over the dtype record's
 
 
 @dataclass
@@ -179,6 +193,7 @@ class Bench:
             prefill_chunk_tokens=self.layout.block_tokens,
             device=self.args.device,
             dtype=self.layout.dtype,
+            kv_format=self.layout.kv_format,
             max_num_seqs=1,
             fetch_policy="always",
             fetch_deadline_s=self.args.deadline_s,
@@ -208,8 +223,7 @@ class Bench:
     async def _write_blocks(self, kv: KVClient) -> None:
         keys = self.keys()
         gate = asyncio.Semaphore(PUT_CONCURRENCY)
-        rng = np.random.default_rng(self.args.seed)
-        blocks = [rng.bytes(self.layout.block_bytes) for _ in keys]
+        blocks = self._blocks(len(keys))
         self.digests = [xxhash.xxh3_128_digest(block) for block in blocks]
 
         async def put(key: bytes, block: bytes) -> None:
@@ -217,6 +231,19 @@ class Bench:
                 await kv.put(key, block, traffic_class="chat")
 
         await asyncio.gather(*(put(k, b) for k, b in zip(keys, blocks, strict=True)))
+
+    def _blocks(self, num_blocks: int) -> list[bytes]:
+        """Seeded block contents: random bytes, or e4m3x16 blocks of normal KV values."""
+        if not self.layout.quantized:
+            rng = np.random.default_rng(self.args.seed)
+            return [rng.bytes(self.layout.block_bytes) for _ in range(num_blocks)]
+        generator = torch.Generator().manual_seed(self.args.seed)
+        out = torch.empty(self.layout.num_layers, self.layout.layer_bytes, dtype=torch.uint8)
+        blocks = []
+        for _ in range(num_blocks):
+            kv_format.encode_block(torch.randn(self.layout.shape, generator=generator), out)
+            blocks.append(out.numpy().tobytes())
+        return blocks
 
     def keys(self) -> list[bytes]:
         return self.runners[0].connector.keys(self.token_ids, self.tenant)
@@ -287,8 +314,15 @@ class Bench:
             self.cache.save_block(self.table.block_ids[index], self._check)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            cached = self._check.view(torch.uint8).numpy()
-            cache_ok = xxhash.xxh3_128_digest(cached) == self.digests[index]
+            if self.layout.quantized:  # the cache holds the dequantised block
+                values, scales = kv_format.split_layer(
+                    outcome.slots[index].block, self.layout.part_shape
+                )
+                want = kv_format.dequantize(values, scales, torch.empty_like(self._check))
+                cache_ok = torch.equal(self._check, want)
+            else:
+                cached = self._check.view(torch.uint8).numpy()
+                cache_ok = xxhash.xxh3_128_digest(cached) == self.digests[index]
             runner.num_verified += 1
             runner.num_mismatched += not (host_ok and cache_ok)
 
@@ -321,6 +355,10 @@ def make_record(bench: Bench, runner: Runner) -> Record:
     after = ucx_counters(runner.kv)
     local_after = ucx_counters(runner.kv, "local")
     fetched_gb = sum(runner.fetched_bytes) / GB
+    tokens = [
+        b / layout.block_bytes * layout.block_tokens / s
+        for b, s in zip(runner.fetched_bytes, runner.cache_s, strict=True)
+    ]
     return Record(
         transport=runner.transport,
         device=str(bench.device),
@@ -350,6 +388,9 @@ def make_record(bench: Bench, runner: Runner) -> Record:
         },
         transport_used=transport_used(runner.kv),
         timeline=median_timeline(runner),
+        kv_format=layout.stored_format,
+        kv_bytes_per_token=layout.bytes_per_token,
+        tokens_per_s=statistics.median(tokens),
     )
 
 
@@ -367,7 +408,7 @@ def transport_used(kv: KVClient) -> str:
     return max(counts, key=lambda name: counts[name])
 
 
-def layout_for(args: argparse.Namespace) -> KVBlockLayout:
+def layout_for(args: argparse.Namespace, kv_format_name: str = "dtype") -> KVBlockLayout:
     if not args.model.startswith("random:"):
         raise InvalidArgument(
             f"--model {args.model!r}: give a random:<size> preset; only its KV layout matters "
@@ -375,23 +416,30 @@ def layout_for(args: argparse.Namespace) -> KVBlockLayout:
         )
     cfg = weights.random_config(args.model.removeprefix("random:"))
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return KVBlockLayout.for_model(cfg, args.block_tokens, dtype)
+    return KVBlockLayout.for_model(cfg, args.block_tokens, dtype, kv_format_name)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    layout = layout_for(args)
-    swapin = Bench(args, layout)
+    formats = kv_formats(args.kv_format)
+    benches = [Bench(args, layout_for(args, name)) for name in formats]
+    layout = benches[0].layout  # the first format's, for the limits and the config
     load_before = os.getloadavg()[0]
     with bench_cluster(args) as (cluster_toml, cluster):
-        if cluster is not None:
-            swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
         try:
-            await swapin.open(cluster_toml)
-            swapin.nodes_idle_cpu_cores = await nodes_idle_cpu_cores(swapin.node_pids)
-            await measure(swapin)
-            records = [make_record(swapin, runner) for runner in swapin.runners]
+            for swapin in benches:
+                if cluster is not None:
+                    swapin.node_pids = [proc.pid for proc in cluster.procs.values()]
+                await swapin.open(cluster_toml)
+            nodes_idle_cpu = await nodes_idle_cpu_cores(benches[0].node_pids)
+            for swapin in benches:
+                swapin.nodes_idle_cpu_cores = nodes_idle_cpu
+            await measure(benches)
+            records = [make_record(b, runner) for b in benches for runner in b.runners]
         finally:
-            await swapin.close()
+            for swapin in benches:
+                await swapin.close()
+    compare_formats(records)
+    codec = [codec_cpu_s_per_gb(b.layout, args) for b in benches if b.layout.quantized]
     num_bytes = args.num_blocks * layout.block_bytes
     return {
         "limits": copy_limits(num_bytes, torch.device(args.device), args.rounds),
@@ -401,6 +449,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "block_bytes": layout.block_bytes,
             "device": args.device,
             "dtype": layout.dtype,
+            "kv_formats": [b.layout.stored_format for b in benches],
             "num_blocks": args.num_blocks,
             "concurrency": args.concurrency,
             "rounds": args.rounds,
@@ -411,7 +460,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
         },
         "results": [asdict(record) for record in records],
-        "notes": swapin.notes,
+        "notes": [note for b in benches for note in b.notes],
+        "codec": codec[0] if codec else {},
     }
 
 
@@ -424,27 +474,77 @@ async def nodes_idle_cpu_cores(pids: list[int], seconds: float = 1.0) -> float:
     return round((sum(process_cpu_s(pid) for pid in pids) - before_s) / seconds, 3)
 
 
-async def measure(bench: Bench) -> None:
-    """A warm-up fetch per transport, then rounds with the order alternating (A B, B A, ...)."""
-    runners = bench.runners
-    for runner in runners:
+def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[str, float]:
+    """CPU seconds (this process, every thread) to quantise, and to dequantise, the bench's
+    blocks as bf16 KV on ``--device``, per GB of that bf16 KV: medians of ``--rounds``."""
+    device = torch.device(args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.num_blocks, *layout.shape)  # [n, L, P, H, T, D]
+    kv = torch.randn(shape, generator=generator).to(device, torch.bfloat16)
+    out = torch.empty_like(kv)
+    gb = kv.numel() * 2 / GB
+    quantize_s, dequantize_s = [], []
+    for _ in range(args.rounds + 1):  # the first is a warm-up
+        started = time.process_time()
+        values, scales = kv_format.quantize(kv)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        quantized = time.process_time()
+        kv_format.dequantize(values, scales, out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        quantize_s.append(quantized - started)
+        dequantize_s.append(time.process_time() - quantized)
+    quantize, dequantize = statistics.median(quantize_s[1:]), statistics.median(dequantize_s[1:])
+    return {
+        "bf16_gb": gb,
+        "quantize_cpu_s_per_gb": quantize / gb,
+        "dequantize_cpu_s_per_gb": dequantize / gb,
+        "cpu_s_per_gb": (quantize + dequantize) / gb,
+    }
+
+
+def kv_formats(text: str) -> list[str]:
+    """``--kv-format``'s list, with the dtype baseline first (added when missing)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in KV_FORMATS:
+            raise InvalidArgument(f"--kv-format {name!r}: choose from {KV_FORMATS}")
+    return ["dtype", *(name for name in dict.fromkeys(names) if name != "dtype")]
+
+
+def compare_formats(records: list[Record]) -> None:
+    """Each quantised record's tokens/s over the dtype record's of the same transport."""
+    baseline = {r.transport: r.tokens_per_s for r in records if r.kv_format != "e4m3x16"}
+    for record in records:
+        if record.kv_format == "e4m3x16" and baseline.get(record.transport):
+            record.tokens_per_s_vs_dtype = record.tokens_per_s / baseline[record.transport]
+
+
+async def measure(benches: list[Bench]) -> None:
+    """A warm-up fetch per transport and format, then rounds with the order alternating
+    (A B, B A, ...)."""
+    pairs = [(bench, runner) for bench in benches for runner in bench.runners]
+    for bench, runner in pairs:
         await bench.fetch(runner, "warm-up", measured=False)
         runner.ucx_before = ucx_counters(runner.kv)
         runner.local_before = ucx_counters(runner.kv, "local")
-    with ProgressReporter("swap-in", bench.args.rounds * len(runners)) as progress:
-        for round_index in range(bench.args.rounds):
-            order = runners if round_index % 2 == 0 else runners[::-1]
-            for runner in order:
+    rounds = benches[0].args.rounds
+    with ProgressReporter("swap-in", rounds * len(pairs)) as progress:
+        for round_index in range(rounds):
+            order = pairs if round_index % 2 == 0 else pairs[::-1]
+            for bench, runner in order:
                 await bench.fetch(runner, f"round {round_index}", measured=True)
                 progress.advance()
 
 
 def results_table(records: list[Record], title: str) -> Table:
     table = Table(title=title)
-    for name in ["transport", "device", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
+    for name in ["transport", "format", "block", "blocks", "conc", "host GB/s", "cache GB/s"]:
         table.add_column(name, justify="right")
     for name in ["p50 ms", "p99 ms", "gather/decode/wait ms", "CPU s/GB client/nodes (idle)"]:
         table.add_column(name, justify="right")
+    table.add_column("tokens/s (x dtype)", justify="right")
     table.add_column("verified", justify="right")
     table.add_column("UCX replies/shards/inline/fallback", justify="right")
     for r in records:
@@ -458,7 +558,7 @@ def results_table(records: list[Record], title: str) -> Table:
         )
         table.add_row(
             r.transport if r.transport != "auto" else f"auto ({r.transport_used})",
-            r.device,
+            r.kv_format,
             f"{r.block_bytes:,}",
             str(r.num_blocks),
             str(r.concurrency),
@@ -469,6 +569,8 @@ def results_table(records: list[Record], title: str) -> Table:
             stages,
             f"{r.client_cpu_s_per_gb:.2f}/{r.nodes_cpu_s_per_gb:.2f} "
             f"({r.nodes_idle_cpu_s_per_gb:.2f})",
+            f"{r.tokens_per_s:,.0f}"
+            + (f" ({r.tokens_per_s_vs_dtype:.2f}x)" if r.tokens_per_s_vs_dtype else ""),
             f"yes ({r.num_verified_blocks})" if r.bytes_verified else "NO",
             shards if r.ucx_counters is not None else "-",
         )
@@ -505,6 +607,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", default=None, help="KV dtype (default: float32 on CPU, bfloat16 on CUDA)"
+    )
+    parser.add_argument(
+        "--kv-format",
+        default="dtype",
+        help="stored block formats, comma-separated: dtype (raw values of --dtype), e4m3x16 "
+        "(FP8 with an e8m0 scale per 16 values); dtype is always measured as the baseline",
     )
     parser.add_argument("--num-blocks", type=_positive, default=64, help="blocks per fetch")
     parser.add_argument(
@@ -544,6 +652,12 @@ def run(args: argparse.Namespace) -> int:
     print_fitted(results_table(records, title), console)
     limits = ", ".join(f"{name} {value:.2f}" for name, value in report["limits"].items())
     console.print(f"limits, the same bytes in this run: {limits}")
+    if report["codec"]:
+        codec = report["codec"]
+        console.print(
+            f"e4m3x16 codec, bf16 KV: quantise {codec['quantize_cpu_s_per_gb']:.3f} + dequantise "
+            f"{codec['dequantize_cpu_s_per_gb']:.3f} = {codec['cpu_s_per_gb']:.3f} CPU-s per GB"
+        )
     for note in report["notes"]:
         console.print(f"note: {note}")
     if args.json:

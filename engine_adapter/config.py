@@ -22,6 +22,18 @@ BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
 ATTENTIONS = ("gqa", "mla")  # Llama-style grouped-query attention; DeepSeek's latent attention
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
 STORE_TRANSPORTS = READ_TRANSPORTS  # KVClient.connect's transports
+KV_FORMATS = ("dtype", "e4m3x16")  # how stored KV blocks encode values (kv_format.py)
+
+
+def add_kv_format_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-format``: how the engine's KV blocks are stored (EngineConfig.kv_format)."""
+    parser.add_argument(
+        "--kv-format",
+        choices=KV_FORMATS,
+        default="dtype",
+        help="stored KV blocks: dtype = raw values of the compute dtype (default), e4m3x16 = "
+        "FP8 e4m3 with one e8m0 scale per 16 values (0.53x bf16's bytes; docs/engine.md)",
+    )
 
 
 def add_store_transport_argument(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +122,11 @@ class ModelConfig:
         return self.kv_lora_rank + self.head_dim
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        """Bytes of the KV cache, all layers, for one token stored in ``dtype``."""
+        """Bytes of the KV cache, all layers, for one token stored in ``dtype``, or in
+        ``e4m3x16`` (a byte per value and one scale byte per 16 values: kv_format.py)."""
         per_layer = self.latent_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
+        if dtype == "e4m3x16":
+            return self.num_layers * (per_layer + per_layer // 16)
         return self.num_layers * per_layer * BYTES_PER_DTYPE[dtype]
 
     def num_params(self) -> int:
@@ -191,6 +206,9 @@ class EngineConfig:
     prefill_chunk_tokens: int = 64
     device: str = "cpu"
     dtype: str = "float32"
+    # How stored KV blocks encode the values: "dtype" (raw values of ``dtype``) or "e4m3x16"
+    # (FP8 with one power-of-two scale per 16 values, 0.53 of bf16's bytes: kv_format.py)
+    kv_format: str = "dtype"
     max_num_seqs: int = 2  # sequences that can hold KV at once (sizes the block pool)
     max_model_len: int = 0  # longest sequence in tokens; 0 = the model's context length
     traffic_class: str = "chat"  # default class of writes; a request may name its own
@@ -221,6 +239,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be > 0")
         if self.dtype not in BYTES_PER_DTYPE:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {sorted(BYTES_PER_DTYPE)}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format {self.kv_format!r}: choose one of {KV_FORMATS}")
         if self.max_num_seqs <= 0 or self.max_model_len < 0:
             raise ValueError("max_num_seqs must be > 0 and max_model_len >= 0")
         if self.fetch_policy not in ("cost", "always"):

@@ -47,10 +47,11 @@ from client.readiness import Readiness
 from engine_adapter.config import EngineConfig
 from engine_adapter.cost_model import FetchCostModel, FetchPlan
 from engine_adapter.host_buffers import HostBlockPool, HostSlot
+from engine_adapter.kv_format import num_valid_blocks, save_block
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.swap_in import SwapIn
 from kvstore.config import ClusterConfig
-from kvstore.errors import ERRORS, QuorumError
+from kvstore.errors import ERRORS, InvalidArgument, QuorumError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class ConnectorStats:
     num_written_blocks: int = 0
     num_write_errors: int = 0
     num_write_skipped: int = 0  # no free write slot
+    # blocks refused after they arrived: the wrong size for the key, or (e4m3x16) a NaN scale
+    num_bad_blocks: int = 0
 
 
 @dataclass
@@ -83,7 +86,8 @@ class FetchOutcome:
     lookup_s: float  # 0: the fetch is the lookup (kept for the benchmarks' columns)
     fetch_s: float
     # Why fewer blocks than usable were used: "cost" (the plan computes some, or all),
-    # "deadline", "miss" (the store lacked one), "error" or "no_buffer"; None otherwise.
+    # "deadline", "miss" (the store lacked one), "error", "bad_block" (the wrong size for
+    # its key, or a NaN scale: never placed in the cache) or "no_buffer"; None otherwise.
     fallback: str | None
     slots: list[HostSlot] = field(default_factory=list)
     # land_batch time of the chunk each arrived block came in, not counting the wait for
@@ -189,6 +193,9 @@ class StoreConnector:
         num_arrived, num_landed, reason, block_fetch_s = await self._fetch(
             keys[first:], slots, swap_in, tenant, plan.deadline_s
         )
+        num_valid = self._num_valid(host_blocks[:num_arrived])
+        if num_valid < num_arrived:
+            num_arrived, reason = num_valid, "bad_block"
         fetch_s = time.perf_counter() - started
         if reason is None and len(slots) < plan.num_blocks:
             reason = "no_buffer"
@@ -258,6 +265,14 @@ class StoreConnector:
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(kv.close() for kv in clients), return_exceptions=True)
         self.fetch_buffers.close()
+
+    def _num_valid(self, blocks: list[torch.Tensor]) -> int:
+        """Leading arrived blocks that may enter the cache (e4m3x16: no NaN scale)."""
+        if not self.layout.quantized or not blocks:
+            return len(blocks)
+        num_valid = num_valid_blocks(blocks, self.layout.part_shape)
+        self.stats.num_bad_blocks += num_valid < len(blocks)
+        return num_valid
 
     def _whole_chunks(self, num_blocks: int) -> int:
         per_chunk = self.config.blocks_per_chunk
@@ -331,7 +346,9 @@ class StoreConnector:
         deadline_passed = bool(pending) or time.perf_counter() >= deadline
         starts = [start for start, _ in spans]
         num_arrived, reason = _leading_run(tasks, starts, deadline_passed)
-        if reason == "error":
+        if reason == "bad_block":
+            self.stats.num_bad_blocks += 1
+        elif reason == "error":
             self.stats.num_lookup_errors += 1
         return num_arrived, len(block_fetch_s), reason, block_fetch_s
 
@@ -369,7 +386,7 @@ class StoreConnector:
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             for index, slot in zip(indexes, slots, strict=True):
-                self.cache.save_block(table.block_ids[index], slot.block)
+                save_block(self.cache, table.block_ids[index], slot.block)
         if stream is not None:
             stream.synchronize()
 
@@ -405,6 +422,9 @@ def _leading_run(
         if task.cancelled():
             return start, "deadline"
         error = task.exception()
+        if isinstance(error, InvalidArgument):  # a stored block of the wrong size for its key
+            log.warning("a cached KV block is malformed, computing instead: %s", error)
+            return start, "bad_block"
         if error is not None:
             log.warning("fetching cached KV blocks failed, computing instead", exc_info=error)
             return start, "error"

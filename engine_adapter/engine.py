@@ -101,7 +101,9 @@ class Engine:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         cfg = self.model.config
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.layout = KVBlockLayout.for_model(cfg, config.block_tokens, config.dtype)
+        self.layout = KVBlockLayout.for_model(
+            cfg, config.block_tokens, config.dtype, config.kv_format
+        )
         self.namespace = self.layout.namespace(loaded.fingerprint)
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_tokens)
         num_blocks = config.max_num_seqs * self.max_blocks_per_seq

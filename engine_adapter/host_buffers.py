@@ -41,7 +41,9 @@ class HostSlot:
 
     def __init__(self, slot: BufferSlot, block: torch.Tensor) -> None:
         self.slot = slot
-        self.block = block  # the same bytes as view, shape layout.shape, dtype layout.dtype
+        # the same bytes as view: shape layout.shape, dtype layout.dtype; or for e4m3x16
+        # uint8 [num_layers, layer_bytes]
+        self.block = block
         self.released = False
 
     @property
@@ -112,6 +114,8 @@ class HostBlockPool:
 
     def _block(self, slot: BufferSlot) -> torch.Tensor:
         raw = self._memory[slot.offset : slot.offset + self.layout.block_bytes]
+        if self.layout.quantized:  # e4m3x16 bytes, one row per layer (kv_format.py)
+            return raw.view(self.layout.num_layers, self.layout.layer_bytes)
         return raw.view(getattr(torch, self.layout.dtype)).view(self.layout.shape)
 
 

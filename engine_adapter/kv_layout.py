@@ -26,15 +26,22 @@ The store's checksums guard the bytes; the *meaning* of the bytes is guarded by 
 namespace given to ``block_keys``: it names the model fingerprint, this layout's version and
 shape, the dtype and the block size, so a different model, layout, dtype or block size can
 never hit another's blocks. Pure code, no torch.
+
+``kv_format`` says how the values are encoded: ``dtype`` (raw values of ``dtype``, above) or
+``e4m3x16`` (FP8 values with one e8m0 scale per 16, still layer-major: ``kv_format.py`` has
+its diagram). The format is part of the namespace, so a block stored in one format is never
+read as the other; an e4m3x16 block means the same to an fp32 engine as to a bf16 one, so
+their namespaces agree (the compute dtype is left out of an e4m3x16 namespace).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_adapter.config import BYTES_PER_DTYPE, ModelConfig
+from engine_adapter.config import BYTES_PER_DTYPE, KV_FORMATS, ModelConfig
 
 LAYOUT_VERSION = "kv-layer-major-v1"
+E4M3X16_GROUP_VALUES = 16
 MLA_LAYOUT_VERSION = "mla-latent-layer-major-v1"
 
 
@@ -48,6 +55,7 @@ class KVBlockLayout:
     block_tokens: int
     dtype: str
     latent: bool = False  # MLA: one latent per token and layer instead of per-head K and V
+    kv_format: str = "dtype"  # how a stored block encodes the values (see the module doc)
 
     def __post_init__(self) -> None:
         if self.dtype not in BYTES_PER_DTYPE:
@@ -56,12 +64,40 @@ class KVBlockLayout:
             raise ValueError(f"every KV layout dimension must be > 0, got {self}")
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"an MLA latent has no heads: num_kv_heads must be 1, got {self}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"KV format {self.kv_format!r}: choose one of {KV_FORMATS}")
+        if self.quantized and self.head_dim % E4M3X16_GROUP_VALUES:
+            raise ValueError(
+                f"e4m3x16 scales 16 values along the head dimension: head_dim={self.head_dim} "
+                "is not a multiple of 16; use kv_format='dtype' for this model"
+            )
 
     @classmethod
-    def for_model(cls, model: ModelConfig, block_tokens: int, dtype: str) -> KVBlockLayout:
+    def for_model(
+        cls, model: ModelConfig, block_tokens: int, dtype: str, kv_format: str = "dtype"
+    ) -> KVBlockLayout:
         if model.is_mla:
-            return cls(model.num_layers, 1, model.latent_dim, block_tokens, dtype, latent=True)
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, block_tokens, dtype)
+            return cls(model.num_layers, 1, model.latent_dim, block_tokens, dtype, True, kv_format)
+        return cls(
+            model.num_layers, model.num_kv_heads, model.head_dim, block_tokens, dtype,
+            kv_format=kv_format,
+        )  # fmt: skip
+
+    @property
+    def quantized(self) -> bool:
+        """Stored as e4m3x16 (FP8 values and scales) rather than raw ``dtype`` values."""
+        return self.kv_format == "e4m3x16"
+
+    @property
+    def stored_format(self) -> str:
+        """What a stored block holds: the compute dtype's name, or ``e4m3x16``."""
+        return self.kv_format if self.quantized else self.dtype
+
+    @property
+    def part_shape(self) -> tuple[int, int, int, int]:
+        """One layer of one block: ``(num_parts, num_kv_heads, block_tokens, head_dim)``."""
+        _, parts, heads, tokens, dim = self.shape
+        return (parts, heads, tokens, dim)
 
     @property
     def num_parts(self) -> int:
@@ -86,17 +122,25 @@ class KVBlockLayout:
 
     @property
     def block_bytes(self) -> int:
+        if self.quantized:  # one byte per value, one per 16 values
+            return self.num_elements + self.num_elements // E4M3X16_GROUP_VALUES
         return self.num_elements * BYTES_PER_DTYPE[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes of one token's KV, all layers (``kv_bytes_per_token`` in records)."""
+        return self.block_bytes // self.block_tokens
 
     @property
     def layer_bytes(self) -> int:
         return self.block_bytes // self.num_layers
 
     def namespace(self, model_fingerprint: str) -> str:
-        """The ``block_keys`` namespace: model, layout version and shape, dtype, block size."""
+        """The ``block_keys`` namespace: model, layout version and shape, stored format
+        (the dtype, or e4m3x16), block size."""
         shape = "x".join(str(n) for n in self.shape)
         version = MLA_LAYOUT_VERSION if self.latent else LAYOUT_VERSION
         return (
             f"kvstore-engine;model={model_fingerprint};layout={version}:{shape};"
-            f"dtype={self.dtype};block_tokens={self.block_tokens}"
+            f"dtype={self.stored_format};block_tokens={self.block_tokens}"
         )

@@ -59,13 +59,15 @@ def load_model(spec: str, device: str | torch.device, dtype: str, seed: int = 0)
 
 
 def kv_bytes_per_token(spec: str, dtype: str) -> float:
-    """KV bytes per token of the model ``spec`` names, in ``dtype`` (``kvstore plan --model``).
+    """KV bytes per token of the model ``spec`` names, stored in ``dtype`` or ``e4m3x16``
+    (``kvstore plan --model``).
 
     A ``random:`` preset is read from its shape, without allocating its weights."""
     if spec.startswith("random:"):
         config = weights.random_config(spec.removeprefix("random:"))
     else:
-        config = load_model(spec, "cpu", dtype).model.config
+        load_dtype = "float32" if dtype == "e4m3x16" else dtype  # the shape is what counts
+        config = load_model(spec, "cpu", load_dtype).model.config
     return float(config.kv_bytes_per_token(dtype))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from engine_adapter.kv_format import load_layer, load_layers
 from engine_adapter.paged_kv import PagedKVCache
 
 
@@ -28,7 +29,7 @@ class SwapIn:
     ) -> None:
         self.cache = cache
         self.block_ids = block_ids  # pool blocks receiving the fetched blocks, in order
-        self.host_blocks = host_blocks  # each shaped like kv_layout (layers, 2, heads, T, D)
+        self.host_blocks = host_blocks  # HostSlot.blocks: (layers, 2, heads, T, D), or bytes
         self.num_blocks = 0  # usable leading blocks, fixed by start()
         self._cuda = cache.kv.device.type == "cuda"
         self._loaded_layers: set[int] = set()
@@ -36,8 +37,9 @@ class SwapIn:
         if self._cuda and host_blocks:
             self._stream = torch.cuda.Stream(device=cache.kv.device)
             shape = (len(host_blocks), *host_blocks[0].shape)  # [n, layers, 2, Hkv, T, D]
+            dtype = host_blocks[0].dtype  # the cache's, or uint8 for e4m3x16 bytes
             with torch.cuda.stream(self._stream):  # staging memory belongs to the side stream
-                self._staging = torch.empty(shape, dtype=cache.kv.dtype, device=cache.kv.device)
+                self._staging = torch.empty(shape, dtype=dtype, device=cache.kv.device)
 
     def block_arrived(self, index: int) -> None:
         """Block ``index`` is complete in its host slot: start its H2D copy (CUDA only)."""
@@ -56,7 +58,7 @@ class SwapIn:
         ids = self.block_ids[:num_blocks]
         with torch.cuda.stream(self._stream):
             for layer in range(self.cache.layout.num_layers):
-                self.cache.load_layer(layer, ids, self._staging[:num_blocks])
+                load_layer(self.cache, layer, ids, self._staging[:num_blocks])
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 self._events.append(event)
@@ -68,6 +70,10 @@ class SwapIn:
         if self._cuda:
             torch.cuda.current_stream(self.cache.kv.device).wait_event(self._events[layer])
         elif layer not in self._loaded_layers:
-            ids = self.block_ids[: self.num_blocks]
-            self.cache.load_layer(layer, ids, self.host_blocks[: self.num_blocks])
+            ids, blocks = self.block_ids[: self.num_blocks], self.host_blocks[: self.num_blocks]
+            if self.cache.layout.quantized:  # nothing to overlap on CPU: one batch of ops
+                load_layers(self.cache, 0, self.cache.layout.num_layers, ids, blocks)
+                self._loaded_layers.update(range(self.cache.layout.num_layers))
+                return
+            load_layer(self.cache, layer, ids, blocks)
             self._loaded_layers.add(layer)

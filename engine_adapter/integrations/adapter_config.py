@@ -17,6 +17,9 @@ same everywhere::
                    local channel to this host's nodes, UCX or gRPC to the rest)
     model_id       names the model in the key namespace instead of the engine's model path
                    (set it when replicas load one model from different paths)
+    kv_format      "dtype" (default: the engine's KV bytes as they are, fp8 caches included)
+                   or "e4m3x16" (per-16 FP8, engine_adapter/kv_format.py); see
+                   :meth:`AdapterConfig.stored_kv_format` for where it applies
 
 No torch and no engine here: the adapters' own modules import their engine.
 """
@@ -46,7 +49,10 @@ _FIELD_OF_KEY = {
     "tls_key_file": "tls_key_file",
     "transport": "transport",
     "model_id": "model_id",
+    "kv_format": "kv_format",
 }
+KV_FORMATS = ("dtype", "e4m3x16")  # engine_adapter.config's (no torch here)
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "uint8")  # caches that are fp8 already
 ADAPTER_KEYS = frozenset(_FIELD_OF_KEY)
 PROBE_KEY = bytes(16)  # looked up once at connect: the nodes check the credential
 CREDENTIAL_GRACE_S = 3.0  # how long a refused credential is retried at connect
@@ -64,6 +70,7 @@ class AdapterConfig:
     tls_key_file: str | None = None
     transport: str = "auto"
     model_id: str | None = None
+    kv_format: str = "dtype"
     where: str = "the adapter config"  # names the engine's config in error messages
 
     def __post_init__(self) -> None:
@@ -76,10 +83,27 @@ class AdapterConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{self.where}: {name!r} must be a non-empty string")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(
+                f"{self.where}: kv_format {self.kv_format!r} is not one of {KV_FORMATS}"
+            )
         if self.transport not in READ_TRANSPORTS:
             raise ValueError(
                 f"{self.where}: transport {self.transport!r} is not one of {READ_TRANSPORTS}"
             )
+
+    def stored_kv_format(self, cache_dtype: str) -> str:
+        """What the adapter stores for an engine KV cache of ``cache_dtype``: an fp8 cache
+        (vLLM ``kv_cache_dtype=fp8_e4m3``) is stored as its bytes are, whatever kv_format
+        says (it is already about half of bf16); e4m3x16 of a bf16 cache is not wired into
+        the adapters' copy paths yet, so asking for it raises with the alternatives."""
+        if self.kv_format == "dtype" or cache_dtype in FP8_DTYPES:
+            return cache_dtype
+        raise ValueError(
+            f"{self.where}: kv_format 'e4m3x16' with a {cache_dtype} KV cache is not supported "
+            "by this adapter yet; run the engine with an fp8 KV cache (vLLM: "
+            "--kv-cache-dtype fp8_e4m3, stored as is) or leave kv_format at 'dtype'"
+        )
 
     @classmethod
     def from_mapping(

@@ -107,7 +107,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.namespace = EngineKeyNamespace(
             engine="sglang",
             model=self.store_config.model_id or config.model_name or "unnamed-model",
-            dtype=str(host.dtype).removeprefix("torch."),
+            dtype=self.store_config.stored_kv_format(str(host.dtype).removeprefix("torch.")),
             layout=f"sglang-{host.layout}-v1:{shape}:runs={len(self.parts)}",
             page_tokens=host.page_size,
             tp_rank=0 if replicated else config.tp_rank,

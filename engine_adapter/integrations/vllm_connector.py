@@ -307,6 +307,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             vllm_config, kv_cache_config, model
         )
         self.block_bytes = self.layer_page_bytes * len(self.layer_names)
+        self.store_config.stored_kv_format(self.slices[0].namespace.dtype)  # fp8: as is
         self.namespaces = list(dict.fromkeys(kv_slice.namespace for kv_slice in self.slices))
         self.stats = KVStoreConnectorStats()
         self.is_producer = self._kv_transfer_config.is_kv_producer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine_adapter.config import add_store_transport_argument
+from engine_adapter.config import add_kv_format_argument, add_store_transport_argument
 from kvstore.cli.args import duration_arg, list_arg
 
 DEFAULT_DRAIN_GRACE_S = 60.0
@@ -26,6 +26,7 @@ def add_worker_tuning_arguments(parser: argparse.ArgumentParser) -> None:
         "faster than computing them (cost)",
     )
     add_store_transport_argument(parser)
+    add_kv_format_argument(parser)
     parser.add_argument(
         "--calibration-tokens",
         type=list_arg(int),
@@ -57,4 +58,5 @@ def tuning_argv(args: argparse.Namespace) -> list[str]:
         *("--store-transport", args.store_transport, "--drain-grace-s", str(args.drain_grace_s)),
         *("--calibration-tokens", ",".join(map(str, args.calibration_tokens))),
         *("--prefill-step-budget-ms", str(args.prefill_step_budget_ms)),
+        *("--kv-format", args.kv_format),
     ]

@@ -69,6 +69,7 @@ def engine_config(
     seed: int,
     fetch_policy: str = "always",
     store_transport: str = "grpc",
+    kv_format: str = "dtype",
 ) -> EngineConfig:
     """One sequence at a time; prefill fetches by ``fetch_policy`` and writes back, decode
     always fetches (its KV must come from the store) and never writes.
@@ -90,6 +91,7 @@ def engine_config(
         ),
         write_back=is_prefill,
         store_transport=store_transport,
+        kv_format=kv_format,
         seed=seed,
     )
 
@@ -212,6 +214,7 @@ async def _load_engine(
         args.seed,
         args.fetch_policy,
         args.store_transport,
+        args.kv_format,
     )
     with _timed(stages_s, "load"):
         engine = await asyncio.to_thread(Engine.load, args.model, config)

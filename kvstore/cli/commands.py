@@ -83,6 +83,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "index"): ("bench.index_bench", "lmdb index bytes per shard entry"),
     ("bench", "engine"): ("bench.engine_bench", "engine time to first token, cold vs cached"),
     ("bench", "swapin"): ("bench.swapin_bench", "KV blocks into the engine's buffer pool, GB/s"),
+    ("bench", "accuracy"): (
+        "bench.accuracy_bench",
+        "what a stored KV format (e4m3x16) costs the real model's answers",
+    ),
     ("bench", "repair"): ("bench.repair_bench", "writes through a 2-node outage, then the heal"),
     ("bench", "map-moves"): (
         "bench.map_moves_bench",

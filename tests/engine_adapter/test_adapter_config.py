@@ -126,3 +126,15 @@ def test_connect_checks_the_credential_at_once(
             dataclasses.replace(acme, token_file=None).connect()
     with acme.connect() as kv:  # every node stopped: connects, looks up nothing
         assert kv.contains([bytes(16)]) == [False]
+
+
+def test_kv_format_stores_fp8_caches_as_they_are_and_refuses_what_is_not_wired():
+    config = AdapterConfig.from_mapping(
+        {"cluster": "/c/cluster.toml", "kv_format": "e4m3x16"}, where="test"
+    )
+    assert config.stored_kv_format("float8_e4m3fn") == "float8_e4m3fn", "fp8 bytes go as is"
+    assert AdapterConfig(cluster_toml="/c").stored_kv_format("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        config.stored_kv_format("bfloat16")
+    with pytest.raises(ValueError, match="kv_format"):
+        AdapterConfig(cluster_toml="/c", kv_format="nvfp4")

@@ -35,3 +35,4 @@ def test_bench_engine_writes_every_setting(tmp_path):
     assert rows[3]["cached_tokens"] == 224 and rows[3]["fetch_gb_per_s"] > 0
     assert rows[2]["cached_tokens"] == 0 and rows[2]["ideal_speedup"] == 1.0
     assert report["config"]["block_bytes"] == 4 * 2 * 2 * 16 * 32 * 4
+    assert all(r["kv_format"] == "float32" and r["kv_bytes_per_token"] > 0 for r in rows)

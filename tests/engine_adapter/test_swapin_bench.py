@@ -42,3 +42,22 @@ def test_bench_swapin_measures_every_transport_and_verifies_bytes(tmp_path):
         ucx = records["ucx"]["ucx_counters"]
         assert ucx is not None, "the connector did not pass store_transport='ucx' to its client"
         assert ucx.get("num_ucx_replies", 1) > 0, "no read was answered over UCX"
+
+
+def test_bench_swapin_e4m3x16_runs_beside_the_dtype_baseline(tmp_path):
+    out = tmp_path / "swapin.json"
+    argv = ["bench", "swapin", "--json", str(out), "--transport", "grpc", "--kv-format", "e4m3x16"]
+    argv += ["--model", "random:small", "--block-tokens", "16", "--num-blocks", "8"]
+    argv += ["--concurrency", "4", "--rounds", "2", "--no-fsync"]
+    assert main(argv) == 0, "a block came back wrong or missing"
+    report = json.loads(out.read_text())
+    records = {r["kv_format"]: r for r in report["results"]}
+    assert sorted(records) == ["e4m3x16", "float32"], "the dtype baseline must run beside it"
+    values = 4 * 2 * 2 * 16 * 32  # layers, K/V, heads, tokens, head_dim
+    assert records["e4m3x16"]["block_bytes"] == values * 17 // 16
+    for record in records.values():
+        assert record["bytes_verified"] and record["incomplete_fetches"] == []
+        assert record["tokens_per_s"] > 0
+        assert record["kv_bytes_per_token"] * 16 == record["block_bytes"]
+    assert records["e4m3x16"]["tokens_per_s_vs_dtype"] > 0
+    assert report["codec"]["cpu_s_per_gb"] > 0
