@@ -15,14 +15,17 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import Counter
 from typing import Any
 
 DROP_MAX_TOKENS = 32  # long enough that the hang-up lands mid-decode
 PROBE_TIMEOUT_S = 60.0
 
 
-async def _drop_after_first_token(client: Any, model: str, rng: random.Random) -> bool:
-    """One streamed request hung up 0-50 ms after its first token; True if it saw one."""
+async def _drop_after_first_token(client: Any, model: str, rng: random.Random) -> int | bool:
+    """One streamed request hung up 0-50 ms after its first token: True if it saw one, False
+    if it ended first, its HTTP status if refused (429 under serve's default queue limits:
+    run with ``--serve-args "--max-waiting-requests 0 --max-queue-wait-s 0"`` to drop them all)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"Tell me about item {rng.randrange(10**6)}."}],
@@ -31,7 +34,7 @@ async def _drop_after_first_token(client: Any, model: str, rng: random.Random) -
     }
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
-            return False
+            return response.status_code
         async for line in response.aiter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 await asyncio.sleep(rng.uniform(0.0, 0.05))
@@ -65,14 +68,18 @@ async def drops(
 
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
-    num_first_tokens, probes_s, wedges = 0, [], []
+    num_first_tokens, probes_s, wedges, refused = 0, [], [], Counter()
 
     async def one(client: httpx.AsyncClient) -> None:
         nonlocal num_first_tokens
         # A refused or broken connection is not a wedge: the probes decide.
         async with gate:
             with contextlib.suppress(httpx.HTTPError):
-                num_first_tokens += await _drop_after_first_token(client, model, rng)
+                outcome = await _drop_after_first_token(client, model, rng)
+                if outcome is True:
+                    num_first_tokens += 1
+                elif outcome is not False:
+                    refused[str(outcome)] += 1
 
     start_s = time.monotonic()
     async with httpx.AsyncClient(base_url=base_url, timeout=probe_timeout_s) as client:
@@ -88,6 +95,7 @@ async def drops(
         "tries": num_tries,
         "concurrency": concurrency,
         "dropped_after_first_token": num_first_tokens,
+        "refused_by_status": dict(refused),
         "probes": len(probes_s) + len(wedges),
         "wedges": len(wedges),
         "wedged_after_tries": wedges,
