@@ -34,6 +34,18 @@ Llama-3.2-1B's 128k context for 32k and 64k prompts):
   time counts against it. ``ideal_speedup = ttft_cold_s / (suffix_compute_s + fetch_s)`` and
   ``ratio_to_ideal`` are the older yardstick, which forgives the fetch time.
 - ``fetch_gb_per_s``: bytes swapped in / fetch time; ``compute_tokens_per_s``: L / cold TTFT.
+- The yardsticks (``bench/reference_prefill.py``), for GQA models: ``ttft_reference_cold_s``,
+  transformers' ``LlamaForCausalLM`` (SDPA, logits for the last position only) with our
+  weights, shape, dtype and device, timed cold in the same rounds as ours (median; every
+  run in ``ttft_reference_cold_s_runs``); ``speedup_vs_reference = ttft_reference_cold_s /
+  ttft_s``, what a user who would otherwise recompute sees. ``cold_tflops``: the prompt's
+  FLOPs (``prefill_flops``) over our cold TTFT, and ``cold_mfu``: that over the matrix
+  product rate measured at the start of the run (``config.matmul_tflops``: bf16 on GPU,
+  fp32 on CPU, the engine's dtype). ``suffix_tokens_per_s``: computed tokens / suffix
+  compute, beside ``reference_tokens_per_s``: L / reference cold TTFT.
+  ``break_even_gb_per_s``: KV bytes per token x reference tokens/s, the swap-in rate at
+  which fetching ties with the reference's recompute; the table prints it beside the
+  measured fetch rate.
 - Where a cached TTFT goes (medians): ``fetch_s`` (the fetch is the lookup: ``lookup_s`` is
   0), ``front_compute_s`` (blocks computed while it ran), ``compute_s`` (the forward pass of
   the rest, waiting for swapped-in layers included) and ``other_s`` (the remainder: key
