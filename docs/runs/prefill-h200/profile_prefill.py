@@ -4,7 +4,6 @@ with the torch profiler's top kernels of one 4k cold prefill and of a 2k suffix 
 14k cached prefix. Runs on the old code too (no ``exact_chunks``: its chunk-major loop)."""
 
 import asyncio
-import dataclasses
 import statistics
 import sys
 
@@ -18,16 +17,28 @@ from engine_adapter.loader import load_model
 
 label = sys.argv[1]
 loaded = load_model("random:1b", "cuda", "bfloat16", 0)
-modes = {"exact512": True, "whole": False} if hasattr(EngineConfig, "compute_chunk_tokens") else {"before512": None}
+modes = (
+    {"exact512": True, "whole": False}
+    if hasattr(EngineConfig, "compute_chunk_tokens")
+    else {"before512": None}
+)
 engines = {}
 for name, exact in modes.items():
-    kw = dict(block_tokens=64, prefill_chunk_tokens=512, device="cuda", dtype="bfloat16", max_num_seqs=3, max_model_len=16384)
+    kw = dict(
+        block_tokens=64,
+        prefill_chunk_tokens=512,
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=3,
+        max_model_len=16384,
+    )
     if exact is not None:
         kw["exact_chunks"] = exact
     engines[name] = Engine(loaded, EngineConfig(**kw))
 reference = None
 if label == "after":
     from bench.reference_prefill import ReferencePrefill, matmul_tflops, prefill_flops
+
     reference = ReferencePrefill(loaded.model)
     rate = matmul_tflops(torch.device("cuda"), torch.bfloat16)
     print(f"matmul bf16 TFLOP/s {rate:.0f}")
@@ -40,12 +51,15 @@ async def cold(engine, prompt):
 
 
 async def suffix(engine, prompt, num_prefix):
-    seeded = await engine.prefill(prompt[:num_prefix], use_cache=False, reserve_tokens=len(prompt) - num_prefix)
+    seeded = await engine.prefill(
+        prompt[:num_prefix], use_cache=False, reserve_tokens=len(prompt) - num_prefix
+    )
     seq = seeded.sequence
     torch.cuda.synchronize()
     times = []
     for _ in range(4):
         import time
+
         started = time.perf_counter()
         _, first = await engine.extend(seq, prompt[num_prefix:])
         times.append(time.perf_counter() - started)
@@ -71,12 +85,16 @@ for length in (4096, 16384):
         median = statistics.median(values[1:])
         extra = ""
         if reference:
-            extra = f" {prefill_flops(loaded.model.config, 0, length) / median / 1e12:.0f} TFLOP/s, MFU {prefill_flops(loaded.model.config, 0, length) / median / 1e12 / rate:.0%}"
-        print(f"{label} {length} cold {name}: {median * 1000:.1f} ms{extra} first={firsts[name]} runs={[round(v * 1000, 1) for v in values]}")
+            tflops = prefill_flops(loaded.model.config, 0, length) / median / 1e12
+            extra = f" {tflops:.0f} TFLOP/s, MFU {tflops / rate:.0%}"
+        ms = [round(v * 1000, 1) for v in values]
+        print(f"{label} {length} cold {name}: {median * 1000:.1f} ms{extra} {firsts[name]} {ms}")
     num_prefix = int(0.9 * length) // 512 * 512
     for name, engine in engines.items():
         s, first = asyncio.run(suffix(engine, prompt, num_prefix))
-        print(f"{label} {length} suffix {length - num_prefix} after {num_prefix} {name}: {s * 1000:.1f} ms, {(length - num_prefix) / s:.0f} tok/s first={first}")
+        n = length - num_prefix
+        print(f"{label} {length} suffix {n} after {num_prefix} {name}: {s * 1000:.1f} ms, ")
+        print(f"  {n / s:.0f} tok/s, first token {first}")
 
 for name, engine in engines.items():
     prompt = make_prompt(4096, loaded.model.config.vocab_size, 0)
@@ -84,10 +102,18 @@ for name, engine in engines.items():
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         asyncio.run(cold(engine, prompt))
     print(f"== {label} {name}: top kernels of one 4096-token cold prefill")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(
+        prof.key_averages().table(
+            sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
+        )
+    )
 if reference:
     prompt = make_prompt(4096, loaded.model.config.vocab_size, 0)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         reference(prompt)
     print(f"== {label} reference: top kernels of one 4096-token cold prefill")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(
+        prof.key_averages().table(
+            sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
+        )
+    )
