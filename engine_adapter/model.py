@@ -290,8 +290,8 @@ class LlamaModel(nn.Module):
         chunk's kernels on the chunk alone, so a chunk gives the same bits whether the
         tokens before it were fetched or computed. The loop is layer-major (every chunk of
         layer 0, then of layer 1 ...): one layer's weights stay in cache across its chunks,
-        where chunk-major order would stream all the weights once per chunk (on a CPU that
-        was 1.8x the time at 64-token chunks). 0 runs all the tokens through each layer at
+        where chunk-major order streamed all the weights once per chunk (64-token chunks
+        cost 1.8x on a 2-core CPU that way). 0 runs all the tokens through each layer at
         once: the fewest, largest kernels (a GPU's choice).
         """
         end = start + token_ids.shape[0]
