@@ -34,6 +34,18 @@ Llama-3.2-1B's 128k context for 32k and 64k prompts):
   time counts against it. ``ideal_speedup = ttft_cold_s / (suffix_compute_s + fetch_s)`` and
   ``ratio_to_ideal`` are the older yardstick, which forgives the fetch time.
 - ``fetch_gb_per_s``: bytes swapped in / fetch time; ``compute_tokens_per_s``: L / cold TTFT.
+- The yardsticks (``bench/reference_prefill.py``), for GQA models: ``ttft_reference_cold_s``,
+  transformers' ``LlamaForCausalLM`` (SDPA, logits for the last position only) with our
+  weights, shape, dtype and device, timed cold in the same rounds as ours (median; every
+  run in ``ttft_reference_cold_s_runs``); ``speedup_vs_reference = ttft_reference_cold_s /
+  ttft_s``, what a user who would otherwise recompute sees. ``cold_tflops``: the prompt's
+  FLOPs (``prefill_flops``) over our cold TTFT, and ``cold_mfu``: that over the matrix
+  product rate measured at the start of the run (``config.matmul_tflops``: bf16 on GPU,
+  fp32 on CPU, the engine's dtype). ``suffix_tokens_per_s``: computed tokens / suffix
+  compute, beside ``reference_tokens_per_s``: L / reference cold TTFT.
+  ``break_even_gb_per_s``: KV bytes per token x reference tokens/s, the swap-in rate at
+  which fetching ties with the reference's recompute; the table prints it beside the
+  measured fetch rate.
 - Where a cached TTFT goes (medians): ``fetch_s`` (the fetch is the lookup: ``lookup_s`` is
   0), ``front_compute_s`` (blocks computed while it ran), ``compute_s`` (the forward pass of
   the rest, waiting for swapped-in layers included) and ``other_s`` (the remainder: key
@@ -50,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -66,6 +79,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.limits import copy_limits
+from bench.reference_prefill import ReferencePrefill, matmul_tflops, prefill_flops
 from deploy.local_cluster import LocalCluster
 from engine_adapter.config import EngineConfig, add_kv_format_argument, add_store_transport_argument
 from engine_adapter.engine import Engine, PrefillResult, Sequence
@@ -111,6 +125,18 @@ class Row:
     front_compute_s: float = 0.0  # blocks computed from the front while the fetch ran
     kv_format: str = ""  # what the store holds: the compute dtype, or e4m3x16
     kv_bytes_per_token: int = 0  # stored bytes of one token's KV, all layers
+    # The yardsticks (bench/reference_prefill.py): transformers' cold prefill of the same
+    # prompt, timed in the same rounds, and our cold prefill's rate against the device's.
+    ttft_reference_cold_s: float = 0.0  # 0 where there is no reference (MLA models)
+    speedup_vs_reference: float = 0.0  # ttft_reference_cold_s / ttft_s
+    ttft_reference_cold_s_runs: list[float] = field(default_factory=list)
+    cold_tflops: float = 0.0  # prefill_flops of the prompt / ttft_cold_s
+    cold_mfu: float = 0.0  # cold_tflops / the matmul rate measured in this run
+    suffix_tokens_per_s: float = 0.0  # computed_tokens / suffix_compute_s
+    reference_tokens_per_s: float = 0.0  # prompt_tokens / ttft_reference_cold_s
+    # A swap-in at this rate ties with the reference's recompute: KV bytes per token x
+    # reference tokens/s (fetch_gb_per_s beside it)
+    break_even_gb_per_s: float = 0.0
 
 
 @dataclass
@@ -134,20 +160,30 @@ class Bench:
     and each row gives every run and their spread.
     """
 
-    def __init__(self, engine: Engine, repeats: int, progress: ProgressReporter) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        repeats: int,
+        progress: ProgressReporter,
+        reference: ReferencePrefill | None = None,
+    ) -> None:
         self.engine, self.repeats = engine, repeats
-        self.progress = progress
+        self.progress, self.reference = progress, reference
         self.run_id = f"{time.time_ns():x}"
+        self.matmul_tflops = 0.0  # set by the caller: the device's rate in this run
 
     async def prompt_rows(self, prompt: list[int], fractions: list[float]) -> list[Row]:
         setups = [await self._seed(prompt, fraction) for fraction in fractions]
         await self._prefill(prompt, use_cache=False)  # warm-up, untimed
+        await self._reference_s(prompt)
         for setup in setups:
             await self._suffix_compute_s(setup, prompt, None)
             await self._prefill(prompt, tenant=setup.tenant, write_back=False)
         cold: list[PrefillResult] = []
+        reference_s: list[float] = []
         for _ in range(self.repeats):
             cold.append(await self._prefill(prompt, use_cache=False))
+            reference_s.append(await self._reference_s(prompt))
             for setup in setups:
                 setup.suffix_compute_s.append(await self._suffix_compute_s(setup, prompt, cold[-1]))
                 setup.cached.append(
@@ -157,7 +193,15 @@ class Bench:
         for setup in setups:
             if setup.prefix is not None:
                 self.engine.release(setup.prefix)
-        return [make_row(prompt, s, cold, self.engine) for s in setups]
+        rows = [make_row(prompt, s, cold, self.engine) for s in setups]
+        return [add_yardsticks(r, reference_s, self.matmul_tflops, self.engine) for r in rows]
+
+    async def _reference_s(self, prompt: list[int]) -> float:
+        """One cold prefill of ``prompt`` by the reference (0 without one)."""
+        if self.reference is None:
+            return 0.0
+        elapsed_s, _ = await asyncio.to_thread(self.reference, prompt)
+        return elapsed_s
 
     async def _seed(self, prompt: list[int], fraction: float) -> Setup:
         """Store the blocks a cached prefill of ``prompt`` may use at ``fraction``."""
@@ -248,6 +292,28 @@ def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine:
     )
 
 
+def add_yardsticks(row: Row, reference_s: list[float], matmul_tflops: float, engine: Engine) -> Row:
+    """``row`` with the reference's figures and our cold prefill's rate (see ``Row``)."""
+    cold_tflops = prefill_flops(engine.model.config, 0, row.prompt_tokens) / row.ttft_cold_s / 1e12
+    computed = row.computed_tokens
+    extra: dict[str, Any] = {
+        "cold_tflops": cold_tflops,
+        "cold_mfu": cold_tflops / matmul_tflops if matmul_tflops else 0.0,
+        "suffix_tokens_per_s": computed / row.suffix_compute_s if row.suffix_compute_s else 0.0,
+    }
+    if any(reference_s):
+        reference_cold_s = statistics.median(reference_s)
+        kv_bytes_per_token = engine.layout.bytes_per_token  # of the stored format
+        extra |= {
+            "ttft_reference_cold_s": reference_cold_s,
+            "speedup_vs_reference": reference_cold_s / row.ttft_s,
+            "ttft_reference_cold_s_runs": reference_s,
+            "reference_tokens_per_s": row.prompt_tokens / reference_cold_s,
+            "break_even_gb_per_s": kv_bytes_per_token * row.prompt_tokens / reference_cold_s / GB,
+        }
+    return dataclasses.replace(row, **extra)
+
+
 def _spread(values: list[float]) -> float:
     """(max - min) / median: how far apart the repeats of one figure were."""
     median = statistics.median(values)
@@ -256,9 +322,10 @@ def _spread(values: list[float]) -> float:
 
 def results_table(rows: list[Row], title: str) -> Table:
     table = Table(title=title)
-    columns = ["prompt", "cached", "TTFT cold s", "TTFT s", "spread", "speedup", "free cache"]
-    columns.append("of free")
-    for name in [*columns, "fetch/front/compute/other ms", "fetch GB/s", "compute tok/s"]:
+    columns = ["prompt", "cached", "TTFT cold s", "ref cold s", "TTFT s", "spread", "speedup"]
+    columns += ["vs ref", "cold MFU", "free cache", "of free"]
+    columns += ["fetch/front/compute/other ms", "fetch / break-even GB/s", "compute tok/s"]
+    for name in columns:
         table.add_column(name, justify="right")
     table.add_column("same 1st", justify="right")
     for row in rows:
@@ -266,16 +333,19 @@ def results_table(rows: list[Row], title: str) -> Table:
             str(row.prompt_tokens),
             f"{row.cached_fraction:.0%} ({row.cached_tokens})",
             f"{row.ttft_cold_s:.3f}",
+            f"{row.ttft_reference_cold_s:.3f}",
             f"{row.ttft_s:.3f}",
             f"{row.ttft_cold_spread:.0%} / {row.ttft_spread:.0%}",
             f"{row.speedup:.2f}x",
+            f"{row.speedup_vs_reference:.2f}x",
+            f"{row.cold_mfu:.0%}",
             f"{row.free_cache_speedup:.2f}x",
             f"{row.of_free_cache:.2f}",
             "/".join(
                 f"{1000 * s:.0f}"
                 for s in (row.fetch_s, row.front_compute_s, row.compute_s, row.other_s)
             ),
-            f"{row.fetch_gb_per_s:.2f}",
+            f"{row.fetch_gb_per_s:.2f} / {row.break_even_gb_per_s:.2f}",
             f"{row.compute_tokens_per_s:.0f}",
             "yes" if row.same_first_token else "NO",
         )
@@ -366,17 +436,28 @@ async def bench(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         ProgressReporter("engine bench", len(lengths) * args.repeats) as progress,
     ):
         engine.open_store(toml)
-        runner = Bench(engine, args.repeats, progress)
+        reference = None if engine.model.config.is_mla else ReferencePrefill(engine.model)
+        runner = Bench(engine, args.repeats, progress, reference)
+        runner.matmul_tflops = matmul_tflops(engine.cache.kv.device, engine.cache.kv.dtype)
         for num_tokens in lengths:
             prompt = make_prompt(num_tokens, engine.model.config.vocab_size, args.seed)
             rows += await runner.prompt_rows(prompt, fractions)
         config = describe(args, engine)
+        config |= {"matmul_tflops": runner.matmul_tflops, "reference": _reference_name(reference)}
         await engine.close()
     config["load_average_1m_before_after"] = [load_before[0], os.getloadavg()[0]]
     most_fetched = max((r.cached_tokens for r in rows), default=0)
     num_bytes = max(most_fetched // engine.config.block_tokens, 1) * engine.layout.block_bytes
     limits = copy_limits(num_bytes, torch.device(args.device), args.repeats)
     return {"config": config, "limits": limits, "results": [asdict(r) for r in rows]}
+
+
+def _reference_name(reference: ReferencePrefill | None) -> str:
+    if reference is None:
+        return ""
+    import transformers
+
+    return f"transformers {transformers.__version__} LlamaForCausalLM, sdpa, last logits only"
 
 
 def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:

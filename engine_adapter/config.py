@@ -200,6 +200,12 @@ class EngineConfig:
     tokens before it were fetched or computed: swapped-in KV is then bitwise equal to
     recomputed KV on the fp32 CPU path. (The connector fetches whole chunks for the same
     reason.) One block per chunk is the default; larger chunks suit GPUs.
+
+    ``exact_chunks`` says whether a prefill runs each chunk's kernels on that chunk alone
+    (True, the default on CPU: the bitwise equality above) or each layer's kernels on all
+    the tokens being computed at once (False, the default on other devices: fewer, larger
+    kernels, whose rounding then depends on how much of the prompt was cached; chunks still
+    set what is fetched). Either way the forward runs layer by layer (``LlamaModel.forward``).
     """
 
     block_tokens: int = 64
@@ -228,6 +234,7 @@ class EngineConfig:
     write_back: bool = True  # store newly computed full blocks after prefill
     write_concurrency: int = 4  # puts in flight during write-back
     seed: int = 0  # random init and sampling default
+    exact_chunks: bool | None = None  # None: True on CPU, False elsewhere (see above)
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.prefill_chunk_tokens % self.block_tokens:
@@ -255,6 +262,12 @@ class EngineConfig:
             raise ValueError("fetch_concurrency and write_concurrency must be > 0")
         if self.fetch_chunk_blocks <= 0:
             raise ValueError(f"fetch_chunk_blocks must be > 0, got {self.fetch_chunk_blocks}")
+
+    @property
+    def compute_chunk_tokens(self) -> int:
+        """Tokens per kernel call in a prefill: a chunk when chunks are exact, else 0 (all)."""
+        exact = self.device == "cpu" if self.exact_chunks is None else self.exact_chunks
+        return self.prefill_chunk_tokens if exact else 0
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -317,12 +316,6 @@ class Engine:
                 "shorten the prompt or max_new_tokens"
             )
 
-    def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
-        """[start, end) cut at absolute multiples of prefill_chunk_tokens (deterministic)."""
-        size = self.config.prefill_chunk_tokens
-        bounds = [start, *range((start // size + 1) * size, end, size), end]
-        return list(itertools.pairwise(bounds))
-
     def _compute(
         self, seq: Sequence, start: int, swap_in: SwapIn | None
     ) -> tuple[torch.Tensor, int]:
@@ -332,14 +325,12 @@ class Engine:
         return logits, int(logits.argmax())
 
     def _forward(self, seq: Sequence, start: int, end: int, swap_in: SwapIn | None) -> torch.Tensor:
-        """Forward tokens [start, end) chunk by chunk; the last chunk's hidden states."""
-        ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.cache.kv.device)
+        """Forward tokens [start, end) in one pass over the layers (chunked within each
+        layer where the config keeps chunks exact); their hidden states."""
+        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, device=self.cache.kv.device)
         hook = swap_in.before_layer if swap_in else None
-        for chunk_start, chunk_end in self._chunks(start, end):
-            hidden = self.model(
-                ids[chunk_start:chunk_end], chunk_start, self.cache, seq.table, hook
-            )
-        return hidden
+        chunk_tokens = self.config.compute_chunk_tokens
+        return self.model(ids, start, self.cache, seq.table, hook, chunk_tokens)
 
     def _decode(
         self, seq: Sequence, logits: torch.Tensor, max_new_tokens: int, sampler: Sampler

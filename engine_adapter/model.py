@@ -10,12 +10,13 @@ files are un-permuted on load (``weights.py``).
 
 Shapes: ``n`` new tokens, ``S`` tokens attended to, ``H`` query heads, ``Hkv`` KV heads,
 ``D`` head dim; MLA: ``C`` compressed KV width (kv_lora_rank), ``R`` RoPE key width,
-``Dn`` per-head key width without RoPE, ``Dv`` value width. One forward call processes one
-chunk of one sequence.
+``Dn`` per-head key width without RoPE, ``Dv`` value width. One forward call processes a
+range of one sequence's tokens, chunk by chunk or all at once (``LlamaModel.forward``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -207,6 +208,14 @@ class ForwardContext:
         self.causal_mask = _causal_mask(start, end, cache.kv.device)
 
 
+def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) cut at absolute multiples of ``chunk_tokens`` (0: not cut at all)."""
+    if chunk_tokens <= 0:
+        return [(start, end)]
+    bounds = [start, *range((start // chunk_tokens + 1) * chunk_tokens, end, chunk_tokens), end]
+    return list(itertools.pairwise(bounds))
+
+
 def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor | CausalBias | None:
     """Query at position p sees keys at positions <= p (None when n == 1: it sees all).
 
@@ -219,6 +228,20 @@ def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor | C
         return causal_lower_right(end - start, end)
     query_pos = torch.arange(start, end, device=device)[:, None]
     return torch.arange(end, device=device)[None, :] <= query_pos
+
+
+def _per_chunk(
+    fn: Callable[[torch.Tensor, ForwardContext], torch.Tensor],
+    x: torch.Tensor,
+    contexts: list[ForwardContext],
+) -> torch.Tensor:
+    """``fn`` applied to each chunk's rows of ``x`` ``[n, hidden]`` on its own."""
+    if len(contexts) == 1:
+        return fn(x, contexts[0])
+    first, out = contexts[0].start, torch.empty_like(x)
+    for ctx in contexts:
+        out[ctx.start - first : ctx.end - first] = fn(x[ctx.start - first : ctx.end - first], ctx)
+    return out
 
 
 class Backbone(nn.Module):
@@ -255,12 +278,21 @@ class LlamaModel(nn.Module):
         cache: PagedKVCache,
         table: BlockTable,
         before_layer: LayerHook | None = None,
+        chunk_tokens: int = 0,
     ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` after the final norm for tokens at [start, start+n).
 
-        Writes the chunk's K and V into ``cache`` through ``table`` (which must already
-        cover position start + n - 1). ``before_layer(i)`` runs before layer ``i`` reads the
-        cache: the swap-in waits there for that layer's fetched blocks.
+        Writes the tokens' K and V into ``cache`` through ``table`` (which must already
+        cover position start + n - 1). ``before_layer(i)`` runs once, before layer ``i``
+        first reads the cache: the swap-in waits there for that layer's fetched blocks.
+
+        ``chunk_tokens`` > 0 cuts the tokens at absolute multiples of it and runs each
+        chunk's kernels on the chunk alone, so a chunk gives the same bits whether the
+        tokens before it were fetched or computed. The loop is layer-major (every chunk of
+        layer 0, then of layer 1 ...): one layer's weights stay in cache across its chunks,
+        where chunk-major order streamed all the weights once per chunk (64-token chunks
+        cost 1.8x on a 2-core CPU that way). 0 runs all the tokens through each layer at
+        once: the fewest, largest kernels (a GPU's choice).
         """
         end = start + token_ids.shape[0]
         if end > self.config.max_position_embeddings:
@@ -268,11 +300,15 @@ class LlamaModel(nn.Module):
                 f"position {end - 1} is past the model's context length "
                 f"{self.config.max_position_embeddings}; shorten the prompt"
             )
-        ctx = ForwardContext(self.rotary, cache, table, start, end, before_layer)
+        bounds = chunk_bounds(start, end, chunk_tokens)
+        contexts = [  # the hook goes with the first chunk: it waits once per layer
+            ForwardContext(self.rotary, cache, table, a, b, before_layer if k == 0 else None)
+            for k, (a, b) in enumerate(bounds)
+        ]
         x = self.model.embed_tokens(token_ids)  # [n, hidden]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, ctx, i)
-        return self.model.norm(x)
+            x = _per_chunk(lambda part, ctx, i=i, layer=layer: layer(part, ctx, i), x, contexts)
+        return _per_chunk(lambda part, ctx: self.model.norm(part), x, contexts)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,10 @@ class PagedKVCache:
 
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) as a device tensor (for ``write``)."""
+        first = table.first_consecutive(table.num_blocks_for(end))
+        if first is not None:  # no Python list of every position (16k of them per prefill)
+            offset = first * self.layout.block_tokens
+            return torch.arange(offset + start, offset + end, device=self.kv.device)
         return torch.tensor(table.slots(start, end), device=self.kv.device)
 
     def write(self, layer: int, slots: torch.Tensor, *parts: torch.Tensor) -> None:

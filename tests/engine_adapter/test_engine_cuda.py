@@ -44,7 +44,11 @@ def _swap_in_from(engine: Engine, cold, host: HostBlockPool, pinned_why: str):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_side_stream_swap_in_equals_recompute(dtype):
-    config = EngineConfig(block_tokens=16, prefill_chunk_tokens=32, device="cuda", dtype=dtype)
+    # exact chunks: the same kernels on the same shapes whether fetched or not, so the
+    # swapped-in KV must give the cold logits bit for bit
+    config = EngineConfig(
+        block_tokens=16, prefill_chunk_tokens=32, device="cuda", dtype=dtype, exact_chunks=True
+    )
     engine = Engine(load_model("random:small", "cuda", dtype, seed=0), config)
     cold = asyncio.run(engine.prefill(PROMPT, use_cache=False))
     host = HostBlockPool(engine.layout, num_slots=12, pin_memory=True)
@@ -61,7 +65,9 @@ def test_side_stream_swap_in_equals_recompute(dtype):
 def test_the_landing_pool_is_registered_and_swaps_in_by_dma():
     """The fetch pool is a memfd the store's nodes write into; registered with CUDA, its
     slots are pinned, so the swap-in's copies are DMA from exactly those bytes."""
-    config = EngineConfig(block_tokens=16, prefill_chunk_tokens=32, device="cuda")
+    config = EngineConfig(
+        block_tokens=16, prefill_chunk_tokens=32, device="cuda", exact_chunks=True
+    )
     engine = Engine(load_model("random:small", "cuda", "float32", seed=0), config)
     cold = asyncio.run(engine.prefill(PROMPT, use_cache=False))
     host = HostBlockPool(engine.layout, num_slots=12, pin_memory=True, shared=True)

@@ -155,6 +155,35 @@ def test_chunking_and_block_placement_do_not_change_logits(small_model):
     )
 
 
+def _one_pass_kv(model, token_ids, chunk_tokens: int, block_ids: list[int]):
+    """(hidden states, the cache's KV) of one forward over ``token_ids`` in chunks."""
+    layout = KVBlockLayout.for_model(model.config, BLOCK_TOKENS, "float32")
+    cache = PagedKVCache(layout, 12, torch.device("cpu"))
+    table = BlockTable(BLOCK_TOKENS, block_ids)
+    hidden = model(token_ids, 0, cache, table, chunk_tokens=chunk_tokens)
+    return hidden, cache.read(0, table, len(token_ids)), cache.read(3, table, len(token_ids))
+
+
+@pytest.mark.parametrize("block_ids", [[0, 1, 2, 3, 4, 5], [9, 2, 7, 0, 4, 11]])
+def test_one_layer_major_pass_is_bitwise_the_chunk_by_chunk_calls(small_model, block_ids):
+    """The engine's prefill runs the chunks of each layer in one call (layer-major); its
+    hidden states and KV must be the very bits of separate per-chunk calls (chunk-major), or
+    swapped-in KV would no longer equal recomputed KV."""
+    token_ids = torch.randint(
+        0, small_model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(2)
+    )
+    hidden, *kv = _one_pass_kv(small_model, token_ids, 32, block_ids)
+    layout = KVBlockLayout.for_model(small_model.config, BLOCK_TOKENS, "float32")
+    cache = PagedKVCache(layout, 12, torch.device("cpu"))
+    table = BlockTable(BLOCK_TOKENS, block_ids)
+    chunks = [small_model(token_ids[s : s + 32], s, cache, table) for s in range(0, 96, 32)]
+    assert torch.equal(hidden, torch.cat(chunks)), "layer-major chunks changed the hidden states"
+    assert torch.equal(kv[0], cache.read(0, table, 96)), "layer-major chunks changed layer 0's KV"
+    assert torch.equal(kv[1], cache.read(3, table, 96)), "layer-major chunks changed layer 3's KV"
+    whole, *_ = _one_pass_kv(small_model, token_ids, 0, block_ids)
+    torch.testing.assert_close(whole, hidden, atol=1e-5, rtol=1e-5, msg="one-chunk pass differs")
+
+
 def test_seeded_random_init_is_reproducible():
     first = load_model("random:tiny", "cpu", "float32", seed=5)
     again = load_model("random:tiny", "cpu", "float32", seed=5)
