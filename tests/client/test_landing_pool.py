@@ -367,20 +367,27 @@ async def test_a_node_off_the_cpu_mid_write_is_waited_for(cluster: LocalCluster)
     await _put(cluster.cluster_toml, blocks)
     pool = LandingPool(SLOT_BYTES, len(blocks))
     proc = cluster.procs["n03"]
-    loop = asyncio.get_running_loop()
     async with KVClient.connect(
         cluster.cluster_toml, tenant="acme", transport="local", landing_pool=pool
     ) as kv:
         assert kv.local is not None
         counters = kv.local.counters
         views = [view for _, view in _slots(pool, blocks)]
+
+        async def resume_once_caught() -> None:
+            """SIGCONT 0.5 s after the read's cancel found the stopped node writing."""
+            while not counters.num_pool_write_waits:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGCONT)
+
         # Where SIGSTOP lands is luck: stop the node at different points of the read until
         # one stop caught it writing (the cancel found its permit claimed).
         for attempt in range(40):
             read = asyncio.ensure_future(kv.land_batch(list(blocks), views, timeout_s=TIMEOUT_S))
             await asyncio.sleep(0.002 * (attempt % 8))
             proc.send_signal(signal.SIGSTOP)
-            resume = loop.call_later(0.5, proc.send_signal, signal.SIGCONT)
+            resume = asyncio.ensure_future(resume_once_caught())
             try:
                 landed = (await read).landed
             finally:
