@@ -88,28 +88,34 @@ async def _version(client: NodeClient, key: bytes) -> bytes:
     return versions[0]
 
 
-async def _listed_expiry(client: NodeClient) -> dict[bytes, float]:
-    """Key -> expires_at_s of every shard the node lists (ListShards: expired ones too), once
-    the node lists (a restarted node does once it has pulled its peers' delete logs)."""
+async def _listed_expiry(client: NodeClient, keys: list[bytes]) -> dict[bytes, float]:
+    """Key -> expires_at_s of each of ``keys`` the node holds unexpired (InspectShards: not
+    an access, so no refresh), once the node answers (a restarted node may still be opening
+    its store)."""
     loop = asyncio.get_running_loop()
     deadline_s = loop.time() + 120.0
+    request = pb.InspectShardsRequest(tenant=client.tenant, keys=keys)
     while True:
         try:
-            reply = await client.stub.ListShards(
-                pb.ListShardsRequest(group=0, limit=1000), metadata=client._metadata(), timeout=30
+            reply = await client.stub.InspectShards(
+                request, metadata=client._metadata(), timeout=30
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() > deadline_s:
                 raise
             await asyncio.sleep(0.1)
             continue
-        return {shard.key: shard.expires_at_s for shard in reply.shards}
+        return {
+            key: found.shards[0].expires_at_s
+            for key, found in zip(keys, reply.results, strict=True)
+            if found.shards
+        }
 
 
 async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) -> None:
     """A restart keeps each block's expiry time, and after it blocks still expire and hits
-    still refresh. The expiry times are read from the node (ListShards, which lists expired
-    entries too) before and after the restart, so however long a loaded machine takes to
+    still refresh. The expiry times are read from the node (InspectShards) before and after
+    the restart, so however long a loaded machine takes to
     restart the node (32 s was seen), nothing here depends on it."""
     config = write_config(
         tmp_path,
@@ -124,15 +130,15 @@ async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) ->
         t0 = clock.now()
         await client.put([(agent, make_shard(b"agent"))], traffic_class="agent")
         await client.put([(chat, make_shard(b"chat"))], traffic_class="chat")
-        before = await _listed_expiry(client)
+        before = await _listed_expiry(client, [agent, chat])
     assert set(before) == {agent, chat}
     assert 3 * DAY_S <= before[agent] - t0 < 3.5 * DAY_S, "agent TTL is not 3 days"
     node.stop()
     start_node(config)
     async with NodeClient(address) as client:
-        after = await _listed_expiry(client)
-        # A restart slower than the agent block's 6 s lets it expire, and the restarted node
-        # may have reclaimed it already: then it must be past its kept expiry time.
+        after = await _listed_expiry(client, [agent, chat])
+        # A restart slower than the agent block's 6 s lets it expire (expired entries are
+        # not inspected): then the node's clock must be past its kept expiry time.
         if agent not in after:
             assert clock.now() >= before[agent], "restart lost a block"
             after[agent] = before[agent]
@@ -150,7 +156,7 @@ async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) ->
         # A hit after the restart refreshes: the chat block now lives 100 days from now.
         hit_s = clock.now()
         assert (await client.get([chat]))[0].status == HIT
-        refreshed = (await _listed_expiry(client))[chat]
+        refreshed = (await _listed_expiry(client, [chat]))[chat]
         assert refreshed > before[chat] and refreshed >= hit_s + 100 * DAY_S - 3600.0, (
             "a hit after the restart did not refresh the chat block's expiry"
         )
