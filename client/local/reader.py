@@ -10,8 +10,9 @@ Landing in place: with a landing pool (client/landing_pool.py), every request wh
 lie in the pool names, per key, the place its data shard goes there (kvstore/wire/landing.py),
 and the node writes it there: nobody copies it. A request given up (hedging, a deadline) has
 its permit revoked, so no node writes into a slot after the read returned; one whose node is
-caught writing is waited for up to ``POOL_WRITE_WAIT_S``, and past that its slots are held
-(the read reports their blocks as misses: client/batch_read.py).
+caught writing is waited for until the read's own deadline (a node descheduled mid-write on a
+loaded host finishes it when it runs again), and only past that are its slots held (the read
+reports their blocks as misses: client/batch_read.py).
 
 Fallbacks, as over UCX: a link that cannot be made, is lost (node killed or restarted), or
 leaves a request unanswered past half its time makes the request go over the fallback
@@ -50,7 +51,7 @@ HEALTH_RETRY_S = 2.0  # at most one Health ask (and link attempt) per node this 
 WAIT_SHARE = 0.5  # of the time left that a local wait may use (the rest is for the fallback)
 REGION_SLACK = 2  # a request's region holds this many times its payload estimate
 MIN_ARENA_BYTES = 64 << 20
-POOL_WRITE_WAIT_S = 0.1  # how long a cancel waits for a node caught writing into the pool
+POOL_WRITE_WAIT_S = 0.1  # the least a cancel waits for a node caught writing into the pool
 
 
 @dataclass
@@ -64,7 +65,8 @@ class LocalCounters:
     num_links: int = 0  # links opened (a restarted node makes a new one)
     num_arena_full: int = 0  # requests read over the fallback for want of arena space
     num_placed: int = 0  # payloads the node put straight at their place in the landing pool
-    num_held_requests: int = 0  # cancelled requests whose node was caught writing (slots held)
+    num_pool_write_waits: int = 0  # cancelled requests whose node was caught writing
+    num_held_requests: int = 0  # of those, the ones still writing at the deadline (slots held)
 
 
 class LocalReads:
@@ -178,10 +180,10 @@ class LocalReader:
         try:
             done, _ = await asyncio.wait({pending.future}, timeout=_share(deadline_s))
         except asyncio.CancelledError:
-            await self._abandon(link, pending)
+            await self._abandon(link, pending, deadline_s)
             raise
         if not done:
-            await self._abandon(link, pending)
+            await self._abandon(link, pending, deadline_s)
             return await self._fall_back(keys, wanted, outs, deadline_s, TimeoutError())
         try:
             answer = pending.future.result()
@@ -189,7 +191,7 @@ class LocalReader:
             # A link lost while its node wrote into the pool: that node may live on and finish
             # the write, so its slots wait until it did (or is gone) before anyone reads them.
             if not link.alive and not link.pool_write_over(pending):
-                await self._wait_for_pool_write(link, pending)
+                await self._wait_for_pool_write(link, pending, deadline_s)
             return await self._fall_back(keys, wanted, outs, deadline_s, exc)
         self.conn.health.record_success()
         counters.num_local_replies += 1
@@ -228,11 +230,10 @@ class LocalReader:
             for out in (outs[p] for p in wanted.positions)
         )
 
-    async def _abandon(self, link: LocalLink, pending: PendingRead) -> None:
+    async def _abandon(self, link: LocalLink, pending: PendingRead, deadline_s: float) -> None:
         """Give up a request. If our receiver is landing its answer into the caller's
         buffers, wait until it is done and drop the answer; if the node was caught writing
-        into the pool, wait up to POOL_WRITE_WAIT_S for it to finish, and hold the slots of
-        the request past that (client/landing_pool.py)."""
+        into the pool, see :meth:`_wait_for_pool_write`."""
         if not link.abandon(pending):
             return
         if pending.landing:
@@ -245,14 +246,25 @@ class LocalReader:
                 if future.done() and not future.cancelled() and future.exception() is None:
                     future.result().release()
             return
-        await finish_despite_cancel(self._wait_for_pool_write(link, pending))
+        await finish_despite_cancel(self._wait_for_pool_write(link, pending, deadline_s))
 
-    async def _wait_for_pool_write(self, link: LocalLink, pending: PendingRead) -> None:
-        loop = asyncio.get_running_loop()
-        give_up_s = loop.time() + POOL_WRITE_WAIT_S
+    async def _wait_for_pool_write(
+        self, link: LocalLink, pending: PendingRead, deadline_s: float
+    ) -> None:
+        """Wait until the node caught writing ``pending`` into the pool is done, up to the
+        read's deadline (at least POOL_WRITE_WAIT_S); past that, hold the request's slots
+        (client/landing_pool.py), so their blocks are misses. Why the deadline and not a
+        short timer: the node claimed the permit, so the write is under way and short, but on
+        a loaded host its process may be off the CPU for far longer than the copy takes, and
+        holding the slots would make a miss of every block the request named, even blocks the
+        other nodes' shards decoded whole."""
+        if link.pool_write_over(pending):
+            return
+        self._shared.counters.num_pool_write_waits += 1
+        give_up_s = max(deadline_s, time.monotonic() + POOL_WRITE_WAIT_S)
         pause_s = 0.0002
         while not link.pool_write_over(pending):
-            if loop.time() >= give_up_s:
+            if time.monotonic() >= give_up_s:
                 assert link.pool is not None
                 self._shared.counters.num_held_requests += 1
                 link.pool.hold(link.pool_offsets(pending), lambda: link.pool_write_over(pending))

@@ -359,7 +359,9 @@ async def test_a_stopped_node_caught_writing_holds_its_slots(cluster: LocalClust
     ) as kv:
         slots = _slots(pool, blocks)
         views = [view for _, view in slots]
-        read = asyncio.ensure_future(kv.land_batch(list(blocks), views, timeout_s=TIMEOUT_S))
+        # A node caught writing is waited for until the deadline (client/local/reader.py),
+        # and this one is stopped for good: a short deadline (a miss is allowed here).
+        read = asyncio.ensure_future(kv.land_batch(list(blocks), views, timeout_s=15.0))
         await asyncio.sleep(0.005)
         proc.send_signal(signal.SIGSTOP)
         try:
@@ -383,6 +385,50 @@ async def test_a_stopped_node_caught_writing_holds_its_slots(cluster: LocalClust
                 break
             await asyncio.sleep(0.05)
     assert len(taken) == pool.num_slots, f"{held} held slots never came back"
+
+
+async def test_a_node_off_the_cpu_mid_write_is_waited_for(cluster: LocalCluster) -> None:
+    """A node caught writing into the pool when its request is cancelled, then off the CPU
+    for far longer than POOL_WRITE_WAIT_S (SIGSTOP for 0.5 s: what a loaded host does to any
+    process), is waited for until the read's deadline: no slot is held, and every block lands
+    right. Before #34's fix the request's slots were held after 0.1 s, and every block it
+    named was a miss although the other nodes' shards decoded it."""
+    blocks = _blocks(10, "off-cpu", [4 * MiB] * 32)
+    await _put(cluster.cluster_toml, blocks)
+    pool = LandingPool(SLOT_BYTES, len(blocks))
+    proc = cluster.procs["n03"]
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="acme", transport="local", landing_pool=pool
+    ) as kv:
+        assert kv.local is not None
+        counters = kv.local.counters
+        views = [view for _, view in _slots(pool, blocks)]
+
+        async def resume_once_caught() -> None:
+            """SIGCONT 0.5 s after the read's cancel found the stopped node writing."""
+            while not counters.num_pool_write_waits:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGCONT)
+
+        # Where SIGSTOP lands is luck: stop the node at different points of the read until
+        # one stop caught it writing (the cancel found its permit claimed).
+        for attempt in range(40):
+            read = asyncio.ensure_future(kv.land_batch(list(blocks), views, timeout_s=TIMEOUT_S))
+            await asyncio.sleep(0.002 * (attempt % 8))
+            proc.send_signal(signal.SIGSTOP)
+            resume = asyncio.ensure_future(resume_once_caught())
+            try:
+                landed = (await read).landed
+            finally:
+                resume.cancel()
+                proc.send_signal(signal.SIGCONT)
+            _check(blocks, views, landed)
+            assert all(landed), f"a node off the CPU mid-write made a miss: {counters}"
+            if counters.num_pool_write_waits:
+                break
+    assert counters.num_pool_write_waits, "no stop caught the node writing into the pool"
+    assert counters.num_held_requests == 0 and pool.num_held == 0, counters
 
 
 def test_without_the_native_helpers_reads_land_through_the_arena(cluster: LocalCluster) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import struct
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -47,7 +48,11 @@ EXPECTED_CODES = {
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-CALL_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 10.0  # a call unanswered this long is then checked for a hang (_answer)
+HANG_PROBES = 10  # Health answers the node gives meanwhile that make it a hang
+PROBE_PAUSE_S = 0.5
+ANSWER_CAP_S = 120.0  # grpc's own deadline: far past any answer of a loaded node
+_CALLS = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fuzz-call")
 
 tenants = st.sampled_from(["", "acme", "globex", "x" * 300, "é\u0000"])
 keys = st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40)), max_size=5)
@@ -145,15 +150,40 @@ def messages(draw: st.DrawFn, rpc: str) -> bytes:
 
 
 def _call(channel: grpc.Channel, rpc: str, raw: bytes, metadata) -> grpc.StatusCode:
+    return _answer(channel, rpc, raw, metadata)[0]
+
+
+def _answer(channel: grpc.Channel, rpc: str, raw: bytes, metadata) -> tuple[grpc.StatusCode, str]:
+    """The call's status and details; DEADLINE_EXCEEDED for a hang.
+
+    A hang is a call still unanswered CALL_TIMEOUT_S on, while the node then answers
+    HANG_PROBES Health calls one after another: the node gets CPU time and serves, but not
+    this call. A loaded machine that keeps the node off the CPU delays the Health answers as
+    well, and is no hang (a wall-clock timeout alone called it one)."""
+    future = _CALLS.submit(_blocking_call, channel, rpc, raw, metadata)
+    health = channel.unary_unary("/kvstore.v1.ShardStore/Health")
+    probes = 0
+    while not futures.wait([future], CALL_TIMEOUT_S if probes == 0 else PROBE_PAUSE_S).done:
+        if probes == HANG_PROBES:
+            details = f"no answer while the node answered {probes} Health calls"
+            return grpc.StatusCode.DEADLINE_EXCEEDED, details
+        health(pb.HealthRequest().SerializeToString(), timeout=ANSWER_CAP_S)
+        probes += 1
+    return future.result()
+
+
+def _blocking_call(
+    channel: grpc.Channel, rpc: str, raw: bytes, metadata
+) -> tuple[grpc.StatusCode, str]:
     method = f"/kvstore.v1.ShardStore/{rpc}"
     try:
         if rpc == "ReadBatch":
-            list(channel.unary_stream(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata))
+            list(channel.unary_stream(method)(raw, timeout=ANSWER_CAP_S, metadata=metadata))
         else:
-            channel.unary_unary(method)(raw, timeout=CALL_TIMEOUT_S, metadata=metadata)
+            channel.unary_unary(method)(raw, timeout=ANSWER_CAP_S, metadata=metadata)
     except grpc.RpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
 
 
 def _principals(credentials: Path) -> dict[str, str]:
@@ -200,7 +230,8 @@ def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
 
         fuzz()
         health = channel.unary_unary("/kvstore.v1.ShardStore/Health")
-        assert health(pb.HealthRequest().SerializeToString(), timeout=5), "node stopped answering"
+        raw = pb.HealthRequest().SerializeToString()
+        assert health(raw, timeout=ANSWER_CAP_S), "node stopped answering"
     assert not unexpected, f"calls ended in unexpected statuses (crash or hang): {unexpected[:5]}"
     never = [rpc for rpc, codes in rpc_to_codes.items() if not codes]
     assert not never, f"the fuzz never called {never}"
@@ -283,7 +314,7 @@ def test_each_rpc_answers_exactly_the_roles_of_the_table(tmp_path: Path, start_n
             response_deserializer=pb.HealthReply.FromString,
         )
         deadline_s = time.monotonic() + 60
-        while not health(pb.HealthRequest(), timeout=CALL_TIMEOUT_S).repair_ready:
+        while not health(pb.HealthRequest(), timeout=ANSWER_CAP_S).repair_ready:
             assert time.monotonic() < deadline_s, "a node with no peers never became repair-ready"
             time.sleep(0.05)
         for name, (request, allowed) in ROLE_TABLE.items():
@@ -301,13 +332,7 @@ def test_each_rpc_answers_exactly_the_roles_of_the_table(tmp_path: Path, start_n
 
 def _code_and_details(channel: grpc.Channel, rpc: str, message: Message, token: str):
     metadata = (("authorization", f"Bearer {token}"),)
-    try:
-        channel.unary_unary(f"/kvstore.v1.ShardStore/{rpc}")(
-            message.SerializeToString(), timeout=CALL_TIMEOUT_S, metadata=metadata
-        )
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
+    return _answer(channel, rpc, message.SerializeToString(), metadata)
 
 
 def test_out_of_range_fields_are_refused_naming_the_field(tmp_path: Path, start_node) -> None:
@@ -348,7 +373,7 @@ def test_out_of_range_fields_are_refused_naming_the_field(tmp_path: Path, start_
             response_deserializer=pb.HealthReply.FromString,
         )
         deadline_s = time.monotonic() + 60
-        while not health(pb.HealthRequest(), timeout=CALL_TIMEOUT_S).repair_ready:
+        while not health(pb.HealthRequest(), timeout=ANSWER_CAP_S).repair_ready:
             assert time.monotonic() < deadline_s, "a node with no peers never became repair-ready"
             time.sleep(0.05)
         for field, (rpc, message, role) in cases.items():
@@ -360,4 +385,5 @@ def test_out_of_range_fields_are_refused_naming_the_field(tmp_path: Path, start_
         assert _code_and_details(channel, "ListTombstones", last, tokens["node"])[0] is (
             grpc.StatusCode.OK
         ), "ListTombstones after the largest sequence number must answer an empty page"
-        assert health(pb.HealthRequest(), timeout=5).serving, "the connection or node broke"
+        reply = health(pb.HealthRequest(), timeout=ANSWER_CAP_S)
+        assert reply.serving, "the connection or node broke"
