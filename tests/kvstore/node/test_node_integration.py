@@ -42,7 +42,8 @@ def _segment_files(config_path: Path) -> list[Path]:
 
 
 def _payloads(rng: random.Random, num: int) -> list[bytes]:
-    sizes = [0, 1, 7, 4096, 65_537] + [rng.randrange(1, 40_000) for _ in range(num - 5)]
+    # Edge sizes first (no 0: a node refuses an empty shard, tests/kvstore/node/test_node_bad_input.py)
+    sizes = [1, 2, 7, 4096, 65_537] + [rng.randrange(1, 40_000) for _ in range(num - 5)]
     return [rng.randbytes(size) for size in sizes]
 
 
