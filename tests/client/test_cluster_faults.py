@@ -21,6 +21,7 @@ from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
 from kvstore.errors import InvalidArgument, QuorumError, UnknownTrafficClass
 from kvstore.wire.ucx_worker import ucx_available
+from tests.client.shard_presence import every_node_holds
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -85,6 +86,8 @@ def stored(cluster: LocalCluster) -> dict[bytes, bytes]:
                 await kv.put_batch(keys, blocks, traffic_class="chat")
 
     asyncio.run(put_all())
+    # Tests here take two nodes away and expect every block: all 12 shards first.
+    asyncio.run(every_node_holds(cluster.cluster_toml, key_to_block, timeout_s=600.0))
     return key_to_block
 
 
@@ -250,6 +253,9 @@ async def test_reads_touch_unheard_nodes_and_hedge_past_hung_ones(
         assert kv.follow_ups.counters.num_touches > 0 or kv.read_counters.num_reserve_asks, (
             f"a read over {transport} touched no unasked node: its shards would expire early"
         )
+        # Nodes an earlier test killed and restarted must hold the sample again first: with
+        # n00 and n01 hung, every other node's shard is needed.
+        await every_node_holds(cluster.cluster_toml, keys, timeout_s=600.0)
         hung = [cluster.procs[n] for n in ("n00", "n01")]
         for proc in hung:
             proc.send_signal(signal.SIGSTOP)

@@ -28,11 +28,11 @@ import pytest
 
 from client import KVClient, block_keys
 from client.buffer_pool import BufferSlot
-from client.key_commands import inspect_nodes
 from client.landing_pool import SLACK_BYTES, LandingPool
 from client.readiness import Readiness
 from deploy.local_cluster import LocalCluster
 from kvstore.wire import landing
+from tests.client.shard_presence import every_node_holds
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -65,21 +65,6 @@ async def _put(toml: Path, blocks: dict[bytes, bytes]) -> None:
         for i in range(0, len(items), 16):
             keys, values = zip(*items[i : i + 16], strict=True)
             await kv.put_batch(keys, values, traffic_class="chat", timeout_s=TIMEOUT_S)
-
-
-async def _every_node_holds(toml: Path, blocks: dict[bytes, bytes], timeout_s: float) -> None:
-    """Wait until all 12 nodes of each block's group hold its shard. A put succeeds at its
-    write quorum (11): a shard a node missed (say one restarted by an earlier test) comes
-    later, by repair. A test that corrupts two nodes needs the other ten whole."""
-    deadline_s = time.monotonic() + timeout_s
-    async with KVClient.connect(toml, tenant="acme") as kv:
-        while True:
-            records = [r for key in blocks for r in await inspect_nodes(kv, key, TIMEOUT_S)]
-            missing = sorted({r["node"] for r in records if not r["shards"]})
-            if not missing:
-                return
-            assert time.monotonic() < deadline_s, f"repair never stored the shards of {missing}"
-            await asyncio.sleep(0.5)
 
 
 def _slots(pool: LandingPool, blocks: dict[bytes, bytes]) -> list[tuple[BufferSlot, memoryview]]:
@@ -236,7 +221,7 @@ async def test_shards_corrupt_on_disk_read_right(cluster: LocalCluster) -> None:
     corrupt before the client sees them, and the blocks decode from the other nodes."""
     blocks = _blocks(4, "corrupt-disk", [1 * MiB] * 8 + [200 * KiB] * 8)
     await _put(cluster.cluster_toml, blocks)
-    await _every_node_holds(cluster.cluster_toml, blocks, timeout_s=600.0)
+    await every_node_holds(cluster.cluster_toml, blocks, timeout_s=600.0)
     rng = random.Random(4)
     undo = []
     for path in _segment_files(cluster, ["n01", "n09"]):
