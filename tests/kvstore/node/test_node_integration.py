@@ -42,7 +42,7 @@ def _segment_files(config_path: Path) -> list[Path]:
 
 
 def _payloads(rng: random.Random, num: int) -> list[bytes]:
-    # Edge sizes first (no 0: a node refuses an empty shard, tests/kvstore/node/test_node_bad_input.py)
+    # Edge sizes first; no 0: a node refuses an empty shard (test_node_bad_input.py)
     sizes = [1, 2, 7, 4096, 65_537] + [rng.randrange(1, 40_000) for _ in range(num - 5)]
     return [rng.randbytes(size) for size in sizes]
 
