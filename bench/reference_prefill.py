@@ -77,8 +77,9 @@ class ReferencePrefill:
         return time.perf_counter() - started, first_token_id
 
 
-def hf_llama_config(cfg: ModelConfig):  # -> transformers.LlamaConfig
-    """Our GQA shape as a ``LlamaConfig`` with SDPA attention."""
+def hf_llama_config(cfg: ModelConfig, attn_implementation: str = "sdpa"):  # -> LlamaConfig
+    """Our GQA shape as a ``LlamaConfig`` (SDPA attention: the fast reference; the model
+    tests compare against "eager")."""
     import transformers
 
     if cfg.is_mla:
@@ -95,7 +96,7 @@ def hf_llama_config(cfg: ModelConfig):  # -> transformers.LlamaConfig
         rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        attn_implementation="sdpa",
+        attn_implementation=attn_implementation,
     )
 
 

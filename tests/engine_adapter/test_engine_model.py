@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from bench.reference_prefill import hf_llama_config  # noqa: E402
 from engine_adapter.config import ModelConfig  # noqa: E402
 from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
 from engine_adapter.loader import load_model  # noqa: E402
@@ -20,25 +21,8 @@ pytestmark = pytest.mark.engine
 BLOCK_TOKENS = 16
 
 
-def hf_config(cfg: ModelConfig):  # -> transformers.LlamaConfig
-    return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attn_implementation="eager",
-    )
-
-
 def hf_reference(model):  # -> transformers.LlamaForCausalLM with the same weights
-    reference = transformers.LlamaForCausalLM(hf_config(model.config)).eval()
+    reference = transformers.LlamaForCausalLM(hf_llama_config(model.config, "eager")).eval()
     reference.load_state_dict(model.state_dict(), strict=True)
     return reference
 
@@ -128,7 +112,7 @@ def test_safetensors_directory_written_by_transformers(tmp_path):
         intermediate_size=96, tie_word_embeddings=False, max_position_embeddings=512,
     )  # fmt: skip
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(hf_config(cfg)).eval()
+    reference = transformers.LlamaForCausalLM(hf_llama_config(cfg, "eager")).eval()
     reference.save_pretrained(tmp_path, safe_serialization=True)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
     loaded = load_model(str(tmp_path), "cpu", "float32")
