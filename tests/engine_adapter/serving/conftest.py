@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -139,6 +140,17 @@ def start_serve(
         ports["grpc"] = int(grpc.group(1))
     pids = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", match.group(2))}
     return proc, ports, pids
+
+
+def stop_serve(proc: subprocess.Popen[str], pids: dict[str, int], wait_s: float) -> None:
+    """SIGTERM ``kvstore serve`` (SIGKILL past ``wait_s``) and check it took its workers."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert all(is_gone(p) for p in pids.values()), "kvstore serve left workers behind"
 
 
 def has_default_model() -> bool:

@@ -14,7 +14,6 @@ import http.client
 import json
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,8 +30,8 @@ pytest.importorskip("torch")
 from engine_adapter.loader import DEFAULT_MODEL_NAME, load_tokenizer  # noqa: E402
 from tests.engine_adapter.serving.conftest import (  # noqa: E402
     has_default_model,
-    is_gone,
     start_serve,
+    stop_serve,
 )
 
 # The first test carries the module's start-up: a cluster and `kvstore serve`, each waited for
@@ -70,13 +69,7 @@ def serve_run(serving_cluster, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     try:
         yield f"http://127.0.0.1:{ports['http']}", run_dir
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert all(is_gone(p) for p in pids.values()), "kvstore serve left workers behind"
+        stop_serve(proc, pids, 30)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -30,8 +28,8 @@ from engine_adapter.loader import DEFAULT_MODEL_NAME  # noqa: E402
 from tests.engine_adapter.serving.conftest import (  # noqa: E402
     STARTUP_TIMEOUT_S,
     has_default_model,
-    is_gone,
     start_serve,
+    stop_serve,
 )
 
 pytestmark = [
@@ -74,13 +72,7 @@ def serve_url(serving_cluster, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     try:
         yield f"http://127.0.0.1:{ports['http']}", run_dir
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert all(is_gone(p) for p in pids.values()), "kvstore serve left workers behind"
+        stop_serve(proc, pids, 60)
 
 
 def _body(rng: random.Random, stream: bool, max_tokens: int) -> dict:

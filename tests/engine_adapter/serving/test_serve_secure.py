@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,8 +27,8 @@ from kvstore.auth import Role  # noqa: E402
 from tests.engine_adapter.serving.conftest import (  # noqa: E402
     MODEL,
     STARTUP_TIMEOUT_S,
-    is_gone,
     start_serve,
+    stop_serve,
 )
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -56,13 +54,7 @@ def secure_serve(tmp_path_factory) -> Iterator[tuple[str, Path, LocalCluster]]:
         try:
             yield f"http://127.0.0.1:{ports['http']}", run_dir, cluster
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            assert all(is_gone(p) for p in pids.values()), "kvstore serve left workers behind"
+            stop_serve(proc, pids, 60)
 
 
 def _complete(server: str, key: str) -> object:
