@@ -36,6 +36,7 @@ from typing import Protocol
 import lmdb
 
 from kvstore.errors import CapacityExhausted, IndexUnusable
+from kvstore.store.index_check import check_index_pages
 from kvstore.store.index_codec import DBS
 
 log = logging.getLogger(__name__)
@@ -210,12 +211,12 @@ class LmdbBackend:
         return os.fstat(self._data_fd).st_size - self.used_bytes()
 
     def verify(self) -> None:
-        """Read every page of every sub-database; IndexUnusable if any fails."""
-        with self.begin(write=False) as txn:
-            for name in DBS:
-                start = b""
-                while items := txn.scan(name, start, None, 4096):
-                    start = items[-1][0] + b"\x00"
+        """Read every page of every sub-database; IndexUnusable if any fails. In a child
+        process (kvstore/store/index_check.py): lmdb aborts the process that steps onto a
+        damaged leaf."""
+        damage = check_index_pages(self.path, DBS)
+        if damage is not None:
+            raise IndexUnusable(damage)
 
     def close(self) -> None:
         self._env.close()

@@ -13,10 +13,14 @@ store the shard again. A scrub is not an access: it refreshes no TTL and counts 
 Expired entries are skipped (expiry deletes them), and so are records moved or deleted since
 the index snapshot (a move re-reads and verifies what it copies).
 
-An index found damaged while the scrub walks it, or when it reads the whole index through at
-the end of each pass (lmdb pages that no longer read, or entries that do not decode), raises
-IndexUnusable: the node stops serving, moves the index aside and
-rebuilds it from the segment records (kvstore/node/store_holder.py), as for a lost index.
+Each pass starts by reading the whole index through (every lmdb page, in a child process,
+since lmdb aborts a process whose cursor steps onto a damaged leaf; then every entry decoded),
+before its own scan of ``by_seg`` steps from leaf to leaf. An index found damaged there or
+while the scrub walks it raises IndexUnusable: the node stops serving, moves the index aside
+and rebuilds it from the segment records (kvstore/node/store_holder.py), as for a lost index.
+Damage that lands in a page mid-pass, where an in-process scan steps onto it before the next
+pass starts, can still abort the node: its restart reads the index through the same way
+(kvstore/store/recovery.py) and rebuilds it.
 
 Pacing (real time): the node runs steps of a tenth of a second's budget at
 ``NodeConfig.scrub_bytes_per_s`` and sleeps what each step cost at that rate. A record costs its
@@ -82,6 +86,7 @@ class Scrubber:
         self._reads = reads
         self._lock = threading.Lock()  # one step at a time; close() waits for the one running
         self._cursor = b""  # by_seg position the next step starts at
+        self._pass_checked = False  # the index was read through since this pass started
         self._closed = False
         self.progress = ScrubProgress()
 
@@ -94,6 +99,9 @@ class Scrubber:
         with self._lock:
             if self._closed:
                 return ScrubStep(0, pass_done=True)
+            if not self._pass_checked:
+                self._index.verify()
+                self._pass_checked = True
             batch = self._next_batch(max_bytes)
             if not batch:
                 self._end_pass(now, unix_now_s)
@@ -134,10 +142,8 @@ class Scrubber:
         return entry.record_bytes
 
     def _end_pass(self, now: float, unix_now_s: float) -> None:
-        """A pass ends with the index itself read through (every page, every entry decoded),
-        so damage outside the records' order is found once per pass too."""
-        self._index.verify()
         self._cursor = b""
+        self._pass_checked = False
         self.progress = replace(
             self.progress,
             num_passes=self.progress.num_passes + 1,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import shutil
 import time
@@ -29,6 +28,7 @@ from kvstore.errors import QuorumError
 from kvstore.proto import kvstore_pb2 as pb
 from tests.client.test_durability import _blocks, _lost, _put_all, _stats, _status_json
 from tests.kvstore.disk_harness import mounted_tmpfs
+from tests.kvstore.store_harness import damage_index_pages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -194,25 +194,6 @@ async def _scrub_passes(metrics_port: int) -> int | None:
     return await asyncio.to_thread(scrape)
 
 
-def _damage_index(data_dir: Path, key: bytes) -> int:
-    """Mark every lmdb page holding ``key`` as of no known type (what flipped bytes in a page
-    header do); return how many pages."""
-    path = data_dir / "index" / "data.mdb"
-    data = path.read_bytes()
-    page_bytes = 4096
-    pages, start = set(), 0
-    while (found := data.find(key, start)) >= 0:
-        pages.add(found // page_bytes)
-        start = found + 1
-    fd = os.open(path, os.O_RDWR)
-    try:
-        for page in pages:
-            os.pwrite(fd, b"\0\0", page * page_bytes + 10)  # the page header's flags
-    finally:
-        os.close(fd)
-    return len(pages)
-
-
 async def test_a_damaged_index_is_found_by_the_scrub_and_rebuilt_from_the_segments(
     tmp_path: Path,
 ) -> None:
@@ -226,7 +207,7 @@ async def test_a_damaged_index_is_found_by_the_scrub_and_rebuilt_from_the_segmen
             data_dir = Path(node.data_dir)
             passes_before = await _scrub_passes(node.metrics_port)
             assert passes_before is not None, "n04 serves no scrub pass count"
-            assert _damage_index(data_dir, next(iter(blocks))) > 0
+            assert damage_index_pages(data_dir, next(iter(blocks))) > 0
             damaged_s = time.monotonic()
             # Judged by the node's own scrub, not the wall clock (a loaded machine stretches a
             # pass): every pass ends reading the whole index through, so the first pass to end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,3 +32,23 @@ def lmdb_index_bytes(path: Path, reserve_bytes: int = TEST_INDEX_RESERVE_BYTES) 
         return backend.allocated_bytes()
     finally:
         backend.close()
+
+
+def damage_index_pages(data_dir: Path, needle: bytes) -> int:
+    """Mark every lmdb page of ``data_dir``'s index holding ``needle`` as of no known type (what
+    flipped bytes in a page header do); return how many pages. lmdb aborts a process whose
+    cursor steps from one leaf onto such a page."""
+    path = data_dir / "index" / "data.mdb"
+    data = path.read_bytes()
+    page_bytes = 4096
+    pages, start = set(), 0
+    while (found := data.find(needle, start)) >= 0:
+        pages.add(found // page_bytes)
+        start = found + 1
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for page in pages:
+            os.pwrite(fd, b"\0\0", page * page_bytes + 10)  # the page header's flags
+    finally:
+        os.close(fd)
+    return len(pages)

@@ -21,7 +21,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.store.shard_store import ShardStore, Status
 from tests.kvstore.node_harness import DAY_S, REPO_ROOT, NodeClient, make_shard, write_config
-from tests.kvstore.store_harness import CLASSES
+from tests.kvstore.store_harness import CLASSES, damage_index_pages
 from ttl.clock import ManualClock
 
 
@@ -133,6 +133,27 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt(tmp_path: Path, clock: Manua
         results = store.get("acme", list(shards))
         assert [r.shards for r in results] == [(s,) for s in shards.values()]
         assert list(tmp_path.glob("index.damaged-*")), "the damaged index was not kept aside"
+    finally:
+        store.close()
+
+
+def test_a_damaged_leaf_is_moved_aside_at_open_without_killing_the_process(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A leaf past the first one damaged: lmdb's cursor aborts the process that steps onto it,
+    so a node that read its index through in-process died at every start instead of
+    rebuilding it."""
+    ttl = TTLConfig(classes=CLASSES)
+    store = ShardStore(_node(tmp_path), ttl, clock)
+    shards = {_key(i): make_shard(os.urandom(200)) for i in range(400)}
+    store.put("acme", "chat", list(shards.items()))
+    store.close()
+    assert damage_index_pages(tmp_path, _key(300)) > 0
+    store = ShardStore(_node(tmp_path), ttl, clock)
+    try:
+        assert list(tmp_path.glob("index.damaged-*")), "the damaged index was not kept aside"
+        results = store.get("acme", list(shards))
+        assert [r.shards for r in results] == [(s,) for s in shards.values()]
     finally:
         store.close()
 

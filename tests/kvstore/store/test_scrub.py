@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -12,12 +13,19 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import NodeConfig, TTLConfig
+from kvstore.errors import IndexUnusable
 from kvstore.node.scrubber import scrub_forever
 from kvstore.store.scrub import MIN_RECORD_COST_BYTES, ScrubStep, pause_s
 from kvstore.store.segments import record_bytes
 from kvstore.store.shard_store import ShardStore, Status
 from tests.kvstore.node_harness import DAY_S, make_shard
-from tests.kvstore.store_harness import STRESS_INDEX_RESERVE_BYTES, T0, MakeStore
+from tests.kvstore.store_harness import (
+    CLASSES,
+    STRESS_INDEX_RESERVE_BYTES,
+    T0,
+    MakeStore,
+    damage_index_pages,
+)
 from ttl.clock import ManualClock
 
 
@@ -77,6 +85,23 @@ def test_scrub_finds_bitrot_without_any_read(store: ShardStore, tmp_path: Path) 
     assert store.put("acme", "chat", [items[7], items[12]]).num_stored == 2, "repair refused"
     results = store.get("acme", [k for k, _ in items])
     assert [r.shards for r in results] == [(s,) for _, s in items], "wrong bytes after repair"
+
+
+def test_scrub_finds_a_damaged_leaf_before_stepping_onto_it(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A pass starts by reading the index through in a child process: lmdb aborts a process
+    whose cursor steps from one leaf onto a damaged one (the scrub's by_seg scan would)."""
+    store = ShardStore(_node(tmp_path), TTLConfig(classes=CLASSES), clock)
+    try:
+        items = [(i.to_bytes(16, "big"), make_shard(_payload(i % 100))) for i in range(400)]
+        store.put("acme", "chat", items)
+        assert damage_index_pages(tmp_path, items[300][0]) > 0
+        with pytest.raises(IndexUnusable, match=r"damaged|died"):
+            store.scrub(1 << 30)
+    finally:
+        with contextlib.suppress(IndexUnusable):
+            store.close()
 
 
 def test_scrub_steps_respect_the_budget(store: ShardStore) -> None:
