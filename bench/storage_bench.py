@@ -20,7 +20,8 @@ learned which node is slow, as it would have in steady state. GETs land in preal
 buffers, B per task (the swap-in path). MB/s counts 10**6 bytes of block data per second. Every
 record gives the CPU seconds per GB of the client process, of the servers (the nodes together,
 or redis-server) and of both (``total_cpu_s_per_gb``), which hold up where other work shares
-the cores, and its ``fsync`` state (kvstore's nodes "on"/"off", Redis "off"/"always");
+the cores (null where no byte moved, every call having failed: ``cpu_s_per_gb_none`` says
+so), and its ``fsync`` state (kvstore's nodes "on"/"off", Redis "off"/"always");
 ``settings.servers_idle_cpu_cores`` is what the nodes burn with no requests (part of every
 record's server CPU: ``server_idle_cpu_s_per_gb`` is that part at the record's MB/s), and
 ``idle_nodes`` what they burn together over ``--idle-seconds`` (default 60) after the
