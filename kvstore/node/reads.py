@@ -70,7 +70,7 @@ class NodeReads:
         self._executor = executor
         # Batch reads gather their payloads here (kvstore/byte_arena.py): twice the largest
         # answer, so two answers of that size can be in flight without a fallback buffer.
-        self._staging = ByteArena(2 * node.max_batch_bytes)
+        self.staging = ByteArena(2 * node.max_batch_bytes)
 
     def tenant_of(self, credential: Credential, claimed: str) -> str:
         """The tenant a read acts for, derived from its credential.
@@ -120,7 +120,7 @@ class NodeReads:
             tenant,
             keys,
             version,
-            take or self._staging.take,
+            take or self.staging.take,
             max_reply_bytes=self._max_reply_bytes,
             shared=shared,
             pool=pool,

@@ -61,6 +61,7 @@ from kvstore.store.request_checks import (
 from kvstore.store.shard_store import PutOptions
 from kvstore.tls import peer_certificate
 from kvstore.wire import batch_answer, local_frames
+from kvstore.wire.answer_message import InPlaceAnswer
 from kvstore.wire.put_request import PutRequestView, parse_put_request
 
 log = logging.getLogger(__name__)
@@ -296,11 +297,18 @@ class NodeServicer:
         return encode_get_shards_reply(found)
 
     def _read_batch_chunks(self, request: pb.GetShardsRequest, principal: Principal) -> list[bytes]:
-        """ReadBatch's answer as ReadBatchChunk messages (one copy of the staging)."""
+        """ReadBatch's answer as ReadBatchChunk messages: one message read in place when the
+        answer fits one chunk (kvstore/wire/answer_message.py), else chunks copied from the
+        staging."""
+        keys = list(request.keys)
+        in_place = InPlaceAnswer(len(keys), self._reads.staging.take)
         read = self._reads.read_batch(
-            principal, request.tenant, list(request.keys), request.version
+            principal, request.tenant, keys, request.version, in_place.take
         )
         try:
+            message = in_place.message(read.entries, read.staging, read.payload_bytes)
+            if message is not None:
+                return [message]
             return batch_answer.encode_chunks(
                 batch_answer.encode_table(read.entries), read.payloads
             )

@@ -3,7 +3,9 @@
 The UCX data path moves shard bytes from a node's memory straight into slots of the client's
 buffer pool; gRPC stays the control plane (kvstore/node/ucx_server.py, client/ucx/transport.py).
 This module owns what both ends share: the UCX context and worker, endpoints, tagged sends,
-tagged receives into caller-owned buffers, their cancellation, and progress.
+tagged receives into caller-owned buffers, their cancellation, and progress. What it tracks
+per receive (slots, destinations, a batch's group receive) is kvstore/wire/ucx_receives.py;
+loading ucxx and the tag space, kvstore/wire/ucx_runtime.py.
 
 Why one message per shard, received straight into its place (not one message per node)
     A batch read asks each node once; the node answers with a small reply frame (one 64-byte
@@ -65,120 +67,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.wire import ucp
+from kvstore.wire import ucp, ucx_runtime
+from kvstore.wire.ucx_receives import (
+    Destination,
+    GroupReceive,
+    Listener,
+    Receive,
+    Send,
+    destination_of,
+    region_for,
+    resolve_receive,
+    resolve_send,
+)
 
-# ucxx sets UCX_MEMTYPE_CACHE, which this UCX release no longer knows and warns about.
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# Re-exported: the names the client, the node and the tests import from this module.
+from kvstore.wire.ucx_runtime import (
+    BATCH_INDEX_BITS,
+    INSTALL_HINT,
+    MAX_BATCH_MESSAGES,
+    REQUEST_TAG,
+    batch_tag,
+    check_tag,
+    ucx_available,
+)
 
-# ucxx's binding, its Array and the libucp bindings, loaded on first use (_load_ucx):
-# importing ucxx takes seconds on a busy machine, which a gRPC-only process (and every
-# `kvstore ... --help`) should not pay. None until then, and where the `ucx` extra is missing.
-ucx_api: Any = None
-Array: Any = None
-_UCP: ucp.Ucp | None = None
-_ucx_tried = False
+__all__ = [
+    "BATCH_INDEX_BITS",
+    "DEFAULT_SPIN_S",
+    "INSTALL_HINT",
+    "MAX_BATCH_MESSAGES",
+    "REQUEST_TAG",
+    "GroupReceive",
+    "UcxWorker",
+    "batch_tag",
+    "ucx_available",
+]
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "install the ucx extra (`pip install 'kvstore[ucx]'`) or use transport='grpc'"
-MAX_TAG = (1 << 64) - 1
-# A batch of messages shares one tag base: message i travels with tag `tag_base + i`.
-BATCH_INDEX_BITS = 20
-MAX_BATCH_MESSAGES = 1 << BATCH_INDEX_BITS
 _MAX_ADDRESS_BYTES = 1 << 16
 _ADDRESS_VERSION_MASK = 0x0F  # low bits of a packed worker address's first byte
 _TOMBSTONE_BYTES = 1  # a receive this small truncates any real message: nothing is read
-# The tag of read requests sent to a node (kvstore/wire/ucx_frames.py). Client batch tags live on
-# client workers, so they never meet it.
-REQUEST_TAG = MAX_TAG
 _RESTART_PROGRESS_S = 1.0  # after progress failed, while listeners wait for messages
 DEFAULT_SPIN_S = 0.0  # polling before sleeping on the epoll fd (see Progress above)
-
-
-def ucx_available() -> bool:
-    """True when ucxx can be imported (the optional `ucx` extra is installed); imports it."""
-    global ucx_api, Array, _UCP, _ucx_tried
-    if not _ucx_tried:
-        _ucx_tried = True
-        try:
-            import libucx
-            import ucxx._lib.libucxx as api
-            from ucxx._lib.arr import Array as array_type
-        except ImportError:  # the optional `ucx` extra is not installed
-            return False
-        _UCP = ucp.load(Path(libucx.__file__).parent)
-        ucx_api, Array = api, array_type
-    return ucx_api is not None
-
-
-# Where a receive lands: host memory, a CUDA array (``__cuda_array_interface__``, e.g. a torch
-# CUDA tensor; UCX's CUDA transports copy into it), a function called on arrival with the
-# message's length that returns host memory for it (a buffer of exactly the right size).
-Destination = Any
-
-
-@dataclass(eq=False)
-class _Receive:
-    """A slot waiting for the message with one tag; ``posted`` is set once it is matched."""
-
-    destination: Destination
-    capacity: int  # the most bytes the destination takes
-    future: asyncio.Future[int]
-    posted: ucp.Receive | None = None
-    num_bytes: int = 0
-    released: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass(eq=False)
-class _Listener:
-    """Every message with one tag is received whole and handed to ``handler``."""
-
-    handler: Callable[[memoryview], None]
-    max_bytes: int
-
-
-@dataclass(eq=False)
-class _Send:
-    request: Any
-    future: asyncio.Future[None]
-    array: Any  # keeps the source buffer alive until UCX is done with it
-
-
-class GroupReceive:
-    """Messages ``tag_base + first`` onwards of one batch, each received into its own region,
-    the regions named (:meth:`land`) once the caller knows them; messages that arrive
-    earlier are held unread. ``future`` gives the total bytes once all of them landed.
-
-    One object and one future for the whole group: the per-message work is a few native
-    calls in the worker's dispatch loop (see "Why one message per shard" above).
-    """
-
-    def __init__(
-        self, worker: UcxWorker, tag_base: int, first: int, future: asyncio.Future[int]
-    ) -> None:
-        self.tag_base = tag_base
-        self.first = first
-        self.future = future
-        self.regions: list[Any] | None = None
-        self.held: dict[int, tuple[int, int]] = {}  # index -> (message handle, length)
-        self.posted: dict[int, ucp.Receive] = {}  # index -> receive in transfer
-        self.num_landed = 0
-        self.num_bytes = 0
-        self.cancelled = False
-        self.released = asyncio.Event()
-        self._worker = worker
-
-    def land(self, regions: Sequence[Any]) -> None:
-        """Name the regions: message ``first + i`` lands in ``regions[i]`` (exactly its size)."""
-        self._worker._land_group(self, list(regions))
 
 
 class UcxWorker:
@@ -199,11 +135,11 @@ class UcxWorker:
         busy_wait_s: float = 0.0005,
         grace_s: float = 10.0,
     ) -> None:
-        if not ucx_available() or _UCP is None:
+        if not ucx_available() or ucx_runtime.UCP is None:
             raise Unavailable(f"UCX is not available: ucxx is not installed; {INSTALL_HINT}")
-        self._ucp = _UCP
-        self._context = _context(transports)
-        self._worker = ucx_api.UCXWorker(self._context)
+        self._ucp = ucx_runtime.UCP
+        self._context = ucx_runtime.make_context(transports)
+        self._worker = ucx_runtime.ucx_api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
         self._handle: int = self._worker.handle
         self.address: bytes = self._worker.address.tobytes()
@@ -213,14 +149,14 @@ class UcxWorker:
         self._next_idle_wait_s = idle_wait_s  # doubles while waits time out with no event
         self._busy_wait_s = busy_wait_s
         self._grace_s = grace_s  # how long a cancelled tag's late message is still drained
-        self._expected: dict[int, _Receive] = {}
-        self._matched: dict[int, _Receive] = {}
+        self._expected: dict[int, Receive] = {}
+        self._matched: dict[int, Receive] = {}
         self._groups: dict[int, GroupReceive] = {}  # tag base -> its group receive
         self._abandoned: dict[int, float] = {}  # tag -> monotonic deadline
-        self._sends: dict[asyncio.Future[None], _Send] = {}
-        self._listeners: dict[int, _Listener] = {}
+        self._sends: dict[asyncio.Future[None], Send] = {}
+        self._listeners: dict[int, Listener] = {}
         # Listened messages in transfer: (receive, the buffer it fills, its listener).
-        self._incoming: list[tuple[ucp.Receive, memoryview, _Listener]] = []
+        self._incoming: list[tuple[ucp.Receive, memoryview, Listener]] = []
         self._tombstones: list[ucp.Receive] = []
         self._tombstone = memoryview(bytearray(_TOMBSTONE_BYTES))
         self._wakeup: asyncio.Future[object] | None = None  # set while the loop sleeps
@@ -235,10 +171,11 @@ class UcxWorker:
         """
         self._check_open()
         self._check_address(address)
+        api = ucx_runtime.ucx_api
         try:
-            remote = ucx_api.UCXAddress.create_from_buffer(address)
-            return ucx_api.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
-        except ucx_api.UCXInvalidParamError as exc:
+            remote = api.UCXAddress.create_from_buffer(address)
+            return api.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
+        except api.UCXInvalidParamError as exc:
             raise InvalidArgument(f"malformed UCX worker address ({exc})") from exc
         except Exception as exc:  # ucxx raises its own error types, one per UCX status
             raise Unavailable(f"cannot reach UCX worker ({type(exc).__name__}: {exc})") from exc
@@ -251,14 +188,14 @@ class UcxWorker:
         message, which is why readers verify checksums.
         """
         self._check_open()
-        _check_tag(tag)
-        array = Array(data)
+        check_tag(tag)
+        array = ucx_runtime.Array(data)
         try:
-            request = endpoint.tag_send(array, ucx_api.UCXXTag(tag))
+            request = endpoint.tag_send(array, ucx_runtime.ucx_api.UCXXTag(tag))
         except Exception as exc:
             raise Unavailable(f"UCX send of tag {tag:#x} failed: {exc}") from exc
         future = asyncio.get_running_loop().create_future()
-        self._sends[future] = _Send(request, future, array)
+        self._sends[future] = Send(request, future, array)
         future.add_done_callback(self._forget_abandoned_send)
         self._wake()
         return future
@@ -274,7 +211,7 @@ class UcxWorker:
         ``max_bytes``) fails the future with InvalidArgument and is discarded. Register before
         asking the peer to send: a message whose tag is not registered is discarded.
         """
-        destination, capacity = _destination(out, max_bytes)
+        destination, capacity = destination_of(out, max_bytes)
         return self._expect(tag, destination, capacity)
 
     def receive_group(self, tag_base: int, first: int) -> GroupReceive:
@@ -291,76 +228,22 @@ class UcxWorker:
 
     def _expect(self, tag: int, destination: Destination, capacity: int) -> asyncio.Future[int]:
         self._check_open()
-        _check_tag(tag)
+        check_tag(tag)
         if tag in self._expected or tag in self._matched:
             raise InvalidArgument(f"tag {tag:#x} already has a receive; tags are single-use")
         future = asyncio.get_running_loop().create_future()
-        self._expected[tag] = _Receive(destination, capacity, future)
+        self._expected[tag] = Receive(destination, capacity, future)
         self._abandoned.pop(tag, None)
         self._wake()
         return future
 
-    def _land_group(self, group: GroupReceive, regions: list[Any]) -> None:
-        if group.cancelled or group.regions is not None or group.future.done():
-            return
-        group.regions = regions
-        for index, (message, num_bytes) in sorted(group.held.items()):
-            self._post_group(group, index, message, num_bytes)
-        group.held.clear()
-        self._settle_group(group)
-
-    def _arrive_group(self, group: GroupReceive, index: int, message: int, num_bytes: int) -> None:
-        if group.regions is None:
-            group.held[index] = (message, num_bytes)
-        else:
-            self._post_group(group, index, message, num_bytes)
-            self._settle_group(group)
-
-    def _post_group(self, group: GroupReceive, index: int, message: int, num_bytes: int) -> None:
-        assert group.regions is not None
-        position = index - group.first
-        region = group.regions[position] if 0 <= position < len(group.regions) else None
-        if group.future.done() or region is None or region.nbytes != num_bytes:
-            if not group.future.done():
-                group.future.set_exception(
-                    InvalidArgument(
-                        f"message {index} of batch {group.tag_base:#x} is {num_bytes} bytes, "
-                        "not the size of its region (or has none)"
-                    )
-                )
-            self._discard(message, num_bytes)
-            return
-        posted = self._receive(message, region)
-        group.num_bytes += num_bytes
-        if posted.status() == ucp.UCS_INPROGRESS:
-            group.posted[index] = posted
-        else:
-            self._landed_group(group, posted.status())
-
-    def _landed_group(self, group: GroupReceive, status: int) -> None:
-        if status != ucp.UCS_OK and not group.future.done():
-            group.future.set_exception(Unavailable(f"UCX receive failed with status {status}"))
-        group.num_landed += 1
-
-    def _settle_group(self, group: GroupReceive) -> None:
-        """Resolve a group whose every message landed; forget one that is over."""
-        complete = group.regions is not None and group.num_landed == len(group.regions)
-        if complete and not group.future.done():
-            group.future.set_result(group.num_bytes)
-        if (complete or group.cancelled or group.future.done()) and not group.posted:
-            self._groups.pop(group.tag_base, None)
-            group.released.set()
-
     async def cancel_group(self, group: GroupReceive) -> None:
         """Stop a group receive; return once nothing can write into its regions any more."""
-        group.cancelled = True
-        if not group.future.done():
-            group.future.cancel()
-        for message, num_bytes in group.held.values():
-            self._discard(message, num_bytes)
-        group.held.clear()
-        self._settle_group(group)
-        await group.released.wait()
+        await group.cancel()
+
+    def forget_group(self, group: GroupReceive) -> None:
+        """A group is over (landed or cancelled) and nothing of it is in transfer."""
+        self._groups.pop(group.tag_base, None)
 
     def listen(self, tag: int, handler: Callable[[memoryview], None], max_bytes: int) -> None:
         """Receive every message tagged ``tag`` (up to ``max_bytes``; longer ones are
@@ -370,8 +253,8 @@ class UcxWorker:
         descriptor while idle, so that messages are noticed as they arrive.
         """
         self._check_open()
-        _check_tag(tag)
-        self._listeners[tag] = _Listener(handler, max_bytes)
+        check_tag(tag)
+        self._listeners[tag] = Listener(handler, max_bytes)
         self._wake()
 
     async def cancel(self, tag: int) -> None:
@@ -541,16 +424,13 @@ class UcxWorker:
         listener = self._listeners.get(tag)
         if listener is not None and num_bytes <= listener.max_bytes:
             buffer = memoryview(bytearray(num_bytes))
-            self._incoming.append((self._receive(message, buffer), buffer, listener))
+            self._incoming.append((self.post_receive(message, buffer), buffer, listener))
             return
         receive = self._expected.get(tag)
         if receive is None:
             group = self._groups.get(tag - tag % MAX_BATCH_MESSAGES)
             if group is not None and tag % MAX_BATCH_MESSAGES >= group.first:
-                if group.cancelled:
-                    self._discard(message, num_bytes)
-                else:
-                    self._arrive_group(group, tag % MAX_BATCH_MESSAGES, message, num_bytes)
+                group.arrive(tag % MAX_BATCH_MESSAGES, message, num_bytes)
                 return
         if receive is not None and num_bytes > receive.capacity:
             self._fail(
@@ -559,24 +439,24 @@ class UcxWorker:
             receive = None
         if receive is None:
             self._abandoned.pop(tag, None)
-            self._discard(message, num_bytes)
+            self.discard(message, num_bytes)
             return
         del self._expected[tag]
         self._post(tag, receive, message, num_bytes)
 
-    def _post(self, tag: int, receive: _Receive, message: int, num_bytes: int) -> None:
+    def _post(self, tag: int, receive: Receive, message: int, num_bytes: int) -> None:
         """Receive a probed message into its slot (which must take exactly its bytes)."""
         try:
-            region = _region(receive, num_bytes)
+            region = region_for(receive, num_bytes)
         except InvalidArgument as exc:
             self._fail(tag, receive, str(exc))
-            self._discard(message, num_bytes)
+            self.discard(message, num_bytes)
             return
         receive.num_bytes = num_bytes
-        receive.posted = self._receive(message, region)
+        receive.posted = self.post_receive(message, region)
         self._matched[tag] = receive
 
-    def _fail(self, tag: int, receive: _Receive, why: str) -> None:
+    def _fail(self, tag: int, receive: Receive, why: str) -> None:
         self._expected.pop(tag, None)
         receive.future.set_exception(
             InvalidArgument(
@@ -585,12 +465,12 @@ class UcxWorker:
         )
         receive.released.set()
 
-    def _receive(self, message: int, region: Any) -> ucp.Receive:
+    def post_receive(self, message: int, region: Any) -> ucp.Receive:
         return self._ucp.receive(self._handle, message, region)
 
-    def _discard(self, message: int, num_bytes: int) -> None:
+    def discard(self, message: int, num_bytes: int) -> None:
         """Receive an unwanted message into the tombstone: truncated, its bytes never read."""
-        self._tombstones.append(self._receive(message, self._tombstone))
+        self._tombstones.append(self.post_receive(message, self._tombstone))
 
     def _reap(self) -> bool:
         """Resolve the futures of completed requests; True if any completed."""
@@ -598,12 +478,7 @@ class UcxWorker:
             return False
         num_before = self.num_pending
         for group in list(self._groups.values()):
-            for index, posted in list(group.posted.items()):
-                status = posted.status()
-                if status != ucp.UCS_INPROGRESS:
-                    del group.posted[index]
-                    self._landed_group(group, status)
-            self._settle_group(group)
+            group.reap()
         if self._incoming:
             self._deliver_incoming()
         for tag, receive in list(self._matched.items()):
@@ -611,11 +486,11 @@ class UcxWorker:
             status = receive.posted.status()
             if status != ucp.UCS_INPROGRESS:
                 del self._matched[tag]
-                _resolve_receive(receive, status)
+                resolve_receive(receive, status)
                 receive.released.set()
         for send in [s for s in self._sends.values() if s.request.completed]:
             del self._sends[send.future]
-            _resolve_send(send.future, send.request)
+            resolve_send(send.future, send.request)
         self._tombstones = [t for t in self._tombstones if t.status() == ucp.UCS_INPROGRESS]
         return self.num_pending < num_before
 
@@ -662,106 +537,9 @@ class UcxWorker:
             del self._abandoned[tag]
 
 
-def _context(transports: str | None) -> Any:
-    config = {"TLS": transports} if transports else {}
-    try:
-        return ucx_api.UCXContext(config, (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-    except ucx_api.UCXError as exc:
-        raise InvalidArgument(
-            f"UCX cannot start with transports {transports!r} ({exc}); use None for UCX's "
-            "choice, or names such as 'tcp', 'sm' (shared memory), 'cma', 'self'"
-        ) from exc
-
-
-def batch_tag(tag_base: int, index: int) -> int:
-    """The tag of message ``index`` of the batch starting at ``tag_base``."""
-    if tag_base % MAX_BATCH_MESSAGES or not 0 <= tag_base <= MAX_TAG:
-        raise InvalidArgument(
-            f"tag base {tag_base:#x} must be a 64-bit value with its low {BATCH_INDEX_BITS} "
-            "bits zero (the client makes them with UcxTransport.new_batch)"
-        )
-    if not 0 <= index < MAX_BATCH_MESSAGES:
-        raise InvalidArgument(
-            f"message index {index} is outside a batch of at most {MAX_BATCH_MESSAGES}; "
-            "split the request"
-        )
-    return tag_base + index
-
-
-class _CudaRegion:
-    """A CUDA array as a receive region: its device pointer and size (UCX copies there)."""
-
-    def __init__(self, array: Any) -> None:
-        interface = array.__cuda_array_interface__
-        self.address = interface["data"][0]
-        self.nbytes = Array(array).nbytes
-        self.array = array  # alive while UCX may write
-
-
-def _destination(out: Destination, max_bytes: int | None) -> tuple[Destination, int]:
-    """Check a receive's destination; return it (host memory as a byte view) and its size."""
-    if callable(out):
-        if max_bytes is None or max_bytes < 0:
-            raise InvalidArgument("a receive that allocates on arrival needs max_bytes >= 0")
-        return out, max_bytes
-    if hasattr(out, "__cuda_array_interface__"):
-        region = _CudaRegion(out)
-        return region, region.nbytes
-    try:
-        view = memoryview(out).cast("B")
-    except TypeError:
-        raise InvalidArgument(
-            f"receive buffer must be host memory or a CUDA array, got {type(out).__name__}"
-        ) from None
-    if view.readonly or not view.contiguous:
-        raise InvalidArgument("receive buffer must be writable and contiguous")
-    return view, len(view)
-
-
-def _region(receive: _Receive, num_bytes: int) -> Any:
-    """Where a matched message of ``num_bytes`` is received."""
-    destination = receive.destination
-    if isinstance(destination, memoryview):
-        return destination[:num_bytes]
-    if isinstance(destination, _CudaRegion):
-        return destination  # a longer buffer takes a shorter message
-    view = memoryview(destination(num_bytes)).cast("B")
-    if view.readonly or len(view) < num_bytes:
-        raise InvalidArgument(f"got no writable buffer of {num_bytes} bytes from its allocator")
-    receive.destination = view
-    return view[:num_bytes]
-
-
 _TIMED_OUT = object()  # what the idle timer wakes a waiting progress loop with
 
 
 def _set_once(future: asyncio.Future[object], result: object = None) -> None:
     if not future.done():
         future.set_result(result)
-
-
-def _check_tag(tag: int) -> None:
-    if not 0 <= tag <= MAX_TAG:
-        raise InvalidArgument(f"UCX tag {tag} is not an unsigned 64-bit integer")
-
-
-def _resolve_receive(receive: _Receive, status: int) -> None:
-    """Complete a receive's future from its final status (unless the waiter gave up)."""
-    if receive.future.done():
-        return
-    if status == ucp.UCS_OK:
-        receive.future.set_result(receive.num_bytes)
-    else:
-        receive.future.set_exception(Unavailable(f"UCX receive failed with status {status}"))
-
-
-def _resolve_send(future: asyncio.Future[Any], request: Any) -> None:
-    """Complete ``future`` from a finished ucxx send (unless the waiter gave up)."""
-    if future.done():
-        return
-    try:
-        request.check_error()
-    except Exception as exc:  # one ucxx error type per UCX status; all mean "not delivered"
-        future.set_exception(Unavailable(f"UCX transfer failed: {type(exc).__name__}: {exc}"))
-    else:
-        future.set_result(None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.storage_bench import Result, best_of_each
+from bench.storage.report import Result, best_of_each
 
 MiB = 1 << 20
 
