@@ -131,8 +131,11 @@ class ClassStats:
 
     def add(self, other: ClassStats) -> None:
         """Sum ``other`` into this one (peaks too: callers fix ``all``'s peaks)."""
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _CLASS_STATS_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_CLASS_STATS_FIELDS = tuple(f.name for f in fields(ClassStats))
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ class CountsTotal:
         self.new_counts[at] += counts.miss_inserted
         num = self.live_changes.shape[1]
         changes = self.live_changes.reshape(-1)  # [class * num + request]
-        np.add.at(changes, self.request_classes[at] * num + at, counts.miss_inserted)
+        changes[self.request_classes[at] * num + at] += counts.miss_inserted  # at: distinct
         np.add.at(changes, counts.evict_classes * num + counts.evict_requests, -counts.evict_counts)
         expiry_at = np.searchsorted(self.times, counts.expiry_s, side="left")  # is_expired: >=
         np.add.at(changes, counts.expiry_classes * num + expiry_at, -counts.expiry_counts)
@@ -249,14 +252,19 @@ def simulate_counts(
 def _native_counts(trace: Trace, config: SimConfig, progress: ProgressFn | None) -> SimCounts:
     """``_Cache``'s pass in C over the same arrays, in chunks of visits for ``progress``."""
     lengths = np.diff(trace.block_offsets)
-    visits = np.flatnonzero(lengths)
-    starts, lengths = trace.block_offsets[visits], lengths[visits]
-    visit_times = _relative_times(trace)[visits]
+    visit_times, classes = _relative_times(trace), trace.class_ids
+    starts = trace.block_offsets[:-1]
+    if lengths.all():  # a partition's requests all have blocks in it: visits are its rows
+        visits = np.arange(len(lengths))
+    else:
+        visits = np.flatnonzero(lengths)
+        starts, lengths = starts[visits], lengths[visits]
+        visit_times, classes = visit_times[visits], classes[visits]
     end_s = _relative_end_s(trace)
     window_start_s = config.warmup_fraction * end_s
     ttl_s = [config.classes.ttl_s(name) for name in trace.class_names]
     native = simloop.NativePass(
-        visit_times, trace.class_ids[visits], starts, lengths, trace.block_ids, trace.num_blocks,
+        visit_times, classes, starts, lengths, trace.block_ids, trace.num_blocks,
         ttl_s, config.capacity_blocks, config.eviction is EvictionOrder.LRU, window_start_s,
     )  # fmt: skip
     try:
@@ -268,8 +276,8 @@ def _native_counts(trace: Trace, config: SimConfig, progress: ProgressFn | None)
             for first in range(begin, end, chunk):
                 last = min(first + chunk, end)
                 native.visit(first, last)
-                done += int(lengths[first:last].sum())
                 if progress is not None:
+                    done += int(lengths[first:last].sum())
                     progress(done)
         native.finish(end_s)
         out = native.results()
@@ -627,16 +635,20 @@ def _pass_counts(
     the visit's blocks, blocks inserted), ``evictions`` [n, 3] (visit, class, blocks) and
     ``expiries`` [n, 3] (instant, class, blocks), with requests and positions in the whole
     trace."""
-    requests = visit_rows if trace.request_ids is None else trace.request_ids[visit_rows]
+
+    def requests(visits: np.ndarray) -> np.ndarray:
+        rows = visit_rows[visits]
+        return (rows if trace.request_ids is None else trace.request_ids[rows]).astype(np.int64)
+
     misses = misses.reshape(-1, 3)
     miss_visits, at = misses[:, 0], misses[:, 1]
     if trace.block_positions is not None:  # a partition: positions in the whole request
         at = trace.block_positions[starts[miss_visits] + at].astype(np.int64)
     return SimCounts(
-        miss_requests=requests[miss_visits].astype(np.int64),
+        miss_requests=requests(miss_visits),
         miss_positions=at,
         miss_inserted=misses[:, 2].copy(),
-        evict_requests=requests[evictions[:, 0]].astype(np.int64),
+        evict_requests=requests(evictions[:, 0]),
         evict_classes=evictions[:, 1].copy(),
         evict_counts=evictions[:, 2].copy(),
         expiry_s=expiries[:, 0].copy(),
