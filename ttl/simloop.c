@@ -6,7 +6,7 @@
  * microseconds of Python per visit (a request touches nearly every partition). Here a visit
  * costs tens of nanoseconds, so P partitions cost what one process costs.
  *
- * The algorithm is ttl/simulator.py's _Cache, line for line (its docstrings say why it is
+ * The algorithm is ttl/sim_python.py's PythonPass, line for line (its docstrings say why it is
  * correct): dense block ids; per block its class (-1: not resident) and the queue entry that
  * holds its last touch (entry = visit * num_classes + class); per class a queue of visits in
  * time order, which expiry and eviction consume lazily from its head, skipping blocks whose

@@ -1,6 +1,6 @@
 """The simulator's per-access loop compiled: ``ttl/simloop.c`` through ctypes.
 
-``ttl/simulator.py``'s ``_Cache`` is the pure-Python pass and the reference of the semantics;
+``ttl/sim_python.py``'s ``PythonPass`` is the pure-Python pass and the reference of the semantics;
 this runs the same algorithm over the same arrays in C (``make native`` builds
 ``ttl/_simloop.so``). Without the library (no compiler, or ``KVSTORE_NATIVE=0``) the simulator
 runs the Python pass; ``tests/ttl/test_simloop.py`` checks the two agree on random traces.
