@@ -278,7 +278,7 @@ def assemble_partition(merged: MergedRequests, block_pieces: Sequence[BlockPiece
     block_ids, num_blocks = _renumber(block_pieces)
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    if len(rows) > 1 and not np.all(rows[1:] > rows[:-1]):  # units not in time order
+    if len(block_pieces) > 1 and not np.all(rows[1:] > rows[:-1]):  # units not in time order
         order = np.argsort(rows, kind="stable")
         new_offsets, block_ids = reorder_segments(order, offsets, block_ids)
         _, positions = reorder_segments(order, offsets, positions)
@@ -321,6 +321,8 @@ def _renumber(block_pieces: Sequence[BlockPiece]) -> tuple[np.ndarray, int]:
 
 
 def _concat(parts: Sequence[np.ndarray], dtype: Any) -> np.ndarray:
+    if len(parts) == 1:  # one unit: its array as it is (no copy where the type fits)
+        return parts[0].astype(dtype, copy=False)
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
 
