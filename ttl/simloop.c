@@ -169,19 +169,17 @@ static double front_priority(sim_t *s, int64_t k) {
     return (!s->lru || isinf(expires_at_s)) ? expires_at_s : last_s;
 }
 
-/* The class whose next live block is evicted first; leaves its cursor on that block. */
+/* The class whose next live block is evicted first; leaves its cursor on that block. A queue's
+ * priorities never fall from front to back, so only the winner's front needs checking; while
+ * its front holds nothing live it moves on, and only its own priority changes. */
 static int64_t lowest_priority_class(sim_t *s) {
+    double priority[64];
+    for (int64_t k = 0; k < s->num_classes; k++)
+        priority[k] = s->live_by_class[k] ? front_priority(s, k) : INFINITY;
     for (;;) {
         int64_t best = -1;
-        double best_priority = INFINITY;
-        for (int64_t k = 0; k < s->num_classes; k++) {
-            if (!s->live_by_class[k]) continue;
-            double priority = front_priority(s, k);
-            if (best < 0 || priority < best_priority) {
-                best = k;
-                best_priority = priority;
-            }
-        }
+        for (int64_t k = 0; k < s->num_classes; k++)
+            if (s->live_by_class[k] && (best < 0 || priority[k] < priority[best])) best = k;
         if (best < 0) return -1;
         int64_t position, end, entry = front(s, best, &position, &end);
         for (; position < end; position++)
@@ -191,6 +189,7 @@ static int64_t lowest_priority_class(sim_t *s) {
             return best;
         }
         s->heads[best]++; /* nothing live in it: its priority may rise */
+        priority[best] = front_priority(s, best);
     }
 }
 
