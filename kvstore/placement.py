@@ -40,6 +40,7 @@ import xxhash
 from kvstore.config import KEY_BYTES, ClusterConfig
 from kvstore.errors import InvalidArgument
 from kvstore.placement_weights import group_weights, node_weights
+from ttl import simloop
 
 _GROUP_ID = struct.Struct("<I")
 _TO_UNIT = 2.0**-64
@@ -200,10 +201,13 @@ def groups_of_keys(
 ) -> np.ndarray:
     """``group_of_key`` for many keys at once: ``keys`` is uint8 [n, 16] (or its little-endian
     uint64 [n, 2] view); returns int64 [n]. The same rendezvous scores, xxh3_64 of
-    ``group_id || key``, computed with numpy over the batch (one pass per group); with
-    ``weights``, weighted as :func:`group_of_key` weighs them (numpy's log may differ from
-    libm's in the last bit: a key at a near-tie may land elsewhere, for tools only)."""
+    ``group_id || key``, computed in C where ``ttl/_simloop.so`` is built (bit for bit as
+    :func:`group_of_key`, weighted or not), else with numpy over the batch (one pass per group;
+    with ``weights``, numpy's log may differ from libm's in the last bit: a key at a near-tie
+    may land elsewhere)."""
     words = _key_words(keys)
+    if simloop.NATIVE:
+        return simloop.rendezvous_groups(words, num_groups, weights)
     k0, k1 = words[:, 0], words[:, 1]
     # xxh3_64 of 20 bytes: avalanche(20 * P1 + mix16B(bytes 0..16) + mix16B(bytes 4..20)),
     # where bytes 4..20 are the key alone, so the second mix is the same for every group.

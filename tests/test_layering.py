@@ -172,6 +172,7 @@ def test_importing_the_client_loads_no_store_or_node_module() -> None:
     [
         ("erasure.shard, erasure.codec, erasure.config, erasure.errors", "grpc"),
         ("ttl.policy, ttl.simulator, ttl.traces, ttl.sweep, ttl.units, ttl.errors", "grpc"),
+        ("ttl.partition, ttl.simloop", "grpc"),
         ("kvstore.node.main, kvstore.store.shard_store, client", "torch"),
     ],
 )

@@ -13,18 +13,23 @@ tasks in ``kvstore/cli/sim_partitions.py``)::
 
     trace --trace_units--> units --split_unit (one task per unit)--> per unit: its requests in
       time order and one BlockPiece per partition --merge_requests (the driver)--> every
-      request's place in the whole trace --assemble_partition (one task per partition)-->
-      partition Traces --simulate_partition (one task per partition and grid point)-->
-      SimCounts --CountsTotal--> ttl.simulator.sim_result per grid point
+      request's place in the whole trace --simulate_pieces (one task per partition:
+      assemble_partition, then simulate_partition per grid point)--> SimCounts
+      --CountsTotal--> ttl.simulator.sim_result per grid point
 
 No step holds the whole trace's blocks: a split task holds one unit, a partition task its own
 blocks and the requests that have blocks in it; the driver holds every request's metadata
-(tens of bytes per request against 8 per block access). Each step is one pass: a split dedupes
-its unit's blocks by hashing (Arrow's dictionary encoding, not a sort), places each distinct
-block once and sorts the accesses once, by partition (a stable radix sort of 16-bit keys); the
-driver merges the units' time-ordered requests (a stable sort of sorted runs is a merge); an
-assembly maps each unit's block numbers to the partition's with one more hash pass over the
-units' distinct blocks, and re-sorts nothing when the units come in time order.
+(tens of bytes per request against 8 per block access). Each step is one pass. A split, with
+the store's placement (``StorePlacement``) and ``ttl/_simloop.so`` built, is one C pass over
+the accesses (``simloop.split_unit``: identities, distinct blocks by an open-addressing hash
+table, each distinct block placed once, a stable counting sort by partition); otherwise the
+same steps in numpy (Arrow's dictionary encoding, the placement function, a radix sort of
+16-bit keys). The driver merges the units' time-ordered requests (a stable sort of sorted runs
+is a merge). A partition's task assembles it once for every grid point: one unit's block
+numbers are the partition's already; several units' are mapped with one hash pass over their
+distinct blocks, re-sorting nothing when the units come in time order. The grid's capacities
+need the distinct blocks before any pass: one unit's are counted by its split, several units'
+by a small task per partition (``count_blocks``).
 
 Block identity: Mooncake ids already name a block with its prefix; per-block ids (Bailian,
 sessions) are chained here by hashing (``chain_identities``: a 64-bit hash of the previous
@@ -72,6 +77,7 @@ class RequestPiece:
     num_blocks: np.ndarray  # int64: cacheable blocks of each whole request
     block_tokens: int
     num_skipped: int
+    num_distinct: int  # distinct blocks of the unit
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,21 @@ class BlockPiece:
     distinct: np.ndarray  # uint64: identities of this piece's distinct blocks
 
 
+@dataclass(frozen=True)
+class StorePlacement:
+    """The store's placement as a ``PartitionFn``: rendezvous over each block identity's key,
+    the groups weighing ``weights`` (None: equal). ``place(identities, P, weights)`` is the
+    store's own hash (``kvstore.cli.sim_partitions``: ttl imports no kvstore); where
+    ``ttl/_simloop.so`` is built, a split computes the same hash inside its one C pass
+    (``simloop.split_unit``) instead of calling it, and tests check the two agree."""
+
+    place: Callable[[np.ndarray, int, tuple[int, ...] | None], np.ndarray]
+    weights: tuple[int, ...] | None = None
+
+    def __call__(self, identities: np.ndarray, num_partitions: int) -> np.ndarray:
+        return self.place(identities, num_partitions, self.weights)
+
+
 def split_unit(
     unit: TraceUnit,
     fmt: str,
@@ -96,27 +117,15 @@ def split_unit(
 ) -> tuple[Any, ...]:
     """Parse ``unit`` and split its block accesses: ``(RequestPiece, BlockPiece x P)``."""
     raw = _in_time_order(parse_unit(unit, fmt, options))
+    if simloop.NATIVE and isinstance(partition_of, StorePlacement):
+        pieces = _native_pieces(raw, num_partitions, partition_of.weights)
+        return (_request_piece(raw, sum(len(piece.distinct) for piece in pieces)), *pieces)
     offsets = np.concatenate([[0], np.cumsum(raw.lengths)])
     identities = block_identities(raw, offsets)
     # Requests share prefixes, so most accesses repeat a block: place each block once.
     block_of_access, distinct = dense_ids(identities)
     group = partition_of(distinct, num_partitions) if len(distinct) else np.empty(0, np.int64)
     local_of_distinct, distinct_by_group, group_bounds = _rank_within_groups(group, num_partitions)
-    if simloop.NATIVE:
-        split = simloop.split_accesses(
-            raw.lengths, block_of_access, group, local_of_distinct, num_partitions
-        )
-        pieces = [
-            BlockPiece(
-                split.run_rows[split.run_bounds[p] : split.run_bounds[p + 1]],
-                split.run_lengths[split.run_bounds[p] : split.run_bounds[p + 1]],
-                split.positions[split.access_bounds[p] : split.access_bounds[p + 1]],
-                split.local_ids[split.access_bounds[p] : split.access_bounds[p + 1]],
-                distinct[distinct_by_group[group_bounds[p] : group_bounds[p + 1]]],
-            )
-            for p in range(num_partitions)
-        ]
-        return (_request_piece(raw), *pieces)
     # One stable radix sort of the accesses by partition; each keeps request then position
     # order inside its partition, and the pieces are slices.
     where = group[block_of_access]
@@ -132,7 +141,29 @@ def split_unit(
         rows, lengths = _runs(request_of[mine])
         mine_distinct = distinct[distinct_by_group[group_bounds[p] : group_bounds[p + 1]]]
         pieces.append(BlockPiece(rows, lengths, positions[mine], local_ids[mine], mine_distinct))
-    return (_request_piece(raw), *pieces)
+    return (_request_piece(raw, len(distinct)), *pieces)
+
+
+def _native_pieces(
+    raw: RawRequests, num_partitions: int, weights: tuple[int, ...] | None
+) -> list[BlockPiece]:
+    """The split's one C pass (identities, distinct blocks, placement, counting sort)."""
+    split = simloop.split_unit(raw.lengths, raw.ids, raw.chain_roots, num_partitions, weights)
+
+    def part(bounds: np.ndarray, array: np.ndarray, p: int) -> np.ndarray:
+        return array[bounds[p] : bounds[p + 1]]
+
+    runs, accesses, blocks = split.run_bounds, split.access_bounds, split.distinct_bounds
+    return [
+        BlockPiece(
+            part(runs, split.run_rows, p),
+            part(runs, split.run_lengths, p),
+            part(accesses, split.positions, p),
+            part(accesses, split.local_ids, p),
+            part(blocks, split.distinct, p),
+        )
+        for p in range(num_partitions)
+    ]
 
 
 def _in_time_order(raw: RawRequests) -> RawRequests:
@@ -176,7 +207,7 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values[starts].astype(np.int32), lengths
 
 
-def _request_piece(raw: RawRequests) -> RequestPiece:
+def _request_piece(raw: RawRequests, num_distinct: int) -> RequestPiece:
     return RequestPiece(
         raw.time_s,
         raw.class_labels,
@@ -187,6 +218,7 @@ def _request_piece(raw: RawRequests) -> RequestPiece:
         raw.lengths,
         raw.block_tokens,
         raw.num_skipped,
+        num_distinct,
     )
 
 
@@ -243,21 +275,10 @@ def assemble_partition(merged: MergedRequests, block_pieces: Sequence[BlockPiece
     ) if block_pieces else np.empty(0, np.int64)  # fmt: skip
     lengths = _concat([piece.lengths for piece in block_pieces], np.int64)
     positions = _concat([piece.positions for piece in block_pieces], np.int32)
-    # The units' block numbers -> the partition's: one hash pass over their distinct blocks.
-    all_distinct = _concat([piece.distinct for piece in block_pieces], np.uint64)
-    if sum(len(piece.distinct) > 0 for piece in block_pieces) > 1:
-        dense_of_distinct, distinct = dense_ids(all_distinct)
-        num_blocks = len(distinct)
-    else:  # one unit's blocks are distinct already: nothing to renumber
-        dense_of_distinct, num_blocks = np.arange(len(all_distinct)), len(all_distinct)
-    firsts = np.cumsum([0, *(len(piece.distinct) for piece in block_pieces)])
-    pieces_ids = [
-        dense_of_distinct[first + piece.local_ids]
-        for first, piece in zip(firsts, block_pieces, strict=False)
-    ]
-    block_ids = _concat(pieces_ids, np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    if len(rows) > 1 and not np.all(rows[1:] > rows[:-1]):  # units not in time order
+    block_ids, num_blocks = _renumber(block_pieces)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if len(block_pieces) > 1 and not np.all(rows[1:] > rows[:-1]):  # units not in time order
         order = np.argsort(rows, kind="stable")
         new_offsets, block_ids = reorder_segments(order, offsets, block_ids)
         _, positions = reorder_segments(order, offsets, positions)
@@ -281,7 +302,27 @@ def assemble_partition(merged: MergedRequests, block_pieces: Sequence[BlockPiece
     )
 
 
+def _renumber(block_pieces: Sequence[BlockPiece]) -> tuple[np.ndarray, int]:
+    """The pieces' accesses as the partition's dense block ids (int32), and its number of
+    blocks: the units' block numbers mapped by one hash pass over their distinct blocks (none
+    when only one unit has blocks here: its numbers are the partition's)."""
+    with_blocks = [piece for piece in block_pieces if len(piece.distinct)]
+    if len(with_blocks) <= 1:
+        local_ids = with_blocks[0].local_ids if with_blocks else np.empty(0, np.int32)
+        return local_ids, len(with_blocks[0].distinct) if with_blocks else 0
+    all_distinct = _concat([piece.distinct for piece in block_pieces], np.uint64)
+    dense_of_distinct, distinct = dense_ids(all_distinct)
+    firsts = np.cumsum([0, *(len(piece.distinct) for piece in block_pieces)])
+    pieces_ids = [
+        dense_of_distinct[first + piece.local_ids]
+        for first, piece in zip(firsts, block_pieces, strict=False)
+    ]
+    return _concat(pieces_ids, np.int32), len(distinct)
+
+
 def _concat(parts: Sequence[np.ndarray], dtype: Any) -> np.ndarray:
+    if len(parts) == 1:  # one unit: its array as it is (no copy where the type fits)
+        return parts[0].astype(dtype, copy=False)
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
 
@@ -362,17 +403,19 @@ class InlineExecutor:
 
 @dataclass(frozen=True)
 class PartitionedTrace:
-    """A trace split over partitions: handles to each partition's ``Trace``, every request
-    (for the results), and the sizes a grid needs before it runs."""
+    """A trace split over partitions: per partition, handles to its pieces (one per unit) and
+    the merged requests they are assembled against (``merged``); every request (for the
+    results), and the sizes a grid needs before it runs."""
 
-    partitions: list[Any]
+    partitions: list[list[Any]]
+    merged: Any
     requests: Trace
     num_accesses: int
     num_blocks: int
 
 
 MAX_PARTITIONS = 2**16  # partition ids sort as uint16
-SPLITTING, ASSEMBLING = "splitting the trace (units)", "assembling partitions"
+SPLITTING, COUNTING = "splitting the trace (units)", "counting blocks (partitions)"
 StepProgress = Callable[[str, int, int], None]  # (step, tasks done, tasks in the step)
 
 
@@ -386,8 +429,10 @@ def split_trace(
     time_scale: float = 1.0,
     progress: StepProgress | None = None,
 ) -> PartitionedTrace:
-    """Split and assemble (module docstring) on ``executor``; ``progress`` sees each step's
-    tasks as they finish."""
+    """Split the units (module docstring) on ``executor`` and merge their requests;
+    ``progress`` sees each step's tasks as they finish. A partition is assembled where it is
+    simulated (``simulate_partitioned``); its distinct blocks are counted here, by a task per
+    partition where several units may share blocks."""
     progress = progress or (lambda step, done, total: None)
     if not 1 <= num_partitions <= MAX_PARTITIONS:
         raise ValueError(f"partitions must be in [1, {MAX_PARTITIONS}], got {num_partitions}")
@@ -403,31 +448,42 @@ def split_trace(
         request_pieces += executor.get([split[0]])
         progress(SPLITTING, len(request_pieces), len(splits))
     merged = merge_requests(request_pieces, time_scale)
-    shared = executor.put(merged)  # once, for every assembly
-    partitions, sizes = [], []
-    for p in range(num_partitions):
-        handle = executor.submit(
-            _assemble_and_size, shared, [split[p + 1] for split in splits], num_returns=2
-        )
-        partitions.append(handle[0])
-        sizes.append(handle[1])
-    measured = []
-    for size in sizes:
-        measured += executor.get([size])
-        progress(ASSEMBLING, len(measured), num_partitions)
+    pieces = [[split[p + 1] for split in splits] for p in range(num_partitions)]
+    if len(splits) == 1:  # one unit's distinct blocks are the partitions' together
+        num_blocks = request_pieces[0].num_distinct
+    else:
+        counts = [executor.submit(count_blocks, mine) for mine in pieces]
+        num_blocks = 0
+        for done, handle in enumerate(counts, 1):
+            num_blocks += executor.get([handle])[0]
+            progress(COUNTING, done, num_partitions)
     return PartitionedTrace(
-        partitions,
+        pieces,
+        executor.put(merged),  # once, for every partition's task
         merged.requests,
-        num_accesses=sum(num_accesses for num_accesses, _ in measured),
-        num_blocks=sum(num_blocks for _, num_blocks in measured),
+        num_accesses=int(merged.requests.request_blocks.sum()),
+        num_blocks=num_blocks,
     )
 
 
-def _assemble_and_size(
-    merged: MergedRequests, block_pieces: Sequence[BlockPiece]
-) -> tuple[Trace, tuple[int, int]]:
+def count_blocks(block_pieces: Sequence[BlockPiece]) -> int:
+    """Distinct blocks of one partition's pieces (units may share blocks)."""
+    distinct = [piece.distinct for piece in block_pieces if len(piece.distinct)]
+    if len(distinct) <= 1:
+        return sum(map(len, distinct))
+    return len(dense_ids(np.concatenate(distinct))[1])
+
+
+def simulate_pieces(
+    merged: MergedRequests,
+    block_pieces: Sequence[BlockPiece],
+    configs: Sequence[SimConfig],
+    num_partitions: int,
+    partition: int,
+) -> list[SimCounts]:
+    """One partition's task: assemble it, then one pass per grid point."""
     trace = assemble_partition(merged, block_pieces)
-    return trace, (trace.num_accesses, trace.num_blocks)
+    return [simulate_partition(trace, c, num_partitions, partition) for c in configs]
 
 
 def simulate_partitioned(
@@ -436,24 +492,20 @@ def simulate_partitioned(
     executor: Executor,
     on_done: Callable[[int], None] | None = None,
 ) -> list[CountsTotal]:
-    """Every grid point on every partition as its own task; the added-up counts per point.
-    ``on_done`` sees the number of finished partition tasks."""
+    """Every partition as one task that assembles it and runs every grid point; the added-up
+    counts per point. ``on_done`` sees the number of finished passes (partitions x points)."""
     num_partitions = len(split.partitions)
     handles = [
-        [
-            executor.submit(simulate_partition, trace, config, num_partitions, p)
-            for p, trace in enumerate(split.partitions)
-        ]
-        for config in configs
+        executor.submit(simulate_pieces, split.merged, pieces, list(configs), num_partitions, p)
+        for p, pieces in enumerate(split.partitions)
     ]
-    totals, num_done = [], 0
-    for point_handles in handles:
-        total = CountsTotal(split.requests)
-        for handle in point_handles:  # one at a time: the driver holds one pass at most
-            (counts,) = executor.get([handle])
+    totals = [CountsTotal(split.requests) for _ in configs]
+    num_done = 0
+    for handle in handles:  # one partition at a time: the driver holds its passes at most
+        (passes,) = executor.get([handle])
+        for total, counts in zip(totals, passes, strict=True):
             total.add(counts)
-            num_done += 1
-            if on_done is not None:
-                on_done(num_done)
-        totals.append(total)
+        num_done += len(passes)
+        if on_done is not None:
+            on_done(num_done)
     return totals

@@ -6,7 +6,7 @@
  * microseconds of Python per visit (a request touches nearly every partition). Here a visit
  * costs tens of nanoseconds, so P partitions cost what one process costs.
  *
- * The algorithm is ttl/simulator.py's _Cache, line for line (its docstrings say why it is
+ * The algorithm is ttl/sim_python.py's PythonPass, line for line (its docstrings say why it is
  * correct): dense block ids; per block its class (-1: not resident) and the queue entry that
  * holds its last touch (entry = visit * num_classes + class); per class a queue of visits in
  * time order, which expiry and eviction consume lazily from its head, skipping blocks whose
@@ -26,7 +26,7 @@ typedef struct {
     /* inputs, owned by the caller (numpy arrays that outlive the state) */
     int64_t num_visits, num_classes;
     const double *times;   /* [visits] relative request times */
-    const int64_t *classes; /* [visits] */
+    const int32_t *classes; /* [visits] */
     const int64_t *starts, *lengths; /* [visits] into ids */
     const int32_t *ids;
     double ttl_s[64];
@@ -78,7 +78,7 @@ void sim_free(sim_t *s) {
 }
 
 sim_t *sim_new(int64_t num_visits, int64_t num_classes, int64_t num_blocks, const double *times,
-               const int64_t *classes, const int64_t *starts, const int64_t *lengths,
+               const int32_t *classes, const int64_t *starts, const int64_t *lengths,
                const int32_t *ids, const double *ttl_s, int64_t capacity, int lru,
                double window_start_s) {
     if (num_classes > 64) return NULL;
@@ -101,6 +101,10 @@ sim_t *sim_new(int64_t num_visits, int64_t num_classes, int64_t num_blocks, cons
     if (!s->block_class || !s->block_entry) { sim_free(s); return NULL; }
     memset(s->block_class, 0xff, num_blocks * sizeof(int32_t));
     memset(s->block_entry, 0xff, num_blocks * sizeof(int64_t));
+    /* at most one miss record per visit: reserved, so the loop never grows it */
+    s->misses.cap = 3 * (num_visits ? num_visits : 1);
+    s->misses.data = malloc(s->misses.cap * sizeof(int64_t));
+    if (!s->misses.data) { sim_free(s); return NULL; }
     return s;
 }
 
@@ -165,19 +169,17 @@ static double front_priority(sim_t *s, int64_t k) {
     return (!s->lru || isinf(expires_at_s)) ? expires_at_s : last_s;
 }
 
-/* The class whose next live block is evicted first; leaves its cursor on that block. */
+/* The class whose next live block is evicted first; leaves its cursor on that block. A queue's
+ * priorities never fall from front to back, so only the winner's front needs checking; while
+ * its front holds nothing live it moves on, and only its own priority changes. */
 static int64_t lowest_priority_class(sim_t *s) {
+    double priority[64];
+    for (int64_t k = 0; k < s->num_classes; k++)
+        priority[k] = s->live_by_class[k] ? front_priority(s, k) : INFINITY;
     for (;;) {
         int64_t best = -1;
-        double best_priority = INFINITY;
-        for (int64_t k = 0; k < s->num_classes; k++) {
-            if (!s->live_by_class[k]) continue;
-            double priority = front_priority(s, k);
-            if (best < 0 || priority < best_priority) {
-                best = k;
-                best_priority = priority;
-            }
-        }
+        for (int64_t k = 0; k < s->num_classes; k++)
+            if (s->live_by_class[k] && (best < 0 || priority[k] < priority[best])) best = k;
         if (best < 0) return -1;
         int64_t position, end, entry = front(s, best, &position, &end);
         for (; position < end; position++)
@@ -187,6 +189,7 @@ static int64_t lowest_priority_class(sim_t *s) {
             return best;
         }
         s->heads[best]++; /* nothing live in it: its priority may rise */
+        priority[best] = front_priority(s, best);
     }
 }
 
@@ -288,62 +291,13 @@ void sim_results(const sim_t *s, int64_t *misses, int64_t *evictions, int64_t *e
     memcpy(evicted, s->evicted, s->num_classes * sizeof(int64_t));
 }
 
-/* --- splitting a unit's accesses by partition (ttl/partition.py) ------------------------------
- * A counting sort, stable: each partition's accesses stay in request then position order.
- * Pass 1 counts accesses and runs (a run: one request's accesses in one partition) per
- * partition; pass 2 places each access and each run. ``access_bounds`` and ``run_bounds`` are
- * [partitions + 1]; the outputs are [accesses] (positions, local ids) and [runs]. */
-int sim_split(int64_t num_requests, const int64_t *lengths, const int32_t *block_of_access,
-              const int32_t *group_of_block, const int32_t *local_of_block,
-              int64_t num_partitions, int64_t *access_bounds, int64_t *run_bounds,
-              int32_t *positions, int32_t *local_ids, int32_t *run_rows, int32_t *run_lengths) {
-    int64_t *last = malloc(num_partitions * sizeof(int64_t));
-    int64_t *access_at = malloc(num_partitions * sizeof(int64_t));
-    int64_t *run_at = malloc(num_partitions * sizeof(int64_t));
-    if (!last || !access_at || !run_at) {
-        free(last); free(access_at); free(run_at);
-        return 1;
-    }
-    memset(access_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
-    memset(run_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
-    for (int64_t p = 0; p < num_partitions; p++) last[p] = -1;
-    int64_t a = 0;
-    for (int64_t r = 0; r < num_requests; r++)
-        for (int64_t j = 0; j < lengths[r]; j++, a++) {
-            int32_t g = group_of_block[block_of_access[a]];
-            access_bounds[g + 1]++;
-            if (last[g] != r) { last[g] = r; run_bounds[g + 1]++; }
-        }
-    for (int64_t p = 0; p < num_partitions; p++) {
-        access_bounds[p + 1] += access_bounds[p];
-        run_bounds[p + 1] += run_bounds[p];
-        access_at[p] = access_bounds[p];
-        run_at[p] = run_bounds[p] - 1;
-        last[p] = -1;
-    }
-    a = 0;
-    for (int64_t r = 0; r < num_requests; r++)
-        for (int64_t j = 0; j < lengths[r]; j++, a++) {
-            int32_t b = block_of_access[a], g = group_of_block[b];
-            int64_t at = access_at[g]++;
-            positions[at] = (int32_t)j;
-            local_ids[at] = local_of_block[b];
-            if (last[g] != r) {
-                last[g] = r;
-                run_at[g]++;
-                run_rows[run_at[g]] = (int32_t)r;
-                run_lengths[run_at[g]] = 0;
-            }
-            run_lengths[run_at[g]]++;
-        }
-    free(last); free(access_at); free(run_at);
-    return 0;
-}
-
-/* --- the store's placement: rendezvous over xxh3_64 (kvstore.placement.groups_of_keys) -------
+/* --- the store's placement: rendezvous over xxh3_64 (kvstore.placement) -----------------------
  * Each 16-byte key goes to the group with the highest xxh3_64(group id (u32 LE) || key); the
  * 20-byte case of XXH3 with its default secret, as groups_of_keys computes it in numpy, so the
- * two agree bit for bit (tests/kvstore/cli/test_sim_partitions.py checks it). */
+ * two agree bit for bit. With group weights, the lowest -log(u) / weight, u the score scaled
+ * into (0, 1), computed as kvstore.placement.group_of_key does in Python (the same libm log,
+ * the same double operations in the same order), so the two agree bit for bit too. Tests:
+ * tests/kvstore/cli/test_sim_partitions.py. */
 static const uint64_t XXH_SECRET[4] = {0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL,
                                        0xdb979083e96dd4deULL, 0x1f67b3b7a4a44072ULL};
 
@@ -358,22 +312,35 @@ static uint64_t xxh3_avalanche(uint64_t h) {
     return h ^ (h >> 32);
 }
 
-void sim_rendezvous(int64_t n, const uint64_t *keys, int64_t num_groups, int64_t *out) {
+/* weights: NULL (plain rendezvous) or [num_groups] integer weights. */
+static int64_t rendezvous_group(uint64_t k0, uint64_t k1, int64_t num_groups,
+                                const int64_t *weights) {
     const uint64_t len20 = 20ULL * 0x9E3779B185EBCA87ULL;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t k0 = keys[2 * i], k1 = keys[2 * i + 1];
-        uint64_t key_part = len20 + mul128_fold64(k0 ^ XXH_SECRET[2], k1 ^ XXH_SECRET[3]);
-        uint64_t high_word = ((k0 >> 32) | (k1 << 32)) ^ XXH_SECRET[1];
-        uint64_t low_key = (k0 & 0xFFFFFFFFULL) << 32;
-        int64_t best = 0;
-        uint64_t best_score = 0;
-        for (int64_t g = 0; g < num_groups; g++) {
-            uint64_t mixed = mul128_fold64((low_key | (uint64_t)g) ^ XXH_SECRET[0], high_word);
-            uint64_t score = xxh3_avalanche(key_part + mixed);
-            if (g == 0 || score > best_score) { best = g; best_score = score; }
+    uint64_t key_part = len20 + mul128_fold64(k0 ^ XXH_SECRET[2], k1 ^ XXH_SECRET[3]);
+    uint64_t high_word = ((k0 >> 32) | (k1 << 32)) ^ XXH_SECRET[1];
+    uint64_t low_key = (k0 & 0xFFFFFFFFULL) << 32;
+    int64_t best = 0;
+    uint64_t best_score = 0;
+    double best_cost = INFINITY;
+    for (int64_t g = 0; g < num_groups; g++) {
+        uint64_t mixed = mul128_fold64((low_key | (uint64_t)g) ^ XXH_SECRET[0], high_word);
+        uint64_t score = xxh3_avalanche(key_part + mixed);
+        if (weights) {
+            volatile double u = ((double)score + 0.5) * 0x1p-64; /* no fused or reordered math */
+            double cost = -log(u) / (double)weights[g];
+            if (cost < best_cost) { best = g; best_cost = cost; }
+        } else if (g == 0 || score > best_score) {
+            best = g;
+            best_score = score;
         }
-        out[i] = best;
     }
+    return best;
+}
+
+void sim_rendezvous(int64_t n, const uint64_t *keys, int64_t num_groups, const int64_t *weights,
+                    int64_t *out) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = rendezvous_group(keys[2 * i], keys[2 * i + 1], num_groups, weights);
 }
 
 /* --- chained block identities (ttl/traces.py chain_identities) ---------------------------------
@@ -399,4 +366,156 @@ void sim_chain(int64_t num_requests, const int64_t *lengths, const int64_t *ids,
         for (int64_t j = 0; j < lengths[r]; j++, a++)
             out[a] = identity = mix64(identity, (uint64_t)ids[a]);
     }
+}
+
+/* --- splitting a unit's accesses by partition, in one pass (ttl/partition.py split_unit) -------
+ * Pass 1, per access: its identity (the id, or chained from the request's root), its distinct
+ * block (an open-addressing table keyed by identity; blocks numbered in order of first
+ * appearance), and for a new block its partition (the store's rendezvous over the identity's
+ * key, kvstore.cli.sim_partitions.identity_keys: mix64(identity, 0), mix64(identity, salt))
+ * and its index among its partition's blocks. Pass 2: a stable counting sort of the accesses
+ * by partition, each partition's in request then position order, with runs (one request's
+ * accesses in one partition). The distinct identities come out grouped by partition, in order
+ * of first appearance. Outputs are sized by the caller for every access ([accesses]); the
+ * bounds arrays are [partitions + 1]. Returns 0, or 1 when memory ran out. */
+static const uint64_t KEY_SALT = 0x6B7673746F726531ULL; /* "kvstore1" */
+
+typedef struct {
+    uint64_t identity;
+    int64_t block; /* -1: empty */
+} slot_t;
+
+typedef struct {
+    slot_t *slots;
+    int64_t mask;
+} table_t;
+
+static int table_init(table_t *t, int64_t min_slots) {
+    int64_t n = 1024;
+    while (n < min_slots) n *= 2;
+    t->slots = malloc(n * sizeof(slot_t));
+    if (!t->slots) return 1;
+    t->mask = n - 1;
+    for (int64_t i = 0; i < n; i++) t->slots[i].block = -1;
+    return 0;
+}
+
+/* The slot index keeps an identity's low bits: chained identities are well mixed already, and
+ * ids numbered in order (Mooncake's) then probe neighbouring slots, in cache, as a request
+ * reads its blocks one after another. */
+static slot_t *table_find(const table_t *t, uint64_t identity) {
+    int64_t i = (int64_t)(identity ^ (identity >> 32)) & t->mask;
+    while (t->slots[i].block >= 0 && t->slots[i].identity != identity) i = (i + 1) & t->mask;
+    return &t->slots[i];
+}
+
+/* Doubles the table (kept at most half full) from the identities of its blocks. */
+static int table_grow(table_t *t, const uint64_t *identities, int64_t num_blocks) {
+    free(t->slots);
+    if (table_init(t, 2 * (t->mask + 1))) return 1;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        slot_t *slot = table_find(t, identities[b]);
+        slot->identity = identities[b];
+        slot->block = b;
+    }
+    return 0;
+}
+
+typedef struct {
+    int64_t num_partitions;
+    const int64_t *weights;
+    int64_t *block_group, *block_local, *group_count;
+    uint64_t *identities;
+    int64_t num_blocks;
+    table_t table;
+} dedupe_t;
+
+/* The distinct block of ``identity``, placed when new; -1 when memory ran out. */
+static int64_t block_of(dedupe_t *d, uint64_t identity) {
+    slot_t *slot = table_find(&d->table, identity);
+    if (slot->block >= 0) return slot->block;
+    int64_t b = d->num_blocks++;
+    slot->identity = identity;
+    slot->block = b;
+    d->identities[b] = identity;
+    int64_t g = rendezvous_group(mix64(identity, 0), mix64(identity, KEY_SALT),
+                                 d->num_partitions, d->weights);
+    d->block_group[b] = g;
+    d->block_local[b] = d->group_count[g]++;
+    if (2 * d->num_blocks > d->table.mask + 1 &&
+        table_grow(&d->table, d->identities, d->num_blocks))
+        return -1;
+    return b;
+}
+
+/* Pass 1: each access's distinct block into block_of_access; counts per partition. */
+static int dedupe_accesses(dedupe_t *d, int64_t num_requests, const int64_t *lengths,
+                           const int64_t *ids, const int64_t *roots, int32_t *block_of_access,
+                           int64_t *access_bounds, int64_t *run_bounds, int64_t *last) {
+    int64_t a = 0;
+    for (int64_t r = 0; r < num_requests; r++) {
+        uint64_t identity = roots ? mix64((uint64_t)roots[r], 0) : 0;
+        for (int64_t j = 0; j < lengths[r]; j++, a++) {
+            identity = roots ? mix64(identity, (uint64_t)ids[a]) : (uint64_t)ids[a];
+            int64_t b = block_of(d, identity);
+            if (b < 0) return 1;
+            block_of_access[a] = (int32_t)b;
+            int64_t g = d->block_group[b];
+            access_bounds[g + 1]++;
+            if (last[g] != r) { last[g] = r; run_bounds[g + 1]++; }
+        }
+    }
+    return 0;
+}
+
+int sim_split_unit(int64_t num_requests, const int64_t *lengths, const int64_t *ids,
+                   const int64_t *roots, int64_t num_accesses, int64_t num_partitions,
+                   const int64_t *weights, int64_t *access_bounds, int64_t *run_bounds,
+                   int64_t *distinct_bounds, int32_t *positions, int32_t *local_ids,
+                   int32_t *run_rows, int32_t *run_lengths, uint64_t *distinct) {
+    int64_t n = num_accesses ? num_accesses : 1, p_size = num_partitions * sizeof(int64_t);
+    dedupe_t d = {num_partitions, weights, malloc(n * sizeof(int64_t)),
+                  malloc(n * sizeof(int64_t)), calloc(num_partitions, sizeof(int64_t)),
+                  malloc(n * sizeof(uint64_t)), 0, {NULL, 0}};
+    int32_t *block_of_access = malloc(n * sizeof(int32_t));
+    int64_t *last = malloc(p_size), *access_at = malloc(p_size), *run_at = malloc(p_size);
+    int failed = !d.block_group || !d.block_local || !d.group_count || !d.identities ||
+                 !block_of_access || !last || !access_at || !run_at ||
+                 table_init(&d.table, num_accesses / 8);
+    if (!failed) {
+        memset(access_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
+        memset(run_bounds, 0, (num_partitions + 1) * sizeof(int64_t));
+        for (int64_t p = 0; p < num_partitions; p++) last[p] = -1;
+        failed = dedupe_accesses(&d, num_requests, lengths, ids, roots, block_of_access,
+                                 access_bounds, run_bounds, last);
+    }
+    if (!failed) {
+        distinct_bounds[0] = 0;
+        for (int64_t p = 0; p < num_partitions; p++) {
+            access_bounds[p + 1] += access_bounds[p];
+            run_bounds[p + 1] += run_bounds[p];
+            distinct_bounds[p + 1] = distinct_bounds[p] + d.group_count[p];
+            access_at[p] = access_bounds[p];
+            run_at[p] = run_bounds[p] - 1;
+            last[p] = -1;
+        }
+        for (int64_t b = 0; b < d.num_blocks; b++)
+            distinct[distinct_bounds[d.block_group[b]] + d.block_local[b]] = d.identities[b];
+        int64_t a = 0;
+        for (int64_t r = 0; r < num_requests; r++)
+            for (int64_t j = 0; j < lengths[r]; j++, a++) {
+                int64_t b = block_of_access[a], g = d.block_group[b], at = access_at[g]++;
+                positions[at] = (int32_t)j;
+                local_ids[at] = (int32_t)d.block_local[b];
+                if (last[g] != r) {
+                    last[g] = r;
+                    run_rows[++run_at[g]] = (int32_t)r;
+                    run_lengths[run_at[g]] = 0;
+                }
+                run_lengths[run_at[g]]++;
+            }
+    }
+    free(d.block_group); free(d.block_local); free(d.group_count); free(d.identities);
+    free(d.table.slots); free(block_of_access); free(last); free(access_at); free(run_at);
+    return failed;
 }

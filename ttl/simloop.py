@@ -1,6 +1,6 @@
 """The simulator's per-access loop compiled: ``ttl/simloop.c`` through ctypes.
 
-``ttl/simulator.py``'s ``_Cache`` is the pure-Python pass and the reference of the semantics;
+``ttl/sim_python.py``'s ``PythonPass`` is the pure-Python pass and the reference of the semantics;
 this runs the same algorithm over the same arrays in C (``make native`` builds
 ``ttl/_simloop.so``). Without the library (no compiler, or ``KVSTORE_NATIVE=0``) the simulator
 runs the Python pass; ``tests/ttl/test_simloop.py`` checks the two agree on random traces.
@@ -17,7 +17,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass, fields, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +52,9 @@ def _load() -> ctypes.CDLL | None:
     lib.sim_sizes.restype = None
     lib.sim_results.argtypes = [ptr] * 7
     lib.sim_results.restype = None
-    lib.sim_split.argtypes = [i64, ptr, ptr, ptr, ptr, i64, *[ptr] * 6]
-    lib.sim_split.restype = ctypes.c_int
-    lib.sim_rendezvous.argtypes = [i64, ptr, i64, ptr]
+    lib.sim_split_unit.argtypes = [i64, ptr, ptr, ptr, i64, i64, *[ptr] * 9]
+    lib.sim_split_unit.restype = ctypes.c_int
+    lib.sim_rendezvous.argtypes = [i64, ptr, i64, ptr, ptr]
     lib.sim_rendezvous.restype = None
     lib.sim_chain.argtypes = [i64, ptr, ptr, ptr, ptr]
     lib.sim_chain.restype = None
@@ -65,7 +66,7 @@ NATIVE = _lib is not None
 
 
 def _address(array: np.ndarray) -> int:
-    return array.ctypes.data
+    return array.__array_interface__["data"][0]
 
 
 class NativePass:
@@ -90,7 +91,7 @@ class NativePass:
             raise ValueError(f"the compiled loop takes at most {MAX_CLASSES} traffic classes")
         self._arrays = (
             np.ascontiguousarray(times, np.float64),
-            np.ascontiguousarray(classes, np.int64),
+            np.ascontiguousarray(classes, np.int32),
             np.ascontiguousarray(starts, np.int64),
             np.ascontiguousarray(lengths, np.int64),
             np.ascontiguousarray(block_ids, np.int32),
@@ -151,60 +152,80 @@ class NativePass:
 
 
 @dataclass(frozen=True)
-class SplitAccesses:
+class SplitUnit:
     """A unit's accesses sorted by partition (stable): partition ``p`` has accesses
-    ``access_bounds[p]:access_bounds[p + 1]`` (``positions`` in their request, ``local_ids``)
-    and runs ``run_bounds[p]:run_bounds[p + 1]`` (``run_rows``: the request, ``run_lengths``:
-    its accesses there)."""
+    ``access_bounds[p]:access_bounds[p + 1]`` (``positions`` in their request, ``local_ids``:
+    indexes into its distinct blocks), runs ``run_bounds[p]:run_bounds[p + 1]`` (``run_rows``:
+    the request, ``run_lengths``: its accesses there) and distinct blocks
+    ``distinct_bounds[p]:distinct_bounds[p + 1]`` of ``distinct`` (identities, in order of
+    first appearance)."""
 
     access_bounds: np.ndarray  # int64 [partitions + 1]
     run_bounds: np.ndarray  # int64 [partitions + 1]
+    distinct_bounds: np.ndarray  # int64 [partitions + 1]
     positions: np.ndarray  # int32 [accesses]
     local_ids: np.ndarray  # int32 [accesses]
     run_rows: np.ndarray  # int32 [runs]
     run_lengths: np.ndarray  # int32 [runs]
+    distinct: np.ndarray  # uint64 [distinct blocks]
 
 
-def split_accesses(
+def split_unit(
     lengths: np.ndarray,
-    block_of_access: np.ndarray,
-    group_of_block: np.ndarray,
-    local_of_block: np.ndarray,
+    ids: np.ndarray,
+    roots: np.ndarray | None,
     num_partitions: int,
-) -> SplitAccesses:
-    """Counting-sort a unit's accesses by their block's partition, in one C pass (two reads)."""
-    assert _lib is not None, "split_accesses needs ttl/_simloop.so (make native)"
-    inputs = (
-        np.ascontiguousarray(lengths, np.int64),
-        np.ascontiguousarray(block_of_access, np.int32),
-        np.ascontiguousarray(group_of_block, np.int32),
-        np.ascontiguousarray(local_of_block, np.int32),
-    )
+    weights: Sequence[int] | None,
+) -> SplitUnit:
+    """A unit's identities, distinct blocks, their placement and the counting sort of its
+    accesses by partition, in one C pass (``ttl/simloop.c``, ``sim_split_unit``): the store's
+    rendezvous over ``identity_keys`` of each block's identity (``weights``: the groups'
+    integer weights; None: equal). ``roots``: chain the ids from these (None: ids are
+    identities)."""
+    assert _lib is not None, "split_unit needs ttl/_simloop.so (make native)"
+    inputs = [np.ascontiguousarray(lengths, np.int64), np.ascontiguousarray(ids, np.int64)]
+    inputs.append(None if roots is None else np.ascontiguousarray(roots, np.int64))
+    weight_array = _weights(weights, num_partitions)
     num_accesses = len(inputs[1])
-    out = SplitAccesses(
-        np.empty(num_partitions + 1, np.int64),
-        np.empty(num_partitions + 1, np.int64),
-        np.empty(num_accesses, np.int32),
-        np.empty(num_accesses, np.int32),
-        np.empty(num_accesses, np.int32),  # at most one run per access; cut below
-        np.empty(num_accesses, np.int32),
-    )
-    failed = _lib.sim_split(
-        len(inputs[0]), *map(_address, inputs), num_partitions,
-        *(_address(getattr(out, f.name)) for f in fields(out)),
+    bounds = [np.empty(num_partitions + 1, np.int64) for _ in range(3)]
+    per_access = [np.empty(num_accesses, np.int32) for _ in range(4)]  # runs: cut below
+    distinct = np.empty(num_accesses, np.uint64)
+    failed = _lib.sim_split_unit(
+        len(inputs[0]), *(None if x is None else _address(x) for x in inputs), num_accesses,
+        num_partitions, None if weight_array is None else _address(weight_array),
+        *map(_address, [*bounds, *per_access, distinct]),
     )  # fmt: skip
     if failed:
         raise MemoryError("no memory to split the accesses")
-    num_runs = int(out.run_bounds[-1])
-    return replace(out, run_rows=out.run_rows[:num_runs], run_lengths=out.run_lengths[:num_runs])
+    num_runs, num_distinct = int(bounds[1][-1]), int(bounds[2][-1])
+    positions, local_ids, run_rows, run_lengths = per_access
+    return SplitUnit(
+        *bounds, positions, local_ids, run_rows[:num_runs].copy(),
+        run_lengths[:num_runs].copy(), distinct[:num_distinct].copy(),
+    )  # fmt: skip
 
 
-def rendezvous_groups(keys: np.ndarray, num_groups: int) -> np.ndarray:
-    """``kvstore.placement.groups_of_keys`` for uint64 [n, 2] keys, in C (int64 [n])."""
+def _weights(weights: Sequence[int] | None, num_groups: int) -> np.ndarray | None:
+    if weights is None:
+        return None
+    array = np.ascontiguousarray(weights, np.int64)
+    if array.shape != (num_groups,) or np.any(array < 1):
+        raise ValueError(f"expected {num_groups} group weights >= 1, got {list(weights)}")
+    return array
+
+
+def rendezvous_groups(
+    keys: np.ndarray, num_groups: int, weights: Sequence[int] | None = None
+) -> np.ndarray:
+    """``kvstore.placement.group_of_key`` for uint64 [n, 2] keys, in C (int64 [n]); with
+    ``weights`` (the groups' integer weights) the weighted rendezvous, bit for bit as the
+    Python one computes it."""
     assert _lib is not None, "rendezvous_groups needs ttl/_simloop.so (make native)"
     keys = np.ascontiguousarray(keys, np.uint64)
+    weight_array = _weights(weights, num_groups)
     out = np.empty(len(keys), np.int64)
-    _lib.sim_rendezvous(len(keys), _address(keys), num_groups, _address(out))
+    weights_at = None if weight_array is None else _address(weight_array)
+    _lib.sim_rendezvous(len(keys), _address(keys), num_groups, weights_at, _address(out))
     return out
 
 

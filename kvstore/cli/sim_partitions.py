@@ -2,10 +2,12 @@
 
 ``kvstore sim --partitions P`` splits a trace's blocks over P partitions exactly as a cluster of
 P placement groups splits its keys (``kvstore.placement.groups_of_keys``, rendezvous over
-xxh3_64), each partition with its share of the capacity; ``ttl.partition`` has the pure steps
-and why they combine exactly. A block of a trace has no token ids, so its key is made from its
-64-bit identity (``identity_keys``: 16 well-mixed bytes, like the xxh3-128 digests
-``client.block_keys`` gives), and the store's own hash places it.
+xxh3_64; ``weighted_placement`` for a map whose groups weigh differently), each partition with
+its share of the capacity; ``ttl.partition`` has the pure steps and why they combine exactly. A
+block of a trace has no token ids, so its key is made from its 64-bit identity
+(``identity_keys``: 16 well-mixed bytes, like the xxh3-128 digests ``client.block_keys``
+gives), and the store's own hash places it: in a split's one C pass where ``ttl/_simloop.so``
+is built (``ttl.partition.StorePlacement``), else here.
 
 Tasks run on Ray: a local ``ray.init()`` by default (``--workers`` CPUs), or the cluster at
 ``--ray ADDRESS`` (every node needs this package importable, e.g. installed the same way). ``--ray
@@ -27,14 +29,13 @@ from typing import Any
 import numpy as np
 
 from kvstore.placement import groups_of_keys
-from ttl import simloop
-from ttl.partition import InlineExecutor
+from ttl.partition import InlineExecutor, StorePlacement
 from ttl.traces import mix64
 
 log = logging.getLogger(__name__)
 
 LOCAL, INLINE = "local", "none"
-_KEY_SALT = np.uint64(0x6B76_7374_6F72_6531)  # "kvstore1": the second word's stream
+_KEY_SALT = np.uint64(0x6B76_7374_6F72_6531)  # "kvstore1": the second word (simloop.c: KEY_SALT)
 
 
 def identity_keys(identities: np.ndarray) -> np.ndarray:
@@ -44,14 +45,21 @@ def identity_keys(identities: np.ndarray) -> np.ndarray:
     return np.stack([mix64(identities, zeros), mix64(identities, zeros + _KEY_SALT)], axis=1)
 
 
-def placement_partitions(identities: np.ndarray, num_partitions: int) -> np.ndarray:
-    """The placement group (of ``num_partitions``) the store would put each block in (the same
-    hash in C where ``ttl/_simloop.so`` is built: a pass over the keys per group in numpy costs
-    what the rest of the split does)."""
-    keys = identity_keys(identities)
-    if simloop.NATIVE:
-        return simloop.rendezvous_groups(keys, num_partitions)
-    return groups_of_keys(keys, num_partitions)
+def _place(
+    identities: np.ndarray, num_partitions: int, weights: tuple[int, ...] | None = None
+) -> np.ndarray:
+    """The placement group (of ``num_partitions``, with ``weights``: the groups' integer
+    weights, None: equal) the store would put each block in."""
+    return groups_of_keys(identity_keys(identities), num_partitions, weights)
+
+
+placement_partitions = StorePlacement(_place)  # equal groups: P placement groups of a map
+
+
+def weighted_placement(weights: tuple[int, ...]) -> StorePlacement:
+    """The placement of a map whose groups weigh ``weights``
+    (``kvstore.placement.map_group_weights``)."""
+    return StorePlacement(_place, tuple(weights))
 
 
 class RayExecutor:

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ttl import simloop
 from ttl.errors import TraceFormatError
 from ttl.generate import WorkloadParams, generate_trace
 from ttl.partition import (
@@ -95,25 +94,6 @@ def test_one_partition_agrees_exactly_with_the_whole_trace(workload: Path) -> No
             "request bookkeeping differs"
         )
         assert (got.window_s, got.num_trace_blocks) == (want.window_s, want.num_trace_blocks)
-
-
-@pytest.mark.skipif(not simloop.NATIVE, reason="ttl/_simloop.so is not built")
-@pytest.mark.parametrize("num_partitions", [1, 3, 7])
-def test_the_compiled_split_equals_the_numpy_split(
-    workload: Path, num_partitions: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    options = LoadOptions(block_tokens=128)
-    for unit in trace_units(workload, "mooncake", 20_000):
-        compiled = split_unit(unit, "mooncake", options, num_partitions, _by_mix)
-        monkeypatch.setattr(simloop, "NATIVE", False)
-        plain = split_unit(unit, "mooncake", options, num_partitions, _by_mix)
-        monkeypatch.undo()
-        for got, want in zip(compiled[1:], plain[1:], strict=True):
-            for field in fields(got):
-                np.testing.assert_array_equal(
-                    getattr(got, field.name), getattr(want, field.name),
-                    err_msg=f"{field.name}: the counting sort in C differs from numpy's",
-                )  # fmt: skip
 
 
 @pytest.mark.parametrize("num_partitions", [2, 5])

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore.cli.commands import main
-from kvstore.cli.sim_partitions import identity_keys, placement_partitions
-from kvstore.placement import groups_of_keys
+from kvstore.cli.sim_partitions import identity_keys, placement_partitions, weighted_placement
+from kvstore.placement import group_of_key, groups_of_keys
 from ttl import simloop
 from ttl.generate import WorkloadParams, write_workload
+from ttl.partition import StorePlacement, split_unit
+from ttl.traces import LoadOptions, trace_units
 
 GRID = ["--block-tokens", "128", "--ttl", "chat=1d,7d", "--ttl", "agent=3d",
         "--capacity", "20%,inf", "--warmup", "0.2", "--no-progress"]  # fmt: skip
@@ -51,7 +54,8 @@ def test_every_step_reports_progress(trace_path: Path, tmp_path: Path, capsys, m
                  "2", "--ray", "none", "--unit-bytes", "64KiB",
                  "--json", str(out)]) == 0  # fmt: skip
     err = capsys.readouterr().err
-    for step in ("splitting the trace (units)", "assembling partitions", "simulating partitions"):
+    steps = ("splitting the trace (units)", "counting blocks (partitions)", "simulating partitions")
+    for step in steps:  # 64 KiB units: several, so blocks are counted across them
         assert f"[kvstore] {step}: done" in err, f"step {step!r} reported no progress"
     assert main(["sim", "--trace", str(trace_path), "--block-tokens", "128",
                  "--json", str(out)]) == 0  # fmt: skip
@@ -90,3 +94,63 @@ def test_partitioned_bad_input_is_a_clear_error(trace_path: Path, capsys) -> Non
     assert main(["sim", "--trace", str(trace_path / "nope"), "--partitions", "2",
                  "--ray", "none"]) == 2  # fmt: skip
     assert "no trace at" in capsys.readouterr().err
+
+
+def _random_weights(rng: np.random.Generator, num_groups: int) -> tuple[int, ...]:
+    """Integer group weights as kvstore.placement_weights makes them (up to 2**20), spread
+    from near-equal to 1000x apart."""
+    spread = rng.choice([1.001, 2.0, 1000.0])
+    return tuple(int(w) for w in rng.integers(2**20 // spread, 2**20, num_groups) + 1)
+
+
+@pytest.mark.skipif(not simloop.NATIVE, reason="ttl/_simloop.so is not built")
+def test_the_compiled_weighted_rendezvous_is_the_python_placement_bit_for_bit() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        num_groups = int(rng.integers(1, 40))
+        weights = _random_weights(rng, num_groups)
+        keys = rng.integers(0, 2**64, (400, 2), dtype=np.uint64)
+        want = [group_of_key(key.tobytes(), num_groups, weights) for key in keys]
+        got = simloop.rendezvous_groups(keys, num_groups, weights).tolist()
+        assert got == want, f"C and Python weighted rendezvous disagree ({num_groups} groups)"
+        assert groups_of_keys(keys, num_groups, weights).tolist() == want
+
+
+def _bailian(mooncake: Path, path: Path) -> Path:
+    """The Mooncake file's records as Bailian ones (per-block ids: the split chains them)."""
+    with mooncake.open() as src, path.open("w") as out:
+        for line in src:
+            record = json.loads(line)
+            record["timestamp"] /= 1000.0
+            record["type"] = record.pop("class", "text")
+            out.write(json.dumps(record) + "\n")
+    return path
+
+
+def _plain(placement: StorePlacement):
+    """The same placement, not marked: the split calls it (the numpy path)."""
+    return lambda identities, num_partitions: placement(identities, num_partitions)
+
+
+@pytest.mark.skipif(not simloop.NATIVE, reason="ttl/_simloop.so is not built")
+@pytest.mark.parametrize("fmt", ["mooncake", "bailian"])
+@pytest.mark.parametrize("num_partitions", [1, 3, 7])
+def test_the_compiled_split_equals_the_numpy_split(
+    trace_path: Path, tmp_path: Path, fmt: str, num_partitions: int
+) -> None:
+    """One C pass (identities, distinct blocks, the store's placement, the counting sort)
+    gives the pieces the numpy steps give, equal and weighted groups alike."""
+    path = trace_path if fmt == "mooncake" else _bailian(trace_path, tmp_path / "b.jsonl")
+    options = LoadOptions(block_tokens=128)
+    weights = _random_weights(np.random.default_rng(num_partitions), num_partitions)
+    for placement in (placement_partitions, weighted_placement(weights)):
+        for unit in trace_units(path, fmt, 100_000):
+            compiled = split_unit(unit, fmt, options, num_partitions, placement)
+            plain = split_unit(unit, fmt, options, num_partitions, _plain(placement))
+            assert compiled[0].num_distinct == plain[0].num_distinct
+            for got, want in zip(compiled[1:], plain[1:], strict=True):
+                for field in fields(got):
+                    np.testing.assert_array_equal(
+                        getattr(got, field.name), getattr(want, field.name),
+                        err_msg=f"{field.name}: the C split differs from the numpy steps",
+                    )  # fmt: skip
