@@ -28,11 +28,23 @@ def _node(config_path: Path) -> tuple[str, Clock]:
     return cluster.nodes[0].address, make_clock(cluster.ttl.time_scale, cluster.ttl.origin_unix_s)
 
 
-async def _at_day(clock: Clock, t0_s: float, day: float) -> None:
-    """Sleep until virtual day ``day`` after ``t0_s``; fail if it is already well past."""
-    wait_s = t0_s + day * DAY_S - clock.now()
-    assert wait_s > -0.3 * DAY_S, f"test fell behind its timeline at day {day} (machine busy?)"
+async def _at(clock: Clock, when_s: float) -> None:
+    """Sleep until the cluster clock reads ``when_s``; fail if it is already well past."""
+    wait_s = when_s - clock.now()
+    assert wait_s > -0.3 * DAY_S, "test fell behind its timeline (machine busy?)"
     await asyncio.sleep(max(0.0, wait_s / clock.time_scale))  # type: ignore[attr-defined]
+
+
+async def _listed_lives(client: NodeClient, keys: list[bytes]) -> dict[bytes, tuple[float, float]]:
+    """Key -> (written_at_s, expires_at_s) of each of ``keys`` the node holds (InspectShards:
+    not an access, so no refresh)."""
+    request = pb.InspectShardsRequest(tenant=client.tenant, keys=keys)
+    reply = await client.stub.InspectShards(request, metadata=client._metadata(), timeout=30)
+    return {
+        key: (found.shards[0].written_at_s, found.shards[0].expires_at_s)
+        for key, found in zip(keys, reply.results, strict=True)
+        if found.shards
+    }
 
 
 async def _eventually_stats(client: NodeClient, condition, what: str, timeout_s: float = 10.0):
@@ -50,30 +62,39 @@ async def _eventually_stats(client: NodeClient, condition, what: str, timeout_s:
 async def test_agent_gone_after_3_days_chat_hit_extends_contains_does_not(
     tmp_path: Path, start_node
 ) -> None:
-    config = write_config(tmp_path, time_scale=DAY_S, expiry_window_s=3600.0)
+    """Each check is timed from the expiry the node recorded (InspectShards), not from when
+    the test sent a put: a put a loaded machine answers a virtual day late must not move the
+    timeline (it once made "agent block outlived 3 days" fail at load 40)."""
+    config = write_config(tmp_path, time_scale=DAY_S / 2, expiry_window_s=3600.0)
     start_node(config)
     address, clock = _node(config)
     agent, agent2, chat = b"a" * 16, b"A" * 16, b"c" * 16
     async with NodeClient(address) as client:
-        t0 = clock.now()
         await client.put([(agent, make_shard(b"agent"))], traffic_class="agent")
         await client.put([(chat, make_shard(b"chat"))], traffic_class="chat")
-        await _at_day(clock, t0, 2.5)
+        lives = await _listed_lives(client, [agent, chat])
+        assert lives[agent][1] - lives[agent][0] == 3 * DAY_S, "agent TTL is not 3 days"
+        assert lives[chat][1] - lives[chat][0] == 7 * DAY_S, "chat TTL is not 7 days"
+        agent_dies, chat_dies = lives[agent][1], lives[chat][1]
+        await _at(clock, agent_dies - 0.5 * DAY_S)
         assert [len(v) for v in await client.contains([agent, chat])] == [1, 1]
-        await _at_day(clock, t0, 3.4)
+        await _at(clock, agent_dies + 0.4 * DAY_S)
         assert (await client.get([agent]))[0].status == MISS, "agent block outlived 3 days"
         assert await client.contains([agent, chat]) == [[], [(await _version(client, chat))]]
-        await client.put([(agent2, make_shard(b"agent2"))], traffic_class="agent")  # dies 6.4
-        await _at_day(clock, t0, 5.0)
-        assert (await client.get([chat]))[0].status == HIT  # refresh: chat now lives to day 12
-        await _at_day(clock, t0, 6.0)
+        await client.put([(agent2, make_shard(b"agent2"))], traffic_class="agent")
+        agent2_dies = (await _listed_lives(client, [agent2]))[agent2][1]
+        await _at(clock, chat_dies - 2.0 * DAY_S)
+        assert (await client.get([chat]))[0].status == HIT
+        refreshed_dies = (await _listed_lives(client, [chat]))[chat][1]
+        assert refreshed_dies >= chat_dies + 2.0 * DAY_S, "the hit did not extend chat"
+        await _at(clock, agent2_dies - 0.4 * DAY_S)
         assert len((await client.contains([agent2]))[0]) == 1
-        await _at_day(clock, t0, 7.4)
+        await _at(clock, max(agent2_dies, chat_dies) + 0.4 * DAY_S)
         assert await client.contains([agent2]) == [[]], "contains() extended an agent block"
-        assert len((await client.contains([chat]))[0]) == 1, "the day-5 hit did not extend chat"
-        await _at_day(clock, t0, 11.6)
+        assert len((await client.contains([chat]))[0]) == 1, "the hit did not extend chat"
+        await _at(clock, refreshed_dies - 0.4 * DAY_S)
         assert len((await client.contains([chat]))[0]) == 1
-        await _at_day(clock, t0, 12.4)
+        await _at(clock, refreshed_dies + 0.4 * DAY_S)
         assert await client.contains([chat]) == [[]], "chat block outlived its refreshed TTL"
         stats = await _eventually_stats(
             client,
