@@ -612,7 +612,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-format",
         default="dtype",
         help="stored block formats, comma-separated: dtype (raw values of --dtype), e4m3x16 "
-        "(FP8 with an e8m0 scale per 16 values); dtype is always measured as the baseline",
+        "(FP8 with a bf16 scale per 16 values); dtype is always measured as the baseline",
     )
     parser.add_argument("--num-blocks", type=_positive, default=64, help="blocks per fetch")
     parser.add_argument(
