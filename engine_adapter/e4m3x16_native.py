@@ -87,9 +87,17 @@ def _address(tensor: torch.Tensor) -> int:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kv_format.quantize` in one pass: ``x`` [..., D] (fp32, bf16 or fp16, on CPU)
     -> (e4m3 bytes [..., D], bf16 scales [..., D/16]), both new and dense."""
-    assert _lib is not None and x.dtype in _DTYPE_CODES, f"not for {x.dtype} on {x.device}"
     values = torch.empty(x.shape, dtype=torch.uint8)
     scales = torch.empty((*x.shape[:-1], x.shape[-1] // GROUP_VALUES), dtype=torch.bfloat16)
+    return quantize_into(x, values, scales)
+
+
+def quantize_into(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` into given ``values`` and ``scales`` of any strides but a dense last
+    dimension (e.g. the two parts of a host slot's layers: no allocation, no copy)."""
+    assert _lib is not None and x.dtype in _DTYPE_CODES, f"not for {x.dtype} on {x.device}"
     if x.numel():
         row, (source, value, scale) = rows(
             tuple(x.shape), x.stride(), values.stride(), _scale_strides(scales)

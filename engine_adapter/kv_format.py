@@ -121,13 +121,16 @@ def split_layer(raw: torch.Tensor, part_shape: tuple[int, ...]) -> tuple[torch.T
 
 
 def encode_block(kv: torch.Tensor, out: torch.Tensor) -> None:
-    """Quantise one block's KV ``kv`` [L, P, H, T, D] (the device's) into ``out`` [L,
-    layer_bytes] (uint8, e.g. a host slot; the copy is non_blocking)."""
-    values, scales = quantize(kv)
-    num_values = values[0].numel()
-    layers = kv.shape[0]
-    out[:, :num_values].copy_(values.view(layers, -1), non_blocking=True)
-    out[:, num_values:].copy_(scales.view(torch.uint8).view(layers, -1), non_blocking=True)
+    """Quantise blocks' KV ``kv`` [..., L, P, H, T, D] (the device's) into ``out`` [..., L,
+    layer_bytes] (uint8, e.g. a host slot): on CPU straight into ``out`` (the C kernel), else
+    quantised on the device and copied (non_blocking)."""
+    values, scales = split_layer(out, tuple(kv.shape[-4:]))
+    if e4m3x16_native.usable(kv, values, scales):
+        e4m3x16_native.quantize_into(kv, values, scales)
+        return
+    got_values, got_scales = torch_quantize(kv)
+    values.copy_(got_values, non_blocking=True)
+    scales.copy_(got_scales, non_blocking=True)
 
 
 def decode_layer(raw: torch.Tensor, part_shape: tuple[int, ...], out: torch.Tensor) -> None:
