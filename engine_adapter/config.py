@@ -123,10 +123,10 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """Bytes of the KV cache, all layers, for one token stored in ``dtype``, or in
-        ``e4m3x16`` (a byte per value and one scale byte per 16 values: kv_format.py)."""
+        ``e4m3x16`` (a byte per value and a bf16 scale per 16 values: kv_format.py)."""
         per_layer = self.latent_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         if dtype == "e4m3x16":
-            return self.num_layers * (per_layer + per_layer // 16)
+            return self.num_layers * (per_layer + per_layer // 16 * 2)
         return self.num_layers * per_layer * BYTES_PER_DTYPE[dtype]
 
     def num_params(self) -> int:
