@@ -33,8 +33,10 @@ install: $(STAMP) native
 # a library is built where it runs (`make native NATIVE_CFLAGS=-O3` for a portable build).
 # - ttl/simloop.c -> ttl/_simloop.so: the simulator's per-access loop (ttl/simloop.py); needs
 #   no header, so it is built wherever there is a compiler (else the Python pass runs).
+# - engine_adapter/e4m3x16.c -> engine_adapter/_e4m3x16.so: the e4m3x16 KV codec on CPU
+#   (engine_adapter/e4m3x16_native.py); no header either (else torch ops run).
 NATIVE_LIBS := erasure/_fastsum.so kvstore/wire/_landing.so
-PLAIN_NATIVE_LIBS := ttl/_simloop.so
+PLAIN_NATIVE_LIBS := ttl/_simloop.so engine_adapter/_e4m3x16.so
 NATIVE_CFLAGS ?= -O3 -march=native
 native:
 	@if ! command -v $(CC) >/dev/null 2>&1; then \

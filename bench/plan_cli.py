@@ -65,7 +65,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-dtype",
         default="bfloat16",
         help="stored KV format for --model: bfloat16, float16, float32 or e4m3x16 (FP8 with a "
-        "scale per 16 values: 0.53x bfloat16's bytes)",
+        "bf16 scale per 16 values: 0.5625x bfloat16's bytes)",
     )
     tier = parser.add_argument_group("the tier (flags win over --cluster)")
     tier.add_argument("--cluster", type=Path, help="cluster.toml: k+m, read fanout, expiry "

@@ -32,7 +32,7 @@ def add_kv_format_argument(parser: argparse.ArgumentParser) -> None:
         choices=KV_FORMATS,
         default="dtype",
         help="stored KV blocks: dtype = raw values of the compute dtype (default), e4m3x16 = "
-        "FP8 e4m3 with one e8m0 scale per 16 values (0.53x bf16's bytes; docs/engine.md)",
+        "FP8 e4m3 with one bf16 scale per 16 values (0.5625x bf16's bytes; docs/engine.md)",
     )
 
 
@@ -123,10 +123,10 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """Bytes of the KV cache, all layers, for one token stored in ``dtype``, or in
-        ``e4m3x16`` (a byte per value and one scale byte per 16 values: kv_format.py)."""
+        ``e4m3x16`` (a byte per value and a bf16 scale per 16 values: kv_format.py)."""
         per_layer = self.latent_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         if dtype == "e4m3x16":
-            return self.num_layers * (per_layer + per_layer // 16)
+            return self.num_layers * (per_layer + per_layer // 16 * 2)
         return self.num_layers * per_layer * BYTES_PER_DTYPE[dtype]
 
     def num_params(self) -> int:
@@ -213,7 +213,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     # How stored KV blocks encode the values: "dtype" (raw values of ``dtype``) or "e4m3x16"
-    # (FP8 with one power-of-two scale per 16 values, 0.53 of bf16's bytes: kv_format.py)
+    # (FP8 with one bf16 scale per 16 values, 0.5625 of bf16's bytes: kv_format.py)
     kv_format: str = "dtype"
     max_num_seqs: int = 2  # sequences that can hold KV at once (sizes the block pool)
     max_model_len: int = 0  # longest sequence in tokens; 0 = the model's context length

@@ -6,25 +6,30 @@ Two formats (``KVBlockLayout.kv_format``):
 - ``dtype`` (the default): raw values of the engine's compute dtype (``kv_layout``'s diagram).
 - ``e4m3x16``: DeepSeek's per-16 FP8 format ("close to NVFP4 without the global scale"):
   every 16 consecutive values along the head dimension share one scale; each value is a
-  float8_e4m3fn, each scale an e8m0 byte (a power of two, 2**(byte - 127), MX's encoding).
-  1 + 1/16 = 1.0625 bytes per value, 0.53 of bf16. Still layer-major, so layer-wise loads
-  work as before::
+  float8_e4m3fn, each scale a bf16. 1 + 2/16 = 1.125 bytes per value, 0.5625 of bf16. Still
+  layer-major, so layer-wise loads work as before::
 
     block = [layer 0 | layer 1 | ... | layer L-1]
-    layer = [values: P*H*T*D e4m3 bytes | scales: P*H*T*(D/16) e8m0 bytes]
+    layer = [values: P*H*T*D e4m3 bytes | scales: P*H*T*(D/16) bf16, little-endian]
     values in (parts, kv_heads, block_tokens, head_dim) order; the scale of values
     [..., 16g : 16g+16] is scales[..., g]
 
-Why e8m0 and not bf16 scales: a power-of-two scale makes quantising and dequantising exact
-multiplications (only the e4m3 rounding loses precision, at most 2**-4 relative); e4m3 has the
-same relative precision at every normal magnitude, so a scale that is not a power of two buys
-nothing but one binade of headroom for a group's smallest values, and it would cost one more
-byte per 16 values (1.125 bytes per value). The scale of a group is the smallest power of two
-that puts its largest magnitude at or below 448 (e4m3's largest), so nothing saturates.
-Byte 255 is e8m0's NaN: the quantiser writes it for a group holding inf or NaN, and a reader
-treats any block holding it as a miss (:func:`num_valid_blocks`). Scales are capped at 2**7
-(magnitudes up to 57,344; fp16 tops out at 65,504) so that dequantising needs no second
-multiply (see :func:`dequantize`); larger values saturate.
+Why a bf16 scale and not an e8m0 byte (MX's power of two, 1.0625 bytes per value, the first
+encoding): a group's scale is amax / 448 rounded up to a bf16, so its largest value lands in
+(444.5, 448] and comes back within 2**-7, where a power-of-two scale leaves it anywhere in
+(224, 448] with e4m3's full rounding error (up to 2**-4). Those largest values weigh most in
+attention's dot products: on SmolLM2 (``kvstore bench accuracy``, 2,048 positions) top-1 agreement
+went from 97.80% to the 98% target and beyond, and no one-byte scale tried reached it
+(docs/engine.md has the measurements). Rounding up means nothing saturates below the cap.
+Scales are clamped to [2**-126, 2**7]: an all-zero group still has a finite inverse, and
+values beyond 448 * 2**7 = 57,344 saturate, so an fp16 engine never reads an inf (fp16 tops
+out at 65,504). A NaN scale is the quantiser's mark for a group holding inf or NaN; a reader
+treats a block holding a non-finite scale as a miss (:func:`num_valid_blocks`).
+
+Every step is an exact operation or one IEEE rounding to nearest even (the division amax /
+448, the reciprocal, the product, the e4m3 cast; dequantising: one product, exact, then the
+cast to the compute dtype), so the C kernel (``e4m3x16.c``, the CPU path) gives the torch
+ops' bits (the GPU path, and the reference).
 
 Quantise where the KV lives (the device, or the CPU), in batch; dequantise after the bytes
 land, layer by layer, straight into the pool (on the swap-in's side stream on CUDA).
@@ -34,62 +39,71 @@ from __future__ import annotations
 
 import torch
 
+from engine_adapter import e4m3x16_native
 from engine_adapter.kv_layout import E4M3X16_GROUP_VALUES as GROUP_VALUES
 from engine_adapter.kv_layout import KV_FORMATS
 from engine_adapter.paged_kv import PagedKVCache
 
 DTYPE_FORMAT, E4M3X16 = KV_FORMATS
 E4M3_MAX = 448.0
-SCALE_NAN = 255  # e8m0's only special value
-_MAX_SCALE_BYTE = 127 + 7  # scales up to 2**7: the dequantise multiplier stays finite
-_E4M3_TO_BF16_BIAS = 120  # bf16 exponent bias 127 minus e4m3's 7
-
-
-def _pow2(biased_exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """2 ** (e - 127) for int32 ``e`` in [1, 254], built from bits (exact, no pow)."""
-    if dtype == torch.bfloat16:
-        return (biased_exponent.to(torch.int16) << 7).view(torch.bfloat16)
-    return (biased_exponent << 23).view(torch.float32)
+MIN_SCALE = 2.0**-126  # bf16's smallest normal: an all-zero group still has a finite inverse
+MAX_SCALE = 2.0**7  # values up to 448 * 2**7 = 57,344 (fp16 tops out at 65,504); more saturate
+_E4M3_BIAS_GAP = 2.0**120  # bf16/fp32 exponent bias 127 minus e4m3's 7
+_MIN_SCALE_BITS, _MAX_SCALE_BITS = 0x00800000, 0x43000000  # MIN_SCALE, MAX_SCALE as fp32 bits
+_NAN_SCALE_BITS = 0x7FC00000  # the fp32 bits of bf16's NaN 0x7FC0
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [..., D] (D a multiple of 16) -> (e4m3 values as uint8 [..., D], e8m0 scales
-    [..., D/16]). One batch of torch ops on ``x``'s device."""
+    """``x`` [..., D] (D a multiple of 16) -> (e4m3 values as uint8 [..., D], bf16 scales
+    [..., D/16]): the C kernel on CPU when built, else :func:`torch_quantize`."""
+    if e4m3x16_native.usable(x):
+        return e4m3x16_native.quantize(x)
+    return torch_quantize(x)
+
+
+def torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` as one batch of torch ops on ``x``'s device (the GPU path, and the
+    reference of the semantics that ``e4m3x16.c`` follows bit for bit)."""
     *lead, dim = x.shape
     groups = x.reshape(*lead, dim // GROUP_VALUES, GROUP_VALUES)  # [..., G, 16]
     low, high = torch.aminmax(groups, dim=-1)  # one pass, no |x| materialised
     amax = torch.maximum(-low, high).float()  # [..., G]
-    # ceil(log2(amax / 448)) + 127, from the float's bits: adding a mantissa's worth of
-    # ones carries into the exponent unless the quotient is already a power of two.
-    bits = (amax * (1 / E4M3_MAX)).view(torch.int32)
-    exponent = ((bits + 0x7FFFFF) >> 23).clamp_(1, _MAX_SCALE_BYTE)
-    exponent = torch.where(torch.isfinite(amax), exponent, SCALE_NAN)
-    compute = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    inverse = _pow2((254 - exponent).clamp_(1, 254), compute)  # 1 / scale
-    scaled = groups.to(compute) * inverse.unsqueeze(-1)  # [..., G, 16]
-    # Only groups past the scale cap reach beyond 448 (the CPU skips the pass without one;
-    # on a GPU the pass is cheaper than the sync the check would cost).
-    if x.device.type != "cpu" or bool((exponent >= _MAX_SCALE_BYTE).any()):
-        scaled.clamp_(-E4M3_MAX, E4M3_MAX)
+    # amax / 448 rounded up to a bf16 (adding 0xFFFF to the fp32 bits carries unless the low
+    # half is zero), so a group's largest value lands within 2**-8 of 448: nearly exact.
+    # The clamp and the NaN mark (the quantiser's, for a group holding inf or NaN: its block
+    # is a miss) on the bits too: positive floats order as their bits, and a NaN's bits
+    # would depend on the conversion that made them.
+    bits = ((amax / E4M3_MAX).view(torch.int32) + 0xFFFF).bitwise_and_(-0x10000)
+    bits = bits.clamp_(_MIN_SCALE_BITS, _MAX_SCALE_BITS)
+    bits = torch.where(torch.isfinite(amax), bits, _NAN_SCALE_BITS)  # [..., G]
+    inverse = torch.reciprocal(bits.view(torch.float32)).unsqueeze(-1)  # [..., G, 1] fp32
+    scaled = (groups.float() * inverse).clamp_(-E4M3_MAX, E4M3_MAX)  # [..., G, 16]
     values = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(*lead, dim)
-    return values, exponent.to(torch.uint8)
+    return values, (bits >> 16).to(torch.int16).view(torch.bfloat16)  # exact: low half is 0
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Decode ``values`` [..., D] (uint8, e4m3 bits) with ``scales`` [..., D/16] into ``out``
-    [..., D] (bf16, fp16 or fp32, any strides: e.g. a permuted view of the pool).
+    """Decode ``values`` [..., D] (uint8, e4m3 bits) with ``scales`` [..., D/16] (bf16) into
+    ``out`` [..., D] (bf16, fp16 or fp32, any strides: e.g. a permuted view of the pool): the
+    C kernel on CPU when built, else :func:`torch_dequantize`."""
+    if e4m3x16_native.usable(values, scales, out):
+        return e4m3x16_native.dequantize(values, scales, out)
+    return torch_dequantize(values, scales, out)
 
-    The dense hot path. torch's fp8 conversion is scalar on CPU, so the bits are moved
-    instead: sign-extending an e4m3 byte to 16 bits and shifting it left 4 puts its exponent
-    and mantissa where bf16 keeps them (bf16 subnormals cover e4m3's), and one multiply by
-    2**120 * scale rebiases the exponent and applies the scale.
+
+def torch_dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize` as torch ops (the GPU path, and the reference ``e4m3x16.c`` follows).
+
+    torch's fp8 conversion is scalar on CPU, so the bits are moved instead: sign-extending an
+    e4m3 byte to 16 bits and shifting it left 4 puts its exponent and mantissa where bf16
+    keeps them (bf16 subnormals cover e4m3's): the value times 2**-120. One fp32 multiply by
+    2**120 * scale (exact: 4 significant bits times 8) finishes it; then one rounding to
+    ``out``'s dtype.
     """
     dim = values.shape[-1]
     bits = values.view(torch.int8).to(torch.int16).bitwise_left_shift_(4)
     as_bf16 = bits.bitwise_and_(0x87F0 - 0x10000).view(torch.bfloat16)  # sign|exp|mantissa
-    multiplier = _pow2(scales.to(torch.int32) + _E4M3_TO_BF16_BIAS, torch.bfloat16)
-    if out.dtype != torch.bfloat16:  # fp32 (CPU) or fp16: multiply in fp32
-        multiplier = multiplier.float()
+    multiplier = scales.float() * _E4M3_BIAS_GAP  # [..., G] fp32, exact
     grouped = out.unflatten(-1, (dim // GROUP_VALUES, GROUP_VALUES))  # a view: D is dense
     torch.mul(as_bf16.unflatten(-1, grouped.shape[-2:]), multiplier.unsqueeze(-1), out=grouped)
     return out
@@ -97,23 +111,26 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) ->
 
 def split_layer(raw: torch.Tensor, part_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """One layer's bytes ``raw`` [..., layer_bytes] (uint8) as (values [..., P, H, T, D],
-    scales [..., P, H, T, D/16]); ``part_shape`` is (P, H, T, D)."""
+    bf16 scales [..., P, H, T, D/16]); ``part_shape`` is (P, H, T, D)."""
     *lead, _ = raw.shape
     num_values = part_shape[0] * part_shape[1] * part_shape[2] * part_shape[3]
     *front, dim = part_shape
     values = raw[..., :num_values].view(*lead, *part_shape)
-    scales = raw[..., num_values:].view(*lead, *front, dim // GROUP_VALUES)
+    scales = raw[..., num_values:].view(torch.bfloat16).view(*lead, *front, dim // GROUP_VALUES)
     return values, scales
 
 
 def encode_block(kv: torch.Tensor, out: torch.Tensor) -> None:
-    """Quantise one block's KV ``kv`` [L, P, H, T, D] (the device's) into ``out`` [L,
-    layer_bytes] (uint8, e.g. a host slot; the copy is non_blocking)."""
-    values, scales = quantize(kv)
-    num_values = values[0].numel()
-    layers = kv.shape[0]
-    out[:, :num_values].copy_(values.view(layers, -1), non_blocking=True)
-    out[:, num_values:].copy_(scales.view(layers, -1), non_blocking=True)
+    """Quantise blocks' KV ``kv`` [..., L, P, H, T, D] (the device's) into ``out`` [..., L,
+    layer_bytes] (uint8, e.g. a host slot): on CPU straight into ``out`` (the C kernel), else
+    quantised on the device and copied (non_blocking)."""
+    values, scales = split_layer(out, tuple(kv.shape[-4:]))
+    if e4m3x16_native.usable(kv, values, scales):
+        e4m3x16_native.quantize_into(kv, values, scales)
+        return
+    got_values, got_scales = torch_quantize(kv)
+    values.copy_(got_values, non_blocking=True)
+    scales.copy_(got_scales, non_blocking=True)
 
 
 def decode_layer(raw: torch.Tensor, part_shape: tuple[int, ...], out: torch.Tensor) -> None:
@@ -124,11 +141,12 @@ def decode_layer(raw: torch.Tensor, part_shape: tuple[int, ...], out: torch.Tens
 
 
 def num_valid_blocks(blocks: list[torch.Tensor], part_shape: tuple[int, ...]) -> int:
-    """How many leading e4m3x16 blocks (each [L, layer_bytes] uint8, on the host) have no NaN
-    scale: a block holding one is a miss, never values in the cache."""
+    """How many leading e4m3x16 blocks (each [L, layer_bytes] uint8, on the host) have only
+    finite scales: a block holding a NaN (the quantiser's mark for a group holding inf or NaN)
+    or an inf scale is a miss, never values in the cache."""
     for index, block in enumerate(blocks):
         _, scales = split_layer(block, part_shape)
-        if bool((scales == SCALE_NAN).any()):
+        if not bool(torch.isfinite(scales).all()):
             return index
     return len(blocks)
 

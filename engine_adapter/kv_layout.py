@@ -28,7 +28,7 @@ shape, the dtype and the block size, so a different model, layout, dtype or bloc
 never hit another's blocks. Pure code, no torch.
 
 ``kv_format`` says how the values are encoded: ``dtype`` (raw values of ``dtype``, above) or
-``e4m3x16`` (FP8 values with one e8m0 scale per 16, still layer-major: ``kv_format.py`` has
+``e4m3x16`` (FP8 values with one bf16 scale per 16, still layer-major: ``kv_format.py`` has
 its diagram). The format is part of the namespace, so a block stored in one format is never
 read as the other; an e4m3x16 block means the same to an fp32 engine as to a bf16 one, so
 their namespaces agree (the compute dtype is left out of an e4m3x16 namespace).
@@ -42,6 +42,9 @@ from engine_adapter.config import BYTES_PER_DTYPE, KV_FORMATS, ModelConfig
 
 LAYOUT_VERSION = "kv-layer-major-v1"
 E4M3X16_GROUP_VALUES = 16
+# e4m3x16's name in the namespace, with its scale encoding: blocks of the first encoding
+# (e8m0 scales, 1.0625 bytes per value) are never looked up by this one
+E4M3X16_ENCODING = "e4m3x16:bf16-scales"
 MLA_LAYOUT_VERSION = "mla-latent-layer-major-v1"
 
 
@@ -122,8 +125,8 @@ class KVBlockLayout:
 
     @property
     def block_bytes(self) -> int:
-        if self.quantized:  # one byte per value, one per 16 values
-            return self.num_elements + self.num_elements // E4M3X16_GROUP_VALUES
+        if self.quantized:  # one byte per value, a bf16 scale per 16 values
+            return self.num_elements + self.num_elements // E4M3X16_GROUP_VALUES * 2
         return self.num_elements * BYTES_PER_DTYPE[self.dtype]
 
     @property
@@ -137,10 +140,11 @@ class KVBlockLayout:
 
     def namespace(self, model_fingerprint: str) -> str:
         """The ``block_keys`` namespace: model, layout version and shape, stored format
-        (the dtype, or e4m3x16), block size."""
+        (the dtype, or e4m3x16 with its scale encoding), block size."""
         shape = "x".join(str(n) for n in self.shape)
         version = MLA_LAYOUT_VERSION if self.latent else LAYOUT_VERSION
+        stored = E4M3X16_ENCODING if self.quantized else self.dtype
         return (
             f"kvstore-engine;model={model_fingerprint};layout={version}:{shape};"
-            f"dtype={self.stored_format};block_tokens={self.block_tokens}"
+            f"dtype={stored};block_tokens={self.block_tokens}"
         )

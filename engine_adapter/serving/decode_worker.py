@@ -29,9 +29,14 @@ from engine_adapter.engine import Sampler, block_key_salt
 from engine_adapter.paged_kv import BlockTable
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-from engine_adapter.serving.handoff import load_tail_kv, make_sampler, sampler_state, tail_kv
+from engine_adapter.serving.handoff import (
+    check_handoff,
+    load_tail_kv,
+    make_sampler,
+    sampler_state,
+    tail_kv,
+)
 from engine_adapter.serving.worker_base import WorkerBase, complete
-from kvstore.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
             if not holds:  # draining before it started: it goes elsewhere as it came
                 yield pb.DecodeEvent(migrate=handoff)
                 return
-            self._check_handoff(handoff)
+            check_handoff(handoff, self.engine)
             num_prompt_tokens = handoff.num_prompt_tokens or len(handoff.token_ids)
             num_tokens = self.check_length(num_prompt_tokens, sampling)
             table = BlockTable(self.engine.config.block_tokens)
@@ -88,21 +93,6 @@ class DecodeWorker(WorkerBase, pb_grpc.DecodeWorkerServicer):
                     yield event
             finally:
                 self.engine.cache.pool.free(table.block_ids)
-
-    def _check_handoff(self, handoff: pb.Handoff) -> None:
-        engine = self.engine
-        mine = (engine.loaded.fingerprint, engine.config.block_tokens, engine.layout.dtype)
-        theirs = (handoff.model_fingerprint, handoff.block_tokens, handoff.kv_dtype)
-        if mine != theirs:
-            raise InvalidArgument(
-                f"handoff from a prefill worker running (model, block_tokens, dtype) = {theirs}; "
-                f"this decode worker runs {mine}: start both roles with the same --model"
-            )
-        if handoff.num_stored_blocks != len(handoff.token_ids) // handoff.block_tokens:
-            raise InvalidArgument(
-                f"handoff names {handoff.num_stored_blocks} stored blocks for "
-                f"{len(handoff.token_ids)} tokens of {handoff.block_tokens}: a malformed handoff"
-            )
 
     async def _decode(
         self, handoff: pb.Handoff, sampling: pb.SamplingParams, table: BlockTable

@@ -23,9 +23,12 @@ exactly where the prefill stopped. A draining decode worker hands a request on t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from engine_adapter.engine import Sampler
+from engine_adapter.config import BYTES_PER_DTYPE
+from engine_adapter.engine import Engine, Sampler
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from engine_adapter.serving import serving_pb2 as pb
 from kvstore.errors import InvalidArgument
@@ -57,11 +60,42 @@ def tail_kv(cache: PagedKVCache, table: BlockTable, num_tokens: int) -> bytes:
     return _tensor_bytes(torch.stack(layers))  # [L, 2, Hkv, tail, D]
 
 
+def handoff_layout(engine: Engine) -> dict[str, Any]:
+    """The fields of a ``pb.Handoff`` that say what its KV means: the model, the block size,
+    the compute dtype (of the tail KV) and the stored blocks' format."""
+    return {
+        "model_fingerprint": engine.loaded.fingerprint,
+        "block_tokens": engine.config.block_tokens,
+        "kv_dtype": engine.layout.dtype,
+        "kv_format": engine.layout.kv_format,
+    }
+
+
+def check_handoff(handoff: pb.Handoff, engine: Engine) -> None:
+    """Refuse (``InvalidArgument``) a handoff that ``engine`` would misread: another model,
+    block size, dtype or stored format (an e4m3x16 prefill's blocks live under other keys
+    than a dtype decode worker's, and the reverse), or a malformed block count."""
+    mine = handoff_layout(engine)
+    theirs = {name: getattr(handoff, name) for name in mine}
+    theirs["kv_format"] = theirs["kv_format"] or "dtype"  # from a worker before the field
+    if mine != theirs:
+        raise InvalidArgument(
+            f"handoff from a prefill worker running {theirs}; this decode worker runs {mine}: "
+            "start both roles with the same --model, --kv-format and dtype"
+        )
+    if handoff.num_stored_blocks != len(handoff.token_ids) // handoff.block_tokens:
+        raise InvalidArgument(
+            f"handoff names {handoff.num_stored_blocks} stored blocks for "
+            f"{len(handoff.token_ids)} tokens of {handoff.block_tokens}: a malformed handoff"
+        )
+
+
 def load_tail_kv(cache: PagedKVCache, table: BlockTable, num_tokens: int, data: bytes) -> None:
     """Inverse of :func:`tail_kv`: place the tail's KV into the table's last block."""
     lay = cache.layout
     tail = num_tokens % lay.block_tokens
-    expected_bytes = lay.block_bytes // lay.block_tokens * tail
+    # the tail travels in the compute dtype whatever the stored blocks' format
+    expected_bytes = lay.num_elements // lay.block_tokens * tail * BYTES_PER_DTYPE[lay.dtype]
     if len(data) != expected_bytes:
         raise InvalidArgument(
             f"handoff tail KV is {len(data)} bytes, expected {expected_bytes} for {tail} tokens "

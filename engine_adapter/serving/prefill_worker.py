@@ -16,7 +16,7 @@ import grpc
 from engine_adapter.engine import PrefillResult, Sampler
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-from engine_adapter.serving.handoff import make_sampler, sampler_state, tail_kv
+from engine_adapter.serving.handoff import handoff_layout, make_sampler, sampler_state, tail_kv
 from engine_adapter.serving.request import chat_prompt_ids
 from engine_adapter.serving.worker_base import WorkerBase, complete
 from kvstore.errors import Unavailable
@@ -116,14 +116,12 @@ class PrefillWorker(WorkerBase, pb_grpc.PrefillWorkerServicer):
             request_id=request.request_id,
             tenant=request.tenant,
             traffic_class=request.traffic_class,
-            model_fingerprint=self.engine.loaded.fingerprint,
             token_ids=token_ids,
-            block_tokens=block_tokens,
             num_stored_blocks=len(token_ids) // block_tokens,
             tail_kv=tail,
             tail_tokens=len(token_ids) % block_tokens,
-            kv_dtype=self.engine.layout.dtype,
             first_token_id=first_token_id,
             sampler_state=sampler_state(sampler),
             cache_salt=request.cache_salt,
+            **handoff_layout(self.engine),
         )

@@ -129,7 +129,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("request_id", "tenant", "traffic_class", "model_fingerprint", "token_ids", "block_tokens", "num_stored_blocks", "tail_kv", "tail_tokens", "kv_dtype", "first_token_id", "sampler_state", "cache_salt", "num_prompt_tokens")
+    __slots__ = ("request_id", "tenant", "traffic_class", "model_fingerprint", "token_ids", "block_tokens", "num_stored_blocks", "tail_kv", "tail_tokens", "kv_dtype", "first_token_id", "sampler_state", "cache_salt", "num_prompt_tokens", "kv_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Handoff(_message.Message):
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     traffic_class: str
@@ -158,7 +159,8 @@ class Handoff(_message.Message):
     sampler_state: bytes
     cache_salt: str
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_tokens: _Optional[int] = ..., num_stored_blocks: _Optional[int] = ..., tail_kv: _Optional[bytes] = ..., tail_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    kv_format: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_tokens: _Optional[int] = ..., num_stored_blocks: _Optional[int] = ..., tail_kv: _Optional[bytes] = ..., tail_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first", "handoff")
