@@ -437,7 +437,7 @@ async def _serve_front(
     import grpc
 
     from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-    from engine_adapter.serving.router import RouterService
+    from engine_adapter.serving.router_service import RouterService
     from engine_adapter.serving.worker_endpoint import CHANNEL_OPTIONS
 
     closed = router.metrics.closed_connections.labels
