@@ -62,7 +62,7 @@ from engine_adapter.serving.balancer import (
 )
 from engine_adapter.serving.request_api import Completion
 from engine_adapter.serving.router import POLICIES, Router
-from engine_adapter.serving.serve import WorkerPool
+from engine_adapter.serving.worker_pool import WorkerPool
 from kvstore.cli.args import list_arg
 
 DEFAULT_BUCKET_BOUNDS = (512, 1024, 2048)
