@@ -81,7 +81,8 @@ from bench.common import (
 from client import KVClient
 from client.keyring import Keyring, MasterKeyFile, new_master_key
 from client.sealer import BlockSealer
-from deploy.local_cluster import LocalCluster, local_client_cert
+from deploy.local_cluster import LocalCluster
+from deploy.local_secrets import local_client_cert
 from erasure.allocator import tune_glibc_malloc
 from kvstore.cli.args import list_arg, size_arg
 from kvstore.cli.progress import ProgressReporter

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from client import KVClient, block_keys
-from deploy.local_cluster import LocalCluster, etcd_call, spawn_node, wait_healthy
+from deploy.local_cluster import LocalCluster, etcd_call
 from deploy.local_etcd import etcd_binary, issue_etcd_certs, membership_tls, start_etcd
+from deploy.local_nodes import spawn_node, wait_healthy
 from erasure.config import CodecConfig
 from kvstore.certs import init_ca, issue_files
 from kvstore.config import (
