@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from client import KVClient
-from deploy.local_cluster import STARTUP_TIMEOUT_S, LocalCluster, local_config
+from deploy.local_cluster import LocalCluster, local_config
+from deploy.local_nodes import STARTUP_TIMEOUT_S
 from erasure.config import CodecConfig
 from kvstore.config import NodeConfig
 from kvstore.placement import groups_of_keys, make_groups

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from deploy.local_cluster import LocalCluster, free_ports
+from deploy.local_cluster import LocalCluster
+from deploy.local_nodes import free_ports
 
 NO_REDIS = (
     "redis baseline skipped: no redis-server on this machine "

@@ -60,8 +60,9 @@ from engine_adapter.serving.balancer import (
     list_schedule_makespan_s,
     makespan_lower_bound_s,
 )
-from engine_adapter.serving.router import POLICIES, Completion, Router
-from engine_adapter.serving.serve import WorkerPool
+from engine_adapter.serving.request_api import Completion
+from engine_adapter.serving.router import POLICIES, Router
+from engine_adapter.serving.worker_pool import WorkerPool
 from kvstore.cli.args import list_arg
 
 DEFAULT_BUCKET_BOUNDS = (512, 1024, 2048)

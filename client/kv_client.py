@@ -25,7 +25,9 @@ shorter: the nodes never keep a block longer than its class TTL or its tenant's 
 
 The batch calls are the data plane: one request per node per batch (client/batch_read.py,
 client/write_path.py), shard payloads landing straight in the caller's buffers. The
-single-key calls are batches of one.
+single-key calls are batches of one. ``KVClient`` is a façade over its map, connections and
+counters: the reads (client/block_reads.py), the writes (client/block_writes.py) and the key
+commands (client/key_ops.py) are collaborators it composes.
 
 What a caller sees: ``get`` returns the exact bytes some ``put`` of that key stored, or None
 (a miss, fewer than k reachable shards of one version, or the deadline passed: tell the last
@@ -46,60 +48,42 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import os
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from client.batch_read import BatchRead, OnLanded, ReadCounters, ReadTimes
-from client.buffers import Buffer, byte_view, writable_view
+from client.batch_read import OnLanded, ReadCounters, ReadTimes
+from client.block_reads import BlockReads, Landing
+from client.block_writes import BlockWrites
+from client.buffers import Buffer
 from client.follow_ups import FollowUps
-from client.integrity import XXH3_CHECK, BlockIntegrity, tenant_key
+from client.integrity import BlockIntegrity, tenant_key
+from client.key_ops import KeyOps
 from client.keyring import open_keyring
-from client.keys import as_key
 from client.landing_pool import LandingPool
 from client.local.reader import LocalReads
 from client.map_follower import MapFollower
-from client.node_conn import NodeConn, NodeReader, consume_result
-from client.read_outcome import BatchResult, check_on_timeout, raise_timeouts
+from client.node_conn import NodeConn, NodeReader
+from client.read_outcome import BatchResult
 from client.read_timeline import ReadTimeline
-from client.sealer import OVERHEAD_BYTES, BlockSealer
-from client.shard_tally import PresenceTally
+from client.sealer import BlockSealer
 from client.transports import NodeTransports
 from client.ucx.reader import UcxReads
-from client.write_path import BatchWrite, WriteCounters, WritePolicy
+from client.write_path import WriteCounters
 from erasure.codec import make_codec
 from kvstore.auth import client_token
-from kvstore.byte_arena import ByteArena
 from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
-from kvstore.errors import (
-    InvalidArgument,
-    KVStoreError,
-    PermissionDenied,
-    Unavailable,
-)
+from kvstore.errors import InvalidArgument
 from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tls import channel_credentials
 from ttl.clock import Clock, make_clock
 
-log = logging.getLogger(__name__)
+__all__ = ["TRANSPORTS", "Buffer", "KVClient", "Key", "Landing"]
 
 Key = bytes | str  # 16 bytes, or a str hashed by client.keys.string_key
 TRANSPORTS = READ_TRANSPORTS
-WRITE_SPARE_BYTES = 64 << 20  # parity and padded tails of one put_batch are encoded here
-DECODE_THREADS = min(8, os.cpu_count() or 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Landing:
-    """What :meth:`KVClient.land_batch` did, per key of the batch."""
-
-    landed: list[bool]  # the block is in its buffer, verified
-    rewritten: list[bool]  # bytes were written after on_landed announced them: copy again
 
 
 class KVClient:
@@ -139,10 +123,10 @@ class KVClient:
         self.write_counters = WriteCounters()
         # Touches after read hits, repair hints after short reads and writes (background).
         self.follow_ups = FollowUps(self.conns, config.groups, tenant, config.client.timeout_s)
-        self._write_spare = ByteArena(WRITE_SPARE_BYTES)
-        self._background: set[asyncio.Task[Any]] = set()
-        # Batch decodes (a block checksum pass each, and any parity rebuild) run here.
-        self._decode_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="kv-decode")
+        # The commands, each a collaborator over this client's current map.
+        self.reads = BlockReads(self)
+        self.writes = BlockWrites(self)
+        self.key_ops = KeyOps(self)
         # Encryption at rest for this tenant ([encryption] in cluster.toml): blocks are sealed
         # before erasure coding and opened after decoding (client/sealer.py).
         self.sealer: BlockSealer | None = None
@@ -166,7 +150,8 @@ class KVClient:
         return self.transports.conns
 
     @property
-    def _conn_list(self) -> list[NodeConn]:
+    def conn_list(self) -> list[NodeConn]:
+        """The connections as a list, in ``conns`` order (node index -> connection)."""
         return self.transports.conn_list
 
     @property
@@ -190,8 +175,8 @@ class KVClient:
         change) for the reads that miss."""
         self.transports.add_nodes(config)
         node_index = {node_id: i for i, node_id in enumerate(self.conns)}
-        self._group_members = [[node_index[n] for n in group] for group in config.groups]
-        self._previous_members = [[node_index[n] for n in g] for g in config.moving_from]
+        self.group_members = [[node_index[n] for n in group] for group in config.groups]
+        self.previous_members = [[node_index[n] for n in g] for g in config.moving_from]
 
     @property
     def map_stale(self) -> bool:
@@ -207,7 +192,7 @@ class KVClient:
         self.config = config
         self.placement = Placement(config)
         self.follow_ups.set_groups(config.groups)
-        for conn in self._conn_list:  # a node back in the map is dialed now, not after backoff
+        for conn in self.conn_list:  # a node back in the map is dialed now, not after backoff
             conn.redial()
 
     @classmethod
@@ -315,7 +300,8 @@ class KVClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _timeout_s(self, timeout_s: float | None) -> float:
+    def resolve_timeout_s(self, timeout_s: float | None) -> float:
+        """A call's timeout: its own, else the cluster's ``[client] timeout_s``."""
         return self.config.client.timeout_s if timeout_s is None else timeout_s
 
     async def put(
@@ -350,63 +336,7 @@ class KVClient:
         ``ttl_s``: the blocks' own TTL (seconds of the cluster clock), used instead of the
         class TTL when shorter; None = the class's (within the tenant's cap, as always).
         """
-        if len(keys) != len(blocks):
-            raise InvalidArgument(
-                f"put_batch got {len(keys)} keys but {len(blocks)} blocks; pass one block per key"
-            )
-        keys = [as_key(key) for key in keys]
-        self.config.ttl.classes.check(traffic_class)
-        own_ttl_s = _own_ttl_s(ttl_s)
-        views = [self._block_view(block) for block in blocks]
-        if self.sealer is not None:  # sealed before erasure coding (client/sealer.py)
-            views = [memoryview(self.sealer.seal(k, v)) for k, v in zip(keys, views, strict=True)]
-        if not keys:
-            return
-        groups = [self.placement.group_index(key) for key in keys]
-
-        def on_short(positions: list[int]) -> None:
-            for position in positions:
-                self.follow_ups.hint_repair(groups[position], keys[position])
-
-        write = BatchWrite(
-            self.codec,
-            self._conn_list,
-            self._group_members,
-            self._write_policy(),
-            self._write_spare,
-            self.write_counters,
-            self._background,
-            on_short,
-            self.integrity,
-        )
-        await write.run(
-            keys,
-            groups,
-            views,
-            traffic_class,
-            self._timeout_s(timeout_s),
-            self.clock.now(),
-            own_ttl_s,
-        )
-
-    def _write_policy(self) -> WritePolicy:
-        client = self.config.client
-        return WritePolicy(
-            quorum=client.write_quorum,
-            min_shards=self.config.min_write_shards,
-            hedge_delay_s=client.hedge_delay_s,
-            k=self.config.codec.k,
-        )
-
-    def _block_view(self, data: Buffer) -> memoryview:
-        view = byte_view(data, "put data")
-        max_bytes = self.config.codec.max_block_bytes - (OVERHEAD_BYTES if self.sealer else 0)
-        if not 0 < len(view) <= max_bytes:
-            raise InvalidArgument(
-                f"a block must be 1 to {max_bytes} bytes (max_block_bytes in cluster.toml), "
-                f"got {len(view)} bytes; split larger data into several blocks"
-            )
-        return view
+        await self.writes.put_batch(keys, blocks, traffic_class, ttl_s, timeout_s)
 
     async def get(
         self, key: Key, *, timeout_s: float | None = None, on_timeout: str = "miss"
@@ -465,13 +395,7 @@ class KVClient:
         (the deadline passed before the key was decided). ``on_timeout="raise"`` raises
         kvstore.errors.Timeout instead when any key timed out (client/read_outcome.py).
         """
-        check_on_timeout(on_timeout)
-        read, timed_out = await self._read(keys, [None] * len(keys), timeout_s)
-        blocks = [b if b is None or isinstance(b, bytes) else bytes(b) for b in read]
-        result = BatchResult.of(blocks, timed_out)
-        if on_timeout == "raise":
-            raise_timeouts(keys, result, self._timeout_s(timeout_s))
-        return result if outcomes else result.blocks
+        return await self.reads.get_batch(keys, timeout_s, on_timeout, outcomes)
 
     async def get_batch_into(
         self,
@@ -512,134 +436,11 @@ class KVClient:
         recovered from parity or replaced after a failed check); copy those again. A timeout
         as :meth:`get_batch` says.
         """
-        if len(keys) != len(buffers):
-            raise InvalidArgument(
-                f"get_batch_into got {len(keys)} keys but {len(buffers)} buffers; "
-                "pass one buffer per key"
-            )
-        check_on_timeout(on_timeout)
-        outs = [writable_view(buffer, f"buffer {i}") for i, buffer in enumerate(buffers)]
-        rewritten: set[int] = set()
-        blocks, timed_out = await self._read(keys, outs, timeout_s, on_landed, rewritten)
-        if on_timeout == "raise":
-            landed = [None if b is None else b"" for b in blocks]  # Timeout carries no buffers
-            raise_timeouts(keys, BatchResult.of(landed, timed_out), self._timeout_s(timeout_s))
-        return Landing(
-            [block is not None for block in blocks],
-            [i in rewritten for i in range(len(blocks))],
-        )
-
-    async def _read(
-        self,
-        keys: Sequence[Key],
-        outs: Sequence[memoryview | None],
-        timeout_s: float | None,
-        on_landed: OnLanded | None = None,
-        rewritten: set[int] | None = None,
-    ) -> tuple[list[bytes | memoryview | None], list[bool]]:
-        """The blocks, and per key whether the deadline passed before it was decided."""
-        keys = [as_key(key) for key in keys]
-        if not keys:
-            return [], []
-        read = self._batch_read(self._group_members)
-        groups = [self.placement.group_index(key) for key in keys]
-        if self.sealer is None:
-            placed = await self._read_placed(read, keys, groups, outs, timeout_s, on_landed)
-            if rewritten is not None:
-                rewritten.update(read.rewritten)
-            return placed
-        # A sealed block decodes into its own buffer; opening it writes the caller's.
-        sealed, timed_out = await self._read_placed(
-            read, keys, groups, [None] * len(keys), timeout_s
-        )
-        opened = [
-            None if block is None else self.sealer.open(key, block, out)
-            for key, block, out in zip(keys, sealed, outs, strict=True)
-        ]
-        return opened, timed_out
-
-    def _batch_read(self, group_members: Sequence[Sequence[int]]) -> BatchRead:
-        return BatchRead(
-            self.codec,
-            self._conn_list,
-            self.readers,
-            group_members,
-            self.config.client.read_fanout,
-            min(n.max_batch_bytes for n in self.config.nodes),
-            self.read_counters,
-            self.config.client.hedge_delay_s,
-            self.follow_ups,
-            decode_pool=self._decode_pool,
-            landing_pool=self.landing_pool,
-            times=self.read_times,
-            block_check=self.integrity or XXH3_CHECK,
-            timeline=self.timeline,
-        )
-
-    async def _read_placed(
-        self,
-        read: BatchRead,
-        keys: Sequence[bytes],
-        groups: list[int],
-        outs: Sequence[memoryview | None],
-        timeout_s: float | None,
-        on_landed: OnLanded | None = None,
-    ) -> tuple[list[bytes | memoryview | None], list[bool]]:
-        """The blocks from the current placement, and which keys timed out; during a map
-        change, the keys it misses whose group changed are read again from the placement
-        before the change, within what is left of the same deadline (their blocks then count
-        as rewritten: no shard of the second read is announced)."""
-        loop = asyncio.get_running_loop()
-        deadline_s = loop.time() + self._timeout_s(timeout_s)
-        blocks = await read.run(keys, groups, outs, self._timeout_s(timeout_s), on_landed)
-        timed_out = list(read.timed_out)
-        previous = self.config.moving_from
-        again = [
-            i
-            for i, block in enumerate(blocks)
-            if block is None and previous and previous[groups[i]] != self.config.groups[groups[i]]
-        ]
-        if not again:
-            return blocks, timed_out
-        before = self._batch_read(self._previous_members)
-        found = await before.run(
-            [keys[i] for i in again],
-            [groups[i] for i in again],
-            [outs[i] for i in again],
-            max(0.0, deadline_s - loop.time()),
-        )
-        for i, block, late in zip(again, found, before.timed_out, strict=True):
-            blocks[i], timed_out[i] = block, block is None and (late or timed_out[i])
-            read.rewritten.add(i)
-        return blocks, timed_out
+        return await self.reads.land_batch(keys, buffers, on_landed, timeout_s, on_timeout)
 
     async def contains(self, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
         """For each key: is its block readable (some version on >= k nodes)? TTLs not refreshed."""
-        keys = [as_key(key) for key in keys]
-        timeout_s = self._timeout_s(timeout_s)
-        node_to_positions = self._positions_by_node(keys)
-        num_asked = [0] * len(keys)  # k+m, or more during a map change (both placements)
-        for positions in node_to_positions.values():
-            for position in positions:
-                num_asked[position] += 1
-        tally = PresenceTally(num_asked, self.config.codec.k)
-
-        async def ask(node_id: str, positions: list[int]) -> None:
-            request = pb.ContainsRequest(tenant=self.tenant, keys=[keys[p] for p in positions])
-            try:
-                reply = await self.conns[node_id].call("Contains", request, timeout_s)
-            except PermissionDenied:
-                raise
-            except KVStoreError:
-                for position in positions:
-                    tally.add_no_reply(position)
-                return
-            for position, result in zip(positions, reply.results, strict=True):
-                tally.add_reply(position, result.versions)
-
-        calls = [ask(node_id, positions) for node_id, positions in node_to_positions.items()]
-        await _run_until(calls, lambda: tally.all_decided, timeout_s)
-        return [bool(readable) for readable in tally.readable]
+        return await self.key_ops.contains(keys, timeout_s)
 
     async def match_prefix(self, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
         """How many leading keys have readable blocks (one batched RPC per node)."""
@@ -652,66 +453,13 @@ class KVClient:
         Raises Unavailable if, for some key, fewer than m+1 nodes confirmed: then up to k of
         its shards may survive and the block could still be readable; retry the delete.
         """
-        keys = [as_key(key) for key in keys]
-        node_to_positions = self._positions_by_node(keys)
-        request_of = {
-            node_id: pb.DeleteRequest(tenant=self.tenant, keys=[keys[p] for p in positions])
-            for node_id, positions in node_to_positions.items()
-        }
-        timeout_s = self._timeout_s(timeout_s)
-        replies = await asyncio.gather(
-            *(self.conns[n].call("Delete", r, timeout_s) for n, r in request_of.items()),
-            return_exceptions=True,
-        )
-        self._check_deleted(keys, node_to_positions, replies)
-
-    def _check_deleted(
-        self,
-        keys: Sequence[bytes],
-        node_to_positions: dict[str, list[int]],
-        replies: list[Any],
-    ) -> None:
-        num_confirmed = [0] * len(keys)
-        for positions, reply in zip(node_to_positions.values(), replies, strict=True):
-            if isinstance(reply, PermissionDenied):
-                raise reply
-            if isinstance(reply, BaseException):
-                continue
-            for position in positions:
-                num_confirmed[position] += 1
-        needed = self.config.codec.m + 1
-        if any(n < needed for n in num_confirmed):
-            failed = [r for r in replies if isinstance(r, BaseException)]
-            raise Unavailable(
-                f"delete reached fewer than {needed} nodes for some keys, so their blocks may "
-                f"still be readable ({failed[:3]}); retry the delete when the nodes are back"
-            )
-
-    def _positions_by_node(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
-        """Node id -> positions of the keys it holds a shard of (one batch per node); during
-        a map change the old placement's nodes too, so a delete reaches every copy."""
-        node_to_positions: dict[str, list[int]] = {}
-        previous = self.config.moving_from
-        for group_index, positions in self.placement.keys_by_group(keys).items():
-            members = dict.fromkeys(self.config.groups[group_index])
-            members.update(dict.fromkeys(previous[group_index] if previous else ()))
-            for node_id in members:
-                node_to_positions.setdefault(node_id, []).extend(positions)
-        return node_to_positions
+        await self.key_ops.delete(keys, timeout_s)
 
     async def node_stats(
         self, *, timeout_s: float | None = None
     ) -> dict[str, pb.StatsReply | None]:
         """Each node's Stats reply, or None for a node that did not answer."""
-        timeout_s = self._timeout_s(timeout_s)
-        replies = await asyncio.gather(
-            *(conn.call("Stats", pb.StatsRequest(), timeout_s) for conn in self.conns.values()),
-            return_exceptions=True,
-        )
-        return {
-            node_id: None if isinstance(reply, BaseException) else reply
-            for node_id, reply in zip(self.conns, replies, strict=True)
-        }
+        return await self.key_ops.node_stats(timeout_s)
 
     async def wait_until_accepted(self, timeout_s: float = 30.0) -> None:
         """Return once every node accepts this client's token; Unavailable after ``timeout_s``.
@@ -719,25 +467,7 @@ class KVClient:
         Nodes re-read the credentials file about once a second (later on a loaded machine),
         so a token just added (``kvstore cluster add-tenant``) is refused for a while; reads
         that return at k nodes hide that, a put that needs 11 does not."""
-        request = pb.ContainsRequest(tenant=self.tenant, keys=[bytes(16)])
-        loop = asyncio.get_running_loop()
-        deadline_s = loop.time() + timeout_s
-        while True:
-            calls = (conn.call("Contains", request, 5.0) for conn in self.conns.values())
-            replies = await asyncio.gather(*calls, return_exceptions=True)
-            refused = [
-                n
-                for n, r in zip(self.conns, replies, strict=True)
-                if isinstance(r, PermissionDenied)
-            ]
-            if not refused:
-                return
-            if loop.time() > deadline_s:
-                raise Unavailable(
-                    f"nodes {', '.join(refused)} still refuse this client's token after "
-                    f"{timeout_s:g} s: is it in their credentials file?"
-                )
-            await asyncio.sleep(0.1)
+        await self.key_ops.wait_until_accepted(timeout_s)
 
     def replies_by_transport(self) -> dict[str, int]:
         """How many node read requests each transport answered: local, ucx, grpc (the rest)."""
@@ -759,7 +489,7 @@ class KVClient:
         """Wait until the shard puts that returned puts left running in the background are
         done (each bounded by its put's deadline): stored, or failed and counted in
         ``write_counters.num_degraded_puts``."""
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.writes.settle()
 
     async def close(self) -> None:
         """Let background shard puts finish (bounded by their deadline), then close channels."""
@@ -771,16 +501,7 @@ class KVClient:
         await self.settle_puts()
         await self.follow_ups.close()  # touches and hints still pending go out first
         await self.transports.close()
-        self._decode_pool.shutdown(wait=False)
-
-
-def _own_ttl_s(ttl_s: float | None) -> float:
-    """A put's own TTL as the request carries it (0 = the class's); misuse raised."""
-    if ttl_s is None:
-        return 0.0
-    if not isinstance(ttl_s, int | float) or not ttl_s > 0:
-        raise InvalidArgument(f"ttl_s must be a number of seconds above 0 (or None), got {ttl_s!r}")
-    return float(ttl_s)
+        self.reads.close()
 
 
 async def _load_config(cluster_toml: str | Path | ClusterConfig) -> ClusterConfig:
@@ -807,27 +528,3 @@ class _Connecting:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._client is not None:
             await self._client.close()
-
-
-async def _run_until(
-    calls: Sequence[Awaitable[None]], is_done: Callable[[], bool], timeout_s: float
-) -> None:
-    """Run ``calls`` concurrently until ``is_done()`` or all finish or the timeout; cancel rest.
-
-    Exceptions other than the ones the calls handle themselves propagate (the first one; the
-    others of the same turn are retrieved, so asyncio never reports them as lost).
-    """
-    tasks = {asyncio.ensure_future(call) for call in calls}
-    try:
-        async with asyncio.timeout(timeout_s):
-            while tasks and not is_done():
-                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                errors = [t.exception() for t in done if not t.cancelled() and t.exception()]
-                if errors:
-                    raise errors[0]
-    except TimeoutError:
-        log.debug("contains: deadline passed with %d nodes outstanding", len(tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-            task.add_done_callback(consume_result)

@@ -30,22 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from deploy.cluster_status import print_status
-from deploy.local_cluster import (
+from deploy.local_cluster import DEFAULT_DOWN_OUT_S, DRAIN_TIMEOUT_S, LOCAL_ETCD, LocalCluster
+from deploy.local_etcd import stop_etcd
+from deploy.local_pids import is_node_process, read_pids, stop_pids, write_pids
+from deploy.local_secrets import (
     ADMIN_TOKEN_FILE,
     CREDENTIALS_FILE,
-    DEFAULT_DOWN_OUT_S,
-    DRAIN_TIMEOUT_S,
-    LOCAL_ETCD,
-    LocalCluster,
-    is_node_process,
     local_admin_token,
     local_client_cert,
     provision_integrity,
-    read_pids,
-    stop_pids,
-    write_pids,
 )
-from deploy.local_etcd import stop_etcd
 from kvstore.auth import Role, add_principal, set_tenant_caps
 from kvstore.cli.args import duration_arg, is_stdout, list_arg, size_arg
 from kvstore.config import ClusterConfig, load_cluster

@@ -1,9 +1,11 @@
 """A cluster of storage-node processes on 127.0.0.1, for development, tests and benchmarks.
 
 This is the library: :class:`LocalCluster` (start, stop, kill and restart nodes, join, drain
-and remove them), ``cluster.toml`` written by :func:`local_config` and :func:`secure`, and the
-pid bookkeeping of a cluster directory. The ``kvstore cluster`` commands (up, status, down,
-join, drain, remove, add-tenant) are deploy/cluster_cli.py.
+and remove them) and ``cluster.toml`` written by :func:`local_config`; the secrets of a
+cluster directory are deploy/local_secrets.py (``secure``), its node processes (ports,
+spawning, Health) deploy/local_nodes.py and its pid bookkeeping deploy/local_pids.py. The
+``kvstore cluster`` commands (up, status, down, join, drain, remove, add-tenant) are
+deploy/cluster_cli.py.
 
 With ``--etcd`` the map lives in etcd (kvstore/membership.py; without an endpoint a local etcd
 runs from DIR/etcd, deploy/local_etcd.py), and join, drain and remove change it there
@@ -40,39 +42,46 @@ per node, rotations of the node list). Programmatic use (tests, benchmarks)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import json
 import logging
-import os
-import random
-import signal
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from client.integrity import ensure_key
-from client.keyring import new_master_key
 from deploy.local_etcd import issue_etcd_certs, membership_tls, start_etcd, stop_etcd
-from deploy.processes import spawn_logged
-from kvstore.auth import Role, add_principal, read_token_file, write_private
-from kvstore.certs import init_ca, issue_files
+from deploy.local_nodes import (
+    PORT_ATTEMPTS,
+    PORT_TAKEN,
+    STARTUP_TIMEOUT_S,
+    free_ports,
+    new_ports,
+    spawn_node,
+    wait_healthy,
+)
+from deploy.local_pids import (
+    STOP_TIMEOUT_S,
+    is_node_process,
+    read_pids,
+    refuse_running,
+    write_pids,
+)
+from deploy.local_secrets import (
+    CREDENTIALS_FILE,
+    TLS_DIR,
+    local_admin_token,
+    provision_integrity,
+    secure,
+)
+from kvstore.auth import Role, add_principal
 from kvstore.config import (
     ClientConfig,
     ClusterConfig,
     CodecConfig,
-    EncryptionConfig,
-    IntegrityConfig,
     MembershipConfig,
     NodeConfig,
-    TLSConfig,
     TTLConfig,
     save_cluster,
 )
@@ -80,67 +89,13 @@ from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.map_changes import drain, join, readdress, remove
 from kvstore.membership import EtcdMembership
 from kvstore.placement import make_groups
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
-from kvstore.tls import channel_credentials, sync_channel
 
 log = logging.getLogger(__name__)
 
-CREDENTIALS_FILE = "credentials.toml"
-ADMIN_TOKEN_FILE = "admin.token"
-NODE_TOKEN_FILE = "node.token"
-TLS_DIR = "tls"
-MASTER_KEY_FILE = "master.key"
-INTEGRITY_KEY_FILE = "integrity.json"
-KEYRING_FILE = "keyring.json"
-STARTUP_TIMEOUT_S = 60.0
 LOCAL_ETCD = "local"  # `--etcd` without an endpoint: start one (deploy/local_etcd.py)
 BASE_PORT_FILE = "base_port"
 DEFAULT_DOWN_OUT_S = 600.0  # Ceph's mon_osd_down_out_interval
 DRAIN_TIMEOUT_S = 600.0
-PORT_ATTEMPTS = 3
-# What a node says when it cannot bind its port: gRPC's own error, or kvstore/node/main.py's.
-_PORT_TAKEN = ("Address already in use", "the port is taken")
-STOP_TIMEOUT_S = 10.0
-_POLL_S = 0.05
-_HEALTH_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 200),
-)
-
-
-def _ephemeral_port_floor() -> int:
-    """Lowest port the kernel hands out to outgoing connections (Linux default 32768)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_ports(num_ports: int) -> list[int]:
-    """Distinct ports free on 127.0.0.1 right now, chosen below the ephemeral range.
-
-    A port the OS picks for ``bind(0)`` comes from the ephemeral range, where any outgoing
-    connection (a client dialing the nodes) may take it before the node binds it; ports
-    below that range are only ever taken by an explicit bind.
-    """
-    high = _ephemeral_port_floor()
-    low = max(1024, high - 12_000)
-    rng = random.SystemRandom()
-    sockets: list[socket.socket] = []
-    try:
-        while len(sockets) < num_ports:
-            sock = socket.socket()
-            try:
-                sock.bind(("127.0.0.1", rng.randrange(low, high)))
-            except OSError:  # taken (or already ours): try another
-                sock.close()
-                continue
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def local_config(
@@ -179,161 +134,6 @@ def local_config(
     )
 
 
-def spawn_node(
-    root: Path, node_id: str, extra_args: Sequence[str] = (), prefix: Sequence[str] = ()
-) -> subprocess.Popen[bytes]:
-    """Start one node in its own session, logging to ``root/logs/<id>.log``; ``prefix`` runs
-    it through another command (``ip netns exec NS``: a host of the namespace test)."""
-    command = [*prefix, sys.executable, "-m", "kvstore.cli", "node"]
-    command += ["--config", str(root / "cluster.toml")]
-    command += ["--id", node_id, *extra_args]
-    return spawn_logged(command, root / "logs" / f"{node_id}.log")
-
-
-def log_tail(root: Path, node_id: str, num_lines: int = 15) -> str:
-    path = root / "logs" / f"{node_id}.log"
-    if not path.exists():
-        return "(no log yet)"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-
-
-def health(
-    address: str,
-    timeout_s: float,
-    credentials: grpc.ChannelCredentials | None = None,
-    node_id: str | None = None,
-) -> pb.HealthReply | None:
-    """The node's Health reply, or None if it does not answer within ``timeout_s`` (with TLS
-    and ``node_id``: or if the server there is not that node)."""
-    with sync_channel(address, credentials, _HEALTH_OPTIONS, node_id=node_id) as channel:
-        try:
-            return ShardStoreStub(channel).Health(pb.HealthRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return None
-
-
-def wait_healthy(
-    root: Path,
-    config: ClusterConfig,
-    procs: dict[str, subprocess.Popen[bytes]],
-    timeout_s: float = STARTUP_TIMEOUT_S,
-) -> None:
-    """Poll Health on every node in ``procs`` until all serve; raise Unavailable otherwise."""
-    deadline_s = time.monotonic() + timeout_s
-    waiting = dict(procs)
-    credentials = channel_credentials(config, *local_client_cert(root, config))
-    while waiting:
-        for node_id, proc in list(waiting.items()):
-            if proc.poll() is not None:
-                raise Unavailable(_startup_failure(root, node_id, f"exited with {proc.returncode}"))
-            reply = health(config.node(node_id).address, 0.5, credentials, node_id)
-            if reply is not None and reply.serving:
-                del waiting[node_id]
-        if waiting and time.monotonic() > deadline_s:
-            node_id = sorted(waiting)[0]
-            raise Unavailable(_startup_failure(root, node_id, f"not healthy after {timeout_s} s"))
-        if waiting:
-            time.sleep(_POLL_S)
-
-
-def _new_ports(nodes: Sequence[NodeConfig]) -> tuple[NodeConfig, ...]:
-    """``nodes`` on fresh free ports (gRPC and metrics), everything else kept."""
-    ports = free_ports(2 * len(nodes))
-    return tuple(
-        dataclasses.replace(n, address=f"{n.host}:{ports[i]}", metrics_port=ports[len(nodes) + i])
-        for i, n in enumerate(nodes)
-    )
-
-
-def _startup_failure(root: Path, node_id: str, what: str) -> str:
-    tail = log_tail(root, node_id)
-    return f"node {node_id} {what}; last lines of {root}/logs/{node_id}.log:\n{tail}"
-
-
-def secure(
-    root: Path,
-    config: ClusterConfig,
-    *,
-    auth: bool,
-    tls: bool,
-    mtls: bool,
-    encrypt: Sequence[str] = (),
-    integrity: bool = False,
-) -> ClusterConfig:
-    """``config`` with auth (credentials file, admin and node tokens), TLS (a dev CA, a
-    certificate per node; ``mtls``: client certificates required), encryption at rest for
-    the ``encrypt`` tenants (a master key file and a keyring) and end-to-end ``integrity``
-    (a key file for the tenants' integrity keys) set up under ``root``."""
-    nodes = config.nodes
-    encryption = config.encryption
-    if integrity:
-        key_file = root / INTEGRITY_KEY_FILE
-        key_file.unlink(missing_ok=True)
-        config = dataclasses.replace(config, integrity=IntegrityConfig(str(key_file.resolve())))
-    if encrypt:
-        master = new_master_key(root / MASTER_KEY_FILE)
-        encryption = EncryptionConfig(
-            tuple(encrypt), str((root / KEYRING_FILE).resolve()), str(master.resolve())
-        )
-    if auth:
-        credentials = root / CREDENTIALS_FILE
-        credentials.unlink(missing_ok=True)
-        write_private(root / ADMIN_TOKEN_FILE, add_principal(credentials, "admin", Role.ADMIN))
-        node_token = add_principal(credentials, "nodes", Role.NODE)
-        write_private(root / NODE_TOKEN_FILE, node_token)
-        nodes = tuple(
-            dataclasses.replace(
-                n,
-                credentials_file=str(credentials.resolve()),
-                peer_token_file=str((root / NODE_TOKEN_FILE).resolve()),
-                metrics_auth=True,  # /metrics names tenants: only an admin or node reads it
-            )
-            for n in nodes
-        )
-    tls_config = config.tls
-    if tls:
-        tls_dir = root / TLS_DIR
-        ca_file = init_ca(tls_dir)
-        issued = {n.id: issue_files(tls_dir, n.id, [n.host], node=True) for n in nodes}
-        issue_files(tls_dir, "admin")
-        nodes = tuple(
-            dataclasses.replace(
-                n,
-                tls_cert_file=str(issued[n.id][0].resolve()),
-                tls_key_file=str(issued[n.id][1].resolve()),
-            )
-            for n in nodes
-        )
-        tls_config = TLSConfig("on", str(ca_file.resolve()), "require" if mtls else "none")
-    return dataclasses.replace(config, nodes=nodes, tls=tls_config, encryption=encryption)
-
-
-def provision_integrity(
-    key_file: str, name: str, role: Role, tenants: Sequence[str] = ()
-) -> list[str]:
-    """With an integrity key file (``[integrity] key_file``; "" = integrity off), make the
-    integrity key of each tenant principal ``name`` acts for (itself, or a service's listed
-    tenants; client/integrity.py); the tenants whose key it made."""
-    acts_for = [name] if role is Role.TENANT else [t for t in tenants if t != "*"]
-    if not key_file or role not in (Role.TENANT, Role.SERVICE):
-        return []
-    return [t for t in acts_for if ensure_key(key_file, t)]
-
-
-def local_admin_token(root: Path) -> str | None:
-    """The admin token `cluster up --auth` wrote, or None (no auth, or not a local cluster)."""
-    path = root / ADMIN_TOKEN_FILE
-    return read_token_file(path) if path.exists() else None
-
-
-def local_client_cert(root: Path, config: ClusterConfig) -> tuple[str | None, str | None]:
-    """The admin client certificate of a local mutual-TLS cluster, else (None, None)."""
-    cert, key = root / TLS_DIR / "admin.pem", root / TLS_DIR / "admin.key"
-    if config.tls.client_certs == "require" and cert.exists():
-        return str(cert), str(key)
-    return None, None
-
-
 def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | None:
     """With ``--base-port`` (``root/base_port``): the ``count`` ports after every port the
     cluster uses (its nodes' and its local etcd's); None: the cluster takes free ports."""
@@ -347,64 +147,6 @@ def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | Non
     used += [int(port) + 1 for port in etcd_ports if port.isdigit()]  # client, then peer
     first = max(used) + 1
     return list(range(first, first + count))
-
-
-def read_pids(root: Path) -> dict[str, int]:
-    path = root / "pids.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def write_pids(root: Path, node_to_pid: dict[str, int]) -> None:
-    tmp = root / "pids.json.tmp"
-    tmp.write_text(json.dumps(node_to_pid, indent=1, sort_keys=True))
-    tmp.replace(root / "pids.json")
-
-
-def is_node_process(pid: int, node_id: str) -> bool:
-    """Whether ``pid`` is alive and is the kvstore node ``node_id`` (guards against pid reuse)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"node" in argv and node_id.encode() in argv and b"kvstore.cli" in argv
-
-
-def stop_pids(node_to_pid: dict[str, int], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM every node process, wait up to ``timeout_s``, then SIGKILL what is left."""
-    alive = {n: pid for n, pid in node_to_pid.items() if is_node_process(pid, n)}
-    _signal_all(alive.values(), signal.SIGTERM)
-    deadline_s = time.monotonic() + timeout_s
-    while alive and time.monotonic() < deadline_s:
-        time.sleep(_POLL_S)
-        alive = {n: pid for n, pid in alive.items() if is_node_process(pid, n) and not _reap(pid)}
-    if alive:
-        log.warning("nodes %s ignored SIGTERM for %s s; sending SIGKILL", sorted(alive), timeout_s)
-        _signal_all(alive.values(), signal.SIGKILL)
-        for pid in alive.values():
-            _reap(pid)
-
-
-def _signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _reap(pid: int) -> bool:
-    """Collect ``pid`` if it is our exited child; True if it is gone (or was never ours)."""
-    try:
-        done_pid, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return False
-    return done_pid == pid
-
-
-def _refuse_running(root: Path) -> None:
-    """InvalidArgument when nodes of a cluster in ``root`` still run (one ``up`` per DIR)."""
-    if any(is_node_process(pid, n) for n, pid in read_pids(root).items()):
-        raise InvalidArgument(
-            f"a cluster is already running in {root}; run `kvstore cluster down --dir {root}`"
-        )
 
 
 def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) -> ClusterConfig:
@@ -503,7 +245,7 @@ class LocalCluster:
         (and a started etcd) are stopped.
         """
         root = Path(root)
-        _refuse_running(root)
+        refuse_running(root)
         root.mkdir(parents=True, exist_ok=True)
         (root / BASE_PORT_FILE).unlink(missing_ok=True)
         if base_port is not None:
@@ -541,11 +283,11 @@ class LocalCluster:
                 return cluster
             except Unavailable as exc:
                 cluster.stop()
-                taken = any(text in str(exc) for text in _PORT_TAKEN)
+                taken = any(text in str(exc) for text in PORT_TAKEN)
                 if fixed_ports or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 log.warning("a port was taken meanwhile; starting again on other ports")
-                config = dataclasses.replace(config, nodes=_new_ports(config.nodes))
+                config = dataclasses.replace(config, nodes=new_ports(config.nodes))
             except BaseException:
                 cluster.stop()
                 raise
@@ -595,7 +337,7 @@ class LocalCluster:
                 return self.config.node(node_id)
             except Unavailable as exc:
                 self._stop_proc(self.procs[node_id])
-                taken = any(text in str(exc) for text in _PORT_TAKEN)
+                taken = any(text in str(exc) for text in PORT_TAKEN)
                 if fixed or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 # Another process bound a chosen port first: the node moves to others.

@@ -30,7 +30,7 @@ import grpc
 from rich.table import Table
 
 from client.keyring import open_keyring
-from deploy.local_cluster import local_admin_token, local_client_cert
+from deploy.local_secrets import local_admin_token, local_client_cert
 from kvstore.auth import client_token
 from kvstore.cli.args import duration_arg, write_json
 from kvstore.cli.tables import make_console, print_fitted

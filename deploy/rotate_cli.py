@@ -25,12 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from deploy.local_cluster import (
-    ADMIN_TOKEN_FILE,
-    CREDENTIALS_FILE,
-    NODE_TOKEN_FILE,
-    TLS_DIR,
-)
+from deploy.local_secrets import ADMIN_TOKEN_FILE, CREDENTIALS_FILE, NODE_TOKEN_FILE, TLS_DIR
 from kvstore.auth import Role, load_credentials, rotate_token, write_private
 from kvstore.certs import issue_files
 from kvstore.cli.args import duration_arg

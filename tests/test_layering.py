@@ -17,6 +17,11 @@ Inside ``kvstore`` the rooms stack the same way::
     kvstore/wire/                   what crosses between client and node on the data plane
     kvstore/                        the floor: config, errors, placement, auth, TLS, membership
 
+Modules that grew several concepts were split into parts that their old module composes
+(``PARTS_OF``: ``client.kv_client`` is a façade over its reads, writes and key commands; the
+vLLM connector over its scheduler and worker sides; ...). A part never imports its whole at
+run time (an import under ``TYPE_CHECKING``, for annotations, is no dependency).
+
 A package imports only packages of lower layers, and a room of ``kvstore`` only lower rooms. Every
 ``import`` statement counts, also those inside functions, and so does
 ``importlib.import_module("pkg...")``. ``kvstore/cli/commands.py`` names the modules of every
@@ -46,6 +51,26 @@ LAYER_OF = {
 
 
 COMPOSITION_ROOT = Path("kvstore/cli/commands.py")
+# A module split into parts (issue 40) -> the parts it composes (this module's docstring).
+PARTS_OF = {
+    "client.kv_client": ("client.block_reads", "client.block_writes", "client.key_ops"),
+    "engine_adapter.integrations.vllm.connector": tuple(
+        f"engine_adapter.integrations.vllm.{part}"
+        for part in ("scheduler_side", "worker_side", "metadata", "slices", "stats", "events")
+    ),
+    "engine_adapter.serving.router": (
+        "engine_adapter.serving.request_api",
+        "engine_adapter.serving.router_workers",
+    ),
+    "engine_adapter.serving.serve": (
+        "engine_adapter.serving.worker_pool",
+        "engine_adapter.serving.front_config",
+    ),
+    "deploy.local_cluster": ("deploy.local_nodes", "deploy.local_secrets", "deploy.local_pids"),
+    "kvstore.node.repair_service": ("kvstore.node.repair_listing", "kvstore.node.repair_rebuild"),
+    "kvstore.config": ("kvstore.node_config",),
+    "bench.swapin_bench": ("bench.swapin_report",),
+}
 ROOM_OF_KVSTORE = {"floor": 0, "wire": 1, "store": 2, "node": 3, "cli": 4}
 
 
@@ -159,12 +184,43 @@ def test_importing_the_client_loads_no_store_or_node_module() -> None:
     """In a fresh interpreter: ``import client`` needs the floor and the wire, nothing more."""
     code = (
         "import sys, client; print(sorted(m for m in sys.modules"
-        " if m.startswith(('kvstore.store', 'kvstore.node', 'kvstore.cli'))))"
+        " if m.split('.')[:2] in (['kvstore', 'store'], ['kvstore', 'node'], ['kvstore', 'cli'])))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]", f"import client loads node-side modules: {out.strip()}"
+
+
+def _path_of(module: str) -> Path:
+    return ROOT / (module.replace(".", "/") + ".py")
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules ``path`` imports at run time: every import but those under ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+@pytest.mark.parametrize("whole", sorted(PARTS_OF))
+def test_a_split_module_composes_its_parts_and_no_part_imports_it_back(whole: str) -> None:
+    imported = _runtime_imports(_path_of(whole))
+    missing = [part for part in PARTS_OF[whole] if part not in imported]
+    assert not missing, f"{whole} no longer imports its parts {missing}: update PARTS_OF"
+    back = [part for part in PARTS_OF[whole] if whole in _runtime_imports(_path_of(part))]
+    assert not back, f"parts {back} import {whole} at run time: a part sits below its whole"
 
 
 @pytest.mark.parametrize(
@@ -174,6 +230,7 @@ def test_importing_the_client_loads_no_store_or_node_module() -> None:
         ("ttl.policy, ttl.simulator, ttl.traces, ttl.sweep, ttl.units, ttl.errors", "grpc"),
         ("ttl.partition, ttl.simloop", "grpc"),
         ("kvstore.node.main, kvstore.store.shard_store, client", "torch"),
+        ("engine_adapter.integrations, engine_adapter.integrations.vllm", "vllm"),
     ],
 )
 def test_importing_a_layer_loads_nothing_heavier(modules: str, forbidden: str) -> None:

@@ -14,7 +14,8 @@ from typing import Protocol
 from bench.common import bench_node_overrides
 from client import KVClient
 from client.keyring import new_master_key
-from deploy.local_cluster import LocalCluster, local_client_cert
+from deploy.local_cluster import LocalCluster
+from deploy.local_secrets import local_client_cert
 from kvstore.config import EncryptionConfig, load_cluster
 from kvstore.errors import InvalidArgument
 

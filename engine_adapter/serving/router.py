@@ -10,7 +10,7 @@ in-process or against a running ``kvstore serve``::
     async with Router(prefill_addresses, decode_addresses) as router:        # in-process
         completion = await router.generate(Request(messages, tenant="acme", max_new_tokens=16))
         completion = await router.generate(token_ids=[...], tenant="acme")   # same fields
-    async with ServingClient("127.0.0.1:8701") as client:                   # remote (gRPC)
+    async with ServingClient("127.0.0.1:8701") as client:    # remote (gRPC), router_service.py
         async for event in client.stream(messages=messages): ...            # GenerateEvent
 
 Admission (``admission.py``): at most ``max_running_requests`` requests are dispatched to
@@ -46,12 +46,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
 from engine_adapter.serving import serving_pb2 as pb
-from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S, AdmissionConfig, AdmissionQueue
 from engine_adapter.serving.balancer import (
     POLICIES,
@@ -62,115 +60,24 @@ from engine_adapter.serving.balancer import (
 from engine_adapter.serving.errors import ContextTooLong
 from engine_adapter.serving.metrics import RouterMetrics
 from engine_adapter.serving.request import Request, StopMatcher, chat_prompt_ids
+from engine_adapter.serving.request_api import RequestAPI
+from engine_adapter.serving.router_workers import PROBE_INTERVAL_S, RouterWorkers
 from engine_adapter.serving.worker_endpoint import (
-    CHANNEL_OPTIONS,
-    HEALTH_TIMEOUT_S,
     WorkerEndpoint,
     WorkerFault,
     WorkerSet,
     read_events,
 )
 from engine_adapter.tokenizer import ChatTokenizer
-from kvstore.errors import ERRORS, DeadlineExceeded, InvalidArgument, KVStoreError, Unavailable
-from kvstore.grpc_errors import from_grpc_status, to_grpc_status
-from kvstore.tls import aio_channel
+from kvstore.errors import DeadlineExceeded, InvalidArgument, KVStoreError, Unavailable
+
+__all__ = ["POLICIES", "Router"]
 
 log = logging.getLogger(__name__)
 
 PREFILL_ATTEMPT_TIMEOUT_S = 60.0  # silence on a prefill stream before its worker is asked Health
 TOKEN_TIMEOUT_S = 15.0  # silence on a decode stream before its worker is asked Health
-PROBE_INTERVAL_S = 1.0
 CHARS_PER_TOKEN_ESTIMATE = 4  # length of a conversation the router cannot tokenize
-
-
-@dataclass
-class Completion:
-    """One finished request, as the caller of :meth:`Router.generate` sees it."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" or "length"
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt KV the prefill worker swapped in from the store
-    num_matched_tokens: int  # prompt prefix the store held (the cost model may fetch less)
-    num_computed_tokens: int  # prompt KV the prefill worker computed
-    ttft_s: float  # from the call until the first token arrived, measured by the caller
-    total_s: float
-    prefill_worker_id: str
-    decode_worker_id: str
-    num_prefill_attempts: int
-    num_swapped_tokens: int  # prompt KV the decode worker read from the store
-    num_recomputed_tokens: int  # prompt KV the decode worker computed (blocks unreadable)
-    num_migrations: int = 0  # times a draining decode worker handed the request on
-
-
-async def collect(request_id: str, events: AsyncIterator[pb.GenerateEvent]) -> Completion:
-    """Drain a GenerateEvent stream into a :class:`Completion` (TTFT measured here)."""
-    start_s = time.perf_counter()
-    ttft_s, stats, token_ids = 0.0, pb.PrefillStats(), []
-    async for event in events:
-        kind = event.WhichOneof("event")
-        if kind == "prefill":
-            stats = event.prefill
-        elif kind == "token":
-            ttft_s = ttft_s or time.perf_counter() - start_s
-            token_ids.append(event.token.token_id)
-        else:
-            return _completion(request_id, stats, event.finish, token_ids, ttft_s, start_s)
-    raise Unavailable(f"request {request_id}: the event stream ended without a finish event")
-
-
-def _completion(
-    request_id: str,
-    stats: pb.PrefillStats,
-    finish: pb.Finish,
-    token_ids: list[int],
-    ttft_s: float,
-    start_s: float,
-) -> Completion:
-    return Completion(
-        request_id=request_id,
-        token_ids=token_ids,
-        text=finish.text,
-        finish_reason=finish.finish_reason,
-        num_prompt_tokens=stats.num_prompt_tokens,
-        num_cached_tokens=stats.num_cached_tokens,
-        num_matched_tokens=stats.num_matched_tokens,
-        num_computed_tokens=stats.num_computed_tokens,
-        ttft_s=ttft_s,
-        total_s=time.perf_counter() - start_s,
-        prefill_worker_id=stats.worker_id,
-        decode_worker_id=finish.decode_worker_id,
-        num_prefill_attempts=stats.num_attempts,
-        num_swapped_tokens=finish.num_swapped_tokens,
-        num_recomputed_tokens=finish.num_recomputed_tokens,
-        num_migrations=finish.num_migrations,
-    )
-
-
-class RequestAPI:
-    """``generate`` and ``stream``, shared by the in-process :class:`Router` and the remote
-    :class:`ServingClient`; subclasses implement ``stream_request``."""
-
-    def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
-        raise NotImplementedError
-
-    def _events(self, request: Request) -> AsyncIterator[pb.GenerateEvent]:
-        """Events of a validated request; here its wire message goes to ``stream_request``
-        (the :class:`Router` runs the request itself, from the message it builds once)."""
-        return self.stream_request(request.to_proto())
-
-    async def generate(self, request: Request | None = None, /, **fields: Any) -> Completion:
-        """Run one request to completion: a :class:`Request`, or its fields as keywords."""
-        request = request or Request(**fields)
-        return await collect(request.request_id, self._events(request))
-
-    def stream(
-        self, request: Request | None = None, /, **fields: Any
-    ) -> AsyncIterator[pb.GenerateEvent]:
-        """Events of one request: ``prefill`` stats, a ``token`` per token, then ``finish``."""
-        return self._events(request or Request(**fields))
 
 
 @dataclass
@@ -221,14 +128,8 @@ class Router(RequestAPI):
         if policy not in POLICIES:
             raise InvalidArgument(f"routing policy {policy!r}: choose one of {POLICIES}")
         self.policy = policy
-        self.prefill = WorkerSet(
-            [WorkerEndpoint.open(a, "prefill", credentials) for a in prefill_addresses]
-        )
-        self.decode = WorkerSet(
-            [WorkerEndpoint.open(a, "decode", credentials) for a in decode_addresses]
-        )
-        if policy == "round-robin":
-            self.prefill.policy = policy
+        self.workers = RouterWorkers(prefill_addresses, decode_addresses, credentials, policy)
+        self.prefill, self.decode = self.workers.prefill, self.workers.decode
         self.balancer = PrefillBalancer(balancer)
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
@@ -237,30 +138,20 @@ class Router(RequestAPI):
         self.timeout_s = timeout_s
         self.prefill_attempt_timeout_s = prefill_attempt_timeout_s
         self.token_timeout_s = token_timeout_s
-        self._probe_task: asyncio.Task[None] | None = None
         self._prefill_room = asyncio.Event()  # set: a prefill worker's queue got shorter
 
     @property
     def endpoints(self) -> list[WorkerEndpoint]:
-        return self.prefill.workers + self.decode.workers
+        return self.workers.endpoints
 
     @property
     def max_model_len(self) -> int:
         """The smallest ``max_model_len`` any worker reported (0 before ``start``)."""
-        lengths = [w.health.max_model_len for w in self.endpoints if w.health.max_model_len]
-        return min(lengths, default=0)
+        return self.workers.max_model_len
 
     async def start(self, timeout_s: float = 30.0) -> None:
         """Wait until every worker answers Health, then keep probing the ones that fail."""
-        deadline_s = time.monotonic() + timeout_s
-        for worker in self.endpoints:
-            while await worker.probe() is None:
-                if time.monotonic() > deadline_s:
-                    raise Unavailable(
-                        f"{worker.role} worker at {worker.address} did not answer Health "
-                        f"within {timeout_s} s; is it running (see its log)?"
-                    )
-                await asyncio.sleep(0.1)
+        await self.workers.wait_healthy(timeout_s)
         for worker in self.prefill.workers:
             health = worker.health
             calibration = [
@@ -268,19 +159,10 @@ class Router(RequestAPI):
                 for n, t in zip(health.calibration_tokens, health.calibration_s, strict=True)
             ]
             self.balancer.add_worker(worker.address, calibration)
-        self._probe_task = asyncio.create_task(self._probe_workers())
-
-    async def _probe_workers(self) -> None:
-        """Every worker's Health now and then: a down one comes back, a wedged one goes."""
-        while True:
-            await asyncio.sleep(PROBE_INTERVAL_S)
-            await asyncio.gather(*(w.probe() for w in self.endpoints), return_exceptions=True)
+        self.workers.start_probing()
 
     async def close(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            await asyncio.gather(self._probe_task, return_exceptions=True)
-        await asyncio.gather(*(w.channel.close() for w in self.endpoints))
+        await self.workers.close()
 
     async def __aenter__(self) -> Router:
         await self.start()
@@ -292,18 +174,7 @@ class Router(RequestAPI):
     async def drain(self, worker_id: str, grace_s: float) -> int:
         """Drain decode worker ``worker_id``: no new requests; after ``grace_s`` its requests
         move to other decode workers with their KV. Returns the requests it held."""
-        worker = next((w for w in self.decode.workers if w.worker_id == worker_id), None)
-        if worker is None:
-            known = [w.worker_id for w in self.decode.workers]
-            raise InvalidArgument(f"no decode worker {worker_id!r}; decode workers: {known}")
-        if not self.decode.candidates({worker.address}):
-            raise InvalidArgument(
-                f"{worker_id} is the only decode worker taking requests: its requests would "
-                "have nowhere to go; start another decode worker first"
-            )
-        worker.draining = True
-        reply = await worker.stub.Drain(pb.DrainRequest(grace_s=grace_s), timeout=HEALTH_TIMEOUT_S)
-        return reply.num_active
+        return await self.workers.drain(worker_id, grace_s)
 
     async def stream_request(self, proto: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
         """Run a request that came as its wire message (the gRPC face): validated into a
@@ -658,59 +529,3 @@ def _check_replay(streamed: list[int], position: int, token_id: int, worker: Wor
             f"{position}, the first attempt {streamed[position]}: decoding is not deterministic"
         )
     return position + 1
-
-
-class RouterService(pb_grpc.RouterServicer):
-    """The router's gRPC face (``kvstore serve --grpc-port``): Generate streams events."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    async def Generate(  # gRPC method name
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateEvent]:
-        try:
-            async for event in self.router.stream_request(request):
-                yield event
-        except ERRORS as exc:
-            await context.abort(*to_grpc_status(exc))
-
-    async def Health(
-        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
-    ) -> pb.HealthReply:
-        num_active = self.router.num_waiting + self.router.num_running
-        return pb.HealthReply(worker_id="router", role="router", num_active=num_active)
-
-
-class ServingClient(RequestAPI):
-    """Python client of a running router's gRPC face (``kvstore serve --grpc-port P``)."""
-
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        credentials: grpc.ChannelCredentials | None = None,
-    ) -> None:
-        """``credentials``: TLS, for a router whose cluster runs TLS (its CA verifies it)."""
-        self.address = address
-        self.timeout_s = timeout_s
-        self.channel = aio_channel(address, credentials, CHANNEL_OPTIONS)
-        self.stub = pb_grpc.RouterStub(self.channel)
-
-    async def __aenter__(self) -> ServingClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def stream_request(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateEvent]:
-        timeout_s = (request.timeout_s or self.timeout_s) + 5.0  # the router enforces the deadline
-        call = self.stub.Generate(request, timeout=timeout_s)
-        try:
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as exc:
-            raise from_grpc_status(exc.code(), exc.details()) from None

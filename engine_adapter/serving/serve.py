@@ -41,348 +41,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import contextlib
-import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S, AdmissionConfig
-from engine_adapter.serving.api_keys import ApiKeys, admin_key
-from engine_adapter.serving.balancer import (
-    DEFAULT_BUCKET_BOUNDS_TOKENS,
-    POLICIES,
-    BalancerConfig,
-)
-from engine_adapter.serving.http_limits import FrontLimits, guarded_h11_protocol
+from engine_adapter.serving.api_keys import ApiKeys
+from engine_adapter.serving.balancer import BalancerConfig
+from engine_adapter.serving.front_config import FrontConfig, configure, front_config
+from engine_adapter.serving.http_limits import guarded_h11_protocol
 from engine_adapter.serving.request_log import ServingStats
-from engine_adapter.serving.worker_flags import add_worker_tuning_arguments, tuning_argv
+from engine_adapter.serving.worker_flags import tuning_argv
+from engine_adapter.serving.worker_pool import (
+    POLL_S,
+    WorkerPool,
+    cancel_on_signals,
+    sigterm_as_interrupt,
+)
 from engine_adapter.serving.worker_tls import WorkerTLS, worker_tls_for
-from kvstore.cli.args import duration_arg, list_arg, size_arg
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
     from engine_adapter.serving.router import Router
 
+__all__ = ["configure", "run", "serve_router"]  # configure, run: the command table's (kvstore/cli)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's habit
-STARTUP_TIMEOUT_S = 300.0  # loading the default model takes 15-60 s on a busy 2-core machine
-STOP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 2.0  # in-flight RPCs get this long when the router stops
 SUPERVISE_INTERVAL_S = 1.0
-STARTUP_PROGRESS_S = 15.0  # a "still waiting for" line this often while workers start
-DEFAULT_MAX_WAITING_REQUESTS = 64
-DEFAULT_MAX_QUEUE_WAIT_S = 30.0
-DEFAULT_STATS_INTERVAL_S = 10.0
-_POLL_S = 0.1
-WORKER_MODULE = "engine_adapter.serving.worker_main"  # python -m: one worker process
-
-
-@dataclass
-class WorkerProcess:
-    """One worker process this process started."""
-
-    worker_id: str
-    role: str
-    proc: subprocess.Popen[bytes]
-    ready_file: Path
-    address: str = ""
-    port: int = 0
-    spawned_s: float = 0.0  # time.monotonic() when started
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
-class WorkerPool:
-    """Prefill and decode worker processes, started and stopped by this process."""
-
-    def __init__(
-        self,
-        cluster_toml: Path,
-        run_dir: Path,
-        model: str,
-        worker_args: Sequence[str] = (),
-    ) -> None:
-        self.cluster_toml = Path(cluster_toml)
-        self.run_dir = Path(run_dir)
-        self.model = model
-        self.worker_args = list(worker_args)
-        self.workers: dict[str, WorkerProcess] = {}
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        atexit.register(self.stop)
-
-    @classmethod
-    def start(
-        cls,
-        cluster_toml: str | Path,
-        run_dir: str | Path,
-        *,
-        num_prefill: int = 2,
-        num_decode: int = 1,
-        model: str = "default",
-        worker_args: Sequence[str] = (),
-        startup_timeout_s: float = STARTUP_TIMEOUT_S,
-    ) -> WorkerPool:
-        """Start the workers (p0.., d0..) and wait until every one serves."""
-        pool = cls.spawn_all(cluster_toml, run_dir, num_prefill, num_decode, model, worker_args)
-        try:
-            pool.wait_ready(startup_timeout_s)
-        except BaseException:
-            pool.stop()
-            raise
-        return pool
-
-    @classmethod
-    def spawn_all(
-        cls,
-        cluster_toml: str | Path,
-        run_dir: str | Path,
-        num_prefill: int,
-        num_decode: int,
-        model: str,
-        worker_args: Sequence[str] = (),
-    ) -> WorkerPool:
-        """Start the worker processes without waiting (they load the model meanwhile)."""
-        if num_prefill < 1 or num_decode < 1:
-            raise InvalidArgument("serving needs at least one prefill and one decode worker")
-        pool = cls(Path(cluster_toml), Path(run_dir), model, worker_args)
-        for role, prefix, count in (("prefill", "p", num_prefill), ("decode", "d", num_decode)):
-            for index in range(count):
-                pool.spawn(f"{prefix}{index}", role)
-        return pool
-
-    def spawn(
-        self, worker_id: str, role: str, port: int = 0, extra_args: Sequence[str] = ()
-    ) -> WorkerProcess:
-        """Start one worker in its own session, logging to ``run_dir/logs/<id>.log``."""
-        ready_file = self.run_dir / f"{worker_id}.ready.json"
-        ready_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", WORKER_MODULE, role, "--id", worker_id]
-        command += ["--cluster", str(self.cluster_toml), "--model", self.model]
-        command += ["--port", str(port), "--ready-file", str(ready_file)]
-        command += ["--parent-pid", str(os.getpid()), *self.worker_args, *extra_args]
-        with open(self.run_dir / "logs" / f"{worker_id}.log", "ab") as log_file:
-            proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = WorkerProcess(
-            worker_id, role, proc, ready_file, port=port, spawned_s=time.monotonic()
-        )
-        self.workers[worker_id] = worker
-        return worker
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Wait until every worker wrote its ready file; Unavailable if one exits or is late."""
-        start_s = time.monotonic()
-        deadline_s, progress_s = start_s + timeout_s, start_s + STARTUP_PROGRESS_S
-        waiting = [w for w in self.workers.values() if not w.address]
-        while waiting:
-            for worker in list(waiting):
-                if self._read_ready(worker):
-                    waiting.remove(worker)
-                elif not worker.alive:
-                    raise Unavailable(
-                        self._failure(worker, f"exited with {worker.proc.returncode}")
-                    )
-            now_s = time.monotonic()
-            if waiting and now_s > deadline_s:
-                raise Unavailable(self._failure(waiting[0], f"not ready after {timeout_s} s"))
-            if waiting and now_s > progress_s:
-                names = ", ".join(w.worker_id for w in waiting)
-                log.info("start-up: still waiting for %s (%.0f s so far)", names, now_s - start_s)
-                progress_s = now_s + STARTUP_PROGRESS_S
-            if waiting:
-                time.sleep(_POLL_S)
-
-    def _read_ready(self, worker: WorkerProcess) -> bool:
-        try:
-            info = json.loads(worker.ready_file.read_text())
-        except (OSError, ValueError):
-            return False
-        worker.address = info["address"]
-        worker.port = int(worker.address.rpartition(":")[2])
-        stages = ", ".join(f"{k} {v:.1f} s" for k, v in info.get("stages_s", {}).items())
-        log.info(
-            "start-up: %s worker %s ready on %s after %.1f s (%s)",
-            worker.role,
-            worker.worker_id,
-            worker.address,
-            time.monotonic() - worker.spawned_s,
-            stages or "no stages reported",
-        )
-        return True
-
-    def _failure(self, worker: WorkerProcess, what: str) -> str:
-        path = self.run_dir / "logs" / f"{worker.worker_id}.log"
-        lines = path.read_text(errors="replace").splitlines()[-15:] if path.exists() else []
-        return (
-            f"{worker.role} worker {worker.worker_id} {what}; last lines of {path}:\n"
-            + "\n".join(lines)
-        )
-
-    def addresses(self, role: str) -> list[str]:
-        return [w.address for w in self.workers.values() if w.role == role]
-
-    def pids(self) -> dict[str, int]:
-        return {w.worker_id: w.proc.pid for w in self.workers.values()}
-
-    def kill(self, worker_id: str) -> None:
-        """SIGKILL one worker (a crash) and reap it."""
-        worker = self.workers[worker_id]
-        worker.proc.kill()
-        worker.proc.wait()
-
-    def add(self, worker_id: str, role: str, extra_args: Sequence[str] = ()) -> WorkerProcess:
-        """Start one more worker and wait until it serves (scale up)."""
-        if worker_id in self.workers:
-            raise InvalidArgument(f"worker {worker_id} exists; pick another id")
-        worker = self.spawn(worker_id, role, extra_args=extra_args)
-        self.wait_ready()
-        return worker
-
-    def remove(self, worker_id: str) -> None:
-        """Stop one worker and forget it (scale down); routers must drop its address."""
-        _stop_process(self.workers.pop(worker_id).proc)
-
-    def restart(self, worker_id: str, extra_args: Sequence[str] = ()) -> None:
-        """Stop the worker if it runs, start it on its port with ``extra_args``; wait."""
-        worker = self.workers[worker_id]
-        if worker.alive:
-            _stop_process(worker.proc)
-        self.spawn(worker_id, worker.role, worker.port, extra_args)
-        self.wait_ready()
-
-    def restart_dead(self) -> list[str]:
-        """Start again, on the same port, every worker that crashed after it served.
-
-        A worker that dies before it serves is not restarted (it would likely die again);
-        the router keeps routing around it.
-        """
-        for worker in self.workers.values():
-            if not worker.address:
-                self._read_ready(worker)
-        # Exit status 0 is a worker that drained and stopped on purpose (SIGTERM from
-        # outside, or `kvstore serve drain`): it stays stopped.
-        dead = [w for w in self.workers.values() if w.address and not w.alive and w.proc.returncode]
-        for worker in dead:
-            log.warning(
-                "%s worker %s exited with %s; restarting it on port %d",
-                worker.role,
-                worker.worker_id,
-                worker.proc.returncode,
-                worker.port,
-            )
-            self.spawn(worker.worker_id, worker.role, worker.port)
-        return [w.worker_id for w in dead]
-
-    def stop(self) -> None:
-        """SIGTERM every worker, wait, SIGKILL what is left. Safe to call twice."""
-        for worker in self.workers.values():
-            if worker.alive:
-                worker.proc.terminate()
-        deadline_s = time.monotonic() + STOP_TIMEOUT_S
-        for worker in self.workers.values():
-            try:
-                worker.proc.wait(max(deadline_s - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                log.warning("worker %s ignored SIGTERM; sending SIGKILL", worker.worker_id)
-                worker.proc.kill()
-                worker.proc.wait()
-        atexit.unregister(self.stop)
-
-    def __enter__(self) -> WorkerPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if it is still there after STOP_TIMEOUT_S (a loaded machine)."""
-    proc.terminate()
-    try:
-        proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt while inside, so ``finally`` blocks stop children."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def cancel_on_signals() -> None:
-    """In a running event loop: SIGTERM and SIGINT cancel the current task.
-
-    Raising from a plain signal handler could land inside any callback of the loop; a
-    cancelled task unwinds through its ``finally`` blocks and ``asyncio.run`` then raises
-    CancelledError.
-    """
-    task = asyncio.current_task()
-    assert task is not None, "cancel_on_signals() must be called from a task"
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-
-
-@dataclass(frozen=True)
-class FrontConfig:
-    """How ``kvstore serve`` faces its users."""
-
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP front; 0: any free port
-    grpc_port: int | None = None  # the router's gRPC face (ServingClient); None: off
-    model: str = "default"
-    served_model_name: str = ""  # "" = loader.model_name(model)
-    api_keys: Path | None = None
-    api_key_values: tuple[str, ...] = ()  # --api-key: keys of tenant "default"
-    admin_key_file: Path | None = None
-    policy: str = "balanced"
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    request_timeout_s: float = DEFAULT_TIMEOUT_S
-    limits: FrontLimits = field(default_factory=FrontLimits)
-    bucket_bounds_tokens: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS_TOKENS
-    log_requests: bool = True
-    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S  # 0: no stats line
-
-    def __post_init__(self) -> None:
-        wait_s = self.admission.max_queue_wait_s
-        if not self.request_timeout_s > 0 or wait_s >= self.request_timeout_s:
-            raise ValueError(
-                f"request timeout {self.request_timeout_s} s: give a positive one, above the "
-                f"longest queue wait ({wait_s} s)"
-            )
-
-    def keys(self) -> ApiKeys:
-        """The API keys and the admin key (a new one is written where none exists)."""
-        admin = admin_key(self.admin_key_file) if self.admin_key_file else None
-        return ApiKeys.load(self.api_keys, self.api_key_values, admin)
 
 
 async def serve_router(pool: WorkerPool, front: FrontConfig, tls: WorkerTLS | None = None) -> None:
@@ -437,7 +128,7 @@ async def _serve_front(
     import grpc
 
     from engine_adapter.serving import serving_pb2_grpc as pb_grpc
-    from engine_adapter.serving.router import RouterService
+    from engine_adapter.serving.router_service import RouterService
     from engine_adapter.serving.worker_endpoint import CHANNEL_OPTIONS
 
     closed = router.metrics.closed_connections.labels
@@ -517,221 +208,12 @@ def _http_server(app: object, host: str, port: int, protocol: type, keep_alive_s
         async def bound_port(self) -> int:
             """The port uvicorn listens on, once it does (``port`` 0 picks a free one)."""
             while not self.started:
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(POLL_S)
             return self.servers[0].sockets[0].getsockname()[1]
 
     return HttpServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                      lifespan="off", access_log=False, http=protocol,
                                      timeout_keep_alive=keep_alive_s))  # fmt: skip
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore serve``."""
-    defaults = FrontConfig()
-    parser.add_argument("--cluster", required=True, type=Path, help="the store's cluster.toml")
-    _add_front_flags(parser, defaults)
-    _add_limit_flags(parser, defaults)
-    _add_worker_flags(parser, defaults)
-    _add_router_flags(parser, defaults)
-    _add_log_flags(parser, defaults)
-    add_worker_tuning_arguments(parser)
-
-
-def _add_front_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
-    """Where the HTTP front (and the gRPC face) listen, and whom they serve."""
-    parser.add_argument("--host", default=defaults.host, help="HTTP (and gRPC) address to bind")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=defaults.port,
-        help="OpenAI-compatible HTTP port, 0: any free one",
-    )
-    parser.add_argument(
-        "--grpc-port",
-        type=int,
-        default=None,
-        help="also serve the router's gRPC face (ServingClient) here, 0: any (default: off)",
-    )
-    parser.add_argument(
-        "--api-keys",
-        type=Path,
-        help='TOML file with a [keys] table of "KEY" = "TENANT" (default: none; without it '
-        "and --api-key there is no auth and every request is tenant 'default')",
-    )
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="an API key of tenant 'default', as vllm serve's (repeat the flag for more)",
-    )
-    parser.add_argument(
-        "--admin-key-file",
-        type=Path,
-        help="file with the key /admin/* needs (kvstore serve drain); made, mode 0600, if "
-        "missing (default: RUN_DIR/admin.key)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default="",
-        help="the model name clients send (default: the model's name, e.g. SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--tls-cert-file",
-        type=Path,
-        help="with a TLS cluster: the certificate (of its CA, for 127.0.0.1) router and workers "
-        "talk over (default: issued from the CA key beside the cluster's CA file, if there)",
-    )
-    parser.add_argument("--tls-key-file", type=Path, help="the key of --tls-cert-file")
-
-
-def _add_limit_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
-    """Limits against floods and slow clients."""
-    limits = defaults.limits
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=limits.max_connections,
-        help="open HTTP connections; more are answered 503 and closed",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=size_arg,
-        default=limits.max_body_bytes,
-        help="largest request body (e.g. 2MiB); larger ones get 413 before they are read",
-    )
-    parser.add_argument(
-        "--header-timeout-s",
-        type=duration_arg,
-        default=limits.header_timeout_s,
-        help="seconds a client has to send a request's headers (else 408, closed)",
-    )
-    parser.add_argument(
-        "--body-timeout-s",
-        type=duration_arg,
-        default=limits.body_timeout_s,
-        help="seconds a client has to send the whole body after the headers (else 408, closed)",
-    )
-
-
-def _add_worker_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
-    """How many workers of each role, running which model."""
-    parser.add_argument(
-        "--prefill-workers",
-        type=int,
-        default=2,
-        help="prefill worker processes",
-    )
-    parser.add_argument(
-        "--decode-workers",
-        type=int,
-        default=1,
-        help="decode worker processes",
-    )
-    parser.add_argument(
-        "--model",
-        default=defaults.model,
-        help="which model: 'default' is SmolLM2-135M-Instruct; also random:<size>, a .gguf "
-        "file or a safetensors dir; default: %(default)s",
-    )
-
-
-def _add_router_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
-    """How the router picks prefill workers and queues requests; where the workers log."""
-    parser.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=defaults.policy,
-        help="how prefill workers are picked",
-    )
-    parser.add_argument(
-        "--bucket-bounds",
-        type=list_arg(int),
-        default=DEFAULT_BUCKET_BOUNDS_TOKENS,
-        help="prompt-length bucket bounds in tokens (<16K, 16-64K, 64-256K, >=256K)",
-    )
-    parser.add_argument(
-        "--request-timeout-s",
-        type=duration_arg,
-        default=defaults.request_timeout_s,
-        help="a request's deadline, from its arrival to its last token",
-    )
-    parser.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=0,
-        help="requests sent to the workers at once (0: prefill workers + 2 x decode workers, "
-        "what they serve without queueing out of sight)",
-    )
-    parser.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=DEFAULT_MAX_WAITING_REQUESTS,
-        help="requests queued for a worker; more get 429 at once (0: no limit)",
-    )
-    parser.add_argument(
-        "--max-queue-wait-s",
-        type=duration_arg,
-        default=DEFAULT_MAX_QUEUE_WAIT_S,
-        help="longest wait in the queue: a request that waited this long, or would by the "
-        "rate requests finish, gets 429 with Retry-After (0: up to its deadline)",
-    )
-    parser.add_argument(
-        "--run-dir",
-        type=Path,
-        help="worker logs and ready files (default: a new temporary directory)",
-    )
-    parser.add_argument(
-        "--startup-timeout-s",
-        type=duration_arg,
-        default=STARTUP_TIMEOUT_S,
-        help="how long the workers may take to load the model and calibrate",
-    )
-
-
-def _add_log_flags(parser: argparse.ArgumentParser, defaults: FrontConfig) -> None:
-    """The request log and the stats line (vllm serve's flags)."""
-    parser.add_argument(
-        "--disable-log-requests", action="store_true", help="no log line per request"
-    )
-    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
-    parser.add_argument(
-        "--stats-interval-s",
-        type=duration_arg,
-        default=defaults.stats_interval_s,
-        help="seconds between two stats lines (logged only while something happens)",
-    )
-
-
-def front_config(args: argparse.Namespace, run_dir: Path) -> FrontConfig:
-    """The FrontConfig of parsed ``kvstore serve`` flags; ValueError/KVStoreError if bad."""
-    max_running = args.max_running_requests or args.prefill_workers + 2 * args.decode_workers
-    front = FrontConfig(
-        host=args.host,
-        port=args.port,
-        grpc_port=args.grpc_port,
-        model=args.model,
-        served_model_name=args.served_model_name,
-        api_keys=args.api_keys,
-        api_key_values=tuple(args.api_key),
-        admin_key_file=args.admin_key_file or run_dir / "admin.key",
-        policy=args.policy,
-        admission=AdmissionConfig(max_running, args.max_waiting_requests, args.max_queue_wait_s),
-        request_timeout_s=args.request_timeout_s,
-        limits=FrontLimits(
-            max_connections=args.max_connections,
-            header_timeout_s=args.header_timeout_s,
-            body_timeout_s=args.body_timeout_s,
-            max_body_bytes=args.max_body_bytes,
-        ),
-        bucket_bounds_tokens=BalancerConfig(
-            bucket_bounds_tokens=tuple(args.bucket_bounds)
-        ).bucket_bounds_tokens,
-        log_requests=not args.disable_log_requests,
-        stats_interval_s=0.0 if args.disable_log_stats else args.stats_interval_s,
-    )
-    front.keys()  # a bad key file fails before the workers start
-    return front
 
 
 def run(args: argparse.Namespace) -> int:

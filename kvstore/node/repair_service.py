@@ -45,6 +45,9 @@ gap, writes that landed fewer than k+m shards) are looked at between passes, one
 a hint of a group whose pass is due waits for that pass, and a hinted block that misses shards
 on a member that is up while another member is still down waits one settle delay for it.
 
+The listing is repair_listing.py, a block's rebuild (read, decode, encode, put, at the repair
+rate) repair_rebuild.py; this module decides what runs when.
+
 Figures (Stats ``repair``, Prometheus ``kvstore_repair_*``): the backlog as the latest looks
 found it (shards missing and waiting, blocks at risk, the rebuild's cost and ETA, groups whose
 pass is pending), rebuilt shards and bytes, bytes read, blocks skipped as expiring, blocks left
@@ -59,17 +62,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from erasure.codec import make_codec
-from erasure.shard import parse_header, shard_version
+from erasure.shard import shard_version
 from kvstore.config import ClusterConfig, NodeConfig
-from kvstore.errors import CodecError, KVStoreError, PermissionDenied
+from kvstore.errors import PermissionDenied
 from kvstore.node.peers import Peers
 from kvstore.node.repair import (
     BlockPlan,
-    Listed,
     Unrecoverable,
     expires_before_rebuilt,
     group_leader,
@@ -83,18 +85,16 @@ from kvstore.node.repair_backlog import (
     PassSchedule,
     ProbePacer,
     RateMeter,
-    TokenBucket,
     changed_members,
     eta_s,
 )
+from kvstore.node.repair_listing import list_group, list_key, listed_entry
+from kvstore.node.repair_rebuild import Rebuilder, Throttle
 from kvstore.placement import Placement
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store.index_codec import tenant_hash
 from ttl.clock import Clock
 
 log = logging.getLogger(__name__)
 
-LIST_PAGE = 512
 MAX_HINTS = 100_000  # beyond this the oldest hints go: the next pass finds those blocks anyway
 HINT_RETRY_S = 5.0  # a hint whose owner is down is looked at again this often
 RETRY_S = 5.0  # a pass that left shards missing on members that are up runs again after this
@@ -104,7 +104,6 @@ PROBE_IDLE_S = 16.0  # off to this while every member is up and nothing changed 
 SETTLE_S = 3.0  # a triggered pass waits this long, so members returning together share it
 PEER_TIMEOUT_S = 10.0
 REBUILDS_IN_FLIGHT = 4
-_U32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -127,29 +126,6 @@ class RepairStats:
     eta_s: float = 0.0  # backlog_bytes at the repair rate
     pending_groups: int = 0  # led groups whose pass is due (all, before this node is ready)
     ready: bool = False  # this node is ready for repair (it ran or is due to run its passes)
-
-
-class Throttle:
-    """:meth:`spend` waits until the rate allows ``num_bytes`` more (a TokenBucket)."""
-
-    def __init__(self, bytes_per_s: float) -> None:
-        self.bytes_per_s = bytes_per_s
-        self._bucket = TokenBucket(bytes_per_s, time.monotonic())
-
-    async def spend(self, num_bytes: int) -> None:
-        if (wait_s := self._bucket.take(num_bytes, time.monotonic())) > 0:
-            await asyncio.sleep(wait_s)
-
-
-@dataclass
-class _GroupListing:
-    """One member's paged listing of a group, consumed in key order."""
-
-    node_id: str
-    position: int
-    after: bytes = b""
-    buffer: list[pb.ListedShard] = field(default_factory=list)
-    done: bool = False
 
 
 @dataclass
@@ -188,6 +164,8 @@ class RepairService:
         self._peers = Peers(cluster, node, PEER_TIMEOUT_S)
         self._placement = Placement(cluster)
         self._throttle = Throttle(node.repair_bytes_per_s)
+        self._rate = RateMeter()
+        self._rebuilder = Rebuilder(self._codec, self._throttle, self._rate, self._count)
         self._hints: OrderedDict[BlockId, _Hint] = OrderedDict()
         # queue() runs in the node's request pool while the loop walks the hints: without
         # the lock a large QueueRepair broke the walk ("OrderedDict mutated during iteration").
@@ -196,7 +174,6 @@ class RepairService:
         self._backlog = Backlog(self._codec.k)
         self._group_unrecoverable: dict[int, int] = {}
         self._schedule = PassSchedule(SETTLE_S, node.repair_scan_interval_s)
-        self._rate = RateMeter()
         self._was_ready = False
         self._probes = ProbePacer(PROBE_S, PROBE_IDLE_S)
         self._wake = asyncio.Event()
@@ -252,7 +229,7 @@ class RepairService:
         members = self._cluster.groups[group]
         now_s = self._clock.now()
         num_needed = 0
-        async for tenant, key, listed, up in self._list_group(group):
+        async for tenant, key, listed, up in list_group(self._peers, group, members):
             plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), now_s)
             if isinstance(plan, BlockPlan):
                 num_needed += len(wanted & {*plan.missing, *plan.waiting})
@@ -281,21 +258,14 @@ class RepairService:
         hold it at their position, if at least k do; else None."""
         group = self._placement.group_index(key)
         members = self._cluster.groups[group]
-        start_after = group.to_bytes(_U32_BYTES, "big") + tenant_hash(tenant) + key
         others = [(p, m) for p, m in enumerate(members) if m != self._node.id]
-        replies = await asyncio.gather(
-            *(self._peers.list_shards(m, group, start_after, 8) for _, m in others),
-            return_exceptions=True,
-        )
+        found = await list_key(self._peers, group, others, tenant, key)
         now_s = self._clock.now()
         expiries = [
             s.expires_at_s
-            for (position, _), reply in zip(others, replies, strict=True)
-            if not isinstance(reply, BaseException)
-            for s in reply.shards
-            if (s.tenant, s.key, s.version) == (tenant, key, version)
-            and s.shard_index == position
-            and s.expires_at_s > now_s
+            for position, shards in found.items()
+            for s in shards
+            if s.version == version and s.shard_index == position and s.expires_at_s > now_s
         ]
         return max(expiries) if len(expiries) >= self._codec.k else None
 
@@ -392,7 +362,7 @@ class RepairService:
         plans: list[BlockPlan] = []
         num_unrecoverable = 0
         listed_by: list[int] = list(range(len(members)))
-        async for tenant, key, listed, up in self._list_group(group):
+        async for tenant, key, listed, up in list_group(self._peers, group, members):
             listed_by = up
             plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), now_s)
             if isinstance(plan, Unrecoverable):
@@ -455,156 +425,12 @@ class RepairService:
 
     async def _rebuild_one(self, group: int, plan: BlockPlan, slots: asyncio.Semaphore) -> None:
         try:
-            answered = await self._rebuild(group, plan)
+            members = self._cluster.groups[group]
+            answered = await self._rebuilder.rebuild(self._peers, members, plan)
             self._backlog.set_block(group, (plan.tenant, plan.key), _hole(plan, answered))
             self._publish()
         finally:
             slots.release()
-
-    async def _rebuild(self, group: int, plan: BlockPlan) -> int:
-        """Rebuild ``plan``'s missing shards and store each on its member; return how many
-        members answered (stored it, held it already, hold a newer version, or fenced it)."""
-        members = self._cluster.groups[group]
-        started_s = time.monotonic()
-        read = await self._read_block(members, plan)
-        if read is None:
-            return 0
-        shards = self._encode_again(*read, plan.version)
-        request = pb.PutShardsRequest(
-            tenant=plan.tenant,
-            traffic_class=plan.traffic_class,
-            expires_at_s=plan.expires_at_s,
-            repair=True,
-        )
-        num_answered = 0
-        for position in plan.missing:
-            await self._throttle.spend(len(shards[position]))
-            try:
-                reply = await self._put(
-                    members[position], request, plan.key, shards[position], plan.written_at_s
-                )
-            except KVStoreError as exc:
-                log.info("repair of %s on %s failed: %s", plan.key.hex(), members[position], exc)
-                continue
-            num_answered += 1
-            self._set_stats(
-                rebuilt_shards=self.stats.rebuilt_shards + reply.num_stored,
-                rebuilt_bytes=self.stats.rebuilt_bytes + reply.num_stored * len(shards[position]),
-                fenced=self.stats.fenced + reply.num_fenced,
-            )
-        self._rate.add(plan.cost_bytes, time.monotonic() - started_s)
-        return num_answered
-
-    async def _put(
-        self,
-        node_id: str,
-        template: pb.PutShardsRequest,
-        key: bytes,
-        shard: bytes,
-        written_at_s: float,
-    ) -> pb.PutShardsReply:
-        request = pb.PutShardsRequest()
-        request.CopyFrom(template)
-        return await self._peers.put_shards(node_id, request, [(key, shard, written_at_s)])
-
-    def _encode_again(self, block: bytes, keyed: bool, version: bytes) -> list[bytes]:
-        """The shards of ``block`` at ``version``, as its writer encoded them: a keyed version
-        (client/integrity.py) is carried as it is, since a node cannot compute it (encoding
-        with the xxh3 version would make a version no member holds, and the members refuse
-        it: repair confirmation)."""
-        if not keyed:
-            return self._codec.encode(block)
-        spare = memoryview(bytearray(self._codec.spare_bytes(len(block))))
-        pairs = self._codec.encode_into(block, spare, keyed_version=version)
-        return [header + payload for header, payload in pairs]
-
-    async def _read_block(
-        self, members: tuple[str, ...], plan: BlockPlan
-    ) -> tuple[bytes, bool] | None:
-        """The block, from k verified shards of the plan's version, and whether that version
-        is keyed (None if they are gone).
-
-        Asks k holders at once, and more holders only for those that fail.
-        """
-        shards: dict[int, bytes] = {}
-        candidates = list(plan.holders)
-        while len(shards) < plan.k and candidates:
-            wave = candidates[: plan.k - len(shards)]
-            candidates = candidates[len(wave) :]
-            got = await asyncio.gather(
-                *(self._survivor(members[p], p, plan) for p in wave), return_exceptions=True
-            )
-            shards.update({p: g for p, g in zip(wave, got, strict=True) if isinstance(g, bytes)})
-        if len(shards) < plan.k:
-            return None
-        try:
-            # digest=None: a keyed version (client/integrity.py) is the tenant's to check; the
-            # shard checksums verified in _survivor guard what is rebuilt here.
-            survivors = [shards[p] for p in sorted(shards)]
-            block = bytes(self._codec.decode(survivors, verified=True, digest=None))
-        except CodecError as exc:
-            log.warning("repair of %s: survivors do not decode: %s", plan.key.hex(), exc)
-            return None
-        return block, parse_header(survivors[0]).keyed
-
-    async def _survivor(self, node_id: str, position: int, plan: BlockPlan) -> bytes | None:
-        """The plan's version's shard from one holder, verified, or None."""
-        try:
-            shard = await self._peers.get_shard(node_id, plan.tenant, plan.key, plan.version)
-        except KVStoreError:
-            return None
-        await self._throttle.spend(len(shard))
-        self._set_stats(read_bytes=self.stats.read_bytes + len(shard))
-        try:
-            header = self._codec.verify(shard)
-        except CodecError:
-            return None
-        if header.block_checksum != plan.version or header.index != position:
-            return None
-        return shard
-
-    async def _list_group(
-        self, group: int
-    ) -> AsyncIterator[tuple[str, bytes, list[Listed], list[int]]]:
-        """(tenant, key, every member's entries of it, positions up) for each key of a group,
-        in key order, merging the members' paged listings."""
-        members = self._cluster.groups[group]
-        listings = [_GroupListing(node_id, p) for p, node_id in enumerate(members)]
-        up = list(range(len(members)))
-        while True:
-            for listing in listings:
-                needs_page = not listing.done and len(listing.buffer) < LIST_PAGE // 2
-                if needs_page and not await self._fetch_page(group, listing):
-                    up = [p for p in up if p != listing.position]
-            pending = [listing for listing in listings if not listing.done and listing.buffer]
-            bound = min((_sort_key(listing.buffer[-1]) for listing in pending), default=None)
-            by_key: dict[tuple[bytes, bytes, str], list[Listed]] = {}
-            for listing in listings:
-                keep = []
-                for shard in listing.buffer:
-                    sort_key = _sort_key(shard)
-                    if bound is not None and sort_key >= bound:
-                        keep.append(shard)
-                        continue
-                    by_key.setdefault(sort_key, []).append(_listed(listing.position, shard))
-                listing.buffer = keep
-            for (_, key, tenant), listed in sorted(by_key.items()):
-                yield tenant, key, listed, up
-            if all(listing.done and not listing.buffer for listing in listings):
-                return
-
-    async def _fetch_page(self, group: int, listing: _GroupListing) -> bool:
-        """Append the member's next page; False (and done) if the member does not answer."""
-        try:
-            reply = await self._peers.list_shards(listing.node_id, group, listing.after, LIST_PAGE)
-        except KVStoreError as exc:
-            log.info("repair: %s did not list group %d: %s", listing.node_id, group, exc)
-            listing.done = True
-            return False
-        listing.buffer.extend(reply.shards)
-        listing.after = reply.next_after
-        listing.done = not reply.next_after
-        return True
 
     async def _inspect_hints(self) -> None:
         """Look at each hinted block now due whose group has no pass due: rebuild what it
@@ -616,7 +442,11 @@ class RepairService:
             if plan is not None and plan.missing and plan.waiting and not hint.settled:
                 hint.due_s, hint.settled = now_s + SETTLE_S, True
                 continue
-            answered = await self._rebuild(hint.group, plan) if plan and plan.missing else 0
+            answered = (
+                await self._rebuilder.rebuild(self._peers, self._cluster.groups[hint.group], plan)
+                if plan and plan.missing
+                else 0
+            )
             hole = None if plan is None else _hole(plan, answered)
             self._backlog.set_block(hint.group, (tenant, key), hole)
             with self._hints_lock:
@@ -638,20 +468,10 @@ class RepairService:
 
     async def _inspect(self, tenant: str, key: bytes, group: int) -> BlockPlan | None:
         members = self._cluster.groups[group]
-        start_after = group.to_bytes(_U32_BYTES, "big") + tenant_hash(tenant) + key
-        replies = await asyncio.gather(
-            *(self._peers.list_shards(m, group, start_after, 8) for m in members),
-            return_exceptions=True,
-        )
-        listed, up = [], []
-        for position, reply in enumerate(replies):
-            if isinstance(reply, BaseException):
-                continue
-            up.append(position)
-            listed += [
-                _listed(position, s) for s in reply.shards if s.key == key and s.tenant == tenant
-            ]
-        plan = plan_block(tenant, key, listed, up, self._codec.k, len(members), self._clock.now())
+        found = await list_key(self._peers, group, list(enumerate(members)), tenant, key)
+        entries = [listed_entry(p, s) for p, shards in found.items() for s in shards]
+        up = list(found)
+        plan = plan_block(tenant, key, entries, up, self._codec.k, len(members), self._clock.now())
         return plan if isinstance(plan, BlockPlan) else None
 
     def _publish(self) -> None:
@@ -669,6 +489,10 @@ class RepairService:
             ready=self._was_ready,
         )
 
+    def _count(self, **deltas: int) -> None:
+        """Add ``deltas`` to counters of :attr:`stats` (the rebuilder's bytes and shards)."""
+        self._set_stats(**{name: getattr(self.stats, name) + n for name, n in deltas.items()})
+
     def _set_stats(self, **changes: object) -> None:
         self.stats = replace(self.stats, **changes)  # type: ignore[arg-type]
 
@@ -681,20 +505,3 @@ def _hole(plan: BlockPlan, num_rebuilt: int = 0) -> Hole:
     """What ``plan``'s block lacks once ``num_rebuilt`` of its missing shards were stored."""
     missing = max(0, len(plan.missing) - num_rebuilt)
     return Hole(missing, len(plan.waiting), plan.shard_bytes)
-
-
-def _sort_key(shard: pb.ListedShard) -> tuple[bytes, bytes, str]:
-    """A listed entry's place in a group's key order (tenant hash, key: the nodes' order)."""
-    return (tenant_hash(shard.tenant), shard.key, shard.tenant)
-
-
-def _listed(position: int, shard: pb.ListedShard) -> Listed:
-    return Listed(
-        position=position,
-        version=shard.version,
-        shard_index=shard.shard_index,
-        written_at_s=shard.written_at_s,
-        expires_at_s=shard.expires_at_s,
-        traffic_class=shard.traffic_class,
-        shard_bytes=shard.shard_bytes,
-    )

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from client import KVClient
-from deploy.local_cluster import NODE_TOKEN_FILE, LocalCluster
+from deploy.local_cluster import LocalCluster
+from deploy.local_secrets import NODE_TOKEN_FILE
 from kvstore.auth import Role, read_token_file
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.wire.ucx_worker import ucx_available

@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 
 from client import KVClient, Outcome, block_keys
-from deploy.local_cluster import ADMIN_TOKEN_FILE, LocalCluster
+from deploy.local_cluster import LocalCluster
+from deploy.local_secrets import ADMIN_TOKEN_FILE
 from kvstore.errors import QuorumError
 from kvstore.proto import kvstore_pb2 as pb
 from tests.client.secure_cluster import wait_for_token

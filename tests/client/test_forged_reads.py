@@ -16,7 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from client import KVClient
-from deploy.local_cluster import TLS_DIR, LocalCluster, spawn_node, wait_healthy
+from deploy.local_cluster import LocalCluster
+from deploy.local_nodes import spawn_node, wait_healthy
+from deploy.local_secrets import TLS_DIR
 from erasure.codec import make_codec
 from kvstore.certs import issue_files
 from kvstore.node.store_holder import open_store

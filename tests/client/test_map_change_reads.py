@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from client import KVClient, block_keys
-from deploy.local_cluster import LocalCluster, spawn_node, wait_healthy
+from deploy.local_cluster import LocalCluster
+from deploy.local_nodes import spawn_node, wait_healthy
 from kvstore.config import ClusterConfig, save_cluster
 
 pytestmark = pytest.mark.timeout(300)

@@ -20,7 +20,8 @@ import grpc
 import pytest
 
 from client import KVClient
-from deploy.local_cluster import NODE_TOKEN_FILE, TLS_DIR, LocalCluster
+from deploy.local_cluster import LocalCluster
+from deploy.local_secrets import NODE_TOKEN_FILE, TLS_DIR
 from erasure.codec import make_codec
 from kvstore.auth import read_token_file
 from kvstore.certs import issue_files

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local_cluster import LocalCluster, is_node_process, read_pids, stop_pids
+from deploy.local_cluster import LocalCluster
+from deploy.local_pids import is_node_process, read_pids, stop_pids
 from kvstore.config import load_cluster
 from kvstore.errors import Unavailable
 

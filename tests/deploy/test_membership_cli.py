@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from deploy.local_cluster import is_node_process, read_pids
 from deploy.local_etcd import etcd_pid
+from deploy.local_pids import is_node_process, read_pids
 from tests.deploy.etcd_marks import needs_etcd
 
 pytestmark = [

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from client import KVClient, block_keys
-from deploy.local_cluster import LocalCluster, etcd_call, spawn_node, wait_healthy
+from deploy.local_cluster import LocalCluster, etcd_call
 from deploy.local_etcd import etcd_binary, issue_etcd_certs, membership_tls, start_etcd
+from deploy.local_nodes import spawn_node, wait_healthy
 from erasure.config import CodecConfig
 from kvstore.certs import init_ca, issue_files
 from kvstore.config import (
@@ -179,62 +180,80 @@ async def _scenario(cluster: LocalCluster, hosts: Hosts, root: Path) -> dict[str
             lost, wrong = await _read_all(kv, blocks)
             steps.append({"step": step, "blocks_lost": lost, "wrong_bytes": wrong, **figures})
 
-        def live() -> Any:
-            return asyncio.to_thread(lambda: _live_members(cluster.config))
-
         await record("12 hosts up")
-
-        cluster.kill_node("h04")
-        await record("h04 killed")
-        started_s = time.monotonic()
-        await asyncio.to_thread(cluster.restart_node, "h04")
-        await record("h04 back", converge_s=round(time.monotonic() - started_s, 1))
-
-        hosts.set_link("h07", False)
-        gone_s = await _until(
-            lambda: _not_in(live(), "h07"), 60, "etcd noticed the partitioned host's lease"
-        )
-        await record("h07 partitioned", lease_expired_after_s=round(gone_s, 1))
-        hosts.set_link("h07", True)
-        back_s = await _until(lambda: _in(live(), "h07"), 60, "the healed host registered")
-        await record("h07 link back", registered_again_after_s=round(back_s, 1))
-
-        before = await asyncio.to_thread(cluster.current_map)
-        new = dataclasses.replace(_node(hosts, root, 12), state="in")
-        started_s = time.monotonic()
-        await asyncio.to_thread(cluster.change_map, lambda c: join(c, new))
-        cluster.procs["h12"] = spawn_node(root, "h12", (), hosts.prefix("h12"))
-        after = await _settled(cluster, kv, lambda c: not c.moving_from)
-        count = shards_moved(
-            before, after, key_array, ideal_join_shards(len(key_array) * 12, len(after.nodes))
-        )
-        await record(
-            "h12 joined (13th host)",
-            converge_s=round(time.monotonic() - started_s, 1),
-            slots_moved=len(changed_slots(before.groups, after.groups)),
-            slots_ideal=sum(map(len, after.groups)) // len(after.nodes),
-            shards_moved=count.moved_shards,
-            shards_ideal=count.ideal_shards,
-        )
-
-        before = after
-        started_s = time.monotonic()
-        await asyncio.to_thread(cluster.change_map, lambda c: drain(c, "h02"))
-        after = await _settled(cluster, kv, lambda c: c.node("h02").state == "left")
-        count = shards_moved(before, after, key_array, held_shards(before, "h02", key_array))
-        await record(
-            "h02 drained",
-            converge_s=round(time.monotonic() - started_s, 1),
-            slots_moved=len(changed_slots(before.groups, after.groups)),
-            shards_moved=count.moved_shards,
-            shards_ideal=count.ideal_shards,
-        )
-        await asyncio.to_thread(cluster.remove_node, "h02")
-        await record("h02 removed and stopped")
+        await _host_faults(cluster, hosts, record)
+        await _membership_changes(cluster, hosts, root, kv, key_array, record)
         stats = await kv.node_stats()
         on_epoch = {n: s.epoch for n, s in stats.items() if s is not None}
         assert set(on_epoch.values()) == {kv.config.epoch}, f"nodes on old epochs: {on_epoch}"
     return {"hosts": NUM_HOSTS + 1, "blocks": len(blocks), "steps": steps}
+
+
+async def _host_faults(
+    cluster: LocalCluster, hosts: Hosts, record: Callable[..., Awaitable[None]]
+) -> None:
+    """A host killed and restarted, then one partitioned from the others and healed."""
+
+    def live() -> Any:
+        return asyncio.to_thread(lambda: _live_members(cluster.config))
+
+    cluster.kill_node("h04")
+    await record("h04 killed")
+    started_s = time.monotonic()
+    await asyncio.to_thread(cluster.restart_node, "h04")
+    await record("h04 back", converge_s=round(time.monotonic() - started_s, 1))
+
+    hosts.set_link("h07", False)
+    gone_s = await _until(
+        lambda: _not_in(live(), "h07"), 60, "etcd noticed the partitioned host's lease"
+    )
+    await record("h07 partitioned", lease_expired_after_s=round(gone_s, 1))
+    hosts.set_link("h07", True)
+    back_s = await _until(lambda: _in(live(), "h07"), 60, "the healed host registered")
+    await record("h07 link back", registered_again_after_s=round(back_s, 1))
+
+
+async def _membership_changes(
+    cluster: LocalCluster,
+    hosts: Hosts,
+    root: Path,
+    kv: KVClient,
+    key_array: np.ndarray,
+    record: Callable[..., Awaitable[None]],
+) -> None:
+    """A 13th host joins, then h02 is drained and removed; shards moved against the ideal."""
+    before = await asyncio.to_thread(cluster.current_map)
+    new = dataclasses.replace(_node(hosts, root, 12), state="in")
+    started_s = time.monotonic()
+    await asyncio.to_thread(cluster.change_map, lambda c: join(c, new))
+    cluster.procs["h12"] = spawn_node(root, "h12", (), hosts.prefix("h12"))
+    after = await _settled(cluster, kv, lambda c: not c.moving_from)
+    count = shards_moved(
+        before, after, key_array, ideal_join_shards(len(key_array) * 12, len(after.nodes))
+    )
+    await record(
+        "h12 joined (13th host)",
+        converge_s=round(time.monotonic() - started_s, 1),
+        slots_moved=len(changed_slots(before.groups, after.groups)),
+        slots_ideal=sum(map(len, after.groups)) // len(after.nodes),
+        shards_moved=count.moved_shards,
+        shards_ideal=count.ideal_shards,
+    )
+
+    before = after
+    started_s = time.monotonic()
+    await asyncio.to_thread(cluster.change_map, lambda c: drain(c, "h02"))
+    after = await _settled(cluster, kv, lambda c: c.node("h02").state == "left")
+    count = shards_moved(before, after, key_array, held_shards(before, "h02", key_array))
+    await record(
+        "h02 drained",
+        converge_s=round(time.monotonic() - started_s, 1),
+        slots_moved=len(changed_slots(before.groups, after.groups)),
+        shards_moved=count.moved_shards,
+        shards_ideal=count.ideal_shards,
+    )
+    await asyncio.to_thread(cluster.remove_node, "h02")
+    await record("h02 removed and stopped")
 
 
 async def _settled(

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from deploy.local_cluster import free_ports
+from deploy.local_nodes import free_ports
 from erasure.shard import ShardHeader, block_checksum, pack_header
 from kvstore.config import (
     ClientConfig,

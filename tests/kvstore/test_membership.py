@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local_cluster import LocalCluster, free_ports, local_config
+from deploy.local_cluster import LocalCluster, local_config
 from deploy.local_etcd import start_etcd, stop_etcd
+from deploy.local_nodes import free_ports
 from kvstore.config import ClusterConfig, MembershipConfig
 from kvstore.errors import InvalidArgument
 from kvstore.map_changes import drain, readdress

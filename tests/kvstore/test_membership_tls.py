@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from client import KVClient
-from deploy.local_cluster import LocalCluster, etcd_call, free_ports, local_config
+from deploy.local_cluster import LocalCluster, etcd_call, local_config
 from deploy.local_etcd import issue_etcd_certs, membership_tls, start_etcd, stop_etcd
+from deploy.local_nodes import free_ports
 from kvstore.certs import init_ca, issue_files
 from kvstore.config import MembershipConfig
 from kvstore.errors import Unavailable

@@ -24,7 +24,7 @@ import pytest
 
 from deploy.local_cluster import LocalCluster
 from engine_adapter.serving.router import Router
-from engine_adapter.serving.serve import WorkerPool
+from engine_adapter.serving.worker_pool import WorkerPool
 
 if TYPE_CHECKING:  # torch is imported only by the tests that need it
     from engine_adapter.engine import Engine

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench.serve_bench import occupancies, prompt_lengths
-from engine_adapter.serving.router import Completion
+from engine_adapter.serving.request_api import Completion
 from tests.engine_adapter.serving.conftest import has_default_model
 
 pytest.importorskip("torch")

@@ -15,7 +15,7 @@ import pytest
 
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.router import Router
-from engine_adapter.serving.serve import WorkerPool
+from engine_adapter.serving.worker_pool import WorkerPool
 from tests.engine_adapter.serving.conftest import reference_generate
 
 pytest.importorskip("torch")

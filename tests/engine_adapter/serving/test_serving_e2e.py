@@ -15,7 +15,7 @@ from client import KVClient
 from engine_adapter.serving.admission import AdmissionConfig
 from engine_adapter.serving.errors import ContextTooLong, QueueFull
 from engine_adapter.serving.router import Router
-from engine_adapter.serving.serve import WorkerPool
+from engine_adapter.serving.worker_pool import WorkerPool
 from kvstore.errors import DeadlineExceeded, InvalidArgument
 from tests.engine_adapter.serving.conftest import BLOCK_TOKENS, reference_generate
 

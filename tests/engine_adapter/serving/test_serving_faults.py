@@ -18,8 +18,9 @@ import time
 import pytest
 
 from engine_adapter.serving import serving_pb2 as pb
-from engine_adapter.serving.router import Router, ServingClient
-from engine_adapter.serving.serve import WorkerPool
+from engine_adapter.serving.router import Router
+from engine_adapter.serving.router_service import ServingClient
+from engine_adapter.serving.worker_pool import WorkerPool
 from kvstore.errors import Unavailable
 from tests.engine_adapter.serving.conftest import (
     BLOCK_TOKENS,

@@ -18,8 +18,8 @@ import pytest
 
 from engine_adapter.serving import serving_pb2 as pb
 from engine_adapter.serving.router import Router
-from engine_adapter.serving.serve import WorkerPool
 from engine_adapter.serving.worker_base import WorkerBase
+from engine_adapter.serving.worker_pool import WorkerPool
 from kvstore.errors import Unavailable
 from tests.engine_adapter.serving.conftest import STARTUP_TIMEOUT_S, started
 
