@@ -284,6 +284,17 @@ class StoreConnector:
             slot.release()
         return slots[: self._whole_chunks(len(slots))]
 
+    async def _connected(self, tenant: str, deadline_s: float) -> KVClient | str:
+        """The tenant's store client, or why there is none in time ("deadline", "error")."""
+        try:
+            return await self.client(tenant, timeout_s=deadline_s)
+        except TimeoutError:  # still connecting: this prompt computes, the next one fetches
+            return "deadline"
+        except StoreFailure as exc:  # a store we cannot reach is a miss, not an error
+            self.stats.num_lookup_errors += 1
+            log.warning("store unreachable, computing the whole prompt: %s", exc)
+            return "error"
+
     async def _fetch(
         self,
         keys: list[bytes],
@@ -292,21 +303,15 @@ class StoreConnector:
         tenant: str,
         deadline_s: float,
     ) -> tuple[int, int, str | None, list[float]]:
-        """land_batch the slots, chunk by chunk, by the deadline: (leading blocks that
-        arrived, blocks that arrived in all, why not all, the land_batch seconds of each
-        arrived block's chunk). A block's swap-in starts as soon as its data shards are in
-        its slot (Readiness), and again if its bytes changed before it was verified."""
+        """land_batch the slots, chunk by chunk, by the deadline: (leading blocks arrived,
+        blocks arrived in all, why not all, each arrived block's chunk's seconds). A block's
+        swap-in starts once its data shards are in (Readiness), again if they changed."""
         if not slots:
             return 0, 0, None, []
         deadline = time.perf_counter() + deadline_s
-        try:
-            kv = await self.client(tenant, timeout_s=deadline_s)
-        except TimeoutError:  # still connecting: this prompt computes, the next one fetches
-            return 0, 0, "deadline", []
-        except StoreFailure as exc:  # a store we cannot reach is a miss, not an error
-            self.stats.num_lookup_errors += 1
-            log.warning("store unreachable, computing the whole prompt: %s", exc)
-            return 0, 0, "error", []
+        kv = await self._connected(tenant, deadline_s)
+        if isinstance(kv, str):
+            return 0, 0, kv, []
         chunk = self.config.fetch_chunk_blocks
         gate = asyncio.Semaphore(max(1, self.config.fetch_concurrency // chunk))
         block_fetch_s: list[float] = []
@@ -344,8 +349,7 @@ class StoreConnector:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         deadline_passed = bool(pending) or time.perf_counter() >= deadline
-        starts = [start for start, _ in spans]
-        num_arrived, reason = _leading_run(tasks, starts, deadline_passed)
+        num_arrived, reason = _leading_run(tasks, [start for start, _ in spans], deadline_passed)
         if reason == "bad_block":
             self.stats.num_bad_blocks += 1
         elif reason == "error":
