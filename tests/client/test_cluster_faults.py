@@ -91,31 +91,39 @@ def stored(cluster: LocalCluster) -> dict[bytes, bytes]:
     return key_to_block
 
 
+READ_TIMEOUT_S = 60.0
+
+
 def _batches(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 async def _read_all(kv: KVClient, key_to_block: dict[bytes, bytes]) -> dict[bytes, bytes | None]:
     """Read every key 16 at a time, each batch another way: get_batch_into, get_batch, and
-    16 concurrent single-key calls (get and get_into, each a batch of one)."""
+    16 concurrent single-key calls (get and get_into, each a batch of one).
+
+    These tests claim which blocks read back, not how fast: a read may take READ_TIMEOUT_S,
+    and a timeout raises instead of reading as a miss (the client's default 5 s read as
+    misses for a whole batch of 16 once, at load 40)."""
+    late = {"timeout_s": READ_TIMEOUT_S, "on_timeout": "raise"}
 
     async def read(position: int, key: bytes) -> bytes | None:
         if position % 2:
-            return await kv.get(key)
+            return await kv.get(key, **late)
         out = bytearray(len(key_to_block[key]))
-        return bytes(out) if await kv.get_into(key, out) else None
+        return bytes(out) if await kv.get_into(key, out, **late) else None
 
     got: dict[bytes, bytes | None] = {}
     for number, batch in enumerate(_batches(list(enumerate(key_to_block)), 16)):
         keys = [k for _, k in batch]
         if number % 3 == 0:
             outs = [bytearray(len(key_to_block[k])) for k in keys]
-            landed = await kv.get_batch_into(keys, outs)
+            landed = await kv.get_batch_into(keys, outs, **late)
             values: list[bytes | None] = [
                 bytes(o) if ok else None for o, ok in zip(outs, landed, strict=True)
             ]
         elif number % 3 == 1:
-            values = await kv.get_batch(keys)
+            values = await kv.get_batch(keys, **late)
         else:
             values = await asyncio.gather(*(read(p, k) for p, k in batch))
         got.update(zip(keys, values, strict=True))
