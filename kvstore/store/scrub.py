@@ -85,8 +85,7 @@ class Scrubber:
         self._reader = reader
         self._reads = reads
         self._lock = threading.Lock()  # one step at a time; close() waits for the one running
-        self._cursor = b""  # by_seg position the next step starts at
-        self._pass_checked = False  # the index was read through since this pass started
+        self._cursor = b""  # by_seg position the next step starts at (b"": a pass starts)
         self._closed = False
         self.progress = ScrubProgress()
 
@@ -99,9 +98,8 @@ class Scrubber:
         with self._lock:
             if self._closed:
                 return ScrubStep(0, pass_done=True)
-            if not self._pass_checked:
+            if not self._cursor:  # a pass starts by reading the whole index through
                 self._index.verify()
-                self._pass_checked = True
             batch = self._next_batch(max_bytes)
             if not batch:
                 self._end_pass(now, unix_now_s)
@@ -143,7 +141,6 @@ class Scrubber:
 
     def _end_pass(self, now: float, unix_now_s: float) -> None:
         self._cursor = b""
-        self._pass_checked = False
         self.progress = replace(
             self.progress,
             num_passes=self.progress.num_passes + 1,

@@ -35,18 +35,6 @@ async def _at(clock: Clock, when_s: float) -> None:
     await asyncio.sleep(max(0.0, wait_s / clock.time_scale))  # type: ignore[attr-defined]
 
 
-async def _listed_lives(client: NodeClient, keys: list[bytes]) -> dict[bytes, tuple[float, float]]:
-    """Key -> (written_at_s, expires_at_s) of each of ``keys`` the node holds (InspectShards:
-    not an access, so no refresh)."""
-    request = pb.InspectShardsRequest(tenant=client.tenant, keys=keys)
-    reply = await client.stub.InspectShards(request, metadata=client._metadata(), timeout=30)
-    return {
-        key: (found.shards[0].written_at_s, found.shards[0].expires_at_s)
-        for key, found in zip(keys, reply.results, strict=True)
-        if found.shards
-    }
-
-
 async def _eventually_stats(client: NodeClient, condition, what: str, timeout_s: float = 10.0):
     """The node's Stats once ``condition(stats)`` holds: upkeep ticks reclaim what expired
     within a second when idle, much later on a loaded 2-core machine."""
@@ -109,10 +97,10 @@ async def _version(client: NodeClient, key: bytes) -> bytes:
     return versions[0]
 
 
-async def _listed_expiry(client: NodeClient, keys: list[bytes]) -> dict[bytes, float]:
-    """Key -> expires_at_s of each of ``keys`` the node holds unexpired (InspectShards: not
-    an access, so no refresh), once the node answers (a restarted node may still be opening
-    its store)."""
+async def _listed_lives(client: NodeClient, keys: list[bytes]) -> dict[bytes, tuple[float, float]]:
+    """Key -> (written_at_s, expires_at_s) of each of ``keys`` the node holds unexpired
+    (InspectShards: not an access, so no refresh), once the node answers (a restarted node may
+    still be opening its store)."""
     loop = asyncio.get_running_loop()
     deadline_s = loop.time() + 120.0
     request = pb.InspectShardsRequest(tenant=client.tenant, keys=keys)
@@ -127,10 +115,15 @@ async def _listed_expiry(client: NodeClient, keys: list[bytes]) -> dict[bytes, f
             await asyncio.sleep(0.1)
             continue
         return {
-            key: found.shards[0].expires_at_s
+            key: (found.shards[0].written_at_s, found.shards[0].expires_at_s)
             for key, found in zip(keys, reply.results, strict=True)
             if found.shards
         }
+
+
+async def _listed_expiry(client: NodeClient, keys: list[bytes]) -> dict[bytes, float]:
+    """Key -> expires_at_s of each of ``keys`` the node holds unexpired (:func:`_listed_lives`)."""
+    return {key: expires_s for key, (_, expires_s) in (await _listed_lives(client, keys)).items()}
 
 
 async def test_restart_keeps_expiry_and_refreshes(tmp_path: Path, start_node) -> None:
