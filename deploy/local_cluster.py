@@ -179,6 +179,24 @@ def _on_etcd(root: Path, config: ClusterConfig, etcd: str, down_out_s: float) ->
     return config
 
 
+def _on_new_ports(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with every node on fresh ports. With etcd, the nodes of the failed start may
+    have stored their map there already (and cached it beside cluster.toml): a node follows
+    that map, not the file, so the move is a map change in etcd, at a newer epoch."""
+    moved = dataclasses.replace(config, nodes=new_ports(config.nodes))
+    if not config.membership.endpoints:
+        return moved
+
+    async def move(membership: EtcdMembership) -> ClusterConfig:
+        if await membership.get_map() is None:
+            return moved
+        return await membership.change_map(
+            lambda current: dataclasses.replace(moved, epoch=current.epoch + 1)
+        )
+
+    return etcd_call(config, move)
+
+
 class LocalCluster:
     """Node processes of one local cluster, started and stopped by this process."""
 
@@ -282,12 +300,13 @@ class LocalCluster:
                 wait_healthy(root, config, cluster.procs, startup_timeout_s)
                 return cluster
             except Unavailable as exc:
-                cluster.stop()
                 taken = any(text in str(exc) for text in PORT_TAKEN)
                 if fixed_ports or not taken or attempt == PORT_ATTEMPTS:
+                    cluster.stop()
                     raise
+                cluster.stop_nodes()  # etcd stays: it holds the map the next nodes must follow
                 log.warning("a port was taken meanwhile; starting again on other ports")
-                config = dataclasses.replace(config, nodes=new_ports(config.nodes))
+                config = _on_new_ports(config)
             except BaseException:
                 cluster.stop()
                 raise
@@ -416,13 +435,17 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every node (SIGTERM, wait, SIGKILL fallback), then the etcd this cluster
         started, if any. Safe to call twice."""
+        self.stop_nodes()
+        stop_etcd(self.root)
+
+    def stop_nodes(self) -> None:
+        """Stop every node this process started (SIGTERM, wait, SIGKILL fallback)."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
         for proc in self.procs.values():
             self._stop_proc(proc)
         self._save_pids()
-        stop_etcd(self.root)
 
     @staticmethod
     def _stop_proc(proc: subprocess.Popen[bytes]) -> None:

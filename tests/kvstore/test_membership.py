@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from pathlib import Path
 
 import pytest
 
+from deploy import local_cluster
 from deploy.local_cluster import LocalCluster, local_config
 from deploy.local_etcd import start_etcd, stop_etcd
 from deploy.local_nodes import free_ports
@@ -78,3 +80,28 @@ async def _scenario(cfg: ClusterConfig) -> None:
         assert "n00" not in await etcd.live_members(), "a stopped node's lease is revoked"
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+
+
+def test_a_port_taken_at_start_moves_the_map_in_etcd_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free ports are only free when chosen. When one is taken before its node binds it, the
+    start picks new ports; with etcd the nodes that came up have stored (and cached) the map
+    of the old ports, and a node follows that map, not the file: the move must reach etcd."""
+    holder = socket.socket()
+    taken: list[str] = []
+
+    def config_with_a_taken_port(*args: object, **kwargs: object) -> ClusterConfig:
+        cfg = local_config(*args, **kwargs)  # type: ignore[arg-type]
+        host, port = cfg.nodes[0].address.rsplit(":", 1)
+        holder.bind((host, int(port)))
+        holder.listen()
+        taken.append(cfg.nodes[0].address)
+        return cfg
+
+    monkeypatch.setattr(local_cluster, "local_config", config_with_a_taken_port)
+    with holder, LocalCluster.start(tmp_path, 12, fsync=False, etcd="local") as cluster:
+        assert cluster.config.node("n00").address != taken[0], "n00 kept the taken port"
+        in_etcd = cluster.current_map()
+        assert in_etcd.epoch == 2, "the move is a map change in etcd"
+        assert [n.address for n in in_etcd.nodes] == [n.address for n in cluster.config.nodes]
