@@ -84,7 +84,7 @@ system-packages:
 # starts once. `make test` skips the long soak and fault tests (marked slow); `make test-full`
 # runs those; CI runs both. `make test-load` runs the fault and landing tests while
 # tests/cpu_burner.py spins on every core: they wait on conditions, never on an idle machine.
-XDIST := -n 2 --dist loadfile
+XDIST := -n 2 --dist loadfile --max-worker-restart 0
 RUN_PYTEST := $(PY) tests/leftover_processes.py run -- $(PY) -m pytest -q $(XDIST)
 LOAD_TESTS := tests/client/test_landing_pool.py tests/client/test_landing.py \
 	tests/client/test_cluster_faults.py tests/client/test_read_timeouts.py \

@@ -155,7 +155,12 @@ class LmdbBackend:
             self._dbs = {name: self._env.open_db(name.encode()) for name in DBS}
         except (*_CORRUPT_ERRORS, lmdb.VersionMismatchError) as exc:
             raise IndexUnusable(f"the index in {path} cannot be opened: {exc}") from exc
-        _allocate_whole(path / "lock.mdb")  # the reader table is written through a mapping
+        # The reader table is written through a mapping: allocate it whole. The descriptor
+        # stays open until the environment closes: closing any descriptor of a file drops
+        # every fcntl lock this process holds on it, lmdb's shared lock on lock.mdb too; the
+        # next process to open the index (the scrub's check) would then take it as unused and
+        # reset its reader table and write mutex under our open transactions.
+        self._lock_fd = _allocate_whole(path / "lock.mdb")
         self._data_fd = os.open(path / "data.mdb", os.O_RDWR)
         self.ensure_reserve()
 
@@ -221,6 +226,7 @@ class LmdbBackend:
     def close(self) -> None:
         self._env.close()
         os.close(self._data_fd)
+        os.close(self._lock_fd)  # after the environment: lmdb's lock is gone by now
 
 
 def _allocated(path: Path) -> int:
@@ -232,20 +238,21 @@ def _allocated(path: Path) -> int:
     return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _allocate_whole(path: Path) -> None:
-    """Allocate every byte of an existing file (no holes for a mapping to fault on). On a disk
-    already full that is not possible: the node starts anyway (a full disk must not keep it
-    from serving reads) and says so, since more concurrent readers than the allocated part of
-    the table holds could then fault."""
+def _allocate_whole(path: Path) -> int:
+    """Allocate every byte of an existing file (no holes for a mapping to fault on); return
+    its open descriptor, which the caller closes. On a disk already full that is not
+    possible: the node starts anyway (a full disk must not keep it from serving reads) and
+    says so, since more concurrent readers than the allocated part of the table holds could
+    then fault."""
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, 1))
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            os.close(fd)
             raise
         log.warning("disk full: %s could not be allocated whole (%s)", path, exc)
-    finally:
-        os.close(fd)
+    return fd
 
 
 def _disk_full(exc: lmdb.Error, path: Path) -> bool:

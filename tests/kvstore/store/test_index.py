@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -285,3 +287,34 @@ def test_put_entries_refuses_repeated_entries(index: Index) -> None:
     _with_segments(index, 1)
     with pytest.raises(ValueError, match="distinct"), index.write() as w:
         w.put_entries([_entry(1), replace(_entry(1), offset=5)])
+
+
+# Exit 0: the exclusive lock lmdb's first opener takes on lock.mdb's byte 0 was refused.
+_FIRST_OPENER_PROBE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+except OSError:
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_another_process_never_takes_an_open_index_for_unused(tmp_path: Path) -> None:
+    """lmdb's first opener resets lock.mdb (reader table, write mutex); it knows it is first
+    when it gets an exclusive fcntl lock. Closing any descriptor of lock.mdb drops this
+    process's shared lock, and the scrub's check (another process) then reset the table under
+    an open write transaction: readers lost their slots, and the writer's robust mutex was
+    left on its thread's list, to crash the next lmdb call after the index closed."""
+    path = tmp_path / "idx"
+    backend = LmdbBackend(path, sync=False)
+    with backend.begin(write=True) as txn:
+        txn.put("counters", b"k", b"v")
+    probe = [sys.executable, "-c", _FIRST_OPENER_PROBE, str(path / "lock.mdb")]
+    try:
+        locked = subprocess.run(probe, check=False).returncode
+    finally:
+        backend.close()
+    assert locked == 0, "another process could take the open index's lock.mdb as unused"
+    assert subprocess.run(probe, check=False).returncode == 1, "the probe cannot lock a free file"
