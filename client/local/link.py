@@ -142,12 +142,20 @@ class LocalLink:
         arena_bytes: int,
         codec: Codec,
         pool: LandingPool | None = None,
+        *,
+        node_pid: int,
     ) -> LocalLink:
-        """Connect, send HELLO with a fresh shared arena (and the landing pool's memfd, when
-        there is one and the native landing loop is built), and wait for WELCOME.
+        """Connect, check that process ``node_pid`` holds the socket, send HELLO with a fresh
+        shared arena (and the landing pool's memfd, when there is one and the native landing
+        loop is built), and wait for WELCOME.
+
+        ``node_pid`` is the pid the node's Health reply gave over the identity-checked gRPC
+        channel: the kernel's peer credentials of the socket must name it before the token
+        goes out, so a process that took the node's socket name first gets nothing.
 
         Raises the node's refusal as its kvstore.errors exception (PermissionDenied for a
-        bad token or a tenant the token may not act for), Unavailable if it cannot connect.
+        bad token or a tenant the token may not act for), Unavailable if it cannot connect
+        or another process holds the socket.
         """
         if not landing.NATIVE or (pool is not None and pool.fd < 0):
             pool = None
@@ -158,6 +166,7 @@ class LocalLink:
         try:
             sock.settimeout(HELLO_TIMEOUT_S)
             sock.connect("\0" + socket_name[1:])
+            _check_peer(node_id, socket_name, sock, node_pid)
             pool_bytes = pool.num_bytes if pool is not None else 0
             hello = frames.encode_hello(token, tenant, arena.capacity_bytes, pool_bytes)
             shared = [arena.fd] if pool is None else [arena.fd, pool.fd]
@@ -486,6 +495,28 @@ def _set(future: asyncio.Future[NodeAnswer], result: NodeAnswer | KVStoreError) 
 
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _check_peer(node_id: str, socket_name: str, sock: socket.socket, node_pid: int) -> None:
+    """Unavailable unless process ``node_pid`` (the node's, from its Health reply) listens on
+    ``sock``'s other end. A node that gave no pid (0) or one in another pid namespace (the
+    kernel then names no pid, or another) gets no local link either: reads stay on gRPC."""
+    peer_pid = _peer_pid(sock)
+    if node_pid > 0 and peer_pid == node_pid:
+        return
+    log.warning(
+        "node %s: local socket %s is held by pid %d, not by the node's process %d (its Health "
+        "reply): another process took the name, or the node runs in another pid namespace; "
+        "no token sent, reads stay on gRPC",
+        node_id,
+        socket_name,
+        peer_pid,
+        node_pid,
+    )
+    raise Unavailable(
+        f"node {node_id}: local socket {socket_name} is held by pid {peer_pid}, not the "
+        f"node's process {node_pid}"
+    )
 
 
 def _peer_pid(sock: socket.socket) -> int:

@@ -144,6 +144,7 @@ class LocalReader:
                 shared.arena_bytes,
                 shared.codec,
                 shared.pool,
+                node_pid=reply.node_pid,
             )
         except PermissionDenied:
             raise

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -433,6 +434,7 @@ class NodeServicer:
             repair_ready=store is not None and self._deletes_synced(),
             local_socket=self.local_socket,
             boot_id=self._boot_id if self.local_socket else "",
+            node_pid=os.getpid() if self.local_socket else 0,
             last_tombstone_seq=store.tombstones(0, 0)[1] if store is not None else 0,
         )
 

@@ -77,7 +77,14 @@ def honest(request: frames.ReadRequest, region: memoryview) -> bytes:
 
 async def _open(node: Node, tenant: str = "acme") -> LocalLink:
     return await asyncio.to_thread(
-        LocalLink.open, "n00", node.server.socket_name, None, tenant, ARENA_BYTES, CODEC
+        LocalLink.open,
+        "n00",
+        node.server.socket_name,
+        None,
+        tenant,
+        ARENA_BYTES,
+        CODEC,
+        node_pid=os.getpid(),  # the LocalServer runs in this process
     )
 
 
@@ -240,3 +247,26 @@ async def test_nothing_lands_after_a_cancel(node: Node) -> None:
         assert not pending.future.done(), "a cancelled read was resolved"
     finally:
         await asyncio.to_thread(link.close)
+
+
+def test_no_token_reaches_a_process_that_took_the_nodes_socket_name() -> None:
+    """The socket name comes from the node's Health reply over the identity-checked gRPC
+    channel, and so does the node's pid. A process that listens on that name first (here:
+    this one, while the node is another process) must get no HELLO, so no token."""
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"@kvstore-test-impostor-{os.getpid()}"
+    impostor.bind("\0" + name[1:])
+    impostor.listen(1)
+    impostor.settimeout(WAIT_S)
+    try:
+        node_pid = os.getppid()  # the real node: any live process other than the listener
+        with pytest.raises(Unavailable, match=f"held by pid {os.getpid()}"):
+            LocalLink.open(
+                "n00", name, "secret-token", "acme", ARENA_BYTES, CODEC, node_pid=node_pid
+            )
+        conn, _ = impostor.accept()  # the client connected, checked, and hung up
+        with conn:
+            conn.settimeout(WAIT_S)
+            assert conn.recv(1 << 16) == b"", "the client sent the impostor its HELLO"
+    finally:
+        impostor.close()
