@@ -34,6 +34,7 @@ from typing import Any
 
 from client.landing_pool import LandingPool
 from client.sync_client import SyncKVClient
+from engine_adapter.kv_layout import E4M3X16_ENCODING
 from kvstore.auth import read_token_file
 from kvstore.config import READ_TRANSPORTS
 from kvstore.errors import KVStoreError, PermissionDenied
@@ -92,17 +93,21 @@ class AdapterConfig:
                 f"{self.where}: transport {self.transport!r} is not one of {READ_TRANSPORTS}"
             )
 
-    def stored_kv_format(self, cache_dtype: str) -> str:
-        """What the adapter stores for an engine KV cache of ``cache_dtype``: an fp8 cache
-        (vLLM ``kv_cache_dtype=fp8_e4m3``) is stored as its bytes are, whatever kv_format
-        says (it is already about half of bf16); e4m3x16 of a bf16 cache is not wired into
-        the adapters' copy paths yet, so asking for it raises with the alternatives."""
+    def stored_kv_format(self, cache_dtype: str, *, quantizes: bool = False) -> str:
+        """What the adapter stores for an engine KV cache of ``cache_dtype``, as the key
+        namespace's dtype names it: an fp8 cache (vLLM ``kv_cache_dtype=fp8_e4m3``) is stored
+        as its bytes are, whatever kv_format says (it is already about half of bf16);
+        e4m3x16 of a bf16, fp16 or fp32 cache is ``E4M3X16_ENCODING`` where the adapter's copy
+        path quantises (``quantizes``: the vLLM connector's), else it raises with the
+        alternatives."""
         if self.kv_format == "dtype" or cache_dtype in FP8_DTYPES:
             return cache_dtype
+        if quantizes:
+            return E4M3X16_ENCODING
         raise ValueError(
             f"{self.where}: kv_format 'e4m3x16' with a {cache_dtype} KV cache is not supported "
-            "by this adapter yet; run the engine with an fp8 KV cache (vLLM: "
-            "--kv-cache-dtype fp8_e4m3, stored as is) or leave kv_format at 'dtype'"
+            "by this adapter yet (the vLLM connector quantises); run the engine with an fp8 KV "
+            "cache (--kv-cache-dtype fp8_e4m3, stored as is) or leave kv_format at 'dtype'"
         )
 
     @classmethod

@@ -50,8 +50,10 @@ from client.kv_client import Landing
 from client.landing_pool import LandingPool
 from client.readiness import Readiness
 from client.sync_client import SyncKVClient
+from engine_adapter import kv_format
 from engine_adapter.connector import StoreFailure
 from engine_adapter.host_buffers import register_for_dma, unregister_for_dma
+from engine_adapter.kv_layout import E4M3X16_GROUP_VALUES as GROUP_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +61,21 @@ WAKE_S = 1.0  # longest wait between two looks at the loads (arrivals wake a wai
 CLOSE_WAIT_S = 10.0  # for cancelled land_batch calls to return at close()
 
 
+def quantized_page_bytes(num_values: int) -> int:
+    """Bytes of a page of ``num_values`` values in e4m3x16 (engine_adapter/kv_format.py):
+    one e4m3 byte a value and a bf16 scale a group of 16."""
+    return num_values + num_values // GROUP_VALUES * 2
+
+
 class PagedLayer:
     """One layer's paged KV as vLLM hands it over: a ``[B, H, N, C]`` view, blocks first,
-    any physical strides. ``B`` may count kernel blocks, ``ratio`` of them per vLLM block."""
+    any physical strides. ``B`` may count kernel blocks, ``ratio`` of them per vLLM block.
 
-    def __init__(self, tensor: torch.Tensor, num_blocks: int) -> None:
+    ``quantized``: pages go to the store as e4m3x16 (``[values | scales]`` of the logical
+    ``[H, N, C]`` page, groups along C), quantised where the KV lives on the way out and
+    dequantised on the KV's device on the way in."""
+
+    def __init__(self, tensor: torch.Tensor, num_blocks: int, quantized: bool = False) -> None:
         if tensor.dim() != 4 or tensor.shape[0] % num_blocks:
             raise ValueError(
                 f"KVStoreConnector expects [B, H, N, C] KV views with B a multiple of "
@@ -73,20 +85,27 @@ class PagedLayer:
         self.ratio = tensor.shape[0] // num_blocks
         _, self.num_heads, self.kernel_tokens, self.num_channels = tensor.shape
         page_elements = self.ratio * self.num_heads * self.kernel_tokens * self.num_channels
-        self.page_bytes = page_elements * tensor.element_size()
+        self.quantized = quantized
+        # (P, H, T, D) of a page in kv_format's terms: one part, its tokens across kernel blocks
+        self.part_shape = (1, self.num_heads, self.ratio * self.kernel_tokens, self.num_channels)
+        if quantized:
+            self.page_bytes = quantized_page_bytes(page_elements)
+        else:
+            self.page_bytes = page_elements * tensor.element_size()
 
     def _kernel_ids(self, block_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long)
         spread = ids[:, None] * self.ratio + torch.arange(self.ratio)  # [n, ratio]
         return spread.flatten().to(self.tensor.device)
 
-    def _logical(self, raw: torch.Tensor) -> torch.Tensor:
-        """[n, page_bytes] uint8 -> [n * ratio, H, kernel_tokens, C] of the KV dtype, as the
-        paged view indexes it (a vLLM block's tokens run across its kernel blocks)."""
-        n = raw.shape[0]
+    def _logical(self, pages: torch.Tensor) -> torch.Tensor:
+        """[n, H, ratio * kernel_tokens, C] pages of the KV dtype -> [n * ratio, H,
+        kernel_tokens, C], as the paged view indexes them (a vLLM block's tokens run across
+        its kernel blocks)."""
+        n = pages.shape[0]
         heads, tokens, channels = self.num_heads, self.kernel_tokens, self.num_channels
-        pages = raw.view(self.tensor.dtype).view(n, heads, self.ratio, tokens, channels)
-        return pages.transpose(1, 2).reshape(n * self.ratio, heads, tokens, channels)
+        shaped = pages.view(n, heads, self.ratio, tokens, channels)
+        return shaped.transpose(1, 2).reshape(n * self.ratio, heads, tokens, channels)
 
     def read(self, block_ids: list[int], out: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy the blocks' logical [H, N, C] pages into ``out`` ([n, page_bytes] uint8)."""
@@ -97,13 +116,34 @@ class PagedLayer:
             self.kernel_tokens,
             self.num_channels,
         )
-        shaped = pages.view(n, self.ratio, heads, tokens, channels)
+        logical = pages.view(n, self.ratio, heads, tokens, channels).transpose(1, 2)
+        if self.quantized:  # kv [n, L=1, P, H, T, D] into out [n, L=1, layer_bytes]
+            kv = logical.reshape(n, 1, *self.part_shape)
+            kv_format.encode_block(kv, out.view(n, 1, self.page_bytes))
+            return
         dst = out.view(self.tensor.dtype).view(n, heads, self.ratio, tokens, channels)
-        dst.copy_(shaped.transpose(1, 2), non_blocking=non_blocking)
+        dst.copy_(logical, non_blocking=non_blocking)
 
-    def write(self, block_ids: list[int], raw: torch.Tensor) -> None:
-        """Place the blocks' pages from ``raw`` ([n, page_bytes] uint8) into the paged KV."""
-        self.tensor[self._kernel_ids(block_ids)] = self._logical(raw).to(self.tensor.device)
+    def write(self, block_ids: list[int], raw: torch.Tensor) -> list[int]:
+        """Place the blocks' pages from ``raw`` ([n, page_bytes] uint8) into the paged KV;
+        the ids of blocks left out: e4m3x16 pages holding a non-finite scale (the quantiser's
+        mark for KV that held inf or NaN), which must be computed instead."""
+        raw = raw.to(self.tensor.device)
+        if not self.quantized:
+            pages = raw.view(self.tensor.dtype).view(len(block_ids), *self.part_shape[1:])
+            self.tensor[self._kernel_ids(block_ids)] = self._logical(pages)
+            return []
+        values, scales = kv_format.split_layer(raw, self.part_shape)
+        finite = torch.isfinite(scales.flatten(1)).all(dim=1).tolist()
+        good = [i for i, ok in enumerate(finite) if ok]
+        if good:
+            pages = torch.empty(
+                (len(good), *self.part_shape), dtype=self.tensor.dtype, device=raw.device
+            )
+            kv_format.dequantize(values[good], scales[good], pages)
+            ids = [block_ids[i] for i in good]
+            self.tensor[self._kernel_ids(ids)] = self._logical(pages.squeeze(1))
+        return [block_id for block_id, ok in zip(block_ids, finite, strict=True) if not ok]
 
 
 @dataclass(eq=False)
@@ -346,7 +386,8 @@ class LayerLoads:
         start = layer * self.layer_bytes
         end = start + self.layer_bytes
         if self._stream is None:
-            self.layers[layer].write(block_ids, self._rows[torch.tensor(slots), start:end])
+            rows = self._rows[torch.tensor(slots), start:end]
+            chunk.load.failed.update(self.layers[layer].write(block_ids, rows))
             return
         with torch.cuda.stream(self._stream):
             staging = torch.empty(
@@ -354,7 +395,7 @@ class LayerLoads:
             )
             for row, slot in enumerate(slots):  # DMA straight from the registered pool
                 staging[row].copy_(self._rows[slot, start:end], non_blocking=True)
-            self.layers[layer].write(block_ids, staging)
+            chunk.load.failed.update(self.layers[layer].write(block_ids, staging))
 
     def _same(self, chunk: _Chunk, position: int, layer: int) -> bool:
         """Whether the paged KV holds the slot's final bytes of this layer of this block."""

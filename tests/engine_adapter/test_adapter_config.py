@@ -136,5 +136,8 @@ def test_kv_format_stores_fp8_caches_as_they_are_and_refuses_what_is_not_wired()
     assert AdapterConfig(cluster_toml="/c").stored_kv_format("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="fp8_e4m3"):
         config.stored_kv_format("bfloat16")
+    # an adapter whose copy path quantises (the vLLM connector's) stores the codec's format
+    assert config.stored_kv_format("bfloat16", quantizes=True) == "e4m3x16:bf16-scales"
+    assert config.stored_kv_format("float8_e4m3fn", quantizes=True) == "float8_e4m3fn"
     with pytest.raises(ValueError, match="kv_format"):
         AdapterConfig(cluster_toml="/c", kv_format="nvfp4")

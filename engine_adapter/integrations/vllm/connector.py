@@ -78,6 +78,7 @@ pipeline parallelism.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -146,11 +147,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         if min(self.chunk_blocks, num_load_slots, num_save_slots) <= 0:
             raise ValueError(f"{WHERE}: {OWN_KEYS[:3]} must be > 0")
         model = self.store_config.model_id or vllm_config.model_config.model
+        # fp8 caches are stored as they are; e4m3x16 of others is quantised on the way out
+        stored_dtype = functools.partial(self.store_config.stored_kv_format, quantizes=True)
         self.layer_names, self.layer_page_bytes, self.slices = kv_slices(
-            vllm_config, kv_cache_config, model
+            vllm_config, kv_cache_config, model, stored_dtype
         )
         self.block_bytes = self.layer_page_bytes * len(self.layer_names)
-        self.store_config.stored_kv_format(self.slices[0].namespace.dtype)  # fp8: as is
         self.namespaces = list(dict.fromkeys(kv_slice.namespace for kv_slice in self.slices))
         self.stats = KVStoreConnectorStats()
         self.is_producer = self._kv_transfer_config.is_kv_producer

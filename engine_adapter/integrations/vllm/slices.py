@@ -3,6 +3,7 @@ connector's module doc has the layout), checked against what the connector suppo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,8 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from engine_adapter.engine_keys import EngineKeyNamespace
+from engine_adapter.integrations.layer_loads import quantized_page_bytes
+from engine_adapter.kv_layout import E4M3X16_ENCODING, E4M3X16_GROUP_VALUES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,10 +58,15 @@ def check_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
 
 
 def kv_slices(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model: str
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    model: str,
+    stored_dtype: Callable[[str], str] = lambda dtype: dtype,
 ) -> tuple[list[str], int, list[KVSlice]]:
-    """The layers in store-block order, the bytes of one layer's page of a block, and each
-    TP rank's slice (several ranks may share one: see the module doc)."""
+    """The layers in store-block order, the bytes of one layer's page of a block as stored,
+    and each TP rank's slice (several ranks may share one: see the module doc).
+    ``stored_dtype`` maps the cache's dtype to the stored format's name
+    (:meth:`AdapterConfig.stored_kv_format`): e4m3x16 pages are 1.125 bytes a value."""
     spec = check_spec(kv_cache_config)
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
@@ -68,6 +76,14 @@ def kv_slices(
     layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
     channels = spec.state_content_size_bytes // torch.empty((), dtype=spec.dtype).element_size()
     layer_page_bytes = spec.num_heads * spec.block_size * spec.state_content_size_bytes
+    dtype = stored_dtype(str(spec.dtype).removeprefix("torch."))
+    if dtype == E4M3X16_ENCODING:
+        if channels % E4M3X16_GROUP_VALUES:
+            raise ValueError(
+                f"kv_format 'e4m3x16' needs pages of whole groups of {E4M3X16_GROUP_VALUES} "
+                f"values; this model's pages are {channels} wide"
+            )
+        layer_page_bytes = quantized_page_bytes(layer_page_bytes // spec.dtype.itemsize)
     shape = f"{len(layer_names)}x{spec.num_heads}x{spec.block_size}x{channels}"
     extra = (
         ("cache_dtype", str(vllm_config.cache_config.cache_dtype)),
@@ -84,7 +100,7 @@ def kv_slices(
         namespace = EngineKeyNamespace(
             engine="vllm",
             model=model,
-            dtype=str(spec.dtype).removeprefix("torch."),
+            dtype=dtype,
             layout=f"vllm-{'MLA' if mla else 'BHNC'}-v1:{shape}",
             page_tokens=spec.block_size,
             tp_rank=shard,

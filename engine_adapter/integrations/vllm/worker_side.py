@@ -17,6 +17,7 @@ from engine_adapter.connector import StoreFailure
 from engine_adapter.host_buffers import host_memory
 from engine_adapter.integrations.layer_loads import BlockLoad, LayerLoads, PagedLayer
 from engine_adapter.integrations.vllm.events import stored_events
+from engine_adapter.kv_layout import E4M3X16_ENCODING
 from kvstore.errors import QuorumError
 
 if TYPE_CHECKING:
@@ -62,7 +63,10 @@ class WorkerSide:
         if missing:
             raise ValueError(f"KVStoreConnector: no KV cache tensor for layers {missing}")
         num_blocks = self.c._kv_cache_config.num_blocks
-        self._layers = [PagedLayer(kv_caches[name], num_blocks) for name in self.c.layer_names]
+        quantized = self.namespace.dtype == E4M3X16_ENCODING
+        self._layers = [
+            PagedLayer(kv_caches[name], num_blocks, quantized) for name in self.c.layer_names
+        ]
         block_bytes = sum(layer.page_bytes for layer in self._layers)
         if block_bytes != self.c.block_bytes:
             raise ValueError(

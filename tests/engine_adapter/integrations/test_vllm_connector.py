@@ -239,6 +239,49 @@ def test_lookup_during_an_outage_is_a_miss(
             cluster.restart_node(node_id)
 
 
+def test_e4m3x16_blocks_of_a_float_cache_load_as_the_codec_decodes_them(
+    instances: Callable[..., Instance],
+) -> None:
+    """``kv_format: e4m3x16`` on a float cache: pages go out quantised (1.125 bytes a value)
+    and come back as the codec decodes them, in the codec's own namespace: an instance
+    storing the cache's dtype never hits them."""
+    from engine_adapter import kv_format
+
+    saved = _seed_store(instances, "e4m3", kv_format="e4m3x16")
+    plain, plain_new = _hits(instances, "e4m3")
+    assert plain_new.num_computed_tokens == 0, "a dtype-format instance hit e4m3x16 blocks"
+    b, new = _hits(instances, "e4m3", kv_format="e4m3x16")
+    values_per_block = plain.worker.block_bytes // SPEC.dtype.itemsize
+    assert b.worker.block_bytes == values_per_block * 9 // 8, "not 1.125 bytes a value"
+    assert new.num_computed_tokens == 4 * BLOCK, "the e4m3x16 blocks did not load"
+    assert not b.load_errors
+    for index, block_id in enumerate(new.block_ids[0][:4]):
+        for layer, (want, got) in enumerate(
+            zip(saved[index], b.block_bytes(block_id), strict=True)
+        ):
+            decoded = kv_format.dequantize(*kv_format.quantize(want), torch.empty_like(want))
+            assert torch.equal(got, decoded), f"block {index} layer {layer}: not the codec's KV"
+            assert not torch.equal(got, want), "the block was not quantised"
+
+
+def test_an_e4m3x16_page_with_a_non_finite_scale_is_a_failed_load_never_kv(
+    instances: Callable[..., Instance],
+) -> None:
+    """KV holding inf quantises to a NaN scale (the codec's mark): the block is found, its
+    load is reported failed and vLLM recomputes it; no NaN reaches the paged KV."""
+    a = instances(kv_format="e4m3x16")
+    a.scheduler.add_request(make_request("A", "inf"))
+    a.step(lambda shape: torch.full(shape, float("inf")))
+    a.flush()
+    b = instances(kv_format="e4m3x16")
+    b.scheduler.add_request(make_request("B", "inf"))
+    new = b.step(zeros).scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 4 * BLOCK, "the lookup missed"
+    assert b.load_errors == set(new.block_ids[0][:4]), "a NaN-scale page was not a failed load"
+    for block_id in new.block_ids[0][:4]:
+        assert all(torch.isfinite(page).all() for page in b.block_bytes(block_id)), "NaN in KV"
+
+
 def test_config_errors_name_the_fix(
     model_dir: Path,
     store_config: Callable[..., dict[str, str]],
