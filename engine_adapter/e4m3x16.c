@@ -214,8 +214,8 @@ enum { PORTABLE = 0, AVX512 = 1, AVX512_BF16 = 2 }; /* the kernels, by level */
 #define HAVE_AVX512_KERNELS 1
 #include <immintrin.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq")))
-#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512bf16")))
 #define INLINE __attribute__((always_inline)) static inline
 #define I32(c) _mm512_set1_epi32((int)(c))
 #define PS(v) _mm512_castsi512_ps(v)
@@ -229,22 +229,64 @@ TARGET INLINE __m512 load16(const void *src, int dtype, int64_t i) {
     return _mm512_cvtph_ps(half); /* exact, subnormals included */
 }
 
-/* One group: y = x * inverse -> its 16 e4m3 codes, one in the low byte of each lane.
- * f32_to_e4m3 without branches or blends: with E the exponent of |y| (saturated at 448), at
- * least -6, adding magic = 2^(E+20) + 24 u (u = 2^(E-3), the e4m3 spacing of |y|'s binade, or
- * of the subnormals below 2^-6) rounds |y| to a multiple of u, to nearest even (24 is even),
- * and leaves 24 + k in the low byte, k = round(|y| / u) (8 + mantissa, or the subnormal
- * code). The code is 8 (E + 6) + k; magic >> 20 = 8 E + 1176 adds that but for 128 (mod 256),
- * which is flipped back unless y is negative. */
-TARGET INLINE __m512i encode16(__m512 x, __m512 inverse) {
-    __m512 y = _mm512_mul_ps(x, inverse);
+/* The e4m3 codes of min(|y|, 448), one in the low byte of each lane (f32_to_e4m3 without its
+ * sign, branches or blends). With E the exponent of that magnitude, at least -6, adding
+ * magic = 2^(E+20) + 152 u (u = 2^(E-3): the e4m3 spacing in |y|'s binade, or that of the
+ * subnormals below 2^-6) rounds it to a multiple of u, to nearest even (152 is even), and
+ * leaves 152 + k in the low byte, k = round(|y| / u) (8 + the mantissa, or the subnormal
+ * code). The code is 8 (E + 6) + k, and magic >> 20 = 8 E + 1176 adds it (mod 256). */
+TARGET INLINE __m512i magnitude_codes(__m512 y) {
     __m512 mag = _mm512_range_ps(y, _mm512_set1_ps(448.0f), 0x0A); /* min(|y|, 448), sign 0 */
     __m512i exponent = _mm512_max_epu32(_mm512_and_si512(SI(mag), I32(0x7F800000)), I32(121u << 23));
-    __m512i magic = _mm512_add_epi32(exponent, I32((20u << 23) + 24));
+    __m512i magic = _mm512_add_epi32(exponent, I32((20u << 23) + 152));
     __m512i sum = SI(_mm512_add_ps(mag, PS(magic)));
-    __m512i code = _mm512_add_epi32(sum, _mm512_srli_epi32(magic, 20));
-    /* code ^ (0x80 & ~(y >> 24)): bit 7 becomes y's sign */
-    return _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(SI(y), 24), I32(0x80), 0xD2);
+    return _mm512_add_epi32(sum, _mm512_srli_epi32(magic, 20));
+}
+
+/* One group: x * inverse -> its 16 e4m3 bytes. */
+TARGET INLINE __m128i encode16(__m512 x, __m512 inverse) {
+    __m512 y = _mm512_mul_ps(x, inverse);
+    __m512i codes = magnitude_codes(y); /* | the sign, from bit 31 to bit 7 */
+    return _mm512_cvtepi32_epi8(
+        _mm512_ternarylogic_epi32(codes, _mm512_srli_epi32(SI(y), 24), I32(0x80), 0xF8));
+}
+
+/* Two adjacent groups at element index i of src as fp32, and their signs (bit k: value k). */
+TARGET INLINE __mmask32 load_pair(const void *src, int dtype, int64_t i, __m512 *x0, __m512 *x1) {
+    if (dtype == DTYPE_FLOAT32) {
+        *x0 = _mm512_loadu_ps((const float *)src + i);
+        *x1 = _mm512_loadu_ps((const float *)src + i + GROUP);
+        return _mm512_kunpackw(_mm512_movepi32_mask(SI(*x1)), _mm512_movepi32_mask(SI(*x0)));
+    }
+    const uint16_t *half = (const uint16_t *)src + i;
+    __m512i raw = _mm512_loadu_si512(half);
+    if (dtype == DTYPE_BFLOAT16) { /* bf16 -> fp32: the 16 bits on top, zeros below */
+        const __m512i low = _mm512_setr_epi32(0, 1 << 16, 2 << 16, 3 << 16, 4 << 16, 5 << 16,
+                                              6 << 16, 7 << 16, 8 << 16, 9 << 16, 10 << 16,
+                                              11 << 16, 12 << 16, 13 << 16, 14 << 16, 15 << 16);
+        *x0 = PS(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, low, raw));
+        *x1 = PS(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_add_epi32(low, I32(16 << 16)), raw));
+    } else {
+        *x0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)half));
+        *x1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + GROUP)));
+    }
+    return _mm512_movepi16_mask(raw);
+}
+
+/* Two groups -> their 32 e4m3 bytes: the codes of both (the low byte of each lane) gathered
+ * by one byte permute, then the sign added where a value is negative. */
+TARGET INLINE __m256i encode_pair(__m512 x0, __m512 x1, __mmask32 negative, float inverse0,
+                                  float inverse1) {
+    __m512i codes0 = magnitude_codes(_mm512_mul_ps(x0, _mm512_set1_ps(inverse0)));
+    __m512i codes1 = magnitude_codes(_mm512_mul_ps(x1, _mm512_set1_ps(inverse1)));
+    const __m512i low_bytes = _mm512_set_epi8(
+        124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64,
+        60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0,
+        124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64,
+        60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+    __m512i bytes = _mm512_permutex2var_epi8(codes0, low_bytes, codes1);
+    bytes = _mm512_mask_add_epi8(bytes, negative, bytes, _mm512_set1_epi8((char)0x80));
+    return _mm512_castsi512_si256(bytes);
 }
 
 /* The bf16 scales (as fp32 bits) of 16 groups whose |value| maxima are the lanes of amax. */
@@ -300,27 +342,41 @@ TARGET INLINE __m512i amax16(const void *src, int dtype, int64_t i) {
     return amax16_half((const uint16_t *)src + i, dtype);
 }
 
+/* The scales of the 16 groups at element index i of src into scales[0..15], their inverses
+ * (1 / scale: NaN for a NaN scale, whose group's values do not matter) into inverse[]. */
+TARGET INLINE void scale_block(const void *src, int dtype, int64_t i, uint16_t *scales,
+                               float *inverse) {
+    __m512i bits = scale16(amax16(src, dtype, i));
+    _mm256_storeu_si256((__m256i *)scales, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), PS(bits)));
+}
+
+/* One row, 16 groups a step, software-pipelined: the scales of step b + 1 (a chain of about
+ * 60 cycles: the max tree, two divisions) are worked out before step b's values are encoded,
+ * so that the encoding never waits on them. */
 TARGET INLINE void quantize_row_avx512(const void *src, int dtype, int64_t s, uint8_t *values,
                                        uint16_t *scales, int64_t num_groups) {
-    int64_t g = 0;
-    for (; g + 16 <= num_groups; g += 16) {
-        __m512i bits = scale16(amax16(src, dtype, s + g * GROUP));
-        _mm256_storeu_si256((__m256i *)(scales + g), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-        /* a NaN group's values do not matter (its block is a miss); its inverse is NaN too */
-        float inverse[16];
-        _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), PS(bits)));
-        for (int k = 0; k < 16; k++) {
-            __m512i codes = encode16(load16(src, dtype, s + (g + k) * GROUP), _mm512_set1_ps(inverse[k]));
-            _mm_storeu_si128((__m128i *)(values + (g + k) * GROUP), _mm512_cvtepi32_epi8(codes));
+    float inverses[2][16];
+    int64_t num_steps = num_groups / 16;
+    if (num_steps) scale_block(src, dtype, s, scales, inverses[0]);
+    for (int64_t step = 0; step < num_steps; step++) {
+        int64_t g = step * 16;
+        if (step + 1 < num_steps)
+            scale_block(src, dtype, s + (g + 16) * GROUP, scales + g + 16, inverses[(step + 1) & 1]);
+        const float *inverse = inverses[step & 1];
+        for (int k = 0; k < 16; k += 2) {
+            __m512 x0, x1;
+            __mmask32 negative = load_pair(src, dtype, s + (g + k) * GROUP, &x0, &x1);
+            _mm256_storeu_si256((__m256i *)(values + (g + k) * GROUP),
+                                encode_pair(x0, x1, negative, inverse[k], inverse[k + 1]));
         }
     }
-    for (; g < num_groups; g++) { /* the last few groups of a row, one at a time */
+    for (int64_t g = num_steps * 16; g < num_groups; g++) { /* the last groups, one by one */
         __m512 x = load16(src, dtype, s + g * GROUP);
         uint32_t bits = scale_bits(
             (uint32_t)_mm512_reduce_max_epu32(_mm512_and_si512(SI(x), I32(0x7FFFFFFF))));
         scales[g] = (uint16_t)(bits >> 16);
-        __m512i codes = encode16(x, _mm512_set1_ps(1.0f / bits_f32(bits)));
-        _mm_storeu_si128((__m128i *)(values + g * GROUP), _mm512_cvtepi32_epi8(codes));
+        _mm_storeu_si128((__m128i *)(values + g * GROUP), encode16(x, _mm512_set1_ps(1.0f / bits_f32(bits))));
     }
 }
 
@@ -445,7 +501,7 @@ TARGET_BF16 static void dequantize_bf16(const uint8_t *values, const int64_t *va
 
 static int best_level(void) {
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512dq")))
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi")))
         return PORTABLE;
     return __builtin_cpu_supports("avx512bf16") ? AVX512_BF16 : AVX512;
 }
