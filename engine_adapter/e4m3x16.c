@@ -210,7 +210,9 @@ static void dequantize_portable(const uint8_t *values, const int64_t *value_offs
 
 enum { PORTABLE = 0, AVX512 = 1, AVX512_BF16 = 2 }; /* the kernels, by level */
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* gcc 10 and clang 9 have every intrinsic used here (AVX512_BF16 came last) */
+#if defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
 #define HAVE_AVX512_KERNELS 1
 #include <immintrin.h>
 
