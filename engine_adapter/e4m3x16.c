@@ -9,21 +9,30 @@
  *   dequantise: per byte: e4m3 bits -> fp32 (exact) * scale (exact) -> bf16 / fp16 / fp32
  *
  * The results are bit for bit those of the torch path in kv_format.py (the reference of the
- * semantics; tests/engine_adapter/test_e4m3x16_native.py compares them, for both kernels
+ * semantics; tests/engine_adapter/test_e4m3x16_native.py compares them for every kernel
  * below): every step is an exact operation or one IEEE rounding to nearest even that both
  * sides make.
  *
- * Two kernels, chosen per call (`simd`: 0 the portable one, else the fastest this CPU runs):
- * - portable: plain C99 loops over one group that a compiler vectorises within the group; no
- *   intrinsics, no _Float16, so it builds and runs anywhere.
- * - AVX-512 (x86-64 with AVX-512 F and BW, found at run time with __builtin_cpu_supports, so
- *   a build without -march=native has it too): one group of 16 fp32 is one zmm register, and
- *   16 groups go per step. Within one group the work is lane-parallel; what is not is the
- *   amax and the scale, so those are done for 16 groups at once: a transposing max tree
- *   (45 shuffles and maxes for 16 groups, where a horizontal max per group takes about 9
- *   each) leaves group g's amax in lane g, and the two IEEE divisions (amax / 448, then
- *   1 / scale) run on that one vector. Explicit intrinsics rather than hoping the compiler
- *   vectorises across groups: gcc 12 does not (objdump showed one group per iteration).
+ * Kernels, by level (the `simd` argument: the highest level a call may use; e4m3x16_simd()
+ * says which this CPU runs; every level gives the same bits):
+ * 0 portable: plain C99 loops over one group, which a compiler vectorises within the group
+ *   (gcc 12 -O3 -march=native: one group per iteration, never across groups); no intrinsics,
+ *   no _Float16, so it builds and runs anywhere.
+ * 1 AVX-512 (F, BW, DQ, VBMI; x86-64, found at run time by __builtin_cpu_supports, so a
+ *   build without -march=native has it too): a group of 16 fp32 is one zmm register, and a
+ *   step takes 16 groups. What is not lane-parallel is done for 16 groups at once: a tree of
+ *   shuffles and maxes (16-bit lanes for bf16 and fp16 sources, two groups a register)
+ *   leaves group g's amax in lane g, and the scales' two IEEE divisions run on that vector,
+ *   one step ahead of the encoding (software-pipelined: the encoding never waits on them).
+ *   The e4m3 rounding is a float add of a per-value magic number (see magnitude_codes), two
+ *   groups' codes are gathered by one byte permute and their signs added under a mask.
+ *   Dequantising is lane-parallel as it stands: 16 groups' multipliers at once, then per
+ *   group widen, shift, mask, multiply, round.
+ * 2 the same, with AVX512_BF16's vcvtne2ps2bf16 rounding bf16 output, two groups in one
+ *   instruction (it flushes subnormal results to zero, so blocks whose scales could give
+ *   them take level 1's exact integer rounding).
+ * Intrinsics rather than a plain-C formulation because the gains come from across groups
+ * (the max tree, the pipelined scales, the byte permute), which no compiler found here.
  */
 #include <stdint.h>
 #include <string.h>
