@@ -376,8 +376,9 @@ def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[
     ``--device`` into block buffers (as the write-back does into host slots), and to
     dequantise them back, per GB of that bf16 KV, beside one thread's copy of the same bf16
     bytes (``memcpy``: what a single pass over them costs) in the same rounds: medians of
-    ``--rounds``. Each step's figure includes what torch's intra-op threads spin after it (a
-    few ms of CPU after a parallel op, which would otherwise land on the next step)."""
+    ``--rounds``. The C codec's steps run back to back, as in use (one thread: nothing spins
+    after them); the torch codec's each wait for its intra-op threads to stop spinning (a
+    few ms of CPU after a parallel op), counted to the step that left them."""
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.num_blocks, *layout.shape)  # [n, L, P, H, T, D]
@@ -390,14 +391,16 @@ def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[
         "dequantize": lambda: kv_format.decode_layer(blocks, layout.part_shape, out),
         "memcpy": lambda: _one_thread_copy(out, kv),
     }
+    native = e4m3x16_native.usable(kv)
+    settle_s = 0.0 if native else SETTLE_S  # a sleep would let others evict our caches
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds + 1):  # the first is a warm-up
         for name, step in steps.items():
-            seconds[name].append(_step_cpu_s(step, device))
+            seconds[name].append(_step_cpu_s(step, device, settle_s))
     per_gb = {name: statistics.median(s[1:]) / gb for name, s in seconds.items()}
     return {
         "bf16_gb": gb,
-        "kernel": e4m3x16_native.KERNEL if e4m3x16_native.usable(kv) else "torch",
+        "kernel": e4m3x16_native.KERNEL if native else "torch",
         "quantize_cpu_s_per_gb": per_gb["quantize"],
         "dequantize_cpu_s_per_gb": per_gb["dequantize"],
         "cpu_s_per_gb": per_gb["quantize"] + per_gb["dequantize"],
@@ -416,13 +419,13 @@ def _one_thread_copy(out: torch.Tensor, source: torch.Tensor) -> None:
 SETTLE_S = 0.05  # libgomp's workers spin for a few ms after a parallel op before they sleep
 
 
-def _step_cpu_s(step: Callable[[], object], device: torch.device) -> float:
-    """This process's CPU seconds over ``step`` and the spin its intra-op threads add after."""
+def _step_cpu_s(step: Callable[[], object], device: torch.device, settle_s: float) -> float:
+    """This process's CPU seconds over ``step`` and what its threads spin ``settle_s`` after."""
     start = time.process_time()
     step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
     return time.process_time() - start
 
 
