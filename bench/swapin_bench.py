@@ -393,6 +393,7 @@ def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[
     }
     native = e4m3x16_native.usable(kv)
     settle_s = 0.0 if native else SETTLE_S  # a sleep would let others evict our caches
+    time.sleep(SETTLE_S)  # until the threads that made kv stop spinning
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds + 1):  # the first is a warm-up
         for name, step in steps.items():
