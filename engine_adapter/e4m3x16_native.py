@@ -53,7 +53,7 @@ def _load() -> ctypes.CDLL | None:
 
 _lib = _load()
 NATIVE = _lib is not None
-#: e4m3x16.c's kernels by level: the plain C loops; AVX-512 (F, BW, DQ); the same with
+#: e4m3x16.c's kernels by level: the plain C loops; AVX-512 (F, BW, DQ, VBMI); the same with
 #: AVX512_BF16's rounding for bf16 dequantisation. Every one gives the same bits.
 KERNELS = ("portable", "avx512", "avx512bf16")
 #: the kernels this CPU runs, the fastest (every call's default) last; () without the library
