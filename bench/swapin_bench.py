@@ -52,7 +52,9 @@ transport is ``auto``: the local channel to this host's nodes.
   baseline, and each e4m3x16 record's ``tokens_per_s_vs_dtype`` is its ratio to it. An
   e4m3x16 run stores seeded normal KV values, quantised (random bytes would hold NaN scales).
 - ``codec`` (with e4m3x16): this process's CPU seconds to quantise and to dequantise the
-  bench's blocks as bf16 KV on ``--device``, per GB of bf16 KV (medians of ``--rounds``).
+  bench's blocks as bf16 KV on ``--device``, per GB of bf16 KV (medians of ``--rounds``),
+  beside one thread's copy of the same bytes (``memcpy_cpu_s_per_gb``); ``kernel``: the
+  codec that ran (e4m3x16_native.KERNEL, or ``torch``).
 - After every fetch a sample of blocks (first, last and random ones) is checked in its host
   slot and in the KV cache against xxh3-128 of what was written (``bytes_verified``).
 - ``client_cpu_s_per_gb``: this process's CPU seconds (every thread: event loop, receiver
@@ -75,12 +77,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
 import json
 import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -370,8 +374,11 @@ async def nodes_idle_cpu_cores(pids: list[int], seconds: float = 1.0) -> float:
 def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[str, Any]:
     """CPU seconds (this process, every thread) to quantise the bench's blocks as bf16 KV on
     ``--device`` into block buffers (as the write-back does into host slots), and to
-    dequantise them back, per GB of that bf16 KV, beside a copy of the same bf16 bytes
-    (``memcpy``) in the same rounds: medians of ``--rounds``."""
+    dequantise them back, per GB of that bf16 KV, beside one thread's copy of the same bf16
+    bytes (``memcpy``: what a single pass over them costs) in the same rounds: medians of
+    ``--rounds``. The C codec's steps run back to back, as in use (one thread: nothing spins
+    after them); the torch codec's each wait for its intra-op threads to stop spinning (a
+    few ms of CPU after a parallel op), counted to the step that left them."""
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.num_blocks, *layout.shape)  # [n, L, P, H, T, D]
@@ -379,21 +386,22 @@ def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[
     out = torch.empty_like(kv)
     blocks = torch.empty((*shape[:2], layout.layer_bytes), dtype=torch.uint8, device=device)
     gb = kv.numel() * 2 / GB
-    seconds: dict[str, list[float]] = {"quantize": [], "dequantize": [], "memcpy": []}
+    steps = {
+        "quantize": lambda: kv_format.encode_block(kv, blocks),
+        "dequantize": lambda: kv_format.decode_layer(blocks, layout.part_shape, out),
+        "memcpy": lambda: _one_thread_copy(out, kv),
+    }
+    native = e4m3x16_native.usable(kv)
+    settle_s = 0.0 if native else SETTLE_S  # a sleep would let others evict our caches
+    time.sleep(SETTLE_S)  # until the threads that made kv stop spinning
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds + 1):  # the first is a warm-up
-        marks = [time.process_time()]
-        kv_format.encode_block(kv, blocks)
-        marks.append(_synced_cpu_s(device))
-        kv_format.decode_layer(blocks, layout.part_shape, out)
-        marks.append(_synced_cpu_s(device))
-        out.copy_(kv)
-        marks.append(_synced_cpu_s(device))
-        for name, start, end in zip(seconds, marks, marks[1:], strict=False):
-            seconds[name].append(end - start)
+        for name, step in steps.items():
+            seconds[name].append(_step_cpu_s(step, device, settle_s))
     per_gb = {name: statistics.median(s[1:]) / gb for name, s in seconds.items()}
     return {
         "bf16_gb": gb,
-        "kernel": "c" if e4m3x16_native.usable(kv) else "torch",
+        "kernel": e4m3x16_native.KERNEL if native else "torch",
         "quantize_cpu_s_per_gb": per_gb["quantize"],
         "dequantize_cpu_s_per_gb": per_gb["dequantize"],
         "cpu_s_per_gb": per_gb["quantize"] + per_gb["dequantize"],
@@ -401,11 +409,25 @@ def codec_cpu_s_per_gb(layout: KVBlockLayout, args: argparse.Namespace) -> dict[
     }
 
 
-def _synced_cpu_s(device: torch.device) -> float:
-    """This process's CPU seconds once ``device``'s queued work is done."""
+def _one_thread_copy(out: torch.Tensor, source: torch.Tensor) -> None:
+    """``out.copy_(source)`` on one thread (a plain memcpy) where both are dense host tensors."""
+    if out.device.type == "cpu" and out.is_contiguous() and source.is_contiguous():
+        ctypes.memmove(out.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+    else:
+        out.copy_(source)
+
+
+SETTLE_S = 0.05  # libgomp's workers spin for a few ms after a parallel op before they sleep
+
+
+def _step_cpu_s(step: Callable[[], object], device: torch.device, settle_s: float) -> float:
+    """This process's CPU seconds over ``step`` and what its threads spin ``settle_s`` after."""
+    start = time.process_time()
+    step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.process_time()
+    time.sleep(settle_s)
+    return time.process_time() - start
 
 
 def kv_formats(text: str) -> list[str]:
