@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ LAG_PROBE_S = 0.05
 
 
 @dataclass
-class _Tally:
+class Tally:
     """What the clients saw during the churn."""
 
     gets: int = 0
@@ -52,8 +53,18 @@ class _Tally:
     loop_lags_s: list[float] = field(default_factory=list)
 
 
-async def measure(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, Any]:
-    """Preload, churn under load, heal, verify; the JSON's ``churn`` figures."""
+# The faults of a run: (cluster, args, the clients' tally) -> (cycles, status timings).
+Churn = Callable[
+    [LocalCluster, argparse.Namespace, Tally],
+    Awaitable[tuple[list[dict[str, Any]], list[dict[str, float]]]],
+]
+
+
+async def measure(
+    cluster: LocalCluster, args: argparse.Namespace, churn: Churn | None = None
+) -> dict[str, Any]:
+    """Preload, churn under load (``churn``: the faults; default one node killed and
+    restarted per cycle), heal, verify; the JSON's ``churn`` figures."""
     rng = random.Random(7)
     keys = iter(block_keys(list(range(4 * 200_000)), 4, "repair-churn", "salt"))
     acked: dict[bytes, bytes] = {}
@@ -62,14 +73,14 @@ async def measure(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, 
             key, block = next(keys), rng.randbytes(args.block_bytes)
             await kv.put(key, block, timeout_s=PRELOAD_TIMEOUT_S)
             acked[key] = block
-        tally = _Tally()
+        tally = Tally()
         stop = asyncio.Event()
         load = [
             asyncio.create_task(_client(kv, acked, keys, args, tally, stop, seed))
             for seed in range(args.concurrency)
         ]
         lag = asyncio.create_task(_loop_lag(tally, stop))
-        cycles, statuses = await _churn(cluster, args)
+        cycles, statuses = await (churn or _churn)(cluster, args, tally)
         stop.set()
         await asyncio.gather(*load, lag)
         heal_s = await _heal(kv, len(acked))
@@ -84,7 +95,7 @@ async def _client(
     acked: dict[bytes, bytes],
     keys: Any,
     args: argparse.Namespace,
-    tally: _Tally,
+    tally: Tally,
     stop: asyncio.Event,
     seed: int,
 ) -> None:
@@ -97,7 +108,7 @@ async def _client(
 
 
 async def _get(
-    kv: KVClient, acked: dict[bytes, bytes], key: bytes, timeout_s: float, tally: _Tally
+    kv: KVClient, acked: dict[bytes, bytes], key: bytes, timeout_s: float, tally: Tally
 ) -> None:
     started_s = time.monotonic()
     result = await kv.get_batch([key], timeout_s=timeout_s, outcomes=True)
@@ -119,7 +130,7 @@ async def _put(
     key: bytes,
     block: bytes,
     args: argparse.Namespace,
-    tally: _Tally,
+    tally: Tally,
 ) -> None:
     started_s = time.monotonic()
     tally.puts += 1
@@ -134,7 +145,7 @@ async def _put(
     tally.put_latencies_s.append(time.monotonic() - started_s)
 
 
-async def _loop_lag(tally: _Tally, stop: asyncio.Event) -> None:
+async def _loop_lag(tally: Tally, stop: asyncio.Event) -> None:
     """How late the client's event loop wakes from a 50 ms sleep: a deadline cannot fire
     sooner than the loop runs, so this is the part of any overshoot the host's load causes."""
     while not stop.is_set():
@@ -144,7 +155,7 @@ async def _loop_lag(tally: _Tally, stop: asyncio.Event) -> None:
 
 
 async def _churn(
-    cluster: LocalCluster, args: argparse.Namespace
+    cluster: LocalCluster, args: argparse.Namespace, tally: Tally
 ) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
     """Kill and restart a node per cycle; time ``cluster status`` (one at a time, started
     while a node is down). Returns the cycles and the status timings."""
@@ -212,7 +223,7 @@ async def _verify(kv: KVClient, acked: dict[bytes, bytes]) -> tuple[int, int]:
 
 def _figures(
     args: argparse.Namespace,
-    tally: _Tally,
+    tally: Tally,
     cycles: list[dict[str, Any]],
     statuses: list[dict[str, float]],
     heal_s: float,
