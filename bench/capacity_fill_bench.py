@@ -169,18 +169,11 @@ def _row(name: str, nodes: list[NodeConfig], keys: np.ndarray, how: str) -> dict
     members = [[index[n] for n in g] for g in groups]
     block_groups = groups_of_keys(keys, len(groups), fitted).tolist()
     hit_ratio = fill_hit_ratio([n.max_bytes for n in nodes], members, block_groups)
-    if how == "blind":  # capacity-blind: every group alike, whatever the byte limits
-        shares = share_report([_unweighted(n) for n in nodes], groups)
-    else:
-        shares = share_report(nodes, groups)
+    shares = share_report(nodes, groups, fitted)
     usable = usable_fraction(
         {n.id: float(n.max_bytes) for n in nodes}, {n: s for n, (s, _) in shares.items()}
     )
     return {"cluster": name, "hit_ratio": round(hit_ratio, 4), "usable_fraction": round(usable, 4)}
-
-
-def _unweighted(node: NodeConfig) -> NodeConfig:
-    return NodeConfig(node.id, node.address, 0, node.failure_domain, node.data_dir)
 
 
 def measure_local(
