@@ -43,6 +43,10 @@ class Tally:
     gets: int = 0
     hits: int = 0
     misses_while_existing: int = 0
+    # Of those, misses of preloaded blocks (written with every node up: 12 shards each, so
+    # readable whenever at most 2 nodes are down; a miss of one is the read path's).
+    misses_of_preloaded: int = 0
+    preloaded: frozenset[bytes] = frozenset()
     timeouts_reported: int = 0
     wrong_bytes: int = 0
     puts: int = 0
@@ -73,7 +77,7 @@ async def measure(
             key, block = next(keys), rng.randbytes(args.block_bytes)
             await kv.put(key, block, timeout_s=PRELOAD_TIMEOUT_S)
             acked[key] = block
-        tally = Tally()
+        tally = Tally(preloaded=frozenset(acked))
         stop = asyncio.Event()
         load = [
             asyncio.create_task(_client(kv, acked, keys, args, tally, stop, seed))
@@ -120,6 +124,7 @@ async def _get(
         tally.wrong_bytes += block != acked[key]
     elif outcome is Outcome.MISS:
         tally.misses_while_existing += 1
+        tally.misses_of_preloaded += key in tally.preloaded
     else:
         tally.timeouts_reported += 1
 
@@ -233,7 +238,7 @@ def _figures(
 ) -> dict[str, Any]:
     get_p99_ms = percentile_ms(tally.get_latencies_s, 99)
     figures = asdict(tally)
-    for name in ("get_latencies_s", "put_latencies_s", "loop_lags_s"):
+    for name in ("get_latencies_s", "put_latencies_s", "loop_lags_s", "preloaded"):
         figures.pop(name)
     over_s = args.timeout_s + 1.0
     figures["wrong_bytes"] += wrong
@@ -278,6 +283,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> Table:
         ("blocks acknowledged / lost", f"{r['blocks_acked']} / {r['blocks_lost']}"),
         ("wrong bytes", str(r["wrong_bytes"])),
         ("gets: hits / missed while existing", f"{r['hits']} / {r['misses_while_existing']}"),
+        ("gets that missed a preloaded block", str(r["misses_of_preloaded"])),
         ("gets timed out (reported as timeouts)", str(r["timeouts_reported"])),
         ("get p50 / p99 / max ms", _ms(r, "get")),
         ("get p99 / timeout_s", f"{r['get_p99_over_timeout']:.2f}"),
