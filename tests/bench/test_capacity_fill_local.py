@@ -16,7 +16,7 @@ def test_capacity_fill_local_fills_real_clusters_past_their_limits(tmp_path: Pat
     out = tmp_path / "fill.json"
     command = [sys.executable, "-m", "kvstore.cli", "bench", "capacity-fill", "--local"]
     command += [str(tmp_path / "clusters"), "--nodes", "12", "--small", "1"]
-    command += ["--small-shards", "40", "--block-bytes", "8KiB", "--json", str(out)]
+    command += ["--small-shards", "150", "--block-bytes", "64KiB", "--json", str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=560)
     assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
     result = json.loads(out.read_text())
