@@ -15,7 +15,14 @@ then, for each change, the shards whose node differs are counted (kvstore.map_ch
 * out: the same for a node marked out after ``down_out_s``;
 * to weights: 4 nodes get half the byte limit of the others (kvstore/placement_weights.py),
   by the limits alone (groups weighted in rendezvous) and with slots handed over in the same
-  change; the ideal is the shards the nodes whose share grows gain.
+  change, and those slots with the groups kept equal (the map records weights of 1: only
+  the slots move, and whole slots leave the small nodes somewhat over their weight); the
+  ideal is the shards the nodes whose share grows gain in the fully weighted map (the
+  ``worst_share_over_weight`` field says how close each gets);
+* in a weighted map (the same 4 half nodes, groups drawn by weight): a join, a drain and an
+  out, each with the map's group weights kept (what kvstore/map_changes.py does) and refitted
+  to the new slots (what placement did before maps kept them: keys change group). The ideal
+  is the newcomer's shards for the join and the node's own shards for the drain and the out.
 """
 
 from __future__ import annotations
@@ -42,7 +49,12 @@ from kvstore.map_changes import (
     shards_moved,
 )
 from kvstore.placement import make_groups
-from kvstore.placement_weights import node_weights, rebalance_slots
+from kvstore.placement_weights import (
+    map_group_weights,
+    node_weights,
+    rebalance_slots,
+    share_report,
+)
 
 GiB = 1 << 30
 WEIGHTED_SMALL = 4  # nodes given half the byte limit in the weight rows
@@ -62,14 +74,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = measure_moves(args.nodes, args.keys, args.seed)
         rows += measure_weight_moves(max(args.nodes, WEIGHTED_NODES), args.keys, args.seed)
+        rows += measure_weighted_changes(max(args.nodes, WEIGHTED_NODES), args.keys, args.seed)
     except ValueError as exc:
         print(f"kvstore bench map-moves: {exc}", file=sys.stderr)
         return 2
-    print(f"{'change':<52} {'moved shards':>13} {'ideal':>9} {'ratio':>6} {'keys touched':>13}")
+    print(
+        f"{'change':<62} {'moved shards':>13} {'ideal':>9} {'ratio':>6} {'keys touched':>13} "
+        f"{'share/weight':>12}"
+    )
     for row in rows:
+        worst = row.get("worst_share_over_weight")
         print(
-            f"{row['change']:<52} {row['moved_shards']:>13,} {row['ideal_shards']:>9,} "
-            f"{row['ratio_to_ideal']:>6.3f} {row['keys_touched']:>13,}"
+            f"{row['change']:<62} {row['moved_shards']:>13,} {row['ideal_shards']:>9,} "
+            f"{row['ratio_to_ideal']:>6.3f} {row['keys_touched']:>13,} "
+            f"{'' if worst is None else f'{worst:.3f}':>12}"
         )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -139,13 +157,59 @@ def measure_weight_moves(num_nodes: int, num_keys: int, seed: int) -> list[dict[
     rebalanced = dataclasses.replace(
         weighted, groups=tuple(rebalance_slots(groups, domains, node_weights(limited)))
     )
-    return [
-        _row(name, shards_moved(before, new, keys, _share_gain(before, new, keys)))
-        for name, new in (
-            (f"to weights ({WEIGHTED_SMALL} half nodes), limits only", weighted),
-            (f"to weights ({WEIGHTED_SMALL} half nodes), slots handed over", rebalanced),
+    # The same slots with the groups left equal (recorded weights of 1): only the handed-over
+    # slots move, and the small nodes keep what whole slots leave over their weight.
+    slots_only = dataclasses.replace(rebalanced, group_weights=(1,) * len(groups))
+    required = _share_gain(before, rebalanced, keys)  # what the change in weights requires
+    rows = []
+    for name, new, ideal in (
+        ("limits only", weighted, _share_gain(before, weighted, keys)),
+        ("slots handed over", rebalanced, required),
+        ("slots handed over, groups kept equal", slots_only, required),
+    ):
+        row = _row(
+            f"to weights ({WEIGHTED_SMALL} half nodes), {name}",
+            shards_moved(before, new, keys, ideal),
         )
+        row["worst_share_over_weight"] = round(_worst_share_over_weight(new), 4)
+        rows.append(row)
+    return rows
+
+
+def _worst_share_over_weight(cfg: ClusterConfig) -> float:
+    """The largest node share of the shards against its share of the byte limits."""
+    shares = share_report(cfg.nodes, cfg.groups, map_group_weights(cfg))
+    return max(share / weight for share, weight in shares.values() if weight > 0)
+
+
+def measure_weighted_changes(num_nodes: int, num_keys: int, seed: int) -> list[dict[str, Any]]:
+    """Join, drain and out in a map whose last ``WEIGHTED_SMALL`` nodes have half the byte
+    limit, with the group weights kept and refitted (module docstring)."""
+    codec = CodecConfig()
+    keys = np.random.default_rng(seed).integers(0, 256, (num_keys, 16), dtype=np.uint8)
+    nodes = tuple(
+        dataclasses.replace(
+            _node(i), max_bytes=GiB // 2 if i >= num_nodes - WEIGHTED_SMALL else GiB
+        )
+        for i in range(num_nodes)
+    )
+    pairs = [(n.id, n.failure_domain) for n in nodes]
+    groups = make_groups(pairs, codec.num_shards, None, node_weights(nodes))
+    cfg = ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=codec)
+    newcomer = dataclasses.replace(_node(num_nodes), max_bytes=GiB)
+    joined = join(cfg, newcomer)
+    changes = [
+        ("join", joined, held_shards(joined, newcomer.id, keys)),
+        ("drain", drain(cfg, "n01"), held_shards(cfg, "n01", keys)),
+        ("out", mark_out(cfg, "n02"), held_shards(cfg, "n02", keys)),
     ]
+    rows = []
+    for name, new, ideal in changes:
+        refitted = dataclasses.replace(new, group_weights=())
+        for how, after in (("weights kept", new), ("weights refitted", refitted)):
+            label = f"weighted map: {name}, {how}"
+            rows.append(_row(label, shards_moved(cfg, after, keys, ideal)))
+    return rows
 
 
 def _share_gain(old: ClusterConfig, new: ClusterConfig, keys: np.ndarray) -> int:

@@ -38,7 +38,7 @@ from kvstore.cli.sim import (
 )
 from kvstore.cli.tables import print_fitted
 from kvstore.config import ClusterConfig, load_cluster
-from kvstore.placement_weights import node_weights, share_report
+from kvstore.placement_weights import map_group_weights, node_weights, share_report
 from ttl.cluster_fill import usable_fraction
 from ttl.errors import TTLError
 from ttl.plan import TierConfig, parse_count, plan_records, scale_for_tokens_per_day
@@ -230,7 +230,7 @@ def _usable_fraction(cluster: ClusterConfig) -> float:
     without limits; kvstore/placement_weights.py weighs groups by them)."""
     if not any(n.max_bytes for n in cluster.nodes):
         return 1.0
-    shares = share_report(cluster.nodes, cluster.groups)
+    shares = share_report(cluster.nodes, cluster.groups, map_group_weights(cluster))
     node_bytes = node_weights(cluster.nodes)
     return min(1.0, usable_fraction(node_bytes, {n: s for n, (s, _) in shares.items()}))
 

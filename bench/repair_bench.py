@@ -20,6 +20,11 @@ that timed out (each reported as a TIMEOUT outcome, client/read_outcome.py, neve
 None), get and put latency p50/p99/max against ``timeout_s``, puts refused, the heal's time
 and the slowest ``cluster status``.
 
+With ``--restart-churn``: the same load, preload, heal and read-back, but each cycle is issue
+38's restart window (bench/restart_churn.py): one node down, a second killed and restarted,
+a third killed as soon as the second serves; the JSON adds the puts that finished in those
+windows and how many failed (the target is 0).
+
 The figures for the choice between degraded writes and hinted handoff: repair reads k
 survivor shards per shard it rebuilds (read bytes / rebuilt bytes ~ k) and decodes; a handoff
 would instead write each missing shard once more at put time and move it once later (2 shard
@@ -41,7 +46,7 @@ from typing import Any
 
 from rich.table import Table
 
-from bench import repair_churn
+from bench import repair_churn, restart_churn
 from bench.common import percentile_ms
 from client import KVClient, block_keys
 from deploy.local_cluster import LocalCluster
@@ -71,6 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--churn",
         action="store_true",
         help="kill and restart a node every --churn-every-s under load (module docstring)",
+    )
+    parser.add_argument(
+        "--restart-churn",
+        action="store_true",
+        help="--churn whose cycles are issue 38's restart window (bench/restart_churn.py); "
+        "--churn-every-s is then the time between a cycle's faults",
     )
     parser.add_argument("--churn-seconds", type=float, default=120.0, help="churn duration")
     parser.add_argument("--churn-every-s", type=float, default=15.0, help="one kill per this")
@@ -193,22 +204,36 @@ def _table(results: dict[str, Any], args: argparse.Namespace) -> Table:
     return table
 
 
+def _run_mode(cluster: LocalCluster, args: argparse.Namespace) -> tuple[dict[str, Any], Table]:
+    """The phases ``--restart-churn``, ``--churn`` or neither asks for: (JSON, table)."""
+    if args.restart_churn:
+        churn = repair_churn.measure(cluster, args, restart_churn.restart_cycles)
+        results = restart_churn.summarize(asyncio.run(churn))
+        return results, restart_churn.table(results, args)
+    if args.churn:
+        results = asyncio.run(repair_churn.measure(cluster, args))
+        return results, repair_churn.table(results, args)
+    results = asyncio.run(_measure(cluster, args))
+    return results, _table(results, args)
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = {
         "scrub_bytes_per_s": 0,
         "fsync": args.fsync,
         "repair_bytes_per_s": args.repair_rate,
         # The churn runs repair as deployed: passes on triggers, the periodic one rarely.
-        "repair_scan_interval_s": 600.0 if args.churn else 5.0,
+        "repair_scan_interval_s": 600.0 if args.churn or args.restart_churn else 5.0,
     }
     with (
         tempfile.TemporaryDirectory(prefix="kvstore-repair-bench-") as tmp,
         LocalCluster.start(tmp, num_nodes=12, startup_timeout_s=180.0, **overrides) as cluster,
     ):
-        measure = repair_churn.measure if args.churn else _measure
-        results = asyncio.run(measure(cluster, args))
+        load_before = os.getloadavg()[0]
+        results, table = _run_mode(cluster, args)
+    results["load_average_before"] = load_before
     results["load_average"] = os.getloadavg()[0]
-    print_fitted(repair_churn.table(results, args) if args.churn else _table(results, args))
+    print_fitted(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

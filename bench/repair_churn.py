@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,12 +37,16 @@ LAG_PROBE_S = 0.05
 
 
 @dataclass
-class _Tally:
+class Tally:
     """What the clients saw during the churn."""
 
     gets: int = 0
     hits: int = 0
     misses_while_existing: int = 0
+    # Of those, misses of preloaded blocks (written with every node up: 12 shards each, so
+    # readable whenever at most 2 nodes are down; a miss of one is the read path's).
+    misses_of_preloaded: int = 0
+    preloaded: frozenset[bytes] = frozenset()
     timeouts_reported: int = 0
     wrong_bytes: int = 0
     puts: int = 0
@@ -52,8 +57,18 @@ class _Tally:
     loop_lags_s: list[float] = field(default_factory=list)
 
 
-async def measure(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, Any]:
-    """Preload, churn under load, heal, verify; the JSON's ``churn`` figures."""
+# The faults of a run: (cluster, args, the clients' tally) -> (cycles, status timings).
+Churn = Callable[
+    [LocalCluster, argparse.Namespace, Tally],
+    Awaitable[tuple[list[dict[str, Any]], list[dict[str, float]]]],
+]
+
+
+async def measure(
+    cluster: LocalCluster, args: argparse.Namespace, churn: Churn | None = None
+) -> dict[str, Any]:
+    """Preload, churn under load (``churn``: the faults; default one node killed and
+    restarted per cycle), heal, verify; the JSON's ``churn`` figures."""
     rng = random.Random(7)
     keys = iter(block_keys(list(range(4 * 200_000)), 4, "repair-churn", "salt"))
     acked: dict[bytes, bytes] = {}
@@ -62,14 +77,14 @@ async def measure(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, 
             key, block = next(keys), rng.randbytes(args.block_bytes)
             await kv.put(key, block, timeout_s=PRELOAD_TIMEOUT_S)
             acked[key] = block
-        tally = _Tally()
+        tally = Tally(preloaded=frozenset(acked))
         stop = asyncio.Event()
         load = [
             asyncio.create_task(_client(kv, acked, keys, args, tally, stop, seed))
             for seed in range(args.concurrency)
         ]
         lag = asyncio.create_task(_loop_lag(tally, stop))
-        cycles, statuses = await _churn(cluster, args)
+        cycles, statuses = await (churn or _churn)(cluster, args, tally)
         stop.set()
         await asyncio.gather(*load, lag)
         heal_s = await _heal(kv, len(acked))
@@ -84,7 +99,7 @@ async def _client(
     acked: dict[bytes, bytes],
     keys: Any,
     args: argparse.Namespace,
-    tally: _Tally,
+    tally: Tally,
     stop: asyncio.Event,
     seed: int,
 ) -> None:
@@ -97,7 +112,7 @@ async def _client(
 
 
 async def _get(
-    kv: KVClient, acked: dict[bytes, bytes], key: bytes, timeout_s: float, tally: _Tally
+    kv: KVClient, acked: dict[bytes, bytes], key: bytes, timeout_s: float, tally: Tally
 ) -> None:
     started_s = time.monotonic()
     result = await kv.get_batch([key], timeout_s=timeout_s, outcomes=True)
@@ -109,6 +124,7 @@ async def _get(
         tally.wrong_bytes += block != acked[key]
     elif outcome is Outcome.MISS:
         tally.misses_while_existing += 1
+        tally.misses_of_preloaded += key in tally.preloaded
     else:
         tally.timeouts_reported += 1
 
@@ -119,7 +135,7 @@ async def _put(
     key: bytes,
     block: bytes,
     args: argparse.Namespace,
-    tally: _Tally,
+    tally: Tally,
 ) -> None:
     started_s = time.monotonic()
     tally.puts += 1
@@ -134,7 +150,7 @@ async def _put(
     tally.put_latencies_s.append(time.monotonic() - started_s)
 
 
-async def _loop_lag(tally: _Tally, stop: asyncio.Event) -> None:
+async def _loop_lag(tally: Tally, stop: asyncio.Event) -> None:
     """How late the client's event loop wakes from a 50 ms sleep: a deadline cannot fire
     sooner than the loop runs, so this is the part of any overshoot the host's load causes."""
     while not stop.is_set():
@@ -144,7 +160,7 @@ async def _loop_lag(tally: _Tally, stop: asyncio.Event) -> None:
 
 
 async def _churn(
-    cluster: LocalCluster, args: argparse.Namespace
+    cluster: LocalCluster, args: argparse.Namespace, tally: Tally
 ) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
     """Kill and restart a node per cycle; time ``cluster status`` (one at a time, started
     while a node is down). Returns the cycles and the status timings."""
@@ -212,7 +228,7 @@ async def _verify(kv: KVClient, acked: dict[bytes, bytes]) -> tuple[int, int]:
 
 def _figures(
     args: argparse.Namespace,
-    tally: _Tally,
+    tally: Tally,
     cycles: list[dict[str, Any]],
     statuses: list[dict[str, float]],
     heal_s: float,
@@ -222,7 +238,7 @@ def _figures(
 ) -> dict[str, Any]:
     get_p99_ms = percentile_ms(tally.get_latencies_s, 99)
     figures = asdict(tally)
-    for name in ("get_latencies_s", "put_latencies_s", "loop_lags_s"):
+    for name in ("get_latencies_s", "put_latencies_s", "loop_lags_s", "preloaded"):
         figures.pop(name)
     over_s = args.timeout_s + 1.0
     figures["wrong_bytes"] += wrong
@@ -267,6 +283,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> Table:
         ("blocks acknowledged / lost", f"{r['blocks_acked']} / {r['blocks_lost']}"),
         ("wrong bytes", str(r["wrong_bytes"])),
         ("gets: hits / missed while existing", f"{r['hits']} / {r['misses_while_existing']}"),
+        ("gets that missed a preloaded block", str(r["misses_of_preloaded"])),
         ("gets timed out (reported as timeouts)", str(r["timeouts_reported"])),
         ("get p50 / p99 / max ms", _ms(r, "get")),
         ("get p99 / timeout_s", f"{r['get_p99_over_timeout']:.2f}"),

@@ -47,7 +47,7 @@ from kvstore.config import ClusterConfig, NodeConfig, load_cluster
 from kvstore.errors import Unavailable
 from kvstore.map_cache import fallback_map, save_cached_map
 from kvstore.membership import EtcdMembership
-from kvstore.placement_weights import share_report
+from kvstore.placement_weights import map_group_weights, share_report
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tls import channel_credentials, sync_channel
@@ -94,7 +94,7 @@ def node_table(config: ClusterConfig, pids: dict[str, int], stats: dict) -> Tabl
     columns = ("node", "address", "state", "pid", "up", "share/weight", "shards", "bytes")
     for column in (*columns, "capacity", "corrupt", "backlog"):
         table.add_column(column, justify="left" if column in ("node", "address") else "right")
-    shares = share_report(config.nodes, config.groups)
+    shares = share_report(config.nodes, config.groups, map_group_weights(config))
     for node in config.nodes:
         reply = stats[node.id]
         pid = str(node_pid(node.id, pids, reply) or "-")
@@ -201,7 +201,7 @@ def status_document(
 ) -> dict[str, Any]:
     """The ``--json`` form of the status (see the module docstring). ``live``: the nodes
     registered in etcd (None without etcd membership)."""
-    shares = share_report(config.nodes, config.groups)
+    shares = share_report(config.nodes, config.groups, map_group_weights(config))
     return {
         "cluster_toml": str(cluster_toml),
         "epoch": config.epoch,

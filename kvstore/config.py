@@ -253,6 +253,10 @@ class ClusterConfig:
     # The groups before the map change in progress (same length as ``groups``), () when none:
     # reads consult them too until the move is complete; writes go to ``groups`` only.
     moving_from: tuple[tuple[str, ...], ...] = ()
+    # The groups' rendezvous weights as the map records them (``weight`` of each [[groups]]
+    # entry), () when none: placement then derives them from the nodes' byte limits
+    # (kvstore/placement_weights.py). A map change keeps the weights its map placed by.
+    group_weights: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         ids = [n.id for n in self.nodes]
@@ -277,6 +281,14 @@ class ClusterConfig:
         for group in self.moving_from:
             if len(group) != self.codec.num_shards or not set(group) <= known:
                 raise ValueError(f"moving_from group {list(group)} is malformed")
+        if self.group_weights and (
+            len(self.group_weights) != len(self.groups)
+            or not all(type(w) is int and w >= 1 for w in self.group_weights)
+        ):
+            raise ValueError(
+                f"group weights {list(self.group_weights)} must be one integer >= 1 per group "
+                f"({len(self.groups)} groups), or none"
+            )
         k, n = self.codec.k, self.codec.num_shards
         if not k <= self.client.read_fanout <= n:
             raise ValueError(f"read_fanout {self.client.read_fanout} must be in [k={k}, k+m={n}]")
@@ -437,12 +449,27 @@ def _node_from_toml(position: int, raw: object, defaults: Mapping[str, Any]) -> 
 
 def _group_from_toml(position: int, raw: object, table: str = "[[groups]]") -> tuple[str, ...]:
     section = f"{table} entry {position}"
-    if not isinstance(raw, Mapping) or set(raw) != {"nodes"}:
-        raise ValueError(f"{section} must hold one key, nodes = [node ids], got {raw!r}")
+    keys = {"nodes", "weight"} if table == "[[groups]]" else {"nodes"}
+    if not isinstance(raw, Mapping) or "nodes" not in raw or not set(raw) <= keys:
+        raise ValueError(
+            f"{section} must hold nodes = [node ids]"
+            + (" and may hold weight = N" if "weight" in keys else "")
+            + f", got {raw!r}"
+        )
     members = raw["nodes"]
     if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
         raise ValueError(f"{section} nodes must be a list of node ids, got {members!r}")
     return tuple(members)
+
+
+def _weights_from_toml(groups: list[Any]) -> tuple[int, ...]:
+    """The ``weight`` of every [[groups]] entry, or () when none has one."""
+    weights = [g.get("weight") for g in groups if isinstance(g, Mapping)]
+    if all(w is None for w in weights):
+        return ()
+    if any(w is None for w in weights):
+        raise ValueError("[[groups]]: give every entry a weight, or none")
+    return tuple(weights)
 
 
 def _check_removed(fields: Mapping[str, Any]) -> None:
@@ -478,6 +505,7 @@ def cluster_from_dict(raw: Mapping[str, Any]) -> ClusterConfig:
         epoch=epoch,
         nodes=tuple(_node_from_toml(i, n, defaults) for i, n in enumerate(nodes)),
         groups=tuple(_group_from_toml(i, g) for i, g in enumerate(groups)),
+        group_weights=_weights_from_toml(groups),
         codec=CodecConfig(**checked_fields("[codec]", raw.get("codec", {}), CodecConfig)),
         client=ClientConfig(**checked_fields("[client]", raw.get("client", {}), ClientConfig)),
         ttl=_ttl_from_toml(raw.get("ttl", {})),
@@ -534,6 +562,8 @@ def cluster_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         raw["integrity"] = dataclasses.asdict(cfg.integrity)
     raw["nodes"] = [dataclasses.asdict(n) for n in cfg.nodes]
     raw["groups"] = [{"nodes": list(g)} for g in cfg.groups]
+    for entry, weight in zip(raw["groups"], cfg.group_weights, strict=False):
+        entry["weight"] = weight
     if cfg.moving_from:
         raw["moving_from"] = [{"nodes": list(g)} for g in cfg.moving_from]
     return raw

@@ -19,6 +19,10 @@ node; the shards that move are exactly those slots' shards:
 Regenerating groups from scratch (``make_groups`` on the new node list) would move most slots;
 :func:`shards_moved` measures either against the ideal (tests/kvstore/test_map_changes.py).
 
+Group weights (capacity-aware placement, kvstore/placement_weights.py) are kept too: every
+change records the weights its map placed by when the new map would derive others from its
+slots (``ClusterConfig.group_weights``), so a change in a weighted map moves only its slots.
+
 **During a change** ``moving_from`` holds the groups before it: writes go to ``groups``,
 reads consult ``groups`` and, for a key they miss, ``moving_from``; repair fills the new
 members. :func:`finish_move` (once every new member holds its shards, verified by listing:
@@ -32,13 +36,15 @@ import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.errors import InvalidArgument
-from kvstore.placement import groups_of_keys, map_group_weights
+from kvstore.placement import groups_of_keys
+from kvstore.placement_weights import kept_weights, map_group_weights
 
 Groups = tuple[tuple[str, ...], ...]
 
@@ -75,13 +81,7 @@ def join(cfg: ClusterConfig, node: NodeConfig) -> ClusterConfig:
         load[groups[g][position]] -= 1
         load[node.id] += 1
         groups[g][position] = node.id
-    return dataclasses.replace(
-        cfg,
-        epoch=cfg.epoch + 1,
-        nodes=nodes,
-        groups=tuple(map(tuple, groups)),
-        moving_from=cfg.groups,
-    )
+    return _changed(cfg, nodes=nodes, groups=tuple(map(tuple, groups)), moving_from=cfg.groups)
 
 
 def drain(cfg: ClusterConfig, node_id: str) -> ClusterConfig:
@@ -107,7 +107,7 @@ def finish_move(cfg: ClusterConfig) -> ClusterConfig:
         dataclasses.replace(n, state="left") if n.state in ("draining", "out") else n
         for n in cfg.nodes
     )
-    return dataclasses.replace(cfg, epoch=cfg.epoch + 1, nodes=nodes, moving_from=())
+    return _changed(cfg, nodes=nodes, moving_from=())
 
 
 def remove(cfg: ClusterConfig, node_id: str) -> ClusterConfig:
@@ -119,16 +119,20 @@ def remove(cfg: ClusterConfig, node_id: str) -> ClusterConfig:
             f"node {node_id} is {node.state!r} and still holds or serves group slots; drain it "
             f"first (`kvstore cluster drain {node_id}`) and wait until it is 'left'"
         )
-    nodes = tuple(n for n in cfg.nodes if n.id != node_id)
-    return dataclasses.replace(cfg, epoch=cfg.epoch + 1, nodes=nodes)
+    return _changed(cfg, nodes=tuple(n for n in cfg.nodes if n.id != node_id))
 
 
 def readdress(cfg: ClusterConfig, node_id: str, address: str, metrics_port: int) -> ClusterConfig:
     """The map with one node at a new address (a host renumbered, a port that was taken);
     its slots stay, so nothing moves."""
     node = dataclasses.replace(cfg.node(node_id), address=address, metrics_port=metrics_port)
-    nodes = tuple(node if n.id == node_id else n for n in cfg.nodes)
-    return dataclasses.replace(cfg, epoch=cfg.epoch + 1, nodes=nodes)
+    return _changed(cfg, nodes=tuple(node if n.id == node_id else n for n in cfg.nodes))
+
+
+def _changed(cfg: ClusterConfig, **changes: Any) -> ClusterConfig:
+    """The next epoch's map with ``changes``, placing every key in the group ``cfg`` did."""
+    new = dataclasses.replace(cfg, epoch=cfg.epoch + 1, **changes)
+    return dataclasses.replace(new, group_weights=kept_weights(cfg, new))
 
 
 def _require_settled(cfg: ClusterConfig, what: str) -> None:
@@ -171,12 +175,9 @@ def _give_away(cfg: ClusterConfig, node_id: str, state: str) -> ClusterConfig:
             )
             members[position] = best
             load[best] += 1
-    return dataclasses.replace(
-        cfg,
-        epoch=cfg.epoch + 1,
-        nodes=nodes,
-        groups=tuple(map(tuple, groups)),
-        moving_from=cfg.moving_from or cfg.groups,
+    groups_after = tuple(map(tuple, groups))
+    return _changed(
+        cfg, nodes=nodes, groups=groups_after, moving_from=cfg.moving_from or cfg.groups
     )
 
 

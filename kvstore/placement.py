@@ -39,7 +39,7 @@ import xxhash
 
 from kvstore.config import KEY_BYTES, ClusterConfig
 from kvstore.errors import InvalidArgument
-from kvstore.placement_weights import group_weights, node_weights
+from kvstore.placement_weights import map_group_weights
 from ttl import simloop
 
 _GROUP_ID = struct.Struct("<I")
@@ -78,16 +78,12 @@ def _highest_weighted_score(key: bytes, group_ids: list[bytes], weights: Sequenc
     return best_index
 
 
-def map_group_weights(config: ClusterConfig) -> tuple[int, ...] | None:
-    """The group weights a map places by (kvstore/placement_weights.py); None: equal."""
-    return group_weights(config.groups, node_weights(config.nodes))
-
-
 class Placement:
     """The cluster map's placement: key -> group index -> node ids (shard i on nodes[i]).
 
-    Groups are weighted by their nodes' byte limits (kvstore/placement_weights.py); with
-    equal limits this is plain rendezvous."""
+    Groups are weighted as the map records, or by their nodes' byte limits
+    (kvstore/placement_weights.py ``map_group_weights``); with equal limits this is plain
+    rendezvous."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.groups: tuple[tuple[str, ...], ...] = config.groups

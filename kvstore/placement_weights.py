@@ -18,14 +18,24 @@ ranks groups alike. A key then picks its group by weighted rendezvous, the highe
 ``x_g / -ln(u_g)`` where ``u_g`` is ``xxh3_64(group_id || key)`` scaled to (0, 1): group ``g``
 wins a share ``p_g`` of the keys, and changing weights moves only the keys the change requires
 (those a group gains come from the groups that lose them).
+
+**The map keeps its weights.** Fitted weights depend on every slot, so a drain, an out or a
+join would refit them and move keys between groups: in a 24-node map with 4 half nodes, 21%
+of the keys changed group on a drain (5.4x the shards the drain itself requires), and a read
+during the move looks for a key's shards in its *new* group's old members, so they read as
+misses. A map records the weights it places by (``ClusterConfig.group_weights``, ``weight``
+in each ``[[groups]]`` entry) and every map change keeps them (kvstore/map_changes.py), so
+a change moves only the slots it hands over; a map without them derives them from the byte
+limits as above (:func:`map_group_weights`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from kvstore.config import NodeConfig
+from kvstore.config import ClusterConfig, NodeConfig
 
 FIT_ITERATIONS = 200
 FIT_TOLERANCE = 1e-4  # a node's share within this fraction of its target: fitted
@@ -64,6 +74,25 @@ def group_weights(
     return tuple(max(1, round(xg * WEIGHT_SCALE)) for xg in x)
 
 
+def map_group_weights(config: ClusterConfig) -> tuple[int, ...] | None:
+    """The group weights a map places by: those it records (None when all are equal: plain
+    rendezvous), else derived from its nodes' byte limits; None means equal."""
+    if config.group_weights:
+        equal = len(set(config.group_weights)) == 1
+        return None if equal else config.group_weights
+    return group_weights(config.groups, node_weights(config.nodes))
+
+
+def kept_weights(old: ClusterConfig, new: ClusterConfig) -> tuple[int, ...]:
+    """``group_weights`` for ``new`` (a map change of ``old``: same groups, slots moved) that
+    place every key in the group ``old`` placed it in: () where ``new``'s own derivation gives
+    the same, else ``old``'s weights (all 1 for plain rendezvous)."""
+    weights = map_group_weights(old)
+    if map_group_weights(dataclasses.replace(new, group_weights=())) == weights:
+        return ()
+    return weights or (1,) * len(old.groups)
+
+
 def node_shares(
     groups: Sequence[Sequence[str]], weights: Sequence[float] | None
 ) -> dict[str, float]:
@@ -79,12 +108,15 @@ def node_shares(
 
 
 def share_report(
-    nodes: Sequence[NodeConfig], groups: Sequence[Sequence[str]]
+    nodes: Sequence[NodeConfig],
+    groups: Sequence[Sequence[str]],
+    weights: Sequence[float] | None,
 ) -> dict[str, tuple[float, float]]:
-    """Node id -> (its fraction of the shards placement gives it, its fraction of the
-    weight): what ``kvstore cluster status`` shows. Nodes in no group hold 0."""
+    """Node id -> (its fraction of the shards placement gives it with these group weights
+    (None: equal), its fraction of the byte limits' weight): what ``kvstore cluster status``
+    shows. Nodes in no group hold 0."""
     node_to_weight = node_weights(nodes)
-    shares = node_shares(groups, group_weights(groups, node_to_weight))
+    shares = node_shares(groups, weights)
     placed = [n for n in nodes if n.id in shares]
     total_share = sum(shares.values())
     total_weight = sum(node_to_weight[n.id] for n in placed)

@@ -58,7 +58,7 @@ placement_partitions = StorePlacement(_place)  # equal groups: P placement group
 
 def weighted_placement(weights: tuple[int, ...]) -> StorePlacement:
     """The placement of a map whose groups weigh ``weights``
-    (``kvstore.placement.map_group_weights``)."""
+    (``kvstore.placement_weights.map_group_weights``)."""
     return StorePlacement(_place, tuple(weights))
 
 

@@ -45,3 +45,19 @@ def test_bench_repair_churn_smoke(tmp_path: Path) -> None:
     assert churn["heal_s"] >= 0, "the cluster did not heal after the churn"
     for name in ("misses_while_existing", "timeouts_reported", "get_p99_ms", "status_s_max"):
         assert name in churn, f"the churn JSON lacks {name}"
+
+
+def test_bench_repair_restart_churn_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "restart.json"
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "repair", "--restart-churn"]
+    command += ["--json", str(out), "--churn-seconds", "1", "--churn-every-s", "1"]
+    command += ["--blocks", "20", "--block-bytes", "32KiB", "--concurrency", "2"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, f"bench failed:\n{run.stdout}\n{run.stderr}"
+    churn = json.loads(out.read_text())["churn"]
+    cycle = churn["cycles"][0]
+    assert churn["restart_cycles"] == 1 and churn["kills"] == 3, churn
+    assert len({cycle["down"], cycle["returning"], cycle["killed_at_return"]}) == 3, cycle
+    assert cycle["serving"] and "window_put_failures" in cycle, cycle
+    assert (churn["blocks_lost"], churn["wrong_bytes"]) == (0, 0), churn
+    assert churn["heal_s"] >= 0, "the cluster did not heal after the churn"

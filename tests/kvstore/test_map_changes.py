@@ -30,7 +30,8 @@ from kvstore.map_changes import (
     slot_counts,
 )
 from kvstore.node.map_keeper import NEVER_SEEN_GRACE_S, DownClock
-from kvstore.placement import make_groups
+from kvstore.placement import groups_of_keys, make_groups
+from kvstore.placement_weights import map_group_weights, node_weights
 
 WIDTH = 12
 
@@ -144,3 +145,69 @@ def test_down_clock_marks_out_after_down_out_s_and_gives_new_nodes_grace() -> No
     assert down.due(joined, everyone, 0.0) == []
     assert down.due(joined, everyone, 600.0 + NEVER_SEEN_GRACE_S - 1) == []
     assert down.due(joined, everyone, 601.0 + NEVER_SEEN_GRACE_S) == ["n13"]
+
+
+def weighted_cluster(num_nodes: int = 24, num_small: int = 4) -> ClusterConfig:
+    """A map whose last ``num_small`` nodes have half the byte limit: its groups weighted."""
+    nodes = tuple(
+        dataclasses.replace(node(i), max_bytes=(1 << 29) if i >= num_nodes - num_small else 1 << 30)
+        for i in range(num_nodes)
+    )
+    weights = node_weights(nodes)
+    groups = make_groups([(n.id, n.failure_domain) for n in nodes], WIDTH, None, weights)
+    return ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=CodecConfig())
+
+
+def test_changes_of_a_weighted_map_keep_every_key_in_its_group(keys: np.ndarray) -> None:
+    """Refitting the weights to the new slots moved a fifth of the keys to other groups on a
+    drain (5.4x the drained node's shards), where reads during the move do not look."""
+    cfg = weighted_cluster()
+    weights = map_group_weights(cfg)
+    assert weights is not None, "a map with half nodes must weight its groups"
+    before = groups_of_keys(keys, len(cfg.groups), weights)
+    big = dataclasses.replace(node(24), max_bytes=1 << 30)
+    changes = {
+        "join": join(cfg, big),
+        "drain": drain(cfg, "n01"),
+        "drain a small node": drain(cfg, "n22"),
+        "out": mark_out(cfg, "n02"),
+    }
+    for name, new in changes.items():
+        after = groups_of_keys(keys, len(new.groups), map_group_weights(new))
+        assert (after == before).all(), f"{name}: {(after != before).sum()} keys changed group"
+        assert cluster_from_toml(cluster_to_toml(new)) == new, f"{name}: weights lost in TOML"
+    for name, node_id in (("drain", "n01"), ("out", "n02")):
+        moved = shards_moved(cfg, changes[name], keys, held_shards(cfg, node_id, keys))
+        assert moved.moved_shards == moved.ideal_shards, f"{name}: {moved}"
+    settled = finish_move(changes["drain"])
+    assert map_group_weights(settled) == weights, "finishing the move changed the weights"
+    assert map_group_weights(remove(settled, "n01")) == weights
+
+
+def test_changes_of_an_equal_map_record_no_weights() -> None:
+    cfg = cluster(13)
+    for new in (drain(cfg, "n03"), join(cfg, node(13)), mark_out(cfg, "n04")):
+        assert new.group_weights == () and map_group_weights(new) is None
+        assert "weight" not in cluster_to_toml(new), "an equal map must keep its old TOML form"
+
+
+def test_a_joining_node_with_another_limit_does_not_reweight_an_equal_map(
+    keys: np.ndarray,
+) -> None:
+    cfg = weighted_cluster(num_small=0)  # every node 1 GiB: plain rendezvous
+    assert map_group_weights(cfg) is None
+    joined = join(cfg, dataclasses.replace(node(24), max_bytes=1 << 29))
+    assert joined.group_weights == (1,) * len(cfg.groups), "equal weights must be recorded"
+    assert map_group_weights(joined) is None, "recorded equal weights are plain rendezvous"
+    moved = shards_moved(cfg, joined, keys, held_shards(joined, "n24", keys))
+    assert moved.moved_shards == moved.ideal_shards, moved
+
+
+def test_recorded_group_weights_are_checked() -> None:
+    cfg = weighted_cluster()
+    text = cluster_to_toml(dataclasses.replace(cfg, group_weights=(3,) * len(cfg.groups)))
+    assert map_group_weights(cluster_from_toml(text)) is None
+    with pytest.raises(ValueError, match="one integer >= 1 per group"):
+        dataclasses.replace(cfg, group_weights=(1, 2))
+    with pytest.raises(ValueError, match="every entry a weight, or none"):
+        cluster_from_toml(text.replace("weight = 3\n", "", 1))

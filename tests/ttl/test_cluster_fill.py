@@ -36,6 +36,10 @@ def test_weighted_placement_keeps_the_hit_ratio_of_equal_nodes() -> None:
     """Issue 38's target: 24 nodes, 4 with half the space, a fill of 3x the small nodes'
     share: within 5 points of equal nodes with the same total; capacity-blind falls short."""
     rows = {row["cluster"]: row for row in measure(24, 4, 600, seed=3)["rows"]}
-    for name in ("small nodes, weighted groups", "small nodes, rebalanced map"):
+    for name in (
+        "small nodes, weighted groups",
+        "small nodes, rebalanced map",
+        "small nodes, rebalanced, groups equal",
+    ):
         assert abs(rows[name]["points_vs_equal"]) <= 5, f"{name}: {rows[name]}"
     assert rows["small nodes, capacity-blind"]["points_vs_equal"] < -5
