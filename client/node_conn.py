@@ -133,7 +133,7 @@ class NodeConn:
 
         A channel whose connection attempt failed waits out gRPC's reconnect backoff (up to
         ``grpc.max_reconnect_backoff_ms``) and fails every call meanwhile, even once the node
-        serves again. A node's return is an event (a map change, a Health "serving", a put
+        serves again. A node's return is an event (a map change, a put
         that needs it): a fresh channel connects at once. At most one redial per
         ``REDIAL_EVERY_S`` unless forced, so the puts waiting on a dead node share them.
         """
@@ -150,11 +150,6 @@ class NodeConn:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return True
-
-    def node_is_back(self) -> None:
-        """The node serves again (a Health reply, a map that lists it): use it at once."""
-        self.health.record_success()
-        self.redial()
 
     async def read_batch(
         self,
