@@ -97,6 +97,12 @@ def test_cpu_swap_in_places_runs_of_pool_slots_in_one_copy_each(dtype):
             assert torch.equal(target.block(layer, block_id), block[layer]), (
                 f"layer {layer} of pool block {block_id} is not its host slot's"
             )
+    for slot in (slots[0], slots[1], slots[3], slots[5]):
+        slot.release()
+    again = pool.acquire(6)  # the free list is a stack: the slots come back in address order
+    assert len(slot_runs(list(range(6)), [slot.block for slot in again])) == 1, (
+        "slots freed together must come back as one run"
+    )
     pool.close()
 
 
