@@ -141,6 +141,24 @@ class Entry:
             self.record_format,
         )
 
+    def accessed(self, last_access_s: float, expires_at_s: float) -> Entry:
+        """This entry with a new TTL state (a read's refresh: once per shard served)."""
+        return Entry(
+            self.tenant,
+            self.key,
+            self.version,
+            self.traffic_class,
+            self.segment_id,
+            self.offset,
+            self.shard_bytes,
+            self.shard_checksum,
+            self.created_s,
+            last_access_s,
+            expires_at_s,
+            self.shard_index,
+            self.record_format,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentMeta:
