@@ -216,6 +216,8 @@ def u64_key(value: int) -> bytes:
 
 def prefix_end(prefix: bytes) -> bytes | None:
     """The smallest key greater than every key starting with ``prefix`` (None: no such key)."""
+    if prefix and prefix[-1] != 0xFF:  # the usual case: the last byte goes up by one
+        return prefix[:-1] + bytes((prefix[-1] + 1,))
     value = int.from_bytes(prefix, "big") + 1
     return None if value >> (8 * len(prefix)) else value.to_bytes(len(prefix), "big")
 
