@@ -344,9 +344,10 @@ class _State(BlockChecks):
         within a fraction of the batch's time; a known-slow node is not asked at all
         (client/read_plan.py), and one that turns slow costs the batch DATA_GRACE at most.
         Why half the batch's time, not a tenth: where the nodes share few cores, the last
-        data node is usually one waiting for a core, and a tenth let 8 to 39 percent of the
-        swap-in bench's blocks be rebuilt from parity on the 2-core machine (half: 5), each
-        rebuild costing the client about what the whole block's landing and check cost.
+        data node is usually one waiting for a core: on the 2-core machine (load 15-22) a
+        tenth let 7-15% of the swap-in bench's blocks be rebuilt from parity in each of
+        three runs, half none in two of three, and a rebuild costs the client about what
+        the block's landing and check cost.
         """
         owing = [
             task
