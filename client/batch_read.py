@@ -63,7 +63,7 @@ from kvstore.wire import batch_answer
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_REQUEST = 64  # keys of one request to one node (more: several requests)
-DATA_GRACE = 0.1  # of a batch's time, waited for data shards once every key has k shards
+DATA_GRACE = 0.5  # of a batch's time, waited for data shards once every key has k shards
 
 
 @dataclass
@@ -343,6 +343,11 @@ class _State(BlockChecks):
         that costs more CPU than the whole transfer (erasure/codec.py). A healthy node answers
         within a fraction of the batch's time; a known-slow node is not asked at all
         (client/read_plan.py), and one that turns slow costs the batch DATA_GRACE at most.
+        Why half the batch's time, not a tenth: where the nodes share few cores, the last
+        data node is usually one waiting for a core: on the 2-core machine (load 15-22) a
+        tenth let 7-15% of the swap-in bench's blocks be rebuilt from parity in each of
+        three runs, half none in two of three, and a rebuild costs the client about what
+        the block's landing and check cost.
         """
         owing = [
             task
@@ -424,23 +429,29 @@ class _State(BlockChecks):
         checked = answer.checked or [answer.headers is not None] * len(hit_rows)
         landed: list[tuple[int, int]] = []
         completed: list[int] = []
+        collectors, decided, k, entry_bytes = (
+            self.collectors,
+            self.decided,
+            self.k,
+            batch_answer.ENTRY_BYTES,
+        )
         for i, (row, payload, in_place) in enumerate(
             zip(hit_rows, answer.payloads, answer.in_place, strict=True)
         ):
             position = positions[key_indexes[row]]
             header = headers[i]
-            collector = self.collectors[position]
+            collector = collectors[position]
             if header is None:
                 collector.num_corrupt += 1
                 continue
-            if in_place and shard_indexes[row] < self.k:
+            if in_place and shard_indexes[row] < k:
                 landed.append((position, shard_indexes[row]))
-            start = row * batch_answer.ENTRY_BYTES + header_start
+            start = row * entry_bytes + header_start
             shard = SplitShard(raw[start : start + 48], payload)
             # Late shards are kept too (no hashing, a dict entry): a block that fails its
             # checksum is decoded again from them once the bad shard is found.
             version = collector.add_verified(header, shard, checked=checked[i])
-            if version is not None and not self.decided[position]:
+            if version is not None and not decided[position]:
                 self.complete[position] = version
                 self._decide(position)
                 completed.append(position)

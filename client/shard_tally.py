@@ -63,18 +63,23 @@ class ShardCollector:
         """:meth:`add` for a shard whose header the caller parsed and checked already
         (``header`` describes exactly these bytes); ``checked=False``: its shard checksum
         was not verified (the block checksum will be, and :meth:`recheck` after a failure)."""
-        version = header.block_checksum
-        if version in self._dropped:
+        # Called once per shard a batch read tallies: lookups kept to the few needed.
+        version, index = header.block_checksum, header.index
+        shards = self.version_to_shards.get(version)
+        if shards is None:
+            if version in self._dropped:
+                return None
+            shards = self.version_to_shards[version] = {}
+            self.version_to_header[version] = header
+        elif index in shards:
             return None
-        shards = self.version_to_shards.setdefault(version, {})
-        self.version_to_header.setdefault(version, header)
-        if header.index not in shards:
-            shards[header.index] = shard
-            self.best_count = max(self.best_count, len(shards))
-            if not checked:
-                self._unchecked.setdefault(version, set()).add(header.index)
-            return version if len(shards) == self.codec.k else None
-        return None
+        shards[index] = shard
+        num_shards = len(shards)
+        if num_shards > self.best_count:
+            self.best_count = num_shards
+        if not checked:
+            self._unchecked.setdefault(version, set()).add(index)
+        return version if num_shards == self.codec.k else None
 
     def recheck(self, version: bytes) -> int:
         """Verify the shard checksums of ``version``'s unchecked shards and forget those that

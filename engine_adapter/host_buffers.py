@@ -102,11 +102,14 @@ class HostBlockPool:
         return self.buffers.num_free
 
     def acquire(self, num_slots: int) -> list[HostSlot]:
-        """Up to ``num_slots`` free slots (fewer when others are in use)."""
-        slots = []
-        while len(slots) < num_slots and (slot := self.buffers.try_acquire()) is not None:
-            slots.append(HostSlot(slot, self._block(slot)))
-        return slots
+        """Up to ``num_slots`` free slots (fewer when others are in use), in address order:
+        slots freed together come back as one evenly spaced run, which the CPU swap-in
+        places with one copy per layer (engine_adapter/swap_in.py ``slot_runs``)."""
+        taken = []
+        while len(taken) < num_slots and (slot := self.buffers.try_acquire()) is not None:
+            taken.append(slot)
+        taken.sort(key=lambda slot: slot.offset)
+        return [HostSlot(slot, self._block(slot)) for slot in taken]
 
     def _allocate(self, num_bytes: int) -> memoryview:
         self._memory = host_tensor(num_bytes, self._pin_memory)

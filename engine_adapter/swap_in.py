@@ -10,7 +10,10 @@ On CUDA the work runs on a side stream while compute proceeds on the compute str
 Host slots are pinned, so the H2D copies are true async DMA; they overlap the rest of the
 fetch, and layer l's placement overlaps the compute of layers < l. Without CUDA the same code
 path runs synchronously: layer l is copied from the host slots into the pool right before
-layer l first needs it.
+layer l first needs it, one copy per layer for each run of blocks whose host slots lie evenly
+spaced in one allocation and whose pool blocks are consecutive (:func:`slot_runs`): a copy per
+block and layer cost more CPU in torch's per-call work than in moving the bytes (64 blocks of
+30 layers: 1,920 calls per fetch, 0.06 CPU-s per GB on the 2-core machine).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class SwapIn:
         self.num_blocks = 0  # usable leading blocks, fixed by start()
         self._cuda = cache.kv.device.type == "cuda"
         self._loaded_layers: set[int] = set()
+        self._runs: list[tuple[list[int], torch.Tensor]] | None = None  # CPU: slot_runs
         self._events: list[torch.cuda.Event] = []
         if self._cuda and host_blocks:
             self._stream = torch.cuda.Stream(device=cache.kv.device)
@@ -70,10 +74,53 @@ class SwapIn:
         if self._cuda:
             torch.cuda.current_stream(self.cache.kv.device).wait_event(self._events[layer])
         elif layer not in self._loaded_layers:
-            ids, blocks = self.block_ids[: self.num_blocks], self.host_blocks[: self.num_blocks]
+            if self._runs is None:
+                ids, blocks = self.block_ids[: self.num_blocks], self.host_blocks[: self.num_blocks]
+                self._runs = slot_runs(ids, blocks)
             if self.cache.layout.quantized:  # nothing to overlap on CPU: one batch of ops
-                load_layers(self.cache, 0, self.cache.layout.num_layers, ids, blocks)
+                for ids, stacked in self._runs:
+                    load_layers(self.cache, 0, self.cache.layout.num_layers, ids, stacked)
                 self._loaded_layers.update(range(self.cache.layout.num_layers))
                 return
-            load_layer(self.cache, layer, ids, blocks)
+            for ids, stacked in self._runs:
+                load_layer(self.cache, layer, ids, stacked)
             self._loaded_layers.add(layer)
+
+
+def slot_runs(
+    block_ids: list[int], host_blocks: list[torch.Tensor]
+) -> list[tuple[list[int], torch.Tensor]]:
+    """The blocks as runs of (consecutive pool block ids, their host blocks stacked
+    ``[n, *block.shape]``): a run's host blocks are views of one storage at a fixed distance
+    from each other (slots of one pool, taken in order), stacked as a strided view of it with
+    no copy, so one op per layer places the whole run."""
+    runs: list[tuple[list[int], torch.Tensor]] = []
+    start = 0
+    for end in range(1, len(host_blocks) + 1):
+        if end < len(host_blocks) and _continues(block_ids, host_blocks, start, end):
+            continue
+        first = host_blocks[start]
+        step = (
+            host_blocks[start + 1].storage_offset() - first.storage_offset()
+            if end - start > 1
+            else 0
+        )
+        stacked = first.as_strided((end - start, *first.shape), (step, *first.stride()))
+        runs.append((block_ids[start:end], stacked))
+        start = end
+    return runs
+
+
+def _continues(block_ids: list[int], blocks: list[torch.Tensor], start: int, end: int) -> bool:
+    """Whether block ``end`` extends the run that begins at ``start`` (see :func:`slot_runs`)."""
+    block, first = blocks[end], blocks[start]
+    if (
+        block_ids[end] != block_ids[end - 1] + 1
+        or block.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    ):
+        return False
+    if block.shape != first.shape or block.stride() != first.stride() or block.dtype != first.dtype:
+        return False
+    step = blocks[start + 1].storage_offset() - first.storage_offset() if end - start > 1 else None
+    distance = block.storage_offset() - blocks[end - 1].storage_offset()
+    return distance > 0 and (step is None or distance == step)

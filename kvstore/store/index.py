@@ -69,10 +69,20 @@ class IndexView:
 
     def versions(self, tenant: str, key: bytes) -> list[Entry]:
         """Every entry (all versions, expired or not) of ``key`` owned by ``tenant``."""
-        prefix = tenant_hash(tenant) + key
-        items = self._txn.scan("entries", prefix, prefix_end(prefix), 1 << 16)
-        entries = (decode_entry(k, v) for k, v in items)
-        return [e for e in entries if e.tenant == tenant]
+        return self.versions_of(tenant, [key])[0]
+
+    def versions_of(self, tenant: str, keys: Sequence[bytes]) -> list[list[Entry]]:
+        """:meth:`versions` of each key (a batch read's lookups: one call, no per-key
+        generators)."""
+        scan, owner = self._txn.scan, tenant_hash(tenant)
+        found = []
+        for key in keys:
+            prefix = owner + key
+            entries = [
+                decode_entry(k, v) for k, v in scan("entries", prefix, prefix_end(prefix), 1 << 16)
+            ]
+            found.append([e for e in entries if e.tenant == tenant])
+        return found
 
     def tenant_entries(self, tenant: str, start: bytes, limit: int) -> list[Entry]:
         """Up to ``limit`` entries of ``tenant`` from index key ``start`` (b"": the first)."""

@@ -141,6 +141,24 @@ class Entry:
             self.record_format,
         )
 
+    def accessed(self, last_access_s: float, expires_at_s: float) -> Entry:
+        """This entry with a new TTL state (a read's refresh: once per shard served)."""
+        return Entry(
+            self.tenant,
+            self.key,
+            self.version,
+            self.traffic_class,
+            self.segment_id,
+            self.offset,
+            self.shard_bytes,
+            self.shard_checksum,
+            self.created_s,
+            last_access_s,
+            expires_at_s,
+            self.shard_index,
+            self.record_format,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentMeta:
@@ -198,6 +216,8 @@ def u64_key(value: int) -> bytes:
 
 def prefix_end(prefix: bytes) -> bytes | None:
     """The smallest key greater than every key starting with ``prefix`` (None: no such key)."""
+    if prefix and prefix[-1] != 0xFF:  # the usual case: the last byte goes up by one
+        return prefix[:-1] + bytes((prefix[-1] + 1,))
     value = int.from_bytes(prefix, "big") + 1
     return None if value >> (8 * len(prefix)) else value.to_bytes(len(prefix), "big")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 
 from kvstore.errors import UnknownTrafficClass
 from kvstore.store.index import Index, IndexWriter, class_counter
@@ -36,7 +35,7 @@ def touched(entry: Entry, now: float, retention: Retention) -> Entry:
         ttl_s = retention.ttl_s(entry.tenant, entry.traffic_class)
     except UnknownTrafficClass:
         return entry
-    return replace(entry, last_access_s=now, expires_at_s=now + entry_ttl_s(entry, ttl_s))
+    return entry.accessed(now, now + entry_ttl_s(entry, ttl_s))
 
 
 def entry_ttl_s(entry: Entry, ttl_s: float) -> float:

@@ -222,19 +222,17 @@ class ShardReader:
         """Per key: (live entries newest first, expired entries), in one snapshot; keys that
         look expired are looked up again on a fresh one (see :meth:`live_entries`)."""
         with self._index.read() as view:
-            per_key = [view.versions(tenant, k) for k in keys]
-        flat = self._reads.with_refreshes([e for entries in per_key for e in entries])
-        refreshed, at = [], 0
-        for entries in per_key:
-            refreshed.append(flat[at : at + len(entries)])
-            at += len(entries)
-        per_key = refreshed
-        found = []
-        for key, entries in zip(keys, per_key, strict=True):
+            per_key = view.versions_of(tenant, keys)
+        flat = iter(self._reads.with_refreshes([e for entries in per_key for e in entries]))
+        found: list[tuple[list[Entry], list[Entry]]] = []
+        for key, held in zip(keys, per_key, strict=True):
+            entries = [next(flat) for _ in held]
             if any(is_expired(e.expires_at_s, now) for e in entries):
                 found.append(self.live_entries(tenant, key, now))
-            else:
+            elif len(entries) > 1:
                 found.append((sorted(entries, key=lambda e: e.order, reverse=True), []))
+            else:
+                found.append((entries, []))
         return found
 
     def _read_entries(

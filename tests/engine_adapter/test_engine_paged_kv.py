@@ -11,7 +11,7 @@ from engine_adapter.config import RANDOM_PRESETS  # noqa: E402
 from engine_adapter.host_buffers import HostBlockPool  # noqa: E402
 from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
 from engine_adapter.paged_kv import BlockPool, BlockTable, PagedKVCache  # noqa: E402
-from engine_adapter.swap_in import SwapIn  # noqa: E402
+from engine_adapter.swap_in import SwapIn, slot_runs  # noqa: E402
 from kvstore.errors import CapacityExhausted, InvalidArgument  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -69,6 +69,41 @@ def test_cpu_swap_in_loads_each_layer_once_when_first_needed():
     assert not torch.equal(target.block(1, 3), source.block(1, 1)), "layer 1 loaded too early"
     swap_in.before_layer(1)
     assert torch.equal(target.block(1, 2), source.block(1, 0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_swap_in_places_runs_of_pool_slots_in_one_copy_each(dtype):
+    layout = KVBlockLayout.for_model(RANDOM_PRESETS["tiny"], 8, dtype)
+    pool = HostBlockPool(layout, num_slots=6, pin_memory=False, shared=True)
+    slots = pool.acquire(6)
+    for slot in (slots[2], slots[4]):  # slots 0 1 3 5 taken in order: two runs of slots
+        slot.release()
+    blocks = [slot.block for slot in (slots[0], slots[1], slots[3], slots[5])]
+    generator = torch.Generator().manual_seed(1)
+    for block in blocks:
+        block.copy_(torch.randn(block.shape, generator=generator))
+    block_ids = [4, 5, 6, 0]  # pool blocks: a break in the ids too
+    runs = slot_runs(block_ids, blocks)
+    assert [ids for ids, _ in runs] == [[4, 5], [6], [0]], (
+        "runs must break at a gap in slots or ids"
+    )
+    assert runs[0][1].data_ptr() == blocks[0].data_ptr(), "a run must view the slots, not copy"
+    target = PagedKVCache(layout, 8, torch.device("cpu"))
+    swap_in = SwapIn(target, block_ids, blocks)
+    swap_in.start(num_blocks=4)
+    for layer in range(layout.num_layers):
+        swap_in.before_layer(layer)
+        for block_id, block in zip(block_ids, blocks, strict=True):
+            assert torch.equal(target.block(layer, block_id), block[layer]), (
+                f"layer {layer} of pool block {block_id} is not its host slot's"
+            )
+    for slot in (slots[0], slots[1], slots[3], slots[5]):
+        slot.release()
+    again = pool.acquire(6)  # the free list is a stack: the slots come back in address order
+    assert len(slot_runs(list(range(6)), [slot.block for slot in again])) == 1, (
+        "slots freed together must come back as one run"
+    )
+    pool.close()
 
 
 def test_host_slots_share_memory_and_are_reused():
