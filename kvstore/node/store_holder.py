@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from kvstore.config import ClusterConfig, NodeConfig
-from kvstore.errors import IndexUnusable, NotServing
+from kvstore.errors import CapacityExhausted, IndexUnusable, NotServing
 from kvstore.placement import Placement
 from kvstore.store.recovery import move_index_aside
 from kvstore.store.shard_store import ShardStore, StoreStats, empty_stats
@@ -90,7 +90,10 @@ class StoreHolder:
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         store = await loop.run_in_executor(self._executor, self._open)
-        await loop.run_in_executor(self._executor, store.tick)  # expiry continues
+        try:
+            await loop.run_in_executor(self._executor, store.tick)  # expiry continues
+        except CapacityExhausted as exc:  # a full disk must not keep the node from serving
+            log.error("the first upkeep tick failed; the upkeep loop retries it: %s", exc)
         self.store, self.state = store, "serving"
         self._changed()
 

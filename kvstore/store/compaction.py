@@ -24,13 +24,17 @@ upkeep tick, under the store's write lock.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
+from kvstore.errors import CapacityExhausted
 from kvstore.store.index import Index
 from kvstore.store.index_codec import SegmentMeta
 from kvstore.store.reclaimer import Reclaimer
 from kvstore.store.store_stats import COMPACTED_BYTES
+
+log = logging.getLogger(__name__)
 
 COMPACT_LIVE_FRACTION = 0.5
 COMPACT_MIN_DEAD_BYTES = 4 << 20
@@ -81,7 +85,14 @@ class Compactor:
         for meta in candidates:
             if self._tokens <= 0:
                 break
-            self._reclaimer.move_out([meta.segment_id])
+            try:
+                self._reclaimer.move_out([meta.segment_id])
+            except CapacityExhausted as exc:
+                # The live records need room in a new segment, which a full disk does not
+                # have (the append was undone). Expiry, eviction and deletes free space first;
+                # the next tick tries again. Raising would skip the rest of every tick's upkeep.
+                log.info("compaction waits for free space: %s", exc)
+                break
             self._tokens -= meta.live_bytes
             freed += meta.dead_bytes
         if freed:

@@ -80,6 +80,38 @@ def test_evictable_data_on_a_full_disk_is_evicted_to_make_room(
             store.close()
 
 
+def test_compaction_on_a_full_disk_waits_and_the_rest_of_upkeep_runs(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A mostly dead segment is compacted by carrying its live records into a new one; a
+    full disk has no room for them. The tick goes on (CI's node died at start-up here: its
+    first tick raised), and the compaction happens once space is freed."""
+    with mounted_tmpfs(tmp_path / "fs", 24 * MiB) as fs:
+        node = _node(fs / "n0", segment_max_bytes=8 * MiB)  # the filler goes to later files
+        store = ShardStore(node, TTLConfig(classes=CLASSES), clock)
+        try:
+            keys = [_key(i) for i in range(400)]  # 8 MB pinned, 6.8 MB of it deleted
+            for key in keys:
+                store.put("acme", "pinned", [(key, make_shard(os.urandom(20_000)))])
+            assert store.delete("acme", keys[60:]) == 340
+            keys = keys[:60]
+            filler = 1000
+            with pytest.raises(CapacityExhausted):  # the rest of the disk: pinned too
+                while True:
+                    store.put("acme", "pinned", [(_key(filler), make_shard(os.urandom(20_000)))])
+                    filler += 1
+            before = store.stats().compacted_bytes
+            store.tick()  # must not raise
+            assert store.stats().compacted_bytes == before, "compacted with no room to copy"
+            assert all(r.status == Status.HIT for r in store.get("acme", keys))
+            assert store.delete("acme", [_key(i) for i in range(1000, filler)]) == filler - 1000
+            store.tick()
+            assert store.stats().compacted_bytes > before, "space came back, no compaction"
+            assert all(r.status == Status.HIT for r in store.get("acme", keys))
+        finally:
+            store.close()
+
+
 def test_the_index_counts_inside_max_bytes(tmp_path: Path, clock: ManualClock) -> None:
     store = ShardStore(_node(tmp_path, max_bytes=3 * MiB), TTLConfig(classes=CLASSES), clock)
     try:
