@@ -98,16 +98,17 @@ class AdapterConfig:
         namespace's dtype names it: an fp8 cache (vLLM ``kv_cache_dtype=fp8_e4m3``) is stored
         as its bytes are, whatever kv_format says (it is already about half of bf16);
         e4m3x16 of a bf16, fp16 or fp32 cache is ``E4M3X16_ENCODING`` where the adapter's copy
-        path quantises (``quantizes``: the vLLM connector's), else it raises with the
-        alternatives."""
+        path quantises (``quantizes``: the vLLM connector's and the SGLang backend's), else it
+        raises with the alternatives."""
         if self.kv_format == "dtype" or cache_dtype in FP8_DTYPES:
             return cache_dtype
         if quantizes:
             return E4M3X16_ENCODING
         raise ValueError(
             f"{self.where}: kv_format 'e4m3x16' with a {cache_dtype} KV cache is not supported "
-            "by this adapter yet (the vLLM connector quantises); run the engine with an fp8 KV "
-            "cache (--kv-cache-dtype fp8_e4m3, stored as is) or leave kv_format at 'dtype'"
+            "by this adapter (the vLLM connector and SGLang backend quantise); run the engine "
+            "with an fp8 KV cache (--kv-cache-dtype fp8_e4m3, stored as is) or leave "
+            "kv_format at 'dtype'"
         )
 
     @classmethod

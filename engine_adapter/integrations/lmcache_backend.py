@@ -69,6 +69,12 @@ class KVStoreRemoteConnector(RemoteConnector):
     """LMCache chunks as kvstore blocks, through the batch calls (see the module doc)."""
 
     def __init__(self, store_config: AdapterConfig, context: ConnectorContext) -> None:
+        if store_config.kv_format != "dtype":  # LMCache's chunks are opaque bytes here
+            raise ValueError(
+                f"kv_format {store_config.kv_format!r} is not supported by the LMCache backend: "
+                "it stores chunks as LMCache serialises them (choose LMCache's remote_serde); "
+                "leave kv_format at 'dtype'"
+            )
         metadata = context.metadata or context.local_cpu_backend.metadata
         super().__init__(context.config, metadata)
         self.local_cpu_backend = context.local_cpu_backend

@@ -241,6 +241,10 @@ def test_config_errors_name_the_fix(
     assert "refused the credential for tenant 'acme'" in caplog.text, (
         "a refused credential was not reported at start-up"
     )
+    caplog.clear()
+    quantised = engines(kv_format="e4m3x16")  # chunks are LMCache's bytes: never re-encoded
+    assert not any(isinstance(c, KVStoreRemoteConnector) for c in _remote(quantised))
+    assert "remote_serde" in caplog.text, "an unsupported kv_format was not reported"
 
 
 def test_backend_traffic_and_ping_reach_lmcache_stats(engines: Any) -> None:

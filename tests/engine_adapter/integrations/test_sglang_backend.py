@@ -186,6 +186,64 @@ def test_pages_round_trip_between_two_host_pools(
     assert b.batch_get_v1(["e" * 64], host_b.alloc(PAGE)) == [False], "a miss must be False"
 
 
+@pytest.mark.parametrize(
+    ("layout", "interface_v1"), [("page_first", 1), ("layer_first", 1), ("page_first", 0)]
+)
+def test_e4m3x16_pages_load_as_the_codec_decodes_them(
+    backends: Any, layout: str, interface_v1: int
+) -> None:
+    """``kv_format: e4m3x16`` on a bf16 host pool: every run (or flat page) is stored as
+    per-16 FP8, 1.125 bytes a value, and read back as the codec decodes it, in a namespace a
+    bf16 backend never hits."""
+    from engine_adapter import kv_format
+
+    host_a, host_b = _host_pool(layout), _host_pool(layout)
+    options = {"kv_format": "e4m3x16", "interface_v1": interface_v1}
+    a, b = backends(host_a, **options), backends(host_b, **options)
+    keys = _keys(f"e4m3-{layout}-{interface_v1}", 3)
+    written = _fill_pages(host_a, 3, seed=7)
+    if interface_v1:
+        assert a.batch_set_v1(keys, written) == [True] * 3
+    else:
+        starts = written[::PAGE].tolist()
+        assert a.batch_set(keys, [host_a.get_data_page(s, flat=True) for s in starts])
+    assert backends(_host_pool(layout), interface_v1=interface_v1).batch_exists(keys) == 0, (
+        "a bf16 backend saw e4m3x16 pages"
+    )
+    target = host_b.alloc(3 * PAGE)
+    if interface_v1:
+        assert b.batch_get_v1(keys, target) == [True] * 3
+        got_pages = _pages(host_b, target)
+    else:
+        got = b.batch_get(keys, [host_b.get_dummy_flat_data_page() for _ in keys])
+        got_pages = [page.view(torch.uint8) for page in got]
+    for i, (want, got_page) in enumerate(zip(_pages(host_a, written), got_pages, strict=True)):
+        values = want.view(torch.bfloat16).view(-1, 16)
+        decoded = kv_format.dequantize(*kv_format.quantize(values), torch.empty_like(values))
+        assert torch.equal(got_page.view(torch.bfloat16).view(-1, 16), decoded), f"page {i}"
+        assert not torch.equal(got_page, want), "the page was not quantised"
+
+
+def test_an_e4m3x16_page_holding_inf_is_a_miss_never_kv(backends: Any) -> None:
+    """KV holding inf quantises to a NaN scale (the codec's mark): the page reads as a miss
+    and the pool's page keeps what it held."""
+    host_a, host_b = _host_pool(), _host_pool()
+    a, b = backends(host_a, kv_format="e4m3x16"), backends(host_b, kv_format="e4m3x16")
+    keys = _keys("e4m3-inf", 1)
+    written = host_a.alloc(PAGE)
+    start = int(written[0])
+    page = host_a.get_data_page(start, flat=True)
+    host_a.set_from_flat_data_page(start, torch.full(page.shape, float("inf"), dtype=page.dtype))
+    assert a.batch_set_v1(keys, written) == [True]
+    assert b.batch_exists(keys) == 1, "the page was not stored"
+    target = host_b.alloc(PAGE)
+    before = _pages(host_b, target)[0]
+    assert b.batch_get_v1(keys, target) == [False], "a NaN-scale page was reported loaded"
+    after = _pages(host_b, target)[0].view(torch.bfloat16)
+    assert torch.isfinite(after).all(), "inf or NaN reached the pool"
+    assert torch.equal(after.view(torch.uint8), before), "a page that is a miss was changed"
+
+
 def test_zero_copy_reads_land_in_the_pool_pages(backends: Any) -> None:
     """With interface_v1 the store writes the host pool's own memory: no staging copy."""
     host = _host_pool()
