@@ -48,6 +48,11 @@ E4M3X16_ENCODING = "e4m3x16:bf16-scales"
 MLA_LAYOUT_VERSION = "mla-latent-layer-major-v1"
 
 
+def e4m3x16_bytes(num_values: int) -> int:
+    """Bytes of ``num_values`` values in e4m3x16: one byte a value, a bf16 scale per 16."""
+    return num_values + num_values // E4M3X16_GROUP_VALUES * 2
+
+
 @dataclass(frozen=True)
 class KVBlockLayout:
     """Shape, dtype and size of one serialised KV block (see the module doc)."""
@@ -125,8 +130,8 @@ class KVBlockLayout:
 
     @property
     def block_bytes(self) -> int:
-        if self.quantized:  # one byte per value, a bf16 scale per 16 values
-            return self.num_elements + self.num_elements // E4M3X16_GROUP_VALUES * 2
+        if self.quantized:
+            return e4m3x16_bytes(self.num_elements)
         return self.num_elements * BYTES_PER_DTYPE[self.dtype]
 
     @property

@@ -53,18 +53,12 @@ from client.sync_client import SyncKVClient
 from engine_adapter import kv_format
 from engine_adapter.connector import StoreFailure
 from engine_adapter.host_buffers import register_for_dma, unregister_for_dma
-from engine_adapter.kv_layout import E4M3X16_GROUP_VALUES as GROUP_VALUES
+from engine_adapter.kv_layout import e4m3x16_bytes
 
 log = logging.getLogger(__name__)
 
 WAKE_S = 1.0  # longest wait between two looks at the loads (arrivals wake a waiter at once)
 CLOSE_WAIT_S = 10.0  # for cancelled land_batch calls to return at close()
-
-
-def quantized_page_bytes(num_values: int) -> int:
-    """Bytes of a page of ``num_values`` values in e4m3x16 (engine_adapter/kv_format.py):
-    one e4m3 byte a value and a bf16 scale a group of 16."""
-    return num_values + num_values // GROUP_VALUES * 2
 
 
 class PagedLayer:
@@ -89,7 +83,7 @@ class PagedLayer:
         # (P, H, T, D) of a page in kv_format's terms: one part, its tokens across kernel blocks
         self.part_shape = (1, self.num_heads, self.ratio * self.kernel_tokens, self.num_channels)
         if quantized:
-            self.page_bytes = quantized_page_bytes(page_elements)
+            self.page_bytes = e4m3x16_bytes(page_elements)
         else:
             self.page_bytes = page_elements * tensor.element_size()
 

@@ -18,6 +18,7 @@ import torch
 
 from engine_adapter import kv_format
 from engine_adapter.kv_layout import E4M3X16_GROUP_VALUES as GROUP_VALUES
+from engine_adapter.kv_layout import e4m3x16_bytes
 
 
 def _values(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -31,16 +32,12 @@ def _values(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
     return values.view(-1, GROUP_VALUES)
 
 
-def quantized_bytes(num_values: int) -> int:
-    return num_values + num_values // GROUP_VALUES * 2
-
-
 def encode_runs(views: Sequence[memoryview], dtype: torch.dtype) -> list[memoryview]:
     """Each view's values quantised into a new ``[values | scales]`` buffer."""
     out = []
     for view in views:
         values = _values(view, dtype)
-        block = torch.empty(quantized_bytes(values.numel()), dtype=torch.uint8)
+        block = torch.empty(e4m3x16_bytes(values.numel()), dtype=torch.uint8)
         codes, scales = kv_format.split_layer(block, (1, 1, *values.shape))
         codes, scales = codes.view(values.shape), scales.view(-1, 1)
         got_codes, got_scales = kv_format.quantize(values)
@@ -54,7 +51,7 @@ def staging_for(views: Sequence[memoryview], dtype: torch.dtype) -> list[memoryv
     """A buffer of each view's quantised size, to read its stored block into."""
     size = torch.empty((), dtype=dtype).element_size()
     return [
-        memoryview(torch.empty(quantized_bytes(v.nbytes // size), dtype=torch.uint8).numpy())
+        memoryview(torch.empty(e4m3x16_bytes(v.nbytes // size), dtype=torch.uint8).numpy())
         for v in views
     ]
 

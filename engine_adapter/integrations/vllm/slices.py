@@ -11,8 +11,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from engine_adapter.engine_keys import EngineKeyNamespace
-from engine_adapter.integrations.layer_loads import quantized_page_bytes
-from engine_adapter.kv_layout import E4M3X16_ENCODING, E4M3X16_GROUP_VALUES
+from engine_adapter.kv_layout import E4M3X16_ENCODING, E4M3X16_GROUP_VALUES, e4m3x16_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,7 +82,7 @@ def kv_slices(
                 f"kv_format 'e4m3x16' needs pages of whole groups of {E4M3X16_GROUP_VALUES} "
                 f"values; this model's pages are {channels} wide"
             )
-        layer_page_bytes = quantized_page_bytes(layer_page_bytes // spec.dtype.itemsize)
+        layer_page_bytes = e4m3x16_bytes(layer_page_bytes // spec.dtype.itemsize)
     shape = f"{len(layer_names)}x{spec.num_heads}x{spec.block_size}x{channels}"
     extra = (
         ("cache_dtype", str(vllm_config.cache_config.cache_dtype)),
