@@ -58,6 +58,7 @@ from deploy.local_nodes import (
     STARTUP_TIMEOUT_S,
     free_ports,
     new_ports,
+    release_ports,
     spawn_node,
     wait_healthy,
 )
@@ -134,18 +135,27 @@ def local_config(
     )
 
 
+def node_ports(nodes: Sequence[NodeConfig]) -> list[int]:
+    """The ports the nodes listen on: gRPC, then metrics."""
+    return [int(n.address.rpartition(":")[2]) for n in nodes] + [n.metrics_port for n in nodes]
+
+
+def cluster_ports(config: ClusterConfig) -> list[int]:
+    """Every port the cluster's processes listen on: its nodes' and its local etcd's (client,
+    then peer: the next one)."""
+    used = node_ports(config.nodes)
+    etcd_ports = [e.rpartition(":")[2] for e in config.membership.endpoints]
+    used += [int(port) + step for port in etcd_ports if port.isdigit() for step in (0, 1)]
+    return used
+
+
 def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | None:
     """With ``--base-port`` (``root/base_port``): the ``count`` ports after every port the
     cluster uses (its nodes' and its local etcd's); None: the cluster takes free ports."""
     path = root / BASE_PORT_FILE
     if not path.exists():
         return None
-    used = [int(path.read_text()) - 1]
-    used += [int(n.address.rpartition(":")[2]) for n in config.nodes]
-    used += [n.metrics_port for n in config.nodes]
-    etcd_ports = [e.rpartition(":")[2] for e in config.membership.endpoints]
-    used += [int(port) + 1 for port in etcd_ports if port.isdigit()]  # client, then peer
-    first = max(used) + 1
+    first = max([int(path.read_text()) - 1, *cluster_ports(config)]) + 1
     return list(range(first, first + count))
 
 
@@ -184,6 +194,7 @@ def _on_new_ports(config: ClusterConfig) -> ClusterConfig:
     have stored their map there already (and cached it beside cluster.toml): a node follows
     that map, not the file, so the move is a map change in etcd, at a newer epoch."""
     moved = dataclasses.replace(config, nodes=new_ports(config.nodes))
+    release_ports(node_ports(config.nodes))  # the failed start's: its nodes are stopped
     if not config.membership.endpoints:
         return moved
 
@@ -360,6 +371,7 @@ class LocalCluster:
                 if fixed or not taken or attempt == PORT_ATTEMPTS:
                     raise
                 # Another process bound a chosen port first: the node moves to others.
+                release_ports([grpc_port, metrics_port])
                 grpc_port, metrics_port = free_ports(2)
                 address = f"{node.host}:{grpc_port}"
                 self.change_map(
@@ -393,10 +405,12 @@ class LocalCluster:
 
     def remove_node(self, node_id: str) -> ClusterConfig:
         """Remove a left node from the map and stop its process if this cluster started it."""
+        node = self.config.node(node_id)
         config = self.change_map(lambda c: remove(c, node_id))
         if node_id in self.procs:
             self._stop_proc(self.procs.pop(node_id))
             self._save_pids()
+            release_ports(node_ports([node]))
         return config
 
     def _save_pids(self) -> None:
@@ -437,6 +451,7 @@ class LocalCluster:
         started, if any. Safe to call twice."""
         self.stop_nodes()
         stop_etcd(self.root)
+        release_ports(cluster_ports(self.config))
 
     def stop_nodes(self) -> None:
         """Stop every node this process started (SIGTERM, wait, SIGKILL fallback)."""

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
 import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,30 +44,74 @@ def _ephemeral_port_floor() -> int:
         return 32768
 
 
+def _reservations_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"kvstore-ports-{os.getuid()}"
+
+
+#: port -> the descriptor of its reservation file, locked by this process (see free_ports)
+_reserved: dict[int, int] = {}
+
+
+def _reserve(port: int) -> bool:
+    """Take ``port``'s reservation: an exclusive flock on a file named after it, held until
+    :func:`release_ports` or this process exits (the kernel drops it then, even on a crash).
+    False if another live process holds it. Files stay: unlinking one another process has
+    open would let two processes hold "the" lock at once."""
+    if port in _reserved:
+        return False
+    directory = _reservations_dir()
+    directory.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(directory / str(port), os.O_RDWR | os.O_CREAT, 0o600)  # not inherited
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _reserved[port] = fd
+    return True
+
+
+def release_ports(ports: Sequence[int]) -> None:
+    """Give back reservations :func:`free_ports` took (ports never reserved are skipped)."""
+    for port in ports:
+        fd = _reserved.pop(port, None)
+        if fd is not None:
+            os.close(fd)
+
+
 def free_ports(num_ports: int) -> list[int]:
-    """Distinct ports free on 127.0.0.1 right now, chosen below the ephemeral range.
+    """Distinct ports free on 127.0.0.1 right now, chosen below the ephemeral range, and
+    reserved for this process until :func:`release_ports` (or its exit).
 
     A port the OS picks for ``bind(0)`` comes from the ephemeral range, where any outgoing
     connection (a client dialing the nodes) may take it before the node binds it; ports
-    below that range are only ever taken by an explicit bind.
+    below that range are only ever taken by an explicit bind. The reservation covers the
+    time a port is free on purpose: a node killed and restarted on its own port (CI's
+    test_a_restarted_node_takes_writes_as_soon_as_it_answers lost its port to another test
+    worker's cluster that drew it meanwhile), or chosen and not yet bound. Every process
+    that picks ports here (test workers, benches, `kvstore cluster up`) skips ports another
+    live one holds.
     """
     high = _ephemeral_port_floor()
     low = max(1024, high - 12_000)
     rng = random.SystemRandom()
-    sockets: list[socket.socket] = []
+    chosen: list[int] = []
     try:
-        while len(sockets) < num_ports:
-            sock = socket.socket()
-            try:
-                sock.bind(("127.0.0.1", rng.randrange(low, high)))
-            except OSError:  # taken (or already ours): try another
-                sock.close()
+        while len(chosen) < num_ports:
+            port = rng.randrange(low, high)
+            if not _reserve(port):
                 continue
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+            chosen.append(port)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:  # bound by a program that does not reserve: try another
+                    chosen.pop()
+                    release_ports([port])
+        return chosen
+    except BaseException:
+        release_ports(chosen)
+        raise
 
 
 def spawn_node(
