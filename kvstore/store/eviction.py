@@ -112,9 +112,9 @@ class Evictor:
         This, not :meth:`used_bytes`, is what the watermarks apply to. Counting punched dead
         records made eviction run on after the evicted records were already free: with one
         segment (one expiry window) compaction could not fit, ``used_bytes`` never fell, and a
-        node evicted until the copy fit the disk, to under half its limit (issue 38). Partial
-        pages at a punched record's ends stay allocated and are not counted (at most a page per
-        record: the byte limit is of data, the disk-derived limit sees them as used space).
+        node evicted until the copy fit the disk, to under half its limit (issue 38). A punch
+        widens over the blocks a record shares with erased neighbours (segments.py
+        whole_zero_pages), so what stays allocated is only blocks shared with live records.
         """
         with self._index.read() as view:
             used = view.used_bytes()
