@@ -140,13 +140,15 @@ def node_ports(nodes: Sequence[NodeConfig]) -> list[int]:
     return [int(n.address.rpartition(":")[2]) for n in nodes] + [n.metrics_port for n in nodes]
 
 
+def _etcd_client_ports(config: ClusterConfig) -> list[int]:
+    ports = [e.rpartition(":")[2] for e in config.membership.endpoints]
+    return [int(port) for port in ports if port.isdigit()]
+
+
 def cluster_ports(config: ClusterConfig) -> list[int]:
-    """Every port the cluster's processes listen on: its nodes' and its local etcd's (client,
-    then peer: the next one)."""
-    used = node_ports(config.nodes)
-    etcd_ports = [e.rpartition(":")[2] for e in config.membership.endpoints]
-    used += [int(port) + step for port in etcd_ports if port.isdigit() for step in (0, 1)]
-    return used
+    """The ports the map names: its nodes' and its etcd's client ports. (A local etcd's peer
+    port is in no map: drawn free, its reservation lasts until this process exits.)"""
+    return node_ports(config.nodes) + _etcd_client_ports(config)
 
 
 def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | None:
@@ -155,7 +157,8 @@ def next_ports(root: Path, config: ClusterConfig, count: int) -> list[int] | Non
     path = root / BASE_PORT_FILE
     if not path.exists():
         return None
-    first = max([int(path.read_text()) - 1, *cluster_ports(config)]) + 1
+    peers = [port + 1 for port in _etcd_client_ports(config)]  # from a base port: client, peer
+    first = max([int(path.read_text()) - 1, *cluster_ports(config), *peers]) + 1
     return list(range(first, first + count))
 
 
