@@ -444,8 +444,12 @@ async def test_repair_rpcs_need_a_node_credential_and_deletes_fence_repair_write
         NodeClient(n1_address, token=acme_token) as acme_n1,
         NodeClient(_address(config), token=node_token) as peer,
     ):
-        health = await peer.stub.Health(pb.HealthRequest(), timeout=10)
-        assert health.serving and health.repair_ready, "n0 pulled n1's delete log at start"
+        # Serving comes first; the first pull of the peers' delete logs follows in the
+        # background (Health repair_ready once it reached the store).
+        deadline_s = time.monotonic() + 60
+        while not (await peer.stub.Health(pb.HealthRequest(), timeout=10)).repair_ready:
+            assert time.monotonic() < deadline_s, "n0 never pulled n1's delete log"
+            await asyncio.sleep(0.05)
         listing = pb.ListShardsRequest(group=0, limit=10)
         await _expect_code(acme.stub.ListShards(listing, metadata=acme._metadata()), denied)
         await _expect_code(peer.put([(key, old[0])]), denied, "role node")  # no ordinary puts
