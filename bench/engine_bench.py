@@ -50,6 +50,8 @@ Llama-3.2-1B's 128k context for 32k and 64k prompts):
   0), ``front_compute_s`` (blocks computed while it ran), ``compute_s`` (the forward pass of
   the rest, waiting for swapped-in layers included) and ``other_s`` (the remainder: key
   hashing, swap-in start, thread hand-offs; TTFT - max(fetch, front) - compute).
+  ``place_s``: placing the fetched blocks into the paged KV cache, the e4m3x16 dequantise
+  included: on CPU a part of ``compute_s``; on CUDA the copy stream's span, beside compute.
 - ``limits``: the fetched bytes of the longest prompt copied from pinned host memory to the
   device (``pinned_h2d_gb_per_s``, CUDA) and by a host memcpy, in the same run (bench/limits.py);
   ``store_transport_used``: what answered the fetches (local, ucx or grpc).
@@ -123,6 +125,7 @@ class Row:
     ttft_cold_spread: float = 0.0
     ttft_spread: float = 0.0
     front_compute_s: float = 0.0  # blocks computed from the front while the fetch ran
+    place_s: float = 0.0  # fetched blocks into the KV cache, dequantise included
     kv_format: str = ""  # what the store holds: the compute dtype, or e4m3x16
     kv_bytes_per_token: int = 0  # stored bytes of one token's KV, all layers
     # The yardsticks (bench/reference_prefill.py): transformers' cold prefill of the same
@@ -287,6 +290,7 @@ def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine:
         ttft_cold_spread=_spread([r.ttft_s for r in cold]),
         ttft_spread=_spread([r.ttft_s for r in cached]),
         front_compute_s=front_compute_s,
+        place_s=statistics.median(r.place_s for r in cached),
         kv_format=engine.layout.stored_format,
         kv_bytes_per_token=engine.layout.bytes_per_token,
     )

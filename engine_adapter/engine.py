@@ -81,6 +81,9 @@ class PrefillResult:
     # Tokens computed from the front while the fetch ran, and that compute's seconds.
     num_front_tokens: int = 0
     front_compute_s: float = 0.0
+    # Placing the fetched blocks into the paged KV cache (dequantise included): on CPU part of
+    # compute_s; on CUDA the copy stream's span, beside compute (engine_adapter/swap_in.py).
+    place_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,7 @@ class Engine:
             fallback=outcome.fallback if outcome else None,
             num_front_tokens=outcome.first_block * block_tokens if outcome else 0,
             front_compute_s=front_s,
+            place_s=outcome.swap_in.place_s() if outcome else 0.0,
         )
 
 

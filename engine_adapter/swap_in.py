@@ -18,6 +18,8 @@ block and layer cost more CPU in torch's per-call work than in moving the bytes 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine_adapter.kv_format import load_layer, load_layers
@@ -37,7 +39,9 @@ class SwapIn:
         self._cuda = cache.kv.device.type == "cuda"
         self._loaded_layers: set[int] = set()
         self._runs: list[tuple[list[int], torch.Tensor]] | None = None  # CPU: slot_runs
-        self._events: list[torch.cuda.Event] = []
+        self._events: list[torch.cuda.Event] = []  # CUDA: layer l placed (timed)
+        self._placing: torch.cuda.Event | None = None  # CUDA: the placement's start
+        self._place_s = 0.0  # CPU: seconds the placing copies (and dequantise) took
         if self._cuda and host_blocks:
             self._stream = torch.cuda.Stream(device=cache.kv.device)
             shape = (len(host_blocks), *host_blocks[0].shape)  # [n, layers, 2, Hkv, T, D]
@@ -61,9 +65,11 @@ class SwapIn:
             return
         ids = self.block_ids[:num_blocks]
         with torch.cuda.stream(self._stream):
+            self._placing = torch.cuda.Event(enable_timing=True)
+            self._placing.record(self._stream)
             for layer in range(self.cache.layout.num_layers):
                 load_layer(self.cache, layer, ids, self._staging[:num_blocks])
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
                 self._events.append(event)
 
@@ -74,17 +80,32 @@ class SwapIn:
         if self._cuda:
             torch.cuda.current_stream(self.cache.kv.device).wait_event(self._events[layer])
         elif layer not in self._loaded_layers:
-            if self._runs is None:
-                ids, blocks = self.block_ids[: self.num_blocks], self.host_blocks[: self.num_blocks]
-                self._runs = slot_runs(ids, blocks)
-            if self.cache.layout.quantized:  # nothing to overlap on CPU: one batch of ops
-                for ids, stacked in self._runs:
-                    load_layers(self.cache, 0, self.cache.layout.num_layers, ids, stacked)
-                self._loaded_layers.update(range(self.cache.layout.num_layers))
-                return
+            started = time.perf_counter()
+            self._load_on_cpu(layer)
+            self._place_s += time.perf_counter() - started
+
+    def _load_on_cpu(self, layer: int) -> None:
+        if self._runs is None:
+            ids, blocks = self.block_ids[: self.num_blocks], self.host_blocks[: self.num_blocks]
+            self._runs = slot_runs(ids, blocks)
+        if self.cache.layout.quantized:  # nothing to overlap on CPU: one batch of ops
             for ids, stacked in self._runs:
-                load_layer(self.cache, layer, ids, stacked)
-            self._loaded_layers.add(layer)
+                load_layers(self.cache, 0, self.cache.layout.num_layers, ids, stacked)
+            self._loaded_layers.update(range(self.cache.layout.num_layers))
+            return
+        for ids, stacked in self._runs:
+            load_layer(self.cache, layer, ids, stacked)
+        self._loaded_layers.add(layer)
+
+    def place_s(self) -> float:
+        """Seconds spent placing the blocks into the cache, layer by layer (the e4m3x16
+        dequantise included). CPU: the copies compute waited for; CUDA: the copy stream's
+        span from the first layer's placement to the last one's (it overlaps compute), once
+        the compute that waited on it is done. 0 before :meth:`start` or with no blocks."""
+        if self._placing is None:
+            return self._place_s
+        self._events[-1].synchronize()
+        return self._placing.elapsed_time(self._events[-1]) / 1000.0
 
 
 def slot_runs(

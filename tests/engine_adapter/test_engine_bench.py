@@ -33,6 +33,8 @@ def test_bench_engine_writes_every_setting(tmp_path):
         for key in ("ttft_s", "ttft_cold_s", "speedup", "ideal_speedup", "ratio_to_ideal"):
             assert row[key] > 0, f"{key} missing or not positive in {row}"
     assert rows[3]["cached_tokens"] == 224 and rows[3]["fetch_gb_per_s"] > 0
+    assert 0 < rows[3]["place_s"] < rows[3]["compute_s"], "CPU placing is a part of compute"
     assert rows[2]["cached_tokens"] == 0 and rows[2]["ideal_speedup"] == 1.0
+    assert rows[2]["place_s"] == 0, "nothing fetched, nothing placed"
     assert report["config"]["block_bytes"] == 4 * 2 * 2 * 16 * 32 * 4
     assert all(r["kv_format"] == "float32" and r["kv_bytes_per_token"] > 0 for r in rows)
