@@ -102,6 +102,28 @@ async def test_deleted_blocks_are_recomputed_with_the_same_answer(cluster, small
     assert all(torch.equal(a, b) for a, b in zip(cached_kv, cold_kv, strict=True))
 
 
+async def _cluster_misses(kv) -> int:
+    return sum(reply.misses for reply in (await kv.node_stats()).values() if reply is not None)
+
+
+async def test_a_fetch_stops_asking_past_its_first_miss(cluster, small_model):
+    # Only the leading run of cached blocks is used: after the chunk that holds the first
+    # miss, no node is asked for the blocks beyond it (one chunk of 2 blocks in flight).
+    writer = make_engine(small_model, cluster)
+    await prefill_kv(writer, PROMPT[:96], tenant="first-miss")  # blocks 0-5 stored
+    await writer.close()
+    config = dataclasses.replace(CONFIG, fetch_chunk_blocks=2, fetch_concurrency=2)
+    engine = make_engine(small_model, cluster, dataclasses.replace(config, write_back=False))
+    kv = await engine.connector.client("first-miss")
+    before = await _cluster_misses(kv)
+    cached, _ = await prefill_kv(engine, PROMPT, tenant="first-miss")
+    misses = await _cluster_misses(kv) - before
+    await engine.close()
+    assert (cached.num_matched_tokens, cached.fallback) == (96, "miss")
+    # Blocks 6 and 7 miss on the (at most 12) nodes asked; blocks 8-11 are never asked.
+    assert 0 < misses <= 2 * 12, f"{misses} shard misses: blocks past the first miss were asked"
+
+
 async def test_fetch_deadline_exceeded_falls_back_to_compute(cluster, small_model):
     writer = make_engine(small_model, cluster)
     cold, _ = await prefill_kv(writer, PROMPT, tenant="deadline", use_cache=False)
