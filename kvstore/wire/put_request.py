@@ -40,6 +40,7 @@ _KEY_TAG = 1 << 3 | _LEN
 _SHARD_TAG = 2 << 3 | _LEN
 _WRITTEN_AT_TAG = 3 << 3 | _FIXED64
 _TTL_TAG = 7 << 3 | _FIXED64  # PutShardsRequest.ttl_s
+_ZERO_DOUBLE = bytes(8)
 _DOUBLE = struct.Struct("<d")
 
 
@@ -74,8 +75,10 @@ def encode_put_request(
         _field(1, tenant.encode()),
         _field(2, traffic_class.encode()),
     ]
-    # protobuf leaves out a zero double
-    written_at = bytes([_WRITTEN_AT_TAG]) + _DOUBLE.pack(written_at_s) if written_at_s else b""
+    # protobuf leaves out a double whose bits are all zero (so -0.0 is written)
+    written_at = bytes([_WRITTEN_AT_TAG]) + _DOUBLE.pack(written_at_s)
+    if written_at[1:] == _ZERO_DOUBLE:
+        written_at = b""
     for key, pieces in items:
         shard_bytes = sum(len(p) for p in pieces)
         key_field = _field(1, key)
@@ -85,8 +88,8 @@ def encode_put_request(
         parts += pieces
         if written_at:
             parts.append(written_at)
-    if ttl_s:  # PutShardsRequest.ttl_s, after the shards (protobuf writes fields in order)
-        parts.append(bytes([_TTL_TAG]) + _DOUBLE.pack(ttl_s))
+    if _DOUBLE.pack(ttl_s) != _ZERO_DOUBLE:  # PutShardsRequest.ttl_s, after the shards
+        parts.append(bytes([_TTL_TAG]) + _DOUBLE.pack(ttl_s))  # (protobuf: fields in order)
     return b"".join(parts)
 
 
