@@ -304,74 +304,22 @@ class StoreConnector:
         deadline_s: float,
     ) -> tuple[int, int, str | None, list[float]]:
         """land_batch the slots, chunk by chunk, by the deadline: (leading blocks arrived,
-        blocks arrived in all, why not all, each arrived block's chunk's seconds). A block's
-        swap-in starts once its data shards are in (Readiness), again if they changed.
-
-        Only the leading run of arrived blocks is used, so the first miss ends the fetch past
-        it: chunks after it that have not started are skipped and those in flight cancelled
-        (a 10%-cached prompt asks for the 10% and a chunk of misses, not for every block)."""
+        blocks arrived in all, why not all, each arrived block's chunk's seconds)."""
         if not slots:
             return 0, 0, None, []
         deadline = time.perf_counter() + deadline_s
         kv = await self._connected(tenant, deadline_s)
         if isinstance(kv, str):
             return 0, 0, kv, []
-        chunk = self.config.fetch_chunk_blocks
-        gate = asyncio.Semaphore(max(1, self.config.fetch_concurrency // chunk))
-        block_fetch_s: list[float] = []
-        readiness = Readiness(
-            len(slots), self.layout.block_bytes, kv.codec.k, on_block=swap_in.block_arrived
+        chunks = _FetchChunks(kv, keys, slots, swap_in, self.layout.block_bytes, deadline)
+        num_arrived, reason = await chunks.run(
+            self.config.fetch_chunk_blocks, self.config.fetch_concurrency
         )
-        first_miss = len(slots)  # the lowest block index known missing
-        tasks: dict[int, asyncio.Task[list[bool]]] = {}  # chunk start -> its task
-
-        def missed(index: int) -> None:
-            nonlocal first_miss
-            first_miss = min(first_miss, index)
-            for start, task in tasks.items():
-                if start > first_miss:
-                    task.cancel()
-
-        async def fetch_chunk(start: int, end: int) -> list[bool]:
-            async with gate:
-                started = time.perf_counter()
-                remaining_s = deadline - started
-                if remaining_s <= 0 or start > first_miss:
-                    return [False] * (end - start)
-                views = [slot.view for slot in slots[start:end]]
-                landing = await kv.land_batch(
-                    keys[start:end],
-                    views,
-                    on_landed=lambda pairs: readiness.landed([(start + p, i) for p, i in pairs]),
-                    timeout_s=remaining_s,
-                )
-                elapsed_s = time.perf_counter() - started
-            for index, (ok, again) in enumerate(
-                zip(landing.landed, landing.rewritten, strict=True), start
-            ):
-                if ok:
-                    block_fetch_s.append(elapsed_s)
-                    if again or not readiness.block_complete(index):
-                        swap_in.block_arrived(index)
-            if not all(landing.landed):
-                missed(start + landing.landed.index(False))
-            return landing.landed
-
-        spans = [(start, min(start + chunk, len(slots))) for start in range(0, len(slots), chunk)]
-        tasks.update((start, asyncio.create_task(fetch_chunk(start, end))) for start, end in spans)
-        _, pending = await asyncio.wait(
-            tasks.values(), timeout=max(deadline - time.perf_counter(), 0.0)
-        )
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        deadline_passed = bool(pending) or time.perf_counter() >= deadline
-        num_arrived, reason = _leading_run(list(tasks.values()), list(tasks), deadline_passed)
         if reason == "bad_block":
             self.stats.num_bad_blocks += 1
         elif reason == "error":
             self.stats.num_lookup_errors += 1
-        return num_arrived, len(block_fetch_s), reason, block_fetch_s
+        return num_arrived, len(chunks.block_fetch_s), reason, chunks.block_fetch_s
 
     def _record(
         self,
@@ -433,6 +381,79 @@ class StoreConnector:
         finally:
             for slot in slots:
                 slot.release()
+
+
+class _FetchChunks:
+    """One fetch's land_batch calls, a chunk of blocks each, at most ``concurrency`` blocks in
+    flight. A block's swap-in starts once its data shards are in (Readiness), again if they
+    changed.
+
+    Only the leading run of arrived blocks is used, so the first miss ends the fetch past it:
+    chunks after it that have not started are skipped and those in flight cancelled (a
+    10%-cached prompt asks for the 10% and a chunk of misses, not for every block)."""
+
+    def __init__(
+        self,
+        kv: KVClient,
+        keys: list[bytes],
+        slots: list[HostSlot],
+        swap_in: SwapIn,
+        block_bytes: int,
+        deadline: float,
+    ) -> None:
+        self.kv, self.keys, self.slots, self.swap_in = kv, keys, slots, swap_in
+        self.deadline = deadline  # time.perf_counter()
+        self.readiness = Readiness(
+            len(slots), block_bytes, kv.codec.k, on_block=swap_in.block_arrived
+        )
+        self.block_fetch_s: list[float] = []  # each arrived block's chunk's seconds
+        self.first_miss = len(slots)  # the lowest block index known missing
+        self.tasks: dict[int, asyncio.Task[list[bool]]] = {}  # chunk start -> its task
+        self.gate = asyncio.Semaphore(1)
+
+    async def run(self, chunk: int, concurrency: int) -> tuple[int, str | None]:
+        """(leading blocks arrived, why the first that did not failed, or None)."""
+        self.gate = asyncio.Semaphore(max(1, concurrency // chunk))
+        for start in range(0, len(self.slots), chunk):
+            end = min(start + chunk, len(self.slots))
+            self.tasks[start] = asyncio.create_task(self._chunk(start, end))
+        timeout_s = max(self.deadline - time.perf_counter(), 0.0)
+        _, pending = await asyncio.wait(self.tasks.values(), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        deadline_passed = bool(pending) or time.perf_counter() >= self.deadline
+        return _leading_run(list(self.tasks.values()), list(self.tasks), deadline_passed)
+
+    async def _chunk(self, start: int, end: int) -> list[bool]:
+        async with self.gate:
+            started = time.perf_counter()
+            remaining_s = self.deadline - started
+            if remaining_s <= 0 or start > self.first_miss:
+                return [False] * (end - start)
+            landing = await self.kv.land_batch(
+                self.keys[start:end],
+                [slot.view for slot in self.slots[start:end]],
+                on_landed=lambda pairs: self.readiness.landed([(start + p, i) for p, i in pairs]),
+                timeout_s=remaining_s,
+            )
+            elapsed_s = time.perf_counter() - started
+        for index, (ok, again) in enumerate(
+            zip(landing.landed, landing.rewritten, strict=True), start
+        ):
+            if ok:
+                self.block_fetch_s.append(elapsed_s)
+                if again or not self.readiness.block_complete(index):
+                    self.swap_in.block_arrived(index)
+        if not all(landing.landed):
+            self._missed(start + landing.landed.index(False))
+        return landing.landed
+
+    def _missed(self, index: int) -> None:
+        self.first_miss = min(self.first_miss, index)
+        for start, task in self.tasks.items():
+            if start > self.first_miss:
+                task.cancel()
 
 
 def _leading_run(
