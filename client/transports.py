@@ -147,4 +147,7 @@ async def _require_one_usable(
     ``refusal`` unless at least one can be used."""
     await asyncio.gather(*(reader.observe(timeout_s) for reader in readers))
     if not any(reader.usable() for reader in readers):
+        for reader in readers:  # the nodes refused this client's credential a UCX session
+            if isinstance(reader, UcxReader) and reader.refused is not None:
+                raise reader.refused
         raise Unavailable(refusal)

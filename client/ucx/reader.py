@@ -16,13 +16,20 @@ number of shards; per shard only a few native calls in the worker (kvstore/wire/
 why not one message per node). The shards are then verified like any other
 (client/batch_read.py), so a UCX fault can lose a node's answer but never return wrong bytes.
 
-Fallbacks. No reply in time (node restarted, UCX failing), or no payloads in time: the whole
-request goes over gRPC within the same deadline (``NodeConn.read_batch`` lands into the same
-regions), and the node is read over gRPC for ``UCX_RETRY_S``. Whether a node is worth asking
-over UCX is learned from its Health reply (its UCX worker address) in the background: until
-then, and for a node without one, reads use gRPC. A failed UCX read asks Health again, which
-also notices a restarted node's new address. A node that failed recently (gRPC) is asked over
-gRPC too, whose connection errors tell at once that a node is down.
+Sessions. UCX has no TLS, so a request carries no token: it is signed with the key of a
+session the client opened over the node's identity-checked gRPC channel
+(``OpenUcxSession``), and only a reply signed with that key for that request is taken
+(kvstore/wire/ucx_frames.py). A session belongs to one node process (its UCX address) and
+is renewed in the background before it expires.
+
+Fallbacks. No reply in time (node restarted, UCX failing), a reply the session's key did not
+sign, or no payloads in time: the whole request goes over gRPC within the same deadline
+(``NodeConn.read_batch`` lands into the same regions), and the node is read over gRPC for
+``UCX_RETRY_S``. Whether a node is worth asking over UCX is learned from its Health reply (its
+UCX worker address) and a session opened after it, in the background: until then, and for a
+node without either, reads use gRPC. A failed UCX read asks Health again, which also notices a
+restarted node's new address. A node that failed recently (gRPC) is asked over gRPC too, whose
+connection errors tell at once that a node is down.
 
 Nothing lands after a read returns or is cancelled: both receives are cancelled in a
 ``finally`` that runs to its end (the worker waits for a transfer already matched).
@@ -40,7 +47,7 @@ from client.landing import NodeAnswer, Wanted, fill_apart, landing_regions
 from client.node_conn import BackgroundTasks, NodeConn, finish_despite_cancel
 from client.ucx.transport import UcxTransport
 from kvstore.byte_arena import ByteArena, Region
-from kvstore.errors import BadReply, KVStoreError, Unavailable
+from kvstore.errors import BadReply, KVStoreError, PermissionDenied, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import batch_answer
 from kvstore.wire import ucx_frames as frames
@@ -53,6 +60,7 @@ HEALTH_RETRY_S = 5.0  # at most one background Health ask per node this often
 MAX_REPLY_BYTES = 64 << 20  # a reply frame is allocated at its size; this only bounds it
 UCX_WAIT_SHARE = 0.5  # of the time left that a UCX wait may use (the rest is for gRPC)
 UCX_RETRY_S = 10.0  # a node that left a UCX request unanswered is read over gRPC this long
+SESSION_RENEW_S = 60.0  # a session this close to expiring is renewed in the background
 SCRATCH_BYTES = 256 << 20  # payloads with no place in a caller's block (parity) land here
 
 
@@ -64,6 +72,16 @@ class UcxCounters:
     num_ucx_shards: int = 0  # shard payloads that arrived over UCX
     num_fallbacks: int = 0  # node requests that went over gRPC after UCX failed
     num_landed_in_place: int = 0  # payloads UCX wrote straight into a caller's block
+
+
+@dataclass(frozen=True)
+class UcxSession:
+    """A session one node process handed out over gRPC (kvstore/node/ucx_sessions.py)."""
+
+    node_address: bytes  # the UCX address of the process that opened it
+    session_id: bytes
+    key: bytes
+    renew_at_s: float  # time.monotonic() after which a new one is opened
 
 
 class UcxReads:
@@ -94,28 +112,54 @@ class UcxReader:
         self._shared = shared
         self._next_health_ask_s = 0.0
         self._grpc_until_s = 0.0  # no UCX reply came: read over gRPC until then
+        self.session: UcxSession | None = None  # with this node process (None: gRPC)
+        self.refused: PermissionDenied | None = None  # why the last session was refused
 
     def usable(self) -> bool:
-        """Whether to ask the node over UCX now; learns its address in the background."""
+        """Whether to ask the node over UCX now; learns its address and opens a session
+        in the background."""
         transport = self._shared.transport
-        if transport.node_address(self.node_id) is None:
+        address = transport.node_address(self.node_id)
+        session = self.session
+        if address is None or session is None or session.node_address != address:
             self._ask_health_later()
             return False
-        if time.monotonic() < self._grpc_until_s or self.conn.is_suspect():
+        now_s = time.monotonic()
+        if now_s > session.renew_at_s:
+            self._ask_health_later()  # used until the node forgets it
+        if now_s < self._grpc_until_s or self.conn.is_suspect():
             return False
         return transport.reachable(self.node_id)
 
     async def observe(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-        """Ask the node's Health for its UCX address and record it (errors: unknown)."""
+        """Ask the node's Health for its UCX address and record it, then open a session with
+        that process if there is none or it is due for renewal (errors: unknown)."""
         try:
             reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
         except KVStoreError as exc:
             log.debug("node %s: no Health reply for its UCX address: %s", self.node_id, exc)
             return
-        if reply.ucx_worker_address:
-            self._shared.transport.observe_node(self.node_id, reply.ucx_worker_address)
-        else:
+        address = reply.ucx_worker_address
+        if not address:
             self._shared.transport.forget_node(self.node_id)
+            return
+        self._shared.transport.observe_node(self.node_id, address)
+        session = self.session
+        if session is None or session.node_address != address:
+            self.session = await self._open_session(address, timeout_s)
+        elif time.monotonic() > session.renew_at_s:
+            self.session = await self._open_session(address, timeout_s) or session
+
+    async def _open_session(self, address: bytes, timeout_s: float) -> UcxSession | None:
+        try:
+            reply = await self.conn.call("OpenUcxSession", pb.UcxSessionRequest(), timeout_s)
+        except KVStoreError as exc:
+            log.info("node %s: no UCX session (%s); reads use gRPC", self.node_id, exc)
+            self.refused = exc if isinstance(exc, PermissionDenied) else None
+            return None
+        self.refused = None
+        renew_at_s = time.monotonic() + max(reply.expires_in_s - SESSION_RENEW_S, 0.0)
+        return UcxSession(address, reply.session_id, reply.key, renew_at_s)
 
     async def read_batch(
         self,
@@ -132,6 +176,8 @@ class UcxReader:
             answer = await self._read_ucx(keys, wanted, outs, deadline_s)
         except (Unavailable, TimeoutError) as exc:
             answer = None
+            if isinstance(exc, frames.UnverifiedReply):
+                self.session = None  # the node forgot it, or another process answered
             log.info("node %s: UCX read failed (%s); reading over gRPC", self.node_id, exc)
         if answer is None:
             return await self._fall_back(keys, wanted, outs, deadline_s)
@@ -155,14 +201,19 @@ class UcxReader:
             reply_box.append(memoryview(bytearray(num_bytes)))
             return reply_box[0]
 
+        session = self.session
+        if session is None:  # usable() saw one; a failed read dropped it meanwhile
+            return None
         reply = worker.receive(reply_tag, allocate, MAX_REPLY_BYTES)
         payloads = worker.receive_group(tag_base, frames.FIRST_PAYLOAD_INDEX)
         scratch: Region | None = None
         try:
             delivery = pb.UcxDelivery(worker_address=transport.address, tag_base=tag_base)
             request = pb.GetShardsRequest(tenant=self.conn.tenant, keys=keys, ucx=delivery)
-            transport.send_request(self.node_id, frames.encode_request(request, self.conn.token))
+            frame = frames.encode_request(request, session.session_id, session.key)
+            transport.send_request(self.node_id, frame)
             reply_bytes = await asyncio.wait_for(reply, _ucx_share(deadline_s))
+            frames.verify_reply(reply_box[0][:reply_bytes], session.key, tag_base)
             self.health.record_success()
             try:
                 table = frames.decode_reply(reply_box[0][:reply_bytes])

@@ -159,6 +159,7 @@ class _NodeProcess:
             lambda: self.sync.synced,
             NodePeers(self.cluster.tls.client_certs == "require", self._member_ids),
             lambda: len(self.placed.cluster.groups),
+            self.ucx_face.sessions if self.ucx_face is not None else None,
         )
         servicer.register(self.server)
         add_HealthServicer_to_server(self.health, self.server)

@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore.auth import Authenticator, NodePeers, Principal, Role, bearer_token
 from kvstore.config import NodeConfig
-from kvstore.errors import IndexUnusable, InvalidArgument, Unavailable
+from kvstore.errors import IndexUnusable, InvalidArgument, PermissionDenied, Unavailable
 from kvstore.grpc_errors import to_grpc_status
 from kvstore.node.admission import Admission
 from kvstore.node.get_reply import encode_get_shards_reply
@@ -49,6 +49,7 @@ from kvstore.node.stats import node_stats_reply
 from kvstore.node.store_holder import StoreHolder
 from kvstore.node.tombstones import MAX_TOMBSTONES_PER_REPLY
 from kvstore.node.ucx_server import UcxServer
+from kvstore.node.ucx_sessions import UcxSessions
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.index_codec import Entry
 from kvstore.store.request_checks import (
@@ -97,6 +98,7 @@ class NodeServicer:
         deletes_synced: Callable[[], bool] = lambda: True,
         node_peers: NodePeers | None = None,
         num_groups: Callable[[], int] = lambda: 1 << 32,
+        ucx_sessions: UcxSessions | None = None,
     ) -> None:
         self._holder = holder
         self._reads = reads
@@ -108,6 +110,7 @@ class NodeServicer:
         self._node_peers = node_peers or NodePeers(False, frozenset)
         self._num_groups = num_groups  # placement groups of the map the node follows
         self._ucx = ucx
+        self._ucx_sessions = ucx_sessions
         self._node = node
         self._epoch = epoch
         self._metrics = metrics
@@ -145,6 +148,9 @@ class NodeServicer:
             for name in self._unary
         }
         handlers["ReadBatch"] = grpc.unary_stream_rpc_method_handler(self._read_batch_stream)
+        handlers["OpenUcxSession"] = grpc.unary_unary_rpc_method_handler(
+            self._open_ucx_session_call, response_serializer=_serialize
+        )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
         )
@@ -171,6 +177,40 @@ class NodeServicer:
         )
         for chunk in chunks:
             yield chunk
+
+    async def _open_ucx_session_call(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> pb.UcxSessionReply:
+        """OpenUcxSession: the session remembers the call's bearer token (checked again on
+        every UCX read) when the token is what authenticated it, else its principal."""
+        token = bearer_token(dict(context.invocation_metadata() or ()))
+
+        def open_session(request: pb.UcxSessionRequest, principal: Principal) -> Message:
+            return self._open_ucx_session(token, principal)
+
+        parse = pb.UcxSessionRequest.FromString
+        reply = await self._serve("OpenUcxSession", context, parse, open_session, raw, delay=False)
+        assert isinstance(reply, pb.UcxSessionReply)
+        return reply
+
+    def _open_ucx_session(self, token: str | None, principal: Principal) -> pb.UcxSessionReply:
+        if principal.role is Role.NODE:
+            raise PermissionDenied("a node credential does not read over UCX")
+        principal.require(Role.TENANT, Role.SERVICE)
+        if self._ucx_sessions is None:
+            raise Unavailable(f"node {self._node.id} serves no reads over UCX")
+        by_token = token is not None and self._auth.enabled and self._token_is(token, principal)
+        session_id, session = self._ucx_sessions.open(token if by_token else principal)
+        return pb.UcxSessionReply(
+            session_id=session_id, key=session.key, expires_in_s=self._ucx_sessions.ttl_s
+        )
+
+    def _token_is(self, token: str, principal: Principal) -> bool:
+        """Whether ``token`` alone authenticates as ``principal`` (not a certificate)."""
+        try:
+            return self._auth.authenticate(token) == principal
+        except PermissionDenied:
+            return False
 
     async def _serve(
         self,

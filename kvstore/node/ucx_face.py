@@ -5,8 +5,10 @@ The request and reply frames are kvstore/wire/ucx_frames.py's; the sends are
 the reply-size check, the store call) is kvstore/node/reads.py's, as for the other faces.
 Requests arrive in the UCX worker's progress loop. As over gRPC, a read of a few keys is done
 right there; the straggler delay and larger batches (read in the pool) run in a task. UCX has
-no TLS, so the request's token is its only credential. Every failure is answered at once (as
-over gRPC) except a malformed request, which names no reply address to refuse it to.
+no TLS: a request is answered only if its session's key signed it, and acts as the
+credential the session was opened with over gRPC (kvstore/node/ucx_sessions.py). Every
+failure is answered at once (as over gRPC) except a malformed request, which names no reply
+address to refuse it to.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import time
 
 import grpc
 
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.grpc_errors import status_code
 from kvstore.node import ucx_server
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.reads import NodeReads
 from kvstore.node.ucx_server import UcxServer
+from kvstore.node.ucx_sessions import UcxSession, UcxSessions
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store.shard_store import BatchRead
 from kvstore.wire import ucx_frames
@@ -40,6 +43,7 @@ class UcxFace:
         self, ucx: UcxServer, reads: NodeReads, metrics: NodeMetrics, delay_s: float
     ) -> None:
         self._ucx = ucx
+        self.sessions = UcxSessions()  # opened over gRPC (OpenUcxSession)
         self._reads = reads
         self._metrics = metrics
         self._delay_s = delay_s
@@ -58,34 +62,47 @@ class UcxFace:
         """One request from the worker's progress loop: answered inline or from a task."""
         start_s = time.perf_counter()
         try:
-            token, request = ucx_frames.decode_request(frame)
+            decoded = ucx_frames.decode_request(frame)
         except InvalidArgument as exc:  # no reply address to refuse it to
             log.warning("dropping a malformed UCX read request: %s", exc)
             self._metrics.observe(RPC_LABEL, status_code(exc), time.perf_counter() - start_s)
             return
-        if self._delay_s or not self._reads.runs_inline(len(request.keys)):
-            task = asyncio.ensure_future(self._serve_later(token, request, start_s))
+        request = decoded.request
+        session = self.sessions.find(decoded.session_id)
+        if session is None or not decoded.signed_with(session.key):
+            error = PermissionDenied(
+                "unknown or expired UCX session, or a request its key did not sign: open a "
+                "session over gRPC (OpenUcxSession)"
+            )
+            ucx_server.refuse(self._ucx, request.ucx, error, None)
+            self._metrics.observe(RPC_LABEL, status_code(error), time.perf_counter() - start_s)
+        elif self._delay_s or not self._reads.runs_inline(len(request.keys)):
+            task = asyncio.ensure_future(self._serve_later(session, request, start_s))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
-            self._answer(token, request, None, start_s)
+            self._answer(session, request, None, start_s)
 
-    async def _serve_later(self, token: str, request: pb.GetShardsRequest, start_s: float) -> None:
+    async def _serve_later(
+        self, session: UcxSession, request: pb.GetShardsRequest, start_s: float
+    ) -> None:
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
         read: BatchRead | Exception
         try:
-            read = await self._reads.in_pool(self._read, token, request)
+            read = await self._reads.in_pool(self._read, session, request)
         except Exception as exc:  # answered below, like a failure of an inline read
             read = exc
-        self._answer(token, request, read, start_s)
+        self._answer(session, request, read, start_s)
 
-    def _read(self, token: str, request: pb.GetShardsRequest) -> BatchRead:
-        return self._reads.read_batch(token, request.tenant, list(request.keys), request.version)
+    def _read(self, session: UcxSession, request: pb.GetShardsRequest) -> BatchRead:
+        return self._reads.read_batch(
+            session.credential, request.tenant, list(request.keys), request.version
+        )
 
     def _answer(
         self,
-        token: str,
+        session: UcxSession,
         request: pb.GetShardsRequest,
         read: BatchRead | Exception | None,
         start_s: float,
@@ -97,20 +114,20 @@ class UcxFace:
             if isinstance(read, Exception):
                 raise read
             if read is None:
-                read = self._read(token, request)
-            self._send(request.ucx, read)
+                read = self._read(session, request)
+            self._send(request.ucx, read, session.key)
         except Exception as exc:  # the client hears of every failure at once, as over gRPC
             error = exc if isinstance(exc, KVStoreError) else None
             if error is None:
                 log.exception("UCX read request failed")
                 error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
             code = status_code(error)
-            ucx_server.refuse(self._ucx, request.ucx, error)
+            ucx_server.refuse(self._ucx, request.ucx, error, session.key)
         self._metrics.observe(RPC_LABEL, code, time.perf_counter() - start_s)
 
-    def _send(self, delivery: pb.UcxDelivery, read: BatchRead) -> None:
+    def _send(self, delivery: pb.UcxDelivery, read: BatchRead, key: bytes) -> None:
         try:
-            sent = ucx_server.answer(self._ucx, delivery, read)
+            sent = ucx_server.answer(self._ucx, delivery, read, key)
         except BaseException:
             read.release()
             raise

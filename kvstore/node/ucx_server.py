@@ -204,14 +204,17 @@ def _close_endpoints(endpoints: OrderedDict[bytes, Any]) -> None:
         endpoints.popitem()[1].close()
 
 
-def answer(server: UcxServer, delivery: pb.UcxDelivery, read: BatchRead) -> asyncio.Future[bool]:
-    """Post the reply frame (the table), then each HIT payload as a message of its own.
+def answer(
+    server: UcxServer, delivery: pb.UcxDelivery, read: BatchRead, key: bytes
+) -> asyncio.Future[bool]:
+    """Post the reply frame (the table, signed with the session's ``key``), then each HIT
+    payload as a message of its own.
 
     Raises InvalidArgument or Unavailable if the client's worker cannot be reached; the
     client then times out and reads over gRPC. The payloads are read in place from the
     staging: keep ``read`` until the returned future is done, then release it.
     """
-    reply = ucx_frames.encode_reply(read.entries)
+    reply = ucx_frames.encode_reply(read.entries, key, delivery.tag_base)
     stream, payloads, start = read.payloads, [], 0
     for entry in read.entries:
         if entry.payload_bytes:
@@ -222,13 +225,16 @@ def answer(server: UcxServer, delivery: pb.UcxDelivery, read: BatchRead) -> asyn
     )
 
 
-def refuse(server: UcxServer, delivery: pb.UcxDelivery, error: KVStoreError) -> None:
-    """Send the reply frame that refuses a request (nothing if the client is unreachable)."""
+def refuse(
+    server: UcxServer, delivery: pb.UcxDelivery, error: KVStoreError, key: bytes | None
+) -> None:
+    """Send the reply frame that refuses a request, signed with the session's ``key`` (None:
+    the node does not know the session); nothing if the client is unreachable."""
     try:
         server.post(
             delivery.worker_address,
             delivery.tag_base,
-            [ucx_frames.encode_error(error)],
+            [ucx_frames.encode_error(error, key, delivery.tag_base)],
             UCX_SEND_TIMEOUT_S,
         )
     except (InvalidArgument, Unavailable) as exc:

@@ -414,6 +414,20 @@ class RepairStats(_message.Message):
     ready: bool
     def __init__(self, backlog_shards: _Optional[int] = ..., rebuilt_shards: _Optional[int] = ..., rebuilt_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., skipped_expiring: _Optional[int] = ..., unrecoverable: _Optional[int] = ..., fenced: _Optional[int] = ..., queued_hints: _Optional[int] = ..., passes: _Optional[int] = ..., led_groups: _Optional[_Iterable[int]] = ..., waiting_shards: _Optional[int] = ..., at_risk_blocks: _Optional[int] = ..., backlog_bytes: _Optional[int] = ..., eta_s: _Optional[float] = ..., pending_groups: _Optional[int] = ..., ready: bool = ...) -> None: ...
 
+class UcxSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UcxSessionReply(_message.Message):
+    __slots__ = ("session_id", "key", "expires_in_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    key: bytes
+    expires_in_s: float
+    def __init__(self, session_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -99,6 +99,11 @@ class ShardStoreStub(object):
                 request_serializer=kvstore__pb2.InspectShardsRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.InspectShardsReply.FromString,
                 _registered_method=True)
+        self.OpenUcxSession = channel.unary_unary(
+                '/kvstore.v1.ShardStore/OpenUcxSession',
+                request_serializer=kvstore__pb2.UcxSessionRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.UcxSessionReply.FromString,
+                _registered_method=True)
 
 
 class ShardStoreServicer(object):
@@ -212,6 +217,16 @@ class ShardStoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenUcxSession(self, request, context):
+        """Tenant or service: a session for batch reads over UCX, which has no TLS. Handed out over
+        this identity-checked channel, its key signs each UCX request and the node's reply, so
+        the bearer token never crosses UCX and a process that took the node's UCX address
+        cannot answer as the node (kvstore/wire/ucx_frames.py). FAILED_PRECONDITION without UCX.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +294,11 @@ def add_ShardStoreServicer_to_server(servicer, server):
                     servicer.InspectShards,
                     request_deserializer=kvstore__pb2.InspectShardsRequest.FromString,
                     response_serializer=kvstore__pb2.InspectShardsReply.SerializeToString,
+            ),
+            'OpenUcxSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenUcxSession,
+                    request_deserializer=kvstore__pb2.UcxSessionRequest.FromString,
+                    response_serializer=kvstore__pb2.UcxSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -632,6 +652,33 @@ class ShardStore(object):
             '/kvstore.v1.ShardStore/InspectShards',
             kvstore__pb2.InspectShardsRequest.SerializeToString,
             kvstore__pb2.InspectShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenUcxSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.ShardStore/OpenUcxSession',
+            kvstore__pb2.UcxSessionRequest.SerializeToString,
+            kvstore__pb2.UcxSessionReply.FromString,
             options,
             channel_credentials,
             insecure,

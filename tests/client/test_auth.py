@@ -7,14 +7,18 @@ The impostor scenario of issue 19: a client holding tenant evil's token that cla
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
+import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from client import KVClient
+from client import KVClient, block_keys
+from client.ucx.reader import UcxReader
 from deploy.local_cluster import LocalCluster
 from deploy.local_secrets import NODE_TOKEN_FILE
 from kvstore.auth import Role, read_token_file
@@ -184,6 +188,38 @@ async def test_reads_over_ucx_derive_the_tenant_too(cluster: LocalCluster, token
         assert await kv.get(KEY) == BLOCK
         assert kv.ucx is not None and kv.ucx.counters.num_ucx_replies > 0, "read not over UCX"
     for token in (None, "wrong", tokens["evil"]):
-        async with KVClient.connect(toml, tenant="acme", token=token, transport="ucx") as kv:
-            with pytest.raises(PermissionDenied):
+        with pytest.raises(PermissionDenied):  # at connect (no session) or at the read
+            async with KVClient.connect(toml, tenant="acme", token=token, transport="ucx") as kv:
                 await kv.get(KEY)
+
+
+@pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+async def test_a_ucx_reply_its_session_did_not_sign_is_not_taken(
+    cluster: LocalCluster, tokens: dict
+) -> None:
+    """Every reader's session key is swapped for one the nodes never handed out, as if each
+    node had restarted (forgetting its sessions) or another process answered on its UCX
+    address: no reply is taken, the read falls back to gRPC with the right bytes, and each
+    reader opens a new session over gRPC."""
+    rng = random.Random(13)
+    keys = block_keys(list(range(40)), 4, "sessions", "salt")
+    blocks = {key: rng.randbytes(rng.randint(1 << 10, 300 << 10)) for key in keys}
+    toml, token = cluster.cluster_toml, tokens["acme"]
+    async with KVClient.connect(toml, tenant="acme", token=token, transport="ucx") as kv:
+        await kv.put_batch(list(blocks), list(blocks.values()), traffic_class="chat")
+        assert kv.ucx is not None
+        deadline_s = time.monotonic() + 60
+        while kv.ucx.counters.num_ucx_replies == 0:  # sessions open in the background
+            assert time.monotonic() < deadline_s, "no read was ever answered over UCX"
+            assert await kv.get_batch(keys) == list(blocks.values())
+            await asyncio.sleep(0.05)
+        forged = b"f" * 32
+        readers = [r for r in kv.readers if isinstance(r, UcxReader) and r.session is not None]
+        for reader in readers:
+            reader.session = dataclasses.replace(reader.session, key=forged)
+        fallbacks = kv.ucx.counters.num_fallbacks
+        assert await kv.get_batch(keys) == list(blocks.values()), "wrong bytes after a refusal"
+        assert kv.ucx.counters.num_fallbacks > fallbacks, "a reply to a forged session was taken"
+        while any(r.session is None or r.session.key == forged for r in readers):
+            assert time.monotonic() < deadline_s, "a reader never opened a new session"
+            await asyncio.sleep(0.05)

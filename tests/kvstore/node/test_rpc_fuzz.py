@@ -23,6 +23,7 @@ from kvstore.auth import Role, add_principal
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import ucx_frames
+from kvstore.wire.ucx_worker import ucx_available
 from tests.kvstore.node_harness import make_shard, write_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,6 +40,7 @@ RPCS = (
     "TouchShards",
     "ListShards",
     "QueueRepair",
+    *(["OpenUcxSession"] if ucx_available() else []),  # without UCX: UNAVAILABLE, by design
 )
 # What a well-behaved node answers to anything; INTERNAL, UNKNOWN and DEADLINE_EXCEEDED
 # (a hang) are bugs.
@@ -242,14 +244,15 @@ def test_every_rpc_with_every_credential(tmp_path: Path, start_node) -> None:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(frame=st.one_of(st.binary(max_size=300), st.binary(max_size=50).map(lambda b: b"KVRQ" + b)))
+@given(frame=st.one_of(st.binary(max_size=300), st.binary(max_size=90).map(lambda b: b"KVRS" + b)))
 def test_ucx_request_frames_parse_or_are_refused(frame: bytes) -> None:
     """The UCX read request's parser (reached by anyone who can send to the node's worker)."""
     try:
-        token, request = ucx_frames.decode_request(frame)
+        decoded = ucx_frames.decode_request(frame)
     except InvalidArgument:
         return
-    assert isinstance(token, str) and request.HasField("ucx")
+    assert len(decoded.session_id) == 16 and decoded.request.HasField("ucx")
+    assert not decoded.signed_with(bytes(32)), "a made-up frame passed as signed"
 
 
 KEY = b"k" * 16
@@ -297,6 +300,7 @@ ROLE_TABLE: dict[str, tuple[Message, frozenset[str]]] = {
     "Stats": (pb.StatsRequest(), frozenset({"node", "admin"})),
     "Purge": (pb.PurgeRequest(tenant="globex"), frozenset({"admin"})),
     "Health": (pb.HealthRequest(), frozenset({"tenant", "service", "node", "admin"})),
+    "OpenUcxSession": (pb.UcxSessionRequest(), frozenset({"tenant", "service"})),
 }
 
 
@@ -323,6 +327,8 @@ def test_each_rpc_answers_exactly_the_roles_of_the_table(tmp_path: Path, start_n
                 metadata = (("authorization", f"Bearer {token}"),)
                 code = _call(channel, rpc, request.SerializeToString(), metadata)
                 want = grpc.StatusCode.OK if role in allowed else grpc.StatusCode.PERMISSION_DENIED
+                if name == "OpenUcxSession" and role in allowed and not ucx_available():
+                    want = grpc.StatusCode.UNAVAILABLE  # a node without UCX opens no session
                 if code != want:
                     wrong.append(f"{name} as {role}: {code.name}, expected {want.name}")
     assert not wrong, "the node's role checks differ from kvstore/auth.py's table: " + "; ".join(

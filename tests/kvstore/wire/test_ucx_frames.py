@@ -6,28 +6,51 @@ import pytest
 
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire.ucx_frames import decode_reply, decode_request, encode_error, encode_request
+from kvstore.wire import batch_answer
+from kvstore.wire.ucx_frames import (
+    UnverifiedReply,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+    verify_reply,
+)
+
+SESSION, KEY, OTHER_KEY = b"s" * 16, b"k" * 32, b"o" * 32
+TAG_BASE = 7 << 20
 
 
 def _request() -> pb.GetShardsRequest:
-    delivery = pb.UcxDelivery(worker_address=b"addr", tag_base=7 << 20)
+    delivery = pb.UcxDelivery(worker_address=b"addr", tag_base=TAG_BASE)
     return pb.GetShardsRequest(tenant="acme", keys=[bytes(16), b"k" * 16], ucx=delivery)
 
 
-@pytest.mark.parametrize("token", [None, "", "s3cret", "tökén"])
-def test_request_round_trips_with_its_token(token: str | None) -> None:
-    offered, request = decode_request(encode_request(_request(), token))
-    assert offered == (token or "") and request == _request()
+def test_a_request_carries_its_session_and_no_token() -> None:
+    frame = encode_request(_request(), SESSION, KEY)
+    decoded = decode_request(frame)
+    assert decoded.session_id == SESSION and decoded.request == _request()
+    assert decoded.signed_with(KEY) and not decoded.signed_with(OTHER_KEY)
+    assert KEY not in frame, "the session key crossed in the frame"
+
+
+def test_a_changed_request_is_no_longer_signed() -> None:
+    frame = bytearray(encode_request(_request(), SESSION, KEY))
+    frame[-1] ^= 1  # the last key's last byte
+    decoded = decode_request(bytes(frame))
+    assert not decoded.signed_with(KEY), "a request changed on the way passed its MAC"
+    other_session = bytes(frame[:4]) + b"t" * 16 + bytes(frame[20:])
+    assert not decode_request(other_session).signed_with(KEY), "the MAC does not bind the id"
 
 
 @pytest.mark.parametrize(
     ("frame", "match"),
     [
         (b"", "shorter than its header"),
-        (b"XXXX\x00\x00", "not a kvstore UCX request"),
-        (b"KVRQ\xff\x00abc", "not a kvstore UCX request"),  # token longer than the frame
-        (b"KVRQ\x00\x00\xff\xff\xff", "malformed"),
-        (encode_request(pb.GetShardsRequest(tenant="a", keys=[bytes(16)]), None), "reply"),
+        (b"XXXX" + bytes(40), "not a kvstore UCX request"),
+        (b"KVRQ" + bytes(40), "older client"),  # the token frame of earlier releases
+        (b"KVRS" + bytes(32) + b"\xff\xff\xff", "malformed"),
+        (encode_request(pb.GetShardsRequest(tenant="a", keys=[bytes(16)]), SESSION, KEY), "reply"),
     ],
 )
 def test_malformed_requests_are_refused(frame: bytes, match: str) -> None:
@@ -36,11 +59,31 @@ def test_malformed_requests_are_refused(frame: bytes, match: str) -> None:
 
 
 def test_replies_carry_the_reply_or_the_nodes_error() -> None:
-    assert bytes(decode_reply(b"\x00reply bytes")) == b"reply bytes"
-    with pytest.raises(PermissionDenied, match="wrong token"):
-        decode_reply(encode_error(PermissionDenied("wrong token")))
+    reply = encode_reply([], KEY, TAG_BASE)
+    verify_reply(reply, KEY, TAG_BASE)
+    entries, payload_bytes = batch_answer.decode_table(decode_reply(reply), 0)
+    assert (len(entries), payload_bytes) == (0, 0)
+    refusal = encode_error(PermissionDenied("wrong tenant"), KEY, TAG_BASE)
+    verify_reply(refusal, KEY, TAG_BASE)
+    with pytest.raises(PermissionDenied, match="wrong tenant"):
+        decode_reply(refusal)
     with pytest.raises(InvalidArgument, match="too many keys"):
-        decode_reply(encode_error(InvalidArgument("too many keys")))
-    for garbage in (b"", b"\x07", b"\x01"):
+        decode_reply(encode_error(InvalidArgument("too many keys"), KEY, TAG_BASE))
+    for garbage in (bytes(16), b"\x07" + bytes(16), b"\x01" + bytes(16)):
         with pytest.raises(Unavailable, match="malformed"):
             decode_reply(garbage)
+
+
+def test_only_a_reply_signed_for_this_request_is_taken() -> None:
+    reply = encode_reply([], KEY, TAG_BASE)
+    for key, tag_base in ((OTHER_KEY, TAG_BASE), (KEY, TAG_BASE + (1 << 20))):
+        with pytest.raises(UnverifiedReply) as raised:
+            verify_reply(reply, key, tag_base)  # another session's, or a replayed reply
+        assert not raised.value.unknown_session
+    for frame in (b"", b"\x00", bytes(16)):
+        with pytest.raises(UnverifiedReply):
+            verify_reply(frame, KEY, TAG_BASE)
+    unknown = encode_error(PermissionDenied("unknown or expired UCX session"), None, TAG_BASE)
+    with pytest.raises(UnverifiedReply) as raised:
+        verify_reply(unknown, KEY, TAG_BASE)
+    assert raised.value.unknown_session, "an unsigned refusal says the node lost the session"
