@@ -258,7 +258,8 @@ class NodeServicer:
     ) -> Any:
         """Parse and handle ``raw``: reads where the read routine runs them, the rest in the
         pool."""
-        if handler in (self._health, self._stats):  # cheap: answered even when the pool is busy
+        if handler in (self._health, self._stats) or rpc == "OpenUcxSession":
+            # cheap: answered even when the pool is busy (a restarted node's repair fills it)
             return _parse_and_call(rpc, parse, handler, raw, principal)
         if handler not in (self._get, self._read_batch_chunks):
             return await asyncio.get_running_loop().run_in_executor(
