@@ -23,7 +23,7 @@ from client import KVClient
 from deploy.local_cluster import LocalCluster
 from deploy.local_secrets import NODE_TOKEN_FILE, TLS_DIR
 from erasure.codec import make_codec
-from kvstore.auth import read_token_file
+from kvstore.auth import add_principal, read_token_file
 from kvstore.certs import issue_files
 from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.node.peers import Peers
@@ -31,6 +31,7 @@ from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto.kvstore_pb2_grpc import ShardStoreStub
 from kvstore.tls import channel_credentials, sync_channel
+from kvstore.wire.ucx_worker import ucx_available
 from tests.client.secure_cluster import random_block
 
 pytestmark = pytest.mark.timeout(300)
@@ -322,3 +323,28 @@ async def test_the_node_credential_cannot_mint_a_version_or_plant_a_key(
     ) as kv:
         assert await kv.get(written) == genuine, "acme did not read its own block back"
         assert await kv.get(planted) is None, "acme read a key it never wrote"
+
+
+@pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+async def test_a_certificate_only_client_reads_over_ucx_with_a_session(
+    cluster: LocalCluster,
+) -> None:
+    """A principal known only by its client certificate (no token) gets UCX sessions as that
+    principal: its reads go over UCX, and the node acts for its tenant only."""
+    add_principal(cluster.credentials_file, "certonly", cert_identity="certonly-client")
+    cert, key = issue_files(cluster.root / TLS_DIR, "certonly-client")
+    cert_only = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+    key_, block = b"u" * 16, random_block(21, 200_000)
+    async with KVClient.connect(cluster.cluster_toml, tenant="certonly", **cert_only) as kv:
+        await kv.wait_until_accepted()  # the nodes re-read the credentials file
+        await kv.put(key_, block)
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="certonly", transport="ucx", **cert_only
+    ) as kv:
+        assert await kv.get(key_) == block
+        assert kv.ucx is not None and kv.ucx.counters.num_ucx_replies > 0, "read not over UCX"
+    async with KVClient.connect(
+        cluster.cluster_toml, tenant="acme", transport="ucx", **cert_only
+    ) as kv:
+        with pytest.raises(PermissionDenied):  # the session is certonly's, whatever it claims
+            await kv.get(key_)
