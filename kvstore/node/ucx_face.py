@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.grpc_errors import status_code
 from kvstore.node import ucx_server
 from kvstore.node.metrics import NodeMetrics
@@ -63,8 +63,8 @@ class UcxFace:
         start_s = time.perf_counter()
         try:
             decoded = ucx_frames.decode_request(frame)
-        except InvalidArgument as exc:  # no reply address to refuse it to
-            log.warning("dropping a malformed UCX read request: %s", exc)
+        except InvalidArgument as exc:  # no reply address to refuse it to, unless an old client
+            self._refuse_malformed(frame, exc)
             self._metrics.observe(RPC_LABEL, status_code(exc), time.perf_counter() - start_s)
             return
         request = decoded.request
@@ -82,6 +82,20 @@ class UcxFace:
             task.add_done_callback(self._tasks.discard)
         else:
             self._answer(session, request, None, start_s)
+
+    def _refuse_malformed(self, frame: memoryview, error: InvalidArgument) -> None:
+        """An earlier release's request (a token frame) is refused at once in its format, so
+        that client reads over gRPC without waiting out its UCX timeout; anything else is
+        dropped (no reply address)."""
+        delivery = ucx_frames.legacy_reply_address(frame)
+        if delivery is None:
+            log.warning("dropping a malformed UCX read request: %s", error)
+            return
+        refusal = Unavailable(
+            "this node reads over UCX only in sessions (OpenUcxSession): upgrade the client; "
+            "read over gRPC meanwhile"
+        )
+        ucx_server.refuse(self._ucx, delivery, refusal, None, legacy=True)
 
     async def _serve_later(
         self, session: UcxSession, request: pb.GetShardsRequest, start_s: float

@@ -226,16 +226,21 @@ def answer(
 
 
 def refuse(
-    server: UcxServer, delivery: pb.UcxDelivery, error: KVStoreError, key: bytes | None
+    server: UcxServer,
+    delivery: pb.UcxDelivery,
+    error: KVStoreError,
+    key: bytes | None,
+    *,
+    legacy: bool = False,
 ) -> None:
     """Send the reply frame that refuses a request, signed with the session's ``key`` (None:
-    the node does not know the session); nothing if the client is unreachable."""
+    the node does not know the session; ``legacy``: in an earlier release's format, for its
+    clients); nothing if the client is unreachable."""
+    if legacy:
+        frame = ucx_frames.encode_legacy_refusal(error)
+    else:
+        frame = ucx_frames.encode_error(error, key, delivery.tag_base)
     try:
-        server.post(
-            delivery.worker_address,
-            delivery.tag_base,
-            [ucx_frames.encode_error(error, key, delivery.tag_base)],
-            UCX_SEND_TIMEOUT_S,
-        )
+        server.post(delivery.worker_address, delivery.tag_base, [frame], UCX_SEND_TIMEOUT_S)
     except (InvalidArgument, Unavailable) as exc:
         logger.debug("cannot refuse a UCX request: the client is unreachable: %s", exc)

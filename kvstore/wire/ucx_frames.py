@@ -36,7 +36,9 @@ there, a session id and a 32-byte key handed back, kvstore/node/ucx_sessions.py)
   against the table's sizes, which the reply's MAC covers.
 
 A node that cannot reach the client's worker answers nothing: the client's wait times out
-and it reads over gRPC instead.
+and it reads over gRPC instead. A request frame of the release before sessions (``b"KVRQ"``,
+with the token) is refused at once, in that release's reply format, so its client reads over
+gRPC during a rolling upgrade without waiting out its UCX timeout.
 
 Why the request goes over UCX too: a grpc.aio round trip costs the client about 0.35 ms of
 Python on the 2-core machine, once per node per batch; a UCX send costs less.
@@ -64,6 +66,7 @@ _REQUEST_HEAD = struct.Struct(f"<4s{SESSION_ID_BYTES}s{MAC_BYTES}s")  # magic, s
 _TAG_BASE = struct.Struct("<Q")
 _REPLY_OK, _REPLY_ERROR = 0, 1
 _UNSIGNED = bytes(MAC_BYTES)  # a refusal for a session the node does not know
+_LEGACY_MAGIC, _LEGACY_HEAD = b"KVRQ", struct.Struct("<4sH")  # a token frame (magic, length)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,27 @@ def decode_request(frame: bytes | memoryview) -> RequestFrame:
     if not request.HasField("ucx"):
         raise InvalidArgument("a UCX request must say where to reply (its ucx field)")
     return RequestFrame(session_id, request, mac, body)
+
+
+def legacy_reply_address(frame: bytes | memoryview) -> pb.UcxDelivery | None:
+    """Where a request frame of an earlier release (``b"KVRQ"``, a u16 token length, the
+    token, the request) wants its reply, or None if it is not one. The node refuses such a
+    request at once (:func:`encode_legacy_refusal`), so an old client reads over gRPC
+    without waiting out its UCX timeout during a rolling upgrade."""
+    view = memoryview(frame)
+    if len(view) < _LEGACY_HEAD.size or bytes(view[:4]) != _LEGACY_MAGIC:
+        return None
+    start = _LEGACY_HEAD.size + _LEGACY_HEAD.unpack_from(view)[1]
+    try:
+        request = pb.GetShardsRequest.FromString(bytes(view[start:]))
+    except DecodeError:
+        return None
+    return request.ucx if request.HasField("ucx") and start <= len(view) else None
+
+
+def encode_legacy_refusal(error: KVStoreError) -> bytes:
+    """A reply frame in an earlier release's format (no MAC): its client raises ``error``."""
+    return bytes((_REPLY_ERROR, status_code(error).value[0])) + str(error).encode()
 
 
 def encode_error(error: KVStoreError, key: bytes | None, tag_base: int) -> bytes:

@@ -10,10 +10,12 @@ import asyncio
 import dataclasses
 import gc
 import random
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -23,7 +25,8 @@ from deploy.local_cluster import LocalCluster
 from deploy.local_secrets import NODE_TOKEN_FILE
 from kvstore.auth import Role, read_token_file
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
-from kvstore.wire.ucx_worker import ucx_available
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire.ucx_worker import batch_tag, ucx_available
 from tests.client.secure_cluster import wait_for_token
 
 pytestmark = pytest.mark.timeout(180)
@@ -223,3 +226,34 @@ async def test_a_ucx_reply_its_session_did_not_sign_is_not_taken(
         while any(r.session is None or r.session.key == forged for r in readers):
             assert time.monotonic() < deadline_s, "a reader never opened a new session"
             await asyncio.sleep(0.05)
+
+
+@pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
+async def test_an_old_clients_token_frame_is_refused_at_once(
+    cluster: LocalCluster, tokens: dict
+) -> None:
+    """A client of the release before UCX sessions sends its token in the frame: the node
+    refuses it at once, in that release's format, so the client reads over gRPC without
+    waiting out its UCX timeout during a rolling upgrade."""
+    toml = cluster.cluster_toml
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"], transport="ucx") as kv:
+        assert kv.ucx is not None
+        transport = kv.ucx.transport
+        node_id = next(r.node_id for r in kv.readers if isinstance(r, UcxReader) and r.usable())
+        tag_base = transport.next_tag_base()
+        box: list[memoryview] = []
+
+        def allocate(num_bytes: int) -> memoryview:
+            box.append(memoryview(bytearray(num_bytes)))
+            return box[0]
+
+        reply = transport.worker.receive(batch_tag(tag_base, 0), allocate, 1 << 20)
+        delivery = pb.UcxDelivery(worker_address=transport.address, tag_base=tag_base)
+        request = pb.GetShardsRequest(tenant="acme", keys=[KEY], ucx=delivery)
+        token = tokens["acme"].encode()
+        old_frame = b"KVRQ" + struct.pack("<H", len(token)) + token + request.SerializeToString()
+        await transport.send_request(node_id, old_frame)
+        num_bytes = await asyncio.wait_for(reply, 30)
+        frame = bytes(box[0][:num_bytes])
+    assert frame[:2] == bytes((1, grpc.StatusCode.UNAVAILABLE.value[0])), frame
+    assert b"upgrade the client" in frame

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+
+import grpc
 import pytest
 
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
@@ -12,8 +15,10 @@ from kvstore.wire.ucx_frames import (
     decode_reply,
     decode_request,
     encode_error,
+    encode_legacy_refusal,
     encode_reply,
     encode_request,
+    legacy_reply_address,
     verify_reply,
 )
 
@@ -87,3 +92,19 @@ def test_only_a_reply_signed_for_this_request_is_taken() -> None:
     with pytest.raises(UnverifiedReply) as raised:
         verify_reply(unknown, KEY, TAG_BASE)
     assert raised.value.unknown_session, "an unsigned refusal says the node lost the session"
+
+
+def _legacy_frame(request: pb.GetShardsRequest, token: bytes = b"s3cret") -> bytes:
+    """A request frame of the release before sessions: magic, token length, token, request."""
+    return b"KVRQ" + struct.pack("<H", len(token)) + token + request.SerializeToString()
+
+
+def test_an_old_clients_frame_gets_a_refusal_in_its_format() -> None:
+    assert legacy_reply_address(_legacy_frame(_request())) == _request().ucx
+    no_address = pb.GetShardsRequest(tenant="a", keys=[bytes(16)])
+    for frame in (b"", b"KVRQ", _legacy_frame(no_address), b"KVRQ\xff\xff" + bytes(8)):
+        assert legacy_reply_address(frame) is None, frame
+    assert legacy_reply_address(encode_request(_request(), SESSION, KEY)) is None
+    refusal = encode_legacy_refusal(Unavailable("upgrade the client"))
+    assert refusal[:2] == bytes((1, grpc.StatusCode.UNAVAILABLE.value[0]))
+    assert refusal[2:] == b"upgrade the client"
