@@ -312,14 +312,17 @@ class StoreConnector:
         if isinstance(kv, str):
             return 0, 0, kv, []
         chunks = _FetchChunks(kv, keys, slots, swap_in, self.layout.block_bytes, deadline)
-        num_arrived, reason = await chunks.run(
-            self.config.fetch_chunk_blocks, self.config.fetch_concurrency
-        )
+        num_arrived, reason = await chunks.run(self.config.fetch_chunk_blocks, self._fetch_gate())
         if reason == "bad_block":
             self.stats.num_bad_blocks += 1
         elif reason == "error":
             self.stats.num_lookup_errors += 1
         return num_arrived, len(chunks.block_fetch_s), reason, chunks.block_fetch_s
+
+    def _fetch_gate(self) -> asyncio.Semaphore:
+        """Admits one fetch's chunks: ``fetch_concurrency`` blocks in flight, a chunk at least."""
+        chunk = self.config.fetch_chunk_blocks
+        return asyncio.Semaphore(max(1, self.config.fetch_concurrency // chunk))
 
     def _record(
         self,
@@ -409,14 +412,13 @@ class _FetchChunks:
         self.block_fetch_s: list[float] = []  # each arrived block's chunk's seconds
         self.first_miss = len(slots)  # the lowest block index known missing
         self.tasks: dict[int, asyncio.Task[list[bool]]] = {}  # chunk start -> its task
-        self.gate = asyncio.Semaphore(1)
 
-    async def run(self, chunk: int, concurrency: int) -> tuple[int, str | None]:
-        """(leading blocks arrived, why the first that did not failed, or None)."""
-        self.gate = asyncio.Semaphore(max(1, concurrency // chunk))
+    async def run(self, chunk: int, gate: asyncio.Semaphore) -> tuple[int, str | None]:
+        """(leading blocks arrived, why the first that did not failed, or None); ``gate``
+        admits the chunks in flight."""
         for start in range(0, len(self.slots), chunk):
             end = min(start + chunk, len(self.slots))
-            self.tasks[start] = asyncio.create_task(self._chunk(start, end))
+            self.tasks[start] = asyncio.create_task(self._chunk(start, end, gate))
         timeout_s = max(self.deadline - time.perf_counter(), 0.0)
         _, pending = await asyncio.wait(self.tasks.values(), timeout=timeout_s)
         for task in pending:
@@ -425,8 +427,8 @@ class _FetchChunks:
         deadline_passed = bool(pending) or time.perf_counter() >= self.deadline
         return _leading_run(list(self.tasks.values()), list(self.tasks), deadline_passed)
 
-    async def _chunk(self, start: int, end: int) -> list[bool]:
-        async with self.gate:
+    async def _chunk(self, start: int, end: int, gate: asyncio.Semaphore) -> list[bool]:
+        async with gate:
             started = time.perf_counter()
             remaining_s = self.deadline - started
             if remaining_s <= 0 or start > self.first_miss:

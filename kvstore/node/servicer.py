@@ -68,6 +68,10 @@ from kvstore.wire.put_request import PutRequestView, parse_put_request
 
 log = logging.getLogger(__name__)
 
+# Cheap RPCs, answered on the event loop even when the pool is busy (a restarted node's
+# repair fills it): a probe or a session open that waited there would mark the node suspect.
+_ANSWERED_INLINE = frozenset({"Health", "Stats", "OpenUcxSession"})
+
 SERVICE_NAME = "kvstore.v1.ShardStore"
 REPAIR_CONFIRM_TIMEOUT_S = 30.0  # a repair write's listing of its group (PEER_TIMEOUT_S is 10)
 MAX_LIST_PAGE = 4096
@@ -258,8 +262,7 @@ class NodeServicer:
     ) -> Any:
         """Parse and handle ``raw``: reads where the read routine runs them, the rest in the
         pool."""
-        if handler in (self._health, self._stats) or rpc == "OpenUcxSession":
-            # cheap: answered even when the pool is busy (a restarted node's repair fills it)
+        if rpc in _ANSWERED_INLINE:
             return _parse_and_call(rpc, parse, handler, raw, principal)
         if handler not in (self._get, self._read_batch_chunks):
             return await asyncio.get_running_loop().run_in_executor(
