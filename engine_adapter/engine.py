@@ -26,8 +26,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +45,7 @@ from kvstore.config import ClusterConfig
 from kvstore.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_TENANT = "default"
 
@@ -111,6 +115,9 @@ class Engine:
         num_blocks = config.max_num_seqs * self.max_blocks_per_seq
         self.cache = PagedKVCache(self.layout, num_blocks, torch.device(config.device))
         self.connector: StoreConnector | None = None
+        # The model runs on one thread of its own: torch's CPU thread team stays with it. A
+        # forward hopping between the default pool's threads ran 10-20% slower on 2 cores.
+        self._compute_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
 
     @classmethod
     def load(cls, model: str = "default", config: EngineConfig | None = None) -> Engine:
@@ -182,7 +189,7 @@ class Engine:
         """
         if store is None:
             started = time.perf_counter()
-            logits, first = await asyncio.to_thread(self._compute, seq, 0, None)
+            logits, first = await self._on_compute_thread(self._compute, seq, 0, None)
             return None, logits, first, time.perf_counter() - started, 0.0
         plan = store.plan(self.num_usable_blocks(len(seq.token_ids)))
         front_end = plan.first_block * self.config.block_tokens
@@ -191,7 +198,7 @@ class Engine:
         try:
             if front_end:  # compute the front while the rest is fetched (Cake)
                 started = time.perf_counter()
-                await asyncio.to_thread(self._forward, seq, 0, front_end, None)
+                await self._on_compute_thread(self._forward, seq, 0, front_end, None)
                 front_s = time.perf_counter() - started
             outcome = await fetch
         except BaseException:
@@ -202,7 +209,9 @@ class Engine:
         try:
             start = front_end + outcome.num_fetched_blocks * self.config.block_tokens
             started = time.perf_counter()
-            logits, first = await asyncio.to_thread(self._compute, seq, start, outcome.swap_in)
+            logits, first = await self._on_compute_thread(
+                self._compute, seq, start, outcome.swap_in
+            )
             return outcome, logits, first, time.perf_counter() - started, front_s
         finally:
             store.release(outcome)
@@ -235,7 +244,7 @@ class Engine:
         sampler = Sampler(temperature, top_k, self.config.seed if seed is None else seed, top_p)
         started = time.perf_counter()
         try:
-            token_ids, reason = await asyncio.to_thread(
+            token_ids, reason = await self._on_compute_thread(
                 self._decode, prefill.sequence, prefill.logits, max_new_tokens, sampler
             )
         finally:
@@ -255,7 +264,7 @@ class Engine:
         seq.token_ids.extend(token_ids)
         num_missing = seq.table.num_blocks_for(len(seq.token_ids)) - len(seq.table.block_ids)
         seq.table.block_ids += self.cache.pool.allocate(max(num_missing, 0))
-        return await asyncio.to_thread(self._compute, seq, start, None)
+        return await self._on_compute_thread(self._compute, seq, start, None)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Forget ``seq``'s tokens from position ``num_tokens`` on.
@@ -300,6 +309,11 @@ class Engine:
     async def close(self) -> None:
         if self.connector:
             await self.connector.close()
+        self._compute_thread.shutdown(wait=False)
+
+    async def _on_compute_thread(self, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)`` on the engine's compute thread (which runs every forward)."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute_thread, fn, *args)
 
     def _new_sequence(
         self, prompt_ids: list[int], tenant: str, traffic_class: str, reserve_tokens: int

@@ -65,8 +65,11 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate ``x`` ``[n, heads, D]`` holding positions [start, start + n)."""
+    def forward(self, x: torch.Tensor, start: int, rows: int | None = None) -> torch.Tensor:
+        """Rotate ``x`` ``[n, heads, D]`` holding positions [start, start + n); only its first
+        ``rows`` rows when given (the rest is padding: see ``Chunks``)."""
+        if rows is not None and rows < x.shape[0]:
+            return torch.cat((self(x[:rows], start), x[rows:]))
         n, half = x.shape[0], x.shape[-1] // 2
         cos = self.cos[start : start + n, None, :].to(x.dtype)  # [n, 1, D]
         sin = self.sin[start : start + n, None, :].to(x.dtype)
@@ -85,23 +88,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        n = x.shape[0]
+    def forward(self, x: torch.Tensor, chunks: Chunks, layer: int) -> torch.Tensor:
+        n, first = x.shape[0], chunks[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, H, D]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, D]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = ctx.rotary(q, ctx.start), ctx.rotary(k, ctx.start)
-        ctx.before_layer(layer)
-        ctx.cache.write(layer, ctx.slots, k, v)  # each [n, Hkv, D]
-        kv = ctx.cache.read(layer, ctx.table, ctx.end)  # [2, Hkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            kv[0].unsqueeze(0),  # [1, Hkv, S, D]
-            kv[1].unsqueeze(0),
-            attn_mask=ctx.causal_mask,  # [n, S] (or a CausalBias), None when all keys are visible
-            enable_gqa=True,
-        )
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))  # [n, H*D]
+        q, k = first.rotary(q, first.start, chunks.rows), first.rotary(k, first.start, chunks.rows)
+        first.before_layer(layer)
+
+        def attend(q: torch.Tensor, kv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+                kv[0].unsqueeze(0),  # [1, Hkv, S, D]
+                kv[1].unsqueeze(0),
+                attn_mask=ctx.causal_mask,  # [n, S] or a CausalBias; None: all keys visible
+                enable_gqa=True,
+            )
+            return out[0].transpose(0, 1)  # [n, H, D]
+
+        out = chunks.attend(layer, q, (k, v), attend)  # each K and V written: [n, Hkv, D]
+        return self.o_proj(out.reshape(n, -1))  # [n, H*D]
 
 
 class LatentAttention(nn.Module):
@@ -138,31 +144,34 @@ class LatentAttention(nn.Module):
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return self.q_proj(x)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        n, heads = x.shape[0], self.num_heads
+    def forward(self, x: torch.Tensor, chunks: Chunks, layer: int) -> torch.Tensor:
+        n, heads, first = x.shape[0], self.num_heads, chunks[0]
         q = self._queries(x).view(n, heads, self.nope_dim + self.rope_dim)  # [n, H, Dn+R]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         compressed, k_rope = self.kv_a_proj_with_mqa(x).split(
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )  # [n, C], [n, R]
-        k_rope = ctx.rotary(k_rope[:, None], ctx.start)  # [n, 1, R]
+        k_rope = first.rotary(k_rope[:, None], first.start, chunks.rows)  # [n, 1, R]
         latent = torch.cat((self.kv_a_layernorm(compressed)[:, None], k_rope), dim=-1)
-        ctx.before_layer(layer)
-        ctx.cache.write(layer, ctx.slots, latent)  # [n, 1, C+R]
-        cached = ctx.cache.read(layer, ctx.table, ctx.end)[0, 0]  # [S, C+R]
-        c_kv, k_rope_all = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(-1, heads, self.nope_dim + self.v_dim)  # [S, H, Dn+Dv]
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope_all[:, None].expand(-1, heads, -1)), dim=-1)  # [S, H, Dn+R]
-        q = torch.cat((q_nope, ctx.rotary(q_rope, ctx.start)), dim=-1)  # [n, H, Dn+R]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, Dn+R]
-            k.transpose(0, 1).unsqueeze(0),  # [1, H, S, Dn+R]
-            v.transpose(0, 1).unsqueeze(0),  # [1, H, S, Dv]
-            attn_mask=ctx.causal_mask,
-            scale=self.scale,
-        )
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))  # [n, H*Dv]
+        q = torch.cat((q_nope, first.rotary(q_rope, first.start, chunks.rows)), dim=-1)
+        first.before_layer(layer)
+
+        def attend(q: torch.Tensor, cached: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+            c_kv, k_rope_all = cached[0, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            kv = self.kv_b_proj(c_kv).view(-1, heads, self.nope_dim + self.v_dim)  # [S, H, Dn+Dv]
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat((k_nope, k_rope_all[:, None].expand(-1, heads, -1)), dim=-1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),  # [1, H, n, Dn+R]
+                k.transpose(0, 1).unsqueeze(0),  # [1, H, S, Dn+R]
+                v.transpose(0, 1).unsqueeze(0),  # [1, H, S, Dv]
+                attn_mask=ctx.causal_mask,
+                scale=self.scale,
+            )
+            return out[0].transpose(0, 1)  # [n, H, Dv]
+
+        out = chunks.attend(layer, q, (latent,), attend)  # the latent written: [n, 1, C+R]
+        return self.o_proj(out.reshape(n, -1))  # [n, H*Dv]
 
 
 class MLP(nn.Module):
@@ -184,8 +193,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+    def forward(self, x: torch.Tensor, chunks: Chunks, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), chunks, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -206,6 +215,73 @@ class ForwardContext:
         self.before_layer = before_layer or (lambda layer: None)
         self.slots = cache.slots(table, start, end)  # [n], computed once for every layer
         self.causal_mask = _causal_mask(start, end, cache.kv.device)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
+
+
+class Chunks(list[ForwardContext]):
+    """The chunks of one forward call, in order, over ``rows`` real rows of the hidden states
+    (any rows past them are padding: ``LlamaModel.forward``)."""
+
+    def __init__(self, contexts: list[ForwardContext]) -> None:
+        super().__init__(contexts)
+        self.rows = contexts[-1].end - contexts[0].start
+
+    def attend(
+        self, layer: int, q: torch.Tensor, parts: tuple[torch.Tensor, ...], attend: Attend
+    ) -> torch.Tensor:
+        """Each chunk's queries against the cache up to the chunk's end: writes the chunk's
+        rows of ``parts`` (K and V, or the latent) into ``layer``, then ``attend(q rows, the
+        layer's cache read to the chunk's end, chunk)``; the outputs' rows in order."""
+        if len(self) == 1 and self.rows == q.shape[0]:
+            ctx = self[0]
+            ctx.cache.write(layer, ctx.slots, *parts)
+            return attend(q, ctx.cache.read(layer, ctx.table, ctx.end), ctx)
+        out: torch.Tensor | None = None
+        first = self[0].start
+        for ctx in self:
+            rows = slice(ctx.start - first, ctx.end - first)
+            ctx.cache.write(layer, ctx.slots, *(part[rows] for part in parts))
+            chunk_out = attend(q[rows], ctx.cache.read(layer, ctx.table, ctx.end), ctx)
+            if out is None:  # padding rows stay zero: the layers after are row by row
+                out = chunk_out.new_zeros(q.shape[0], *chunk_out.shape[1:])
+            out[rows] = chunk_out
+        assert out is not None
+        return out
+
+
+# The fewest rows an exact-chunk call runs its row-wise kernels on: math libraries pick
+# other kernels for a few rows (torch's CPU fp32 GEMM on the 2-core AMD machine: another sum
+# order for 1-11 rows, the same from 12 up), so shorter calls are padded with zero rows.
+MIN_EXACT_ROWS = 16
+# Row ranges of one 128-row call that rows_are_exact compares with calls of their own
+_PROBE_ROWS = 128
+_PROBE_SLICES = ((0, 16), (16, 41), (41, 128), (7, 100), (64, 128))
+
+
+def rows_are_exact(layer: nn.Module) -> bool:
+    """Whether each row-wise module of ``layer`` (linear layers, norms) gives a row the same
+    bits in a call of any size from ``MIN_EXACT_ROWS`` rows, on the layer's device and dtype.
+
+    Checked on random rows: kernels are chosen by shape, never by value, so shapes that agree
+    here agree on any data of those shapes. The layers of a model share their shapes.
+    """
+    weight = next(layer.parameters())
+    generator = torch.Generator(weight.device).manual_seed(0)
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            width = module.in_features
+        elif isinstance(module, RMSNorm):
+            width = module.weight.shape[0]
+        else:
+            continue
+        x = torch.randn(_PROBE_ROWS, width, generator=generator, device=weight.device)
+        x = x.to(weight.dtype)
+        whole = module(x)
+        if not all(torch.equal(module(x[a:b]), whole[a:b]) for a, b in _PROBE_SLICES):
+            return False
+    return True
 
 
 def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -264,6 +340,8 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self._rows_exact_for: tuple[torch.device, torch.dtype] | None = None
+        self._rows_exact_answer = False
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head if the config says so (again after to_empty)."""
@@ -286,13 +364,16 @@ class LlamaModel(nn.Module):
         cover position start + n - 1). ``before_layer(i)`` runs once, before layer ``i``
         first reads the cache: the swap-in waits there for that layer's fetched blocks.
 
-        ``chunk_tokens`` > 0 cuts the tokens at absolute multiples of it and runs each
-        chunk's kernels on the chunk alone, so a chunk gives the same bits whether the
-        tokens before it were fetched or computed. The loop is layer-major (every chunk of
-        layer 0, then of layer 1 ...): one layer's weights stay in cache across its chunks,
-        where chunk-major order streamed all the weights once per chunk (64-token chunks
-        cost 1.8x on a 2-core CPU that way). 0 runs all the tokens through each layer at
-        once: the fewest, largest kernels (a GPU's choice).
+        ``chunk_tokens`` > 0 cuts the tokens at absolute multiples of it, and a chunk gives
+        the same bits whether the tokens before it were fetched or computed: its attention
+        reads the cache up to the chunk's end alone, and the row-wise kernels (linear
+        layers, norms) give its rows the same bits in any call. Where ``rows_are_exact``
+        finds that so on this device, those kernels run on all the tokens of a layer at once
+        (calls padded to ``MIN_EXACT_ROWS``): 64-row GEMMs ran at half the rate of 1,024-row
+        ones on the 2-core CPU. Elsewhere each chunk runs its whole layer alone, layer-major
+        (every chunk of layer 0, then of layer 1 ...). 0 runs all the tokens through each
+        layer at once, attention included: the fewest, largest kernels (a GPU's choice),
+        whose rounding depends on how much of the prompt was cached.
         """
         end = start + token_ids.shape[0]
         if end > self.config.max_position_embeddings:
@@ -301,14 +382,32 @@ class LlamaModel(nn.Module):
                 f"{self.config.max_position_embeddings}; shorten the prompt"
             )
         bounds = chunk_bounds(start, end, chunk_tokens)
-        contexts = [  # the hook goes with the first chunk: it waits once per layer
+        chunks = Chunks([  # the hook goes with the first chunk: it waits once per layer
             ForwardContext(self.rotary, cache, table, a, b, before_layer if k == 0 else None)
             for k, (a, b) in enumerate(bounds)
-        ]
+        ])  # fmt: skip
         x = self.model.embed_tokens(token_ids)  # [n, hidden]
+        if chunk_tokens > 0 and not self._rows_exact():
+            for i, layer in enumerate(self.model.layers):  # each chunk's kernels on their own
+                x = _per_chunk(
+                    lambda part, ctx, i=i, layer=layer: layer(part, Chunks([ctx]), i), x, chunks
+                )
+            return _per_chunk(lambda part, ctx: self.model.norm(part), x, chunks)
+        n = x.shape[0]
+        if chunk_tokens > 0 and n < MIN_EXACT_ROWS:
+            x = torch.cat((x, x.new_zeros(MIN_EXACT_ROWS - n, x.shape[1])))
         for i, layer in enumerate(self.model.layers):
-            x = _per_chunk(lambda part, ctx, i=i, layer=layer: layer(part, ctx, i), x, contexts)
-        return _per_chunk(lambda part, ctx: self.model.norm(part), x, contexts)
+            x = layer(x, chunks, i)
+        return self.model.norm(x)[:n]
+
+    def _rows_exact(self) -> bool:
+        """rows_are_exact for this model's layers, checked once (again after a move)."""
+        weight = self.lm_head.weight
+        key = (weight.device, weight.dtype)
+        if self._rows_exact_for != key:
+            self._rows_exact_answer = rows_are_exact(self.model.layers[0])
+            self._rows_exact_for = key
+        return self._rows_exact_answer
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from bench.reference_prefill import hf_llama_config  # noqa: E402
 from engine_adapter.config import ModelConfig  # noqa: E402
 from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
 from engine_adapter.loader import load_model  # noqa: E402
+from engine_adapter.model import rows_are_exact  # noqa: E402
 from engine_adapter.paged_kv import BlockTable, PagedKVCache  # noqa: E402
 from engine_adapter.weights import _unpermute_rope  # noqa: E402
 
@@ -166,6 +167,53 @@ def test_one_layer_major_pass_is_bitwise_the_chunk_by_chunk_calls(small_model, b
     assert torch.equal(kv[1], cache.read(3, table, 96)), "layer-major chunks changed layer 3's KV"
     whole, *_ = _one_pass_kv(small_model, token_ids, 0, block_ids)
     torch.testing.assert_close(whole, hidden, atol=1e-5, rtol=1e-5, msg="one-chunk pass differs")
+
+
+@pytest.mark.parametrize("num_tokens", [70, 65])
+def test_a_short_suffix_gets_the_bits_of_the_whole_pass(small_model, num_tokens):
+    """A cached prefill computes only the chunks after the fetched ones, down to a single
+    row; each row must get the bits the cold pass over every row gave it (short calls are
+    padded to MIN_EXACT_ROWS, where a few-row GEMM would take another kernel)."""
+    token_ids = torch.randint(
+        0, small_model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(4)
+    )
+    cold, *cold_kv = _one_pass_kv(small_model, token_ids, 32, list(range(5)))
+    layout = KVBlockLayout.for_model(small_model.config, BLOCK_TOKENS, "float32")
+    cache = PagedKVCache(layout, 12, torch.device("cpu"))
+    table = BlockTable(BLOCK_TOKENS, list(range(5)))
+    small_model(token_ids[:64], 0, cache, table, chunk_tokens=32)  # two chunks cached
+    suffix = small_model(token_ids[64:], 64, cache, table, chunk_tokens=32)
+    assert torch.equal(suffix, cold[64:]), f"the {num_tokens - 64} rows after the cached ones"
+    assert torch.equal(cache.read(3, table, num_tokens), cold_kv[1]), "the suffix's KV differs"
+
+
+class _RowDependentLinear(torch.nn.Linear):
+    """A linear layer whose rows depend on the call's other rows, as a kernel chosen by the
+    call's size could make them: rows_are_exact must notice."""
+
+    def forward(self, x):
+        return super().forward(x) + 1e-3 * x.shape[0]
+
+
+def test_kernels_that_depend_on_the_calls_rows_keep_each_chunk_on_its_own():
+    model = load_model("random:small", "cpu", "float32", seed=3).model  # changed below
+    assert rows_are_exact(model.model.layers[0]), "plain torch kernels on this CPU"
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        changed = _RowDependentLinear(mlp.up_proj.in_features, mlp.up_proj.out_features, False)
+        changed.weight = mlp.up_proj.weight
+        mlp.up_proj = changed
+    assert not rows_are_exact(model.model.layers[0])
+    token_ids = torch.randint(
+        0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(5)
+    )
+    hidden, *kv = _one_pass_kv(model, token_ids, 32, list(range(6)))
+    layout = KVBlockLayout.for_model(model.config, BLOCK_TOKENS, "float32")
+    cache = PagedKVCache(layout, 12, torch.device("cpu"))
+    table = BlockTable(BLOCK_TOKENS, list(range(6)))
+    chunks = [model(token_ids[s : s + 32], s, cache, table) for s in range(0, 96, 32)]
+    assert torch.equal(hidden, torch.cat(chunks)), "the chunks shared their kernels' calls"
+    assert torch.equal(kv[1], cache.read(3, table, 96))
 
 
 def test_seeded_random_init_is_reproducible():
