@@ -214,7 +214,7 @@ class ForwardContext:
         self.start, self.end = start, end
         self.before_layer = before_layer or (lambda layer: None)
         self.slots = cache.slots(table, start, end)  # [n], computed once for every layer
-        self.causal_mask = _causal_mask(start, end, cache.kv.device)
+        self.causal_mask = _causal_mask(start, end, cache.kv.device, cache.kv.dtype)
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
@@ -227,25 +227,28 @@ class Chunks(list[ForwardContext]):
     def __init__(self, contexts: list[ForwardContext]) -> None:
         super().__init__(contexts)
         self.rows = contexts[-1].end - contexts[0].start
+        self.slots = (
+            contexts[0].slots if len(contexts) == 1 else torch.cat([c.slots for c in contexts])
+        )
 
     def attend(
         self, layer: int, q: torch.Tensor, parts: tuple[torch.Tensor, ...], attend: Attend
     ) -> torch.Tensor:
-        """Each chunk's queries against the cache up to the chunk's end: writes the chunk's
-        rows of ``parts`` (K and V, or the latent) into ``layer``, then ``attend(q rows, the
-        layer's cache read to the chunk's end, chunk)``; the outputs' rows in order."""
+        """Each chunk's queries against the cache up to the chunk's end: writes every row of
+        ``parts`` (K and V, or the latent) into ``layer`` at once, then calls ``attend(the
+        chunk's rows of q, the layer's cache read to the chunk's end, chunk)``; the outputs'
+        rows in order."""
+        first = self[0]
+        first.cache.write(layer, self.slots, *(part[: self.rows] for part in parts))
         if len(self) == 1 and self.rows == q.shape[0]:
-            ctx = self[0]
-            ctx.cache.write(layer, ctx.slots, *parts)
-            return attend(q, ctx.cache.read(layer, ctx.table, ctx.end), ctx)
+            return attend(q, first.cache.read(layer, first.table, first.end), first)
         out: torch.Tensor | None = None
-        first = self[0].start
         for ctx in self:
-            rows = slice(ctx.start - first, ctx.end - first)
-            ctx.cache.write(layer, ctx.slots, *(part[rows] for part in parts))
+            rows = slice(ctx.start - first.start, ctx.end - first.start)
             chunk_out = attend(q[rows], ctx.cache.read(layer, ctx.table, ctx.end), ctx)
-            if out is None:  # padding rows stay zero: the layers after are row by row
-                out = chunk_out.new_zeros(q.shape[0], *chunk_out.shape[1:])
+            if out is None:
+                out = chunk_out.new_empty(q.shape[0], *chunk_out.shape[1:])
+                out[self.rows :] = 0  # padding rows: the layers after are row by row
             out[rows] = chunk_out
         assert out is not None
         return out
@@ -292,18 +295,22 @@ def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int
     return list(itertools.pairwise(bounds))
 
 
-def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor | CausalBias | None:
+def _causal_mask(
+    start: int, end: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | CausalBias | None:
     """Query at position p sees keys at positions <= p (None when n == 1: it sees all).
 
     On CUDA a lower-right causal bias lets SDPA pick its flash kernel; elsewhere an explicit
-    ``[n, S]`` bool mask (the same values; CausalBias would rebuild it for every layer).
+    ``[n, S]`` additive mask (0 or -inf, the bits SDPA's CPU kernel gives a bool mask, which it
+    would convert in every layer; CausalBias would rebuild it for every layer).
     """
     if end - start == 1:
         return None
     if device.type == "cuda":
         return causal_lower_right(end - start, end)
     query_pos = torch.arange(start, end, device=device)[:, None]
-    return torch.arange(end, device=device)[None, :] <= query_pos
+    hidden = torch.arange(end, device=device)[None, :] > query_pos
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -torch.inf)
 
 
 def _per_chunk(
