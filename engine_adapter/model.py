@@ -30,6 +30,34 @@ from engine_adapter.paged_kv import BlockTable, PagedKVCache
 LayerHook = Callable[[int], None]
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` without a bias that runs oneDNN's GEMM on a prepacked weight where it can:
+    on a CPU with oneDNN, in fp32. torch's own fp32 GEMM there (MKL) took 15-20% longer on
+    the 2-core AMD machine (a [1,024 x 576] by [576 x 1,536] product: 10-11 ms against 8.6).
+    The packed copy follows the weight: it is made again whenever the weight's storage,
+    version (any in-place write, ``load_state_dict`` included), device or dtype changed."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self._packed: torch.Tensor | None = None
+        self._packed_for: tuple[int, int, torch.device, torch.dtype] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not (_ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32):
+            return F.linear(x, weight)
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype)
+        if self._packed_for != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._packed_for = key
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self._packed, None, "none", [], ""
+        )
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -83,10 +111,10 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, chunks: Chunks, layer: int) -> torch.Tensor:
         n, first = x.shape[0], chunks[0]
@@ -128,16 +156,16 @@ class LatentAttention(nn.Module):
         q_out = cfg.num_heads * cfg.qk_head_dim
         self.low_rank_q = cfg.q_lora_rank > 0
         if self.low_rank_q:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_out)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=False)
+            self.q_proj = Linear(cfg.hidden_size, q_out)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         kv_b_out = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, kv_b_out, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, kv_b_out)
+        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.low_rank_q:
@@ -177,9 +205,9 @@ class LatentAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -344,7 +372,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # one row a call
         self.tie_weights()
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self._rows_exact_for: tuple[torch.device, torch.dtype] | None = None

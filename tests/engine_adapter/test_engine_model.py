@@ -14,7 +14,7 @@ from bench.reference_prefill import hf_llama_config  # noqa: E402
 from engine_adapter.config import ModelConfig  # noqa: E402
 from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
 from engine_adapter.loader import load_model  # noqa: E402
-from engine_adapter.model import rows_are_exact  # noqa: E402
+from engine_adapter.model import Linear, rows_are_exact  # noqa: E402
 from engine_adapter.paged_kv import BlockTable, PagedKVCache  # noqa: E402
 from engine_adapter.weights import _unpermute_rope  # noqa: E402
 
@@ -214,6 +214,24 @@ def test_kernels_that_depend_on_the_calls_rows_keep_each_chunk_on_its_own():
     chunks = [model(token_ids[s : s + 32], s, cache, table) for s in range(0, 96, 32)]
     assert torch.equal(hidden, torch.cat(chunks)), "the chunks shared their kernels' calls"
     assert torch.equal(kv[1], cache.read(3, table, 96))
+
+
+def test_a_linear_layer_follows_its_weight():
+    """The engine's Linear may run on a packed copy of its weight (oneDNN on CPU): every
+    change of the weight, in place or by load_state_dict, must reach the output."""
+    layer = Linear(32, 8)
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(20, 32, generator=generator)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(8, 32, generator=generator))
+    torch.testing.assert_close(layer(x), x @ layer.weight.T)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T, msg="an in-place change was missed")
+    layer.load_state_dict({"weight": torch.randn(8, 32, generator=generator)})
+    torch.testing.assert_close(layer(x), x @ layer.weight.T, msg="load_state_dict was missed")
+    layer.to(torch.float64)
+    torch.testing.assert_close(layer(x.double()), x.double() @ layer.weight.T)
 
 
 def test_seeded_random_init_is_reproducible():
