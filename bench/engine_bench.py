@@ -158,10 +158,11 @@ class Bench:
     """One engine, one store, the measurements of one run.
 
     First one untimed round warms everything up (kernels, allocator, store connections and
-    UCX endpoints, the cost model); then timed runs are interleaved (a cold prefill, then every
-    fraction's suffix compute and cached prefill, repeated ``repeats`` times) so that load from
-    other processes hits every measurement alike; each figure is the median of its repeats,
-    and each row gives every run and their spread.
+    UCX endpoints, the cost model); then timed runs are interleaved (a cold prefill and the
+    reference's, which goes first every other round, then every fraction's suffix compute and
+    cached prefill, repeated ``repeats`` times) so that load from other processes hits every
+    measurement alike; each figure is the median of its repeats, and each row gives every run
+    and their spread.
     """
 
     def __init__(

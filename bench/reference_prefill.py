@@ -6,7 +6,8 @@ ours, and the device's matrix-multiply rate.
   model: random or local, never from a hub). A cached prefill that is not faster than this
   forward is not worth its fetch.
 - :func:`matmul_tflops`: a square matrix product's rate (bf16 on GPU, fp32 on CPU, the
-  engine's dtype): what ``cold_mfu`` divides by.
+  engine's dtype; torch.mm or the engine's linear layer, whichever is faster): what
+  ``cold_mfu`` divides by.
 - :func:`prefill_flops`: the forward's arithmetic, counted as the matmuls of the layers, the
   causal attention and the last position's LM head.
 """
@@ -18,7 +19,7 @@ import time
 import torch
 
 from engine_adapter.config import ModelConfig
-from engine_adapter.model import LlamaModel
+from engine_adapter.model import Linear, LlamaModel
 
 
 def prefill_flops(cfg: ModelConfig, start: int, end: int) -> float:
@@ -38,18 +39,25 @@ def prefill_flops(cfg: ModelConfig, start: int, end: int) -> float:
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
-    """The best rate of ``repeats`` square matrix products (8192 on GPU, 2048 on CPU), TFLOP/s."""
+    """The best rate of ``repeats`` square matrix products (8192 on GPU, 2048 on CPU), TFLOP/s,
+    by torch.mm or by the engine's linear layer (oneDNN's packed GEMM on CPU in fp32, faster
+    there than torch.mm's): the fastest matrix product the engine could run."""
     size = 8192 if device.type == "cuda" else 2048
     generator = torch.Generator(device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    linear = Linear(size, size).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(b.T)
     best_s = float("inf")
-    for _ in range(repeats + 1):  # the first one warms up
-        _synchronize(device)
-        started = time.perf_counter()
-        torch.mm(a, b)
-        _synchronize(device)
-        best_s = min(best_s, time.perf_counter() - started)
+    for product in (lambda: torch.mm(a, b), lambda: linear(a)):
+        for _ in range(repeats + 1):  # the first one warms up
+            _synchronize(device)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                product()
+            _synchronize(device)
+            best_s = min(best_s, time.perf_counter() - started)
     return 2 * size**3 / best_s / 1e12
 
 
