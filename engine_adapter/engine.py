@@ -309,7 +309,8 @@ class Engine:
     async def close(self) -> None:
         if self.connector:
             await self.connector.close()
-        self._compute_thread.shutdown(wait=False)
+        # The compute thread stays: an engine without a store still prefills after close (it
+        # idles until then, and ends with the engine)
 
     async def _on_compute_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)`` on the engine's compute thread (which runs every forward)."""

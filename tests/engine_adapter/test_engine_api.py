@@ -37,6 +37,20 @@ async def test_extend_continues_a_prefill_and_truncate_rewinds_it(engine):
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks, "a block leaked"
 
 
+async def test_an_engine_still_computes_after_close():
+    # close() ends the store's clients, not the engine: a prefill without the store still runs
+    loaded = load_model("random:tiny", "cpu", "float32", seed=0)
+    config = EngineConfig(block_tokens=16, prefill_chunk_tokens=32, max_model_len=64)
+    engine = Engine(loaded, config)
+    prompt = [t % loaded.model.config.vocab_size for t in PROMPT[:40]]
+    before = await engine.prefill(prompt, use_cache=False)
+    engine.release(before.sequence)
+    await engine.close()
+    after = await engine.prefill(prompt, use_cache=False)
+    engine.release(after.sequence)
+    assert torch.equal(after.logits, before.logits)
+
+
 async def test_seeded_sampling_is_reproducible_and_greedy_is_argmax(engine):
     first = await engine.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=3)
     again = await engine.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=3)
