@@ -7,4 +7,5 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/engine_
 tail -3 $OUT/tests.txt
 B="python3 -m kvstore.cli bench engine --model random:1b --device cuda"
 timeout 150 $B --prompt-lengths 4096,16384 --cached-fractions 0,0.1,0.9 --repeats 5 --json $OUT/engine_1b_dtype.json | grep -E "^│|limits"
+timeout 60 python3 docs/runs/stop48-gpu/attention_variants.py 2>&1 | tee $OUT/attention_variants.txt
 uptime
