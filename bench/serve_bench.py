@@ -42,6 +42,7 @@ import contextlib
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -340,6 +341,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         records = asyncio.run(measure(pool, args, console))
+    shutil.rmtree(work_dir, ignore_errors=True)  # kept only when the run failed (its logs)
     console.print(results_table(records))
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -388,7 +390,11 @@ def run_load(args: argparse.Namespace) -> int:
     flood_ok = report.get("flood", {}).get("contract_met", True)
     slow_ok = report.get("slow_sockets", {}).get("all_closed", True)
     no_wedge = not report.get("drops", {}).get("wedges", 0)
-    return 0 if flood_ok and slow_ok and no_wedge else 1
+    if flood_ok and slow_ok and no_wedge:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        return 0
+    console.print(f"kept {work_dir} (the cluster's and serve's logs)")
+    return 1
 
 
 async def _load_runs(

@@ -8,9 +8,10 @@ unit tests and the simulator: both keep the same :class:`Txn` semantics, so the 
 Disk space (lmdb only, :class:`LmdbBackend`): the index never writes into a page the filesystem
 has not allocated. lmdb maps its files; a page of a sparse file that a full disk cannot back
 kills the process with SIGBUS (seen on a full tmpfs: lock.mdb's reader table). So ``lock.mdb`` is
-allocated whole at open, and ``data.mdb`` is kept allocated ``reserve_bytes`` ahead of lmdb's
-last page (``posix_fallocate``): the index's own writes land in space the node already holds,
-puts are refused (CapacityExhausted) once that reserve cannot be kept, and deletes, expiry and
+allocated whole before lmdb maps it (a new index on a full disk is refused with
+CapacityExhausted), and ``data.mdb`` is kept allocated ``reserve_bytes`` ahead of lmdb's last
+page (``posix_fallocate``): the index's own writes land in space the node already holds, puts
+are refused (CapacityExhausted) once that reserve cannot be kept, and deletes, expiry and
 eviction still commit from what is left. The allocated size counts inside the node's byte limit:
 each file's size rounded up to whole pages, since both are allocated whole. Not ``st_blocks``:
 that also counts the filesystem's own metadata, which moves with the write pattern (ext4 adds
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import logging
 import mmap
 import os
 import shutil
@@ -39,9 +39,9 @@ from kvstore.errors import CapacityExhausted, IndexUnusable
 from kvstore.store.index_check import check_index_pages
 from kvstore.store.index_codec import DBS
 
-log = logging.getLogger(__name__)
-
 DEFAULT_RESERVE_BYTES = 32 << 20
+# lmdb's lock file with its default 126 reader slots: a 128-byte header and 64 bytes a slot.
+LOCK_FILE_BYTES = 8192
 # Page-level lmdb failures that mean the file is damaged, not that a request was wrong.
 _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
 
@@ -148,20 +148,22 @@ class LmdbBackend:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.reserve_bytes = reserve_bytes
+        # The reader table is written through a mapping: allocate it whole before lmdb maps
+        # it (lmdb only ftruncates it, and a page a full disk cannot back is a SIGBUS). The
+        # descriptor stays open until the environment closes: closing any descriptor of a
+        # file drops every fcntl lock this process holds on it, lmdb's shared lock on
+        # lock.mdb too; the next process to open the index (the scrub's check) would then
+        # take it as unused and reset its reader table and write mutex under our open
+        # transactions.
+        self._lock_fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            self._env = lmdb.open(
-                str(path), map_size=map_size_bytes, max_dbs=len(DBS), sync=sync, readahead=False
-            )
-            self._dbs = {name: self._env.open_db(name.encode()) for name in DBS}
-        except (*_CORRUPT_ERRORS, lmdb.VersionMismatchError) as exc:
-            raise IndexUnusable(f"the index in {path} cannot be opened: {exc}") from exc
-        # The reader table is written through a mapping: allocate it whole. The descriptor
-        # stays open until the environment closes: closing any descriptor of a file drops
-        # every fcntl lock this process holds on it, lmdb's shared lock on lock.mdb too; the
-        # next process to open the index (the scrub's check) would then take it as unused and
-        # reset its reader table and write mutex under our open transactions.
-        self._lock_fd = _allocate_whole(path / "lock.mdb")
-        self._data_fd = os.open(path / "data.mdb", os.O_RDWR)
+            _allocate_whole(self._lock_fd, path / "lock.mdb", LOCK_FILE_BYTES)
+            self._env, self._dbs = _open_env(path, map_size_bytes, sync)
+            _allocate_whole(self._lock_fd, path / "lock.mdb", 0)  # as lmdb sized it
+            self._data_fd = os.open(path / "data.mdb", os.O_RDWR)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self.ensure_reserve()
 
     @contextmanager
@@ -238,21 +240,38 @@ def _allocated(path: Path) -> int:
     return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _allocate_whole(path: Path) -> int:
-    """Allocate every byte of an existing file (no holes for a mapping to fault on); return
-    its open descriptor, which the caller closes. On a disk already full that is not
-    possible: the node starts anyway (a full disk must not keep it from serving reads) and
-    says so, since more concurrent readers than the allocated part of the table holds could
-    then fault."""
-    fd = os.open(path, os.O_RDWR)
+def _open_env(
+    path: Path, map_size_bytes: int, sync: bool
+) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
+    """lmdb's environment in ``path`` and its sub-databases; a damaged index is
+    IndexUnusable, a full disk CapacityExhausted (a clear error, not lmdb's traceback)."""
     try:
-        os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, 1))
+        env = lmdb.open(
+            str(path), map_size=map_size_bytes, max_dbs=len(DBS), sync=sync, readahead=False
+        )
+        return env, {name: env.open_db(name.encode()) for name in DBS}
+    except (*_CORRUPT_ERRORS, lmdb.VersionMismatchError) as exc:
+        raise IndexUnusable(f"the index in {path} cannot be opened: {exc}") from exc
+    except lmdb.Error as exc:
+        if not _disk_full(exc, path):
+            raise
+        raise CapacityExhausted(f"disk full: the index in {path} cannot be created: {exc}") from exc
+
+
+def _allocate_whole(fd: int, path: Path, min_bytes: int) -> None:
+    """Allocate every byte of the open file ``fd``, at least ``min_bytes`` (no holes for a
+    mapping to fault on). An index whose lock file was allocated before needs no new space,
+    so only a node whose index is new can be refused here: it holds nothing yet, and a full
+    disk is a clear CapacityExhausted instead of a SIGBUS at its first reader."""
+    try:
+        os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, min_bytes, 1))
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            os.close(fd)
             raise
-        log.warning("disk full: %s could not be allocated whole (%s)", path, exc)
-    return fd
+        raise CapacityExhausted(
+            f"disk full: the index's lock file {path} cannot be allocated ({exc}); free space "
+            f"on {path.parent} and start the node again"
+        ) from None
 
 
 def _disk_full(exc: lmdb.Error, path: Path) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,22 @@ async def test_a_node_on_a_full_disk_never_crashes_and_restarts(tmp_path: Path, 
         async with NodeClient(address) as client:
             results = await client.get(list(stored)[4:40])
             assert all(r.status == 1 for r in results), "reads failed after restarting full"
+
+
+@pytest.mark.parametrize("free_bytes", [0, 4096, 16384])
+def test_a_new_node_on_a_full_disk_exits_with_a_clear_error(tmp_path: Path, free_bytes) -> None:
+    # lmdb maps its lock file; a page a full disk cannot back killed the node with SIGBUS
+    # (0 bytes free) or a traceback (a few KB), and 12 nodes starting on a filling disk
+    # died that way in CI. Now the node says the disk is full and exits with 1.
+    with mounted_tmpfs(tmp_path / "fs", 1 * MiB) as fs:
+        config = write_config(tmp_path, data_dir=fs / "n0")
+        filler = fs / "filler"
+        with filler.open("wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(fs).free - free_bytes)
+        command = [sys.executable, "-m", "kvstore.cli", "node", "--config", str(config)]
+        result = subprocess.run(
+            [*command, "--id", "n0"], capture_output=True, text=True, timeout=120
+        )
+    assert result.returncode == 1, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("kvstore node n0: disk full"), result.stderr[-2000:]
