@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from client import KVClient
-from deploy.local_cluster import LocalCluster, local_config
+from deploy.local_cluster import LocalCluster, local_config, with_local_reserves
 from erasure.config import CodecConfig
 from kvstore.cli.args import size_arg
 from kvstore.config import NodeConfig
@@ -221,7 +221,7 @@ def _local_fill(root: Path, limits: list[int], fill: int, block_bytes: int) -> d
     )
     pairs = [(n.id, n.failure_domain) for n in nodes]
     groups = make_groups(pairs, config.codec.num_shards, None, node_weights(nodes))
-    config = dataclasses.replace(config, nodes=nodes, groups=tuple(groups))
+    config = with_local_reserves(dataclasses.replace(config, nodes=nodes, groups=tuple(groups)))
     with LocalCluster._spawn_all(root, config, False, LOCAL_STARTUP_TIMEOUT_S) as cluster:
         return asyncio.run(_fill_and_read(cluster.cluster_toml, fill, block_bytes))
 

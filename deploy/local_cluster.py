@@ -133,7 +133,6 @@ def local_config(
         )
         for i in range(num_nodes)
     )
-    nodes = tuple(_with_local_reserve(node) for node in nodes)
     groups = make_groups([(n.id, n.failure_domain) for n in nodes], codec.num_shards)
     ttl = TTLConfig(time_scale=time_scale, origin_unix_s=time.time())
     return ClusterConfig(
@@ -141,14 +140,20 @@ def local_config(
     )
 
 
-def _with_local_reserve(node: NodeConfig) -> NodeConfig:
-    """``node`` with an index reserve of its own when none was set: the automatic one (a
-    disk of its own mounted at its data directory gets 1/32 of it), at most
-    :data:`LOCAL_INDEX_RESERVE_BYTES`."""
-    if node.index_reserve_bytes:
-        return node
-    reserve = min(reserve_bytes_for(node, Path(node.data_dir)), LOCAL_INDEX_RESERVE_BYTES)
-    return dataclasses.replace(node, index_reserve_bytes=reserve)
+def with_local_reserves(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with each node that sets no index reserve given one: the automatic one (of
+    its ``max_bytes``, or of its disk: one mounted at its data directory gets 1/32 of it),
+    at most :data:`LOCAL_INDEX_RESERVE_BYTES`. Apply it once the limits are final."""
+
+    def reserved(node: NodeConfig) -> NodeConfig:
+        if node.index_reserve_bytes:
+            return node
+        automatic = reserve_bytes_for(node, Path(node.data_dir))
+        return dataclasses.replace(
+            node, index_reserve_bytes=min(automatic, LOCAL_INDEX_RESERVE_BYTES)
+        )
+
+    return dataclasses.replace(config, nodes=tuple(reserved(node) for node in config.nodes))
 
 
 def node_ports(nodes: Sequence[NodeConfig]) -> list[int]:
@@ -299,6 +304,7 @@ class LocalCluster:
         if base_port is not None:
             (root / BASE_PORT_FILE).write_text(str(base_port))
         config = local_config(root, num_nodes, time_scale, backend, base_port, **node_defaults)
+        config = with_local_reserves(config)
         config = secure(
             root,
             config,
