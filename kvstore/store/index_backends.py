@@ -255,7 +255,7 @@ def _open_env(
     except lmdb.Error as exc:
         if not _disk_full(exc, path):
             raise
-        raise CapacityExhausted(f"disk full: the index in {path} cannot be created: {exc}") from exc
+        raise CapacityExhausted(f"disk full: the index in {path} cannot be opened: {exc}") from exc
 
 
 def _allocate_whole(fd: int, path: Path, min_bytes: int) -> None:
