@@ -34,6 +34,13 @@ class Landing:
 
     landed: list[bool]  # the block is in its buffer, verified
     rewritten: list[bool]  # bytes were written after on_landed announced them: copy again
+    timed_out: list[bool]  # not landed because the deadline passed before it was decided
+
+    @classmethod
+    def nothing(cls, num_blocks: int, timed_out: bool = False) -> Landing:
+        """No block landed: a read that was not made (``timed_out``: for want of time) or
+        that failed."""
+        return cls([False] * num_blocks, [False] * num_blocks, [timed_out] * num_blocks)
 
 
 class BlockReads:
@@ -82,6 +89,7 @@ class BlockReads:
         return Landing(
             [block is not None for block in blocks],
             [i in rewritten for i in range(len(blocks))],
+            timed_out,
         )
 
     async def read(

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from client import KVClient, block_keys
+from client.block_reads import Landing
 from client.readiness import Readiness
 from engine_adapter.config import EngineConfig
 from engine_adapter.cost_model import FetchCostModel, FetchPlan
@@ -411,7 +412,7 @@ class _FetchChunks:
         )
         self.block_fetch_s: list[float] = []  # each arrived block's chunk's seconds
         self.first_miss = len(slots)  # the lowest block index known missing
-        self.tasks: dict[int, asyncio.Task[list[bool]]] = {}  # chunk start -> its task
+        self.tasks: dict[int, asyncio.Task[Landing]] = {}  # chunk start -> its task
 
     async def run(self, chunk: int, gate: asyncio.Semaphore) -> tuple[int, str | None]:
         """(leading blocks arrived, why the first that did not failed, or None); ``gate``
@@ -424,15 +425,14 @@ class _FetchChunks:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        deadline_passed = bool(pending) or time.perf_counter() >= self.deadline
-        return _leading_run(list(self.tasks.values()), list(self.tasks), deadline_passed)
+        return _leading_run(list(self.tasks.values()), list(self.tasks))
 
-    async def _chunk(self, start: int, end: int, gate: asyncio.Semaphore) -> list[bool]:
+    async def _chunk(self, start: int, end: int, gate: asyncio.Semaphore) -> Landing:
         async with gate:
             started = time.perf_counter()
             remaining_s = self.deadline - started
             if remaining_s <= 0 or start > self.first_miss:
-                return [False] * (end - start)
+                return Landing.nothing(end - start, timed_out=remaining_s <= 0)
             landing = await self.kv.land_batch(
                 self.keys[start:end],
                 [slot.view for slot in self.slots[start:end]],
@@ -449,7 +449,7 @@ class _FetchChunks:
                     self.swap_in.block_arrived(index)
         if not all(landing.landed):
             self._missed(start + landing.landed.index(False))
-        return landing.landed
+        return landing
 
     def _missed(self, index: int) -> None:
         self.first_miss = min(self.first_miss, index)
@@ -458,9 +458,7 @@ class _FetchChunks:
                 task.cancel()
 
 
-def _leading_run(
-    tasks: list[asyncio.Task[list[bool]]], starts: list[int], deadline_passed: bool
-) -> tuple[int, str | None]:
+def _leading_run(tasks: list[asyncio.Task[Landing]], starts: list[int]) -> tuple[int, str | None]:
     """How many leading blocks arrived, and why the first that did not failed (or None)."""
     for task, start in zip(tasks, starts, strict=True):
         if task.cancelled():
@@ -472,7 +470,10 @@ def _leading_run(
         if error is not None:
             log.warning("fetching cached KV blocks failed, computing instead", exc_info=error)
             return start, "error"
-        landed = task.result()
-        if not all(landed):
-            return start + landed.index(False), "deadline" if deadline_passed else "miss"
-    return sum(len(task.result()) for task in tasks), None
+        landing = task.result()
+        if not all(landing.landed):
+            first = landing.landed.index(False)
+            # The land_batch's own timeout says it, not the clock after it returned: the two
+            # read different clocks, so a read cut at the deadline could look like a miss.
+            return start + first, "deadline" if landing.timed_out[first] else "miss"
+    return sum(len(task.result().landed) for task in tasks), None

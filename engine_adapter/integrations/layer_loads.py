@@ -352,7 +352,7 @@ class LayerLoads:
             landing = chunk.future.result()
         except (*StoreFailure, concurrent.futures.CancelledError) as exc:
             log.warning("loading %d KV blocks from kvstore failed: %s", num_blocks, exc)
-            landing = Landing([False] * num_blocks, [False] * num_blocks)
+            landing = Landing.nothing(num_blocks)
         block_ids = chunk.block_ids
         landed = [i for i, ok in enumerate(landing.landed) if ok]
         load.failed.update(block_ids[i] for i, ok in enumerate(landing.landed) if not ok)

@@ -21,6 +21,7 @@ from tests.engine_adapter.store_harness import CONFIG  # noqa: E402
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPT = [(i * 53 + 5) % 1000 for i in range(170)]  # 10 full blocks and a 10-token tail
 DAY_S = 4.0  # real seconds a virtual day lasts in the TTL test
+SLOW_STORE_S = 1.5  # every node answers this late in the deadline test
 
 
 async def prefill(engine: Engine, prompt: list[int], **kwargs):
@@ -57,7 +58,7 @@ async def test_two_nodes_down_still_hit_three_down_compute(tmp_path, small_model
 
 
 async def test_slow_store_hits_the_deadline_and_computes(tmp_path, small_model):
-    with LocalCluster.start(tmp_path, fsync=False, inject_delay_ms=500.0) as cluster:
+    with LocalCluster.start(tmp_path, fsync=False, inject_delay_ms=SLOW_STORE_S * 1e3) as cluster:
         writer = Engine(small_model, CONFIG)
         writer.open_store(cluster.cluster_toml)
         cold = await prefill(writer, PROMPT, use_cache=False)
@@ -70,12 +71,13 @@ async def test_slow_store_hits_the_deadline_and_computes(tmp_path, small_model):
         result = await prefill(engine, PROMPT)
         elapsed_s = time.perf_counter() - started
         await engine.close()
-    # The fetch is the lookup: with every answer 500 ms away, none came before the deadline, so
-    # nothing counts as matched and nothing as cached.
+    # The fetch is the lookup: with every answer 1.5 s away, none came before the deadline, so
+    # nothing counts as matched and nothing as cached. The fetch gave up before any answer
+    # came (a loaded machine may run the client's loop late, so not "at 0.2 s").
     assert result.fallback == "deadline", "the blocks were written; the fetch should have tried"
     assert result.num_matched_tokens == 0 and result.num_cached_tokens == 0
-    assert result.fetch_s < 0.5, f"the fetch ignored its 0.2 s deadline ({result.fetch_s:.2f} s)"
-    assert elapsed_s < 5.0
+    assert result.fetch_s < SLOW_STORE_S, f"the fetch waited for the answers ({brief(result)})"
+    assert elapsed_s < 2 * SLOW_STORE_S + 5.0
     assert torch.equal(result.logits, cold.logits), "the deadline fallback changed the answer"
 
 
