@@ -52,7 +52,8 @@ from client.integrity import XXH3_CHECK, BlockCheck
 from client.landing import NodeAnswer, Wanted, header_rows
 from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result
-from client.read_plan import plan_read
+from client.node_health import SLOW_SCORE
+from client.read_plan import healthy_plan, plan_read
 from client.read_timeline import CLIENT, ReadTimeline
 from client.shard_tally import ShardCollector, can_complete
 from erasure.codec import Codec
@@ -251,24 +252,38 @@ class _State(BlockChecks):
         self.heard_miss: list[set[int]] = [set() for _ in keys]
         self.k = k
         self.deadline_passed = False
+        codec = read.codec  # each key's payload bytes per node, for sizing requests
+        self.payload_estimates = [
+            codec.payload_bytes(len(out) if out is not None else codec.max_block_bytes)
+            for out in outs
+        ]
         self._plan()
 
     def _plan(self) -> None:
-        """Per group a read plan; per node one request (or a few, for very large batches)."""
+        """Per group a read plan; per node one request (or a few, for very large batches).
+        Node health is read once per batch, and a group whose members are all healthy takes
+        the one plan such groups share: most batches plan O(nodes), not O(groups x n)."""
         group_to_positions: dict[int, list[int]] = {}
         for position, group in enumerate(self.groups):
             group_to_positions.setdefault(group, []).append(position)
+        conns = self.read.conns
+        now_s = time.monotonic()
+        suspect = [conn.health.is_suspect(now_s) for conn in conns]
+        late = [conn.health.late_score for conn in conns]
+        unusual = {n for n, late_score in enumerate(late) if suspect[n] or late_score > SLOW_SCORE}
         node_to_items: dict[int, list[tuple[int, int]]] = {}
         for group, positions in group_to_positions.items():
             members = self.read.group_members[group]
-            conns = [self.read.conns[n] for n in members]
-            plan = plan_read(
-                self.k,
-                self.read.fanout,
-                [conn.is_suspect() for conn in conns],
-                [conn.health.late_score for conn in conns],
-                [conn.health.is_slow and conn.health.take_probe() for conn in conns],
-            )
+            if unusual and not unusual.isdisjoint(members):
+                plan = plan_read(
+                    self.k,
+                    self.read.fanout,
+                    [suspect[n] for n in members],
+                    [late[n] for n in members],
+                    [late[n] > SLOW_SCORE and conns[n].health.take_probe() for n in members],
+                )
+            else:
+                plan = healthy_plan(self.k, self.read.fanout, len(members))
             self.reserve[group] = plan.reserve
             for shard_index in plan.ask:
                 items = node_to_items.setdefault(members[shard_index], [])
@@ -279,7 +294,7 @@ class _State(BlockChecks):
     def _ask(self, node: int, items: list[tuple[int, int]]) -> None:
         """Send ``node`` requests for ``items`` ((batch position, shard index) pairs)."""
         self.asked_nodes.add(node)
-        per_key_bytes = [self._payload_estimate(p) for p, _ in items]
+        per_key_bytes = [self.payload_estimates[p] for p, _ in items]
         start = 0
         while start < len(items):
             end, num_bytes = start, 0
@@ -307,11 +322,6 @@ class _State(BlockChecks):
             )
             self.tasks[task] = request
             self.read.counters.num_node_requests += 1
-
-    def _payload_estimate(self, position: int) -> int:
-        out = self.outs[position]
-        codec = self.read.codec
-        return codec.payload_bytes(len(out) if out is not None else codec.max_block_bytes)
 
     async def gather(self) -> None:
         """Absorb answers until every key is decided or every request finished; then give

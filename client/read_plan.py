@@ -17,6 +17,7 @@ first wave cannot give ``k`` shards of one version.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,3 +48,9 @@ def plan_read(
     extras = [i for i in order[fanout:] if probe[i] and not suspect[i]]
     reserve = [i for i in order[fanout:] if i not in extras]
     return ReadPlan(ask=tuple(ask + extras), reserve=tuple(reserve))
+
+
+@functools.cache
+def healthy_plan(k: int, fanout: int, num_members: int) -> ReadPlan:
+    """The plan of a group whose members are all healthy: the same for every such group."""
+    return plan_read(k, fanout, [False] * num_members, [0.0] * num_members, [False] * num_members)

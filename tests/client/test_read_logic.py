@@ -7,7 +7,7 @@ import random
 import xxhash
 
 from client.node_health import PROBE_EVERY, SUSPECT_MAX_S, NodeHealth
-from client.read_plan import plan_read
+from client.read_plan import healthy_plan, plan_read
 from client.shard_tally import PresenceTally, ShardCollector
 from erasure.codec import make_codec
 from erasure.config import CodecConfig
@@ -78,6 +78,7 @@ def test_read_plan_prefers_data_shards_and_skips_bad_nodes() -> None:
     healthy, on_time = [False] * 12, [0.0] * 12
     plan = plan_read(10, 11, healthy, on_time, healthy)
     assert plan.ask == tuple(range(11)) and plan.reserve == (11,), "all data shards + 1 parity"
+    assert healthy_plan(10, 11, 12) == plan, "a healthy group's shared plan differs"
     suspect = [i in (2, 5) for i in range(12)]
     plan = plan_read(10, 11, suspect, on_time, healthy)
     assert plan.ask == (0, 1, 3, 4, 6, 7, 8, 9, 10, 11, 2), "healthy first, then one suspect"
