@@ -85,7 +85,7 @@ from bench.limits import copy_limits
 from bench.reference_prefill import ReferencePrefill, matmul_tflops, prefill_flops
 from deploy.local_cluster import LocalCluster
 from engine_adapter.config import EngineConfig, add_kv_format_argument, add_store_transport_argument
-from engine_adapter.engine import Engine, PrefillResult, Sequence
+from engine_adapter.engine import Engine, PrefillResult, Sequence, freeze_startup_heap
 from engine_adapter.loader import load_model
 from kvstore.cli.progress import ProgressReporter
 from kvstore.cli.tables import make_console, print_fitted
@@ -453,6 +453,7 @@ async def bench(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         reference = None if engine.model.config.is_mla else ReferencePrefill(engine.model)
         runner = Bench(engine, args.repeats, progress, reference)
         runner.matmul_tflops = matmul_tflops(engine.cache.kv.device, engine.cache.kv.dtype)
+        freeze_startup_heap()  # as a serving worker does once it is up
         for num_tokens in lengths:
             prompt = make_prompt(num_tokens, engine.model.config.vocab_size, args.seed)
             rows += await runner.prompt_rows(prompt, fractions)

@@ -108,6 +108,7 @@ from client.read_timeline import CLIENT, ReadTimeline
 from engine_adapter import e4m3x16_native, kv_format, weights
 from engine_adapter.config import KV_FORMATS, STORE_TRANSPORTS, EngineConfig
 from engine_adapter.connector import FetchOutcome, StoreConnector
+from engine_adapter.engine import freeze_startup_heap
 from engine_adapter.kv_layout import KVBlockLayout
 from engine_adapter.paged_kv import BlockTable, PagedKVCache
 from kvstore.cli.progress import ProgressReporter
@@ -330,6 +331,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             nodes_idle_cpu = await nodes_idle_cpu_cores(benches[0].node_pids)
             for swapin in benches:
                 swapin.nodes_idle_cpu_cores = nodes_idle_cpu
+            freeze_startup_heap()  # as a serving worker does once it is up
             await measure(benches)
             records = [make_record(b, runner) for b in benches for runner in b.runners]
         finally:

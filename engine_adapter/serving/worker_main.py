@@ -40,7 +40,7 @@ import torch
 from prometheus_client import start_http_server
 
 from engine_adapter.config import EngineConfig
-from engine_adapter.engine import Engine
+from engine_adapter.engine import Engine, freeze_startup_heap
 from engine_adapter.loader import model_name
 from engine_adapter.serving import serving_pb2_grpc as pb_grpc
 from engine_adapter.serving.admission import DEFAULT_TIMEOUT_S
@@ -157,6 +157,7 @@ async def serve_worker(args: argparse.Namespace) -> None:
     engine, calibration = await _load_engine(args, stages_s)
     with _timed(stages_s, "store"):
         engine.open_store(args.cluster)
+    freeze_startup_heap()
     worker_type = PrefillWorker if args.role == "prefill" else DecodeWorker
     metrics = WorkerMetrics(model_name=args.served_model_name or model_name(args.model))
     tls = _tls(args)
