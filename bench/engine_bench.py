@@ -158,12 +158,11 @@ class Bench:
     """One engine, one store, the measurements of one run.
 
     First one untimed round warms everything up (kernels, allocator, store connections and
-    UCX endpoints, the cost model); then timed runs are interleaved (a cold prefill and the
-    reference's, which goes first every other round, then every fraction's suffix compute and
-    cached prefill, repeated ``repeats`` times) so that load from other processes hits every
-    measurement alike; each figure is the median of its repeats, and each row gives every run
-    and their spread.
-    """
+    UCX endpoints, the cost model); then ``repeats`` rounds of interleaved runs (the
+    yardsticks, our cold prefill and the reference's, then every fraction's suffix compute and
+    cached prefill; the yardsticks last in every other round) so that load from other
+    processes hits every measurement alike; each figure is the median of its repeats, and
+    each row gives every run and their spread."""
 
     def __init__(
         self,
@@ -184,23 +183,22 @@ class Bench:
         await self._prefill(prompt, use_cache=False)  # warm-up, untimed
         await self._reference_s(prompt)
         for setup in setups:
-            await self._suffix_compute_s(setup, prompt, None)
+            if setup.prefix is not None:
+                await self._suffix_compute_s(setup, prompt)
             await self._prefill(prompt, tenant=setup.tenant, write_back=False)
-        cold: list[PrefillResult] = []
-        reference_s: list[float] = []
+        cold, reference_s = list[PrefillResult](), list[float]()
         for repeat in range(self.repeats):
-            # Each yardstick goes first in every other round: what the store does after a
-            # round's cached prefills (TTL touches, the nodes' own work) falls on both alike
-            if repeat % 2:
-                reference_s.append(await self._reference_s(prompt))
-            cold.append(await self._prefill(prompt, use_cache=False))
+            # The yardsticks go first every other round: what ran before falls on all alike.
             if not repeat % 2:
-                reference_s.append(await self._reference_s(prompt))
+                await self._yardsticks(prompt, repeat, cold, reference_s)
             for setup in setups:
-                setup.suffix_compute_s.append(await self._suffix_compute_s(setup, prompt, cold[-1]))
+                if setup.prefix is not None:  # nothing cached: the rest is the whole prompt
+                    setup.suffix_compute_s.append(await self._suffix_compute_s(setup, prompt))
                 setup.cached.append(
                     await self._prefill(prompt, tenant=setup.tenant, write_back=False)
                 )
+            if repeat % 2:
+                await self._yardsticks(prompt, repeat, cold, reference_s)
             self.progress.advance()
         for setup in setups:
             if setup.prefix is not None:
@@ -228,12 +226,19 @@ class Bench:
         await self.engine.flush()
         return Setup(fraction, tenant, seeded.sequence)
 
-    async def _suffix_compute_s(
-        self, setup: Setup, prompt: list[int], cold: PrefillResult | None
-    ) -> float:
+    async def _yardsticks(
+        self, prompt: list[int], repeat: int, cold: list[PrefillResult], reference_s: list[float]
+    ) -> None:
+        """One cold prefill of ours and one of the reference, in the order ``repeat`` says."""
+        if repeat // 2 % 2:
+            reference_s.append(await self._reference_s(prompt))
+        cold.append(await self._prefill(prompt, use_cache=False))
+        if not repeat // 2 % 2:
+            reference_s.append(await self._reference_s(prompt))
+
+    async def _suffix_compute_s(self, setup: Setup, prompt: list[int]) -> float:
         """Time to compute the uncached rest with the prefix already in the KV cache."""
-        if setup.prefix is None:  # nothing cached: the rest is the whole prompt
-            return cold.ttft_s if cold is not None else 0.0
+        assert setup.prefix is not None
         num_prefix = len(setup.prefix.token_ids)
         started = time.perf_counter()
         await self.engine.extend(setup.prefix, prompt[num_prefix:])
@@ -258,7 +263,7 @@ class Bench:
 def make_row(prompt: list[int], setup: Setup, cold: list[PrefillResult], engine: Engine) -> Row:
     """Medians of the repeats and the ratios derived from them (see the module doc)."""
     cached, fraction = setup.cached, setup.fraction
-    suffix_compute_s = statistics.median(setup.suffix_compute_s)
+    suffix_compute_s = statistics.median(setup.suffix_compute_s or [r.ttft_s for r in cold])
     ttft_cold_s = statistics.median(r.ttft_s for r in cold)
     ttft_s = statistics.median(r.ttft_s for r in cached)
     lookup_s = statistics.median(r.lookup_s for r in cached)
