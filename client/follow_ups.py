@@ -8,10 +8,11 @@
   returned with fewer than k+m shards stored, tell the group's leader (``QueueRepair``), which
   rebuilds those shards without waiting for its next pass (kvstore/node/repair_service.py).
 
-Both are batched per node (one RPC per node per flush, at most ``FLUSH_DELAY_S`` after the
-first item) and fire-and-forget: a read never waits for them, and a failed send is dropped and
-counted, never retried, because losing one costs at most a refresh (the repair pass rebuilds an
-expired shard) or a quicker repair (the pass finds it anyway).
+Both are batched per node (one RPC per node per flush, at most ``TOUCH_FLUSH_S`` or
+``FLUSH_DELAY_S`` after the first item) and fire-and-forget: a read never waits for them, and
+a failed send is dropped and counted, never retried, because losing one costs at most a
+refresh (the repair pass rebuilds an expired shard) or a quicker repair (the pass finds it
+anyway).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from kvstore.proto import kvstore_pb2 as pb
 log = logging.getLogger(__name__)
 
 FLUSH_DELAY_S = 0.05
+# Touches wait longer: a refresh that comes half a second late costs nothing against TTLs of
+# days, and an engine reading every 50-100 ms then sends a node one TouchShards per few
+# fetches, not one per fetch (each gRPC call costs the node about as much CPU as reading 1 MB).
+TOUCH_FLUSH_S = 0.5
 MAX_BATCH_ITEMS = 512
 
 Item = TypeVar("Item")
@@ -104,7 +109,9 @@ class FollowUps:
         self._tenant = tenant
         self._timeout_s = timeout_s
         self.counters = FollowUpCounters()
-        self._touches: NodeBatches[tuple[bytes, bytes]] = NodeBatches(self._touch, self.counters)
+        self._touches: NodeBatches[tuple[bytes, bytes]] = NodeBatches(
+            self._touch, self.counters, TOUCH_FLUSH_S
+        )
         self._hints: NodeBatches[tuple[bytes, int]] = NodeBatches(self._hint, self.counters)
 
     def set_groups(self, groups: Sequence[Sequence[str]]) -> None:
@@ -128,6 +135,7 @@ class FollowUps:
         return next((m for m in members if not self._conns[m].is_suspect()), members[0])
 
     async def _touch(self, node_id: str, items: list[tuple[bytes, bytes]]) -> None:
+        items = list(dict.fromkeys(items))  # a block read again within the flush: once
         request = pb.TouchShardsRequest(
             tenant=self._tenant, keys=[k for k, _ in items], versions=[v for _, v in items]
         )
