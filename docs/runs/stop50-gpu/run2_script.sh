@@ -3,14 +3,7 @@
 # swap-in (bf16 and e4m3x16, this stop's code against 02d9013), then the engine at 16k, bf16.
 set -u
 source docs/runs/wave6-gpu/run_setup.sh
-(cd .whl/old && for lib in erasure/_fastsum.so kvstore/wire/_landing.so; do
-    src=$(dirname $lib)/$(basename $lib .so | sed 's/^_//').c
-    gcc -O3 -march=native -pthread -I../include -shared -fPIC -Wall -Werror -o $lib $src || exit 1
-done
-for lib in ttl/_simloop.so engine_adapter/_e4m3x16.so; do
-    src=$(dirname $lib)/$(basename $lib .so | sed 's/^_//').c
-    gcc -O3 -march=native -shared -fPIC -Wall -Werror -o $lib $src -lm || exit 1
-done)
+source docs/runs/stop50-gpu/build_old.sh
 S="swapin --device cuda --transport local --model random:1b --num-blocks 256 --no-fsync --rounds 3 --kv-format dtype,e4m3x16"
 echo "== swap-in, new"
 timeout 80 python3 -m kvstore.cli bench $S --json $OUT/swapin_new.json | grep -E "^│ +local"
