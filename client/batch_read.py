@@ -52,7 +52,6 @@ from client.integrity import XXH3_CHECK, BlockCheck
 from client.landing import NodeAnswer, Wanted, header_rows
 from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result
-from client.node_health import SLOW_SCORE
 from client.read_plan import healthy_plan, plan_read
 from client.read_timeline import CLIENT, ReadTimeline
 from client.shard_tally import ShardCollector, can_complete
@@ -270,7 +269,8 @@ class _State(BlockChecks):
         now_s = time.monotonic()
         suspect = [conn.health.is_suspect(now_s) for conn in conns]
         late = [conn.health.late_score for conn in conns]
-        unusual = {n for n, late_score in enumerate(late) if suspect[n] or late_score > SLOW_SCORE}
+        slow = [conn.health.is_slow for conn in conns]
+        unusual = {n for n in range(len(conns)) if suspect[n] or slow[n]}
         node_to_items: dict[int, list[tuple[int, int]]] = {}
         for group, positions in group_to_positions.items():
             members = self.read.group_members[group]
@@ -280,7 +280,7 @@ class _State(BlockChecks):
                     self.read.fanout,
                     [suspect[n] for n in members],
                     [late[n] for n in members],
-                    [late[n] > SLOW_SCORE and conns[n].health.take_probe() for n in members],
+                    [slow[n] and conns[n].health.take_probe() for n in members],
                 )
             else:
                 plan = healthy_plan(self.k, self.read.fanout, len(members))
