@@ -32,7 +32,7 @@ class Readiness:
         block_bytes: int,
         k: int,
         segment_bytes: int | None = None,
-        on_block: Callable[[int], None] | None = None,
+        on_blocks: Callable[[list[int]], None] | None = None,
     ) -> None:
         if num_blocks < 0 or block_bytes <= 0 or k <= 0:
             raise ValueError(
@@ -47,10 +47,16 @@ class Readiness:
         self._block_bytes = block_bytes
         self._landed = [0] * num_blocks  # per block: bitmask of data shards in place
         self._complete_mask = (1 << self.num_data_shards) - 1
-        self._on_block = on_block
+        self._on_blocks = on_blocks
         # Per segment: the mask of shards covering it, and how many blocks have it.
         self._segment_masks = [self._shards_covering(s) for s in range(self.num_segments)]
         self.num_blocks_with_segment = [0] * self.num_segments
+        # Per data shard: the (segment, mask) pairs it covers, the only ones its arrival can
+        # complete (a shard covers a few of a model's 16-60 layers: called per shard).
+        self._shard_segments = [
+            [(s, mask) for s, mask in enumerate(self._segment_masks) if mask >> index & 1]
+            for index in range(self.num_data_shards)
+        ]
 
     def _shards_covering(self, segment: int) -> int:
         start = segment * self.segment_bytes
@@ -59,24 +65,30 @@ class Readiness:
         return ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
 
     def landed(self, pairs: Sequence[tuple[int, int]]) -> list[int]:
-        """Data shards (block, shard index) are in place; the blocks this completed (their
-        ``on_block`` called), in the order given."""
+        """Data shards (block, shard index) are in place; the blocks this completed, in the
+        order given (``on_blocks`` called once with them: one node's answer completes many
+        blocks at once, which an engine copies to the GPU as runs, not one by one)."""
         completed: list[int] = []
+        landed, with_segment, complete_mask = (
+            self._landed,
+            self.num_blocks_with_segment,
+            self._complete_mask,
+        )
         for block, shard_index in pairs:
             if shard_index >= self.num_data_shards:
                 continue
-            before = self._landed[block]
+            before = landed[block]
             after = before | 1 << shard_index
             if after == before:
                 continue
-            self._landed[block] = after
-            for segment, mask in enumerate(self._segment_masks):
-                if after & mask == mask and before & mask != mask:
-                    self.num_blocks_with_segment[segment] += 1
-            if after == self._complete_mask:
+            landed[block] = after
+            for segment, mask in self._shard_segments[shard_index]:
+                if after & mask == mask:  # it was not complete before: the shard was missing
+                    with_segment[segment] += 1
+            if after == complete_mask:
                 completed.append(block)
-                if self._on_block is not None:
-                    self._on_block(block)
+        if completed and self._on_blocks is not None:
+            self._on_blocks(completed)
         return completed
 
     def block_complete(self, block: int) -> bool:

@@ -8,7 +8,7 @@ Per prefill::
                                            is faster than compute; Cake); a deadline
     land_batch(chunk of keys, pool slots)  a few chunks in flight (one request per node per
         on_landed -> Readiness             chunk): each node puts its data shards straight into
-        -> SwapIn.block_arrived(i)         the slots (the landing pool, client/landing_pool.py),
+        -> SwapIn.blocks_arrived([i..])    the slots (the landing pool, client/landing_pool.py),
                                            and as soon as a block's data shards are all there
                                            its H2D copy starts on the side stream (CUDA), before
                                            the chunk's blocks are verified
@@ -408,7 +408,7 @@ class _FetchChunks:
         self.kv, self.keys, self.slots, self.swap_in = kv, keys, slots, swap_in
         self.deadline = deadline  # time.perf_counter()
         self.readiness = Readiness(
-            len(slots), block_bytes, kv.codec.k, on_block=swap_in.block_arrived
+            len(slots), block_bytes, kv.codec.k, on_blocks=swap_in.blocks_arrived
         )
         self.block_fetch_s: list[float] = []  # each arrived block's chunk's seconds
         self.first_miss = len(slots)  # the lowest block index known missing
@@ -440,13 +440,15 @@ class _FetchChunks:
                 timeout_s=remaining_s,
             )
             elapsed_s = time.perf_counter() - started
+        copy_again: list[int] = []
         for index, (ok, again) in enumerate(
             zip(landing.landed, landing.rewritten, strict=True), start
         ):
             if ok:
                 self.block_fetch_s.append(elapsed_s)
                 if again or not self.readiness.block_complete(index):
-                    self.swap_in.block_arrived(index)
+                    copy_again.append(index)
+        self.swap_in.blocks_arrived(copy_again)
         if not all(landing.landed):
             self._missed(start + landing.landed.index(False))
         return landing

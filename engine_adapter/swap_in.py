@@ -2,7 +2,7 @@
 
 On CUDA the work runs on a side stream while compute proceeds on the compute stream::
 
-    as each block arrives    host slot --H2D, non_blocking--> device staging[i]   (side)
+    as blocks arrive         host slots --H2D, non_blocking--> device staging[i:j] (side)
     once the fetch is over   for each layer l: staging[:, l] -> pool blocks,
                              record event[l]                                       (side)
     compute, layer l         wait event[l], then attend over the cached prefix    (compute)
@@ -49,11 +49,20 @@ class SwapIn:
             with torch.cuda.stream(self._stream):  # staging memory belongs to the side stream
                 self._staging = torch.empty(shape, dtype=dtype, device=cache.kv.device)
 
-    def block_arrived(self, index: int) -> None:
-        """Block ``index`` is complete in its host slot: start its H2D copy (CUDA only)."""
-        if self._cuda:
-            with torch.cuda.stream(self._stream):
-                self._staging[index].copy_(self.host_blocks[index], non_blocking=True)
+    def blocks_arrived(self, indexes: list[int]) -> None:
+        """Blocks ``indexes`` are complete in their host slots: start their H2D copies (CUDA
+        only), one per run of consecutive blocks whose slots lie back to back (slots are
+        taken in address order, so one node's answer usually completes a few such runs): a
+        copy per block cost 256 launches per fetch of a 16k prompt, on the event loop."""
+        if not self._cuda or not indexes:
+            return
+        with torch.cuda.stream(self._stream):
+            for run, stacked in slot_runs(indexes, [self.host_blocks[i] for i in indexes]):
+                if stacked.is_contiguous():
+                    self._staging[run[0] : run[-1] + 1].copy_(stacked, non_blocking=True)
+                    continue
+                for index in run:  # a strided source would be copied on the host first
+                    self._staging[index].copy_(self.host_blocks[index], non_blocking=True)
 
     def start(self, num_blocks: int) -> None:
         """The first ``num_blocks`` blocks are usable: queue their placement layer by layer."""

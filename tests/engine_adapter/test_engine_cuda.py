@@ -35,8 +35,7 @@ def _swap_in_from(engine: Engine, cold, host: HostBlockPool, pinned_why: str):
     torch.cuda.synchronize()
     seq = engine._new_sequence(PROMPT, "t", "chat", 0)
     swap_in = SwapIn(engine.cache, seq.table.block_ids, [s.block for s in slots])
-    for index in range(12):
-        swap_in.block_arrived(index)
+    swap_in.blocks_arrived(list(range(12)))
     swap_in.start(num_blocks=12)
     logits, first = engine._compute(seq, 12 * 16, swap_in)
     return seq, logits, first
