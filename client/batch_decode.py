@@ -49,6 +49,7 @@ class BlockChecks:
     verified: dict[int, bool]  # positions checked early (False until the check said so)
     rewritten: set[int]
     pool_offsets: list[int | None] | None
+    num_in_place: list[int]  # per key, data shards that landed at their place (any version)
     _checks: list[asyncio.Future[None]]
 
     def timed_out(self) -> list[bool]:
@@ -62,9 +63,13 @@ class BlockChecks:
         lot, in the decode pool."""
         pool = self.read.decode_pool
         whole = [
-            (position, self.complete[position], out)
+            (position, version, out)
             for position in positions
-            if (out := self.outs[position]) is not None and self._whole(position)
+            if (out := self.outs[position]) is not None
+            and (version := self.complete[position]) is not None
+            # cheap, first: too few data shards landed for it to be whole yet
+            and self.num_in_place[position] >= self._data_shards(position, version)
+            and self._whole(position)
         ]
         if pool is None or not whole:
             return
@@ -86,6 +91,11 @@ class BlockChecks:
 
         future.add_done_callback(record)
         self._checks.append(future)
+
+    def _data_shards(self, position: int, version: bytes) -> int:
+        """How many data shards hold bytes of the key's block of ``version``."""
+        header = self.collectors[position].version_to_header[version]
+        return min(self.k, -(-header.block_len // max(header.payload_len, 1)))
 
     def _whole(self, position: int) -> bool:
         """Whether every data shard of the key's complete version lies in its buffer, the
@@ -228,11 +238,12 @@ class BlockChecks:
 
     def _placed(self, position: int, version: bytes) -> list[bool]:
         """Per data shard the block needs, whether a shard of ``version`` landed in place."""
-        header = self.collectors[position].version_to_header[version]
         shards = self.collectors[position].version_to_shards[version]
-        num_data = min(self.k, -(-header.block_len // max(header.payload_len, 1)))
         out = self.outs[position]
-        return [out is not None and i in shards and is_in(shards[i], out) for i in range(num_data)]
+        return [
+            out is not None and i in shards and is_in(shards[i], out)
+            for i in range(self._data_shards(position, version))
+        ]
 
     def _tainted(self, position: int, *, count: bool = True) -> bool:
         """Whether the buffer at ``position`` is a pool slot a late node may still write

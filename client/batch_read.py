@@ -239,6 +239,7 @@ class _State(BlockChecks):
         self.collectors = [ShardCollector(read.codec) for _ in keys]
         self.complete: list[bytes | None] = [None] * len(keys)  # the version that reached k
         self.decided = [False] * len(keys)
+        self.num_in_place = [0] * len(keys)
         self.num_undecided = len(keys)
         self.pending = [0] * len(keys)  # requests out that cover each key
         self.tasks: dict[asyncio.Task[NodeAnswer], _Request] = {}
@@ -456,6 +457,7 @@ class _State(BlockChecks):
                 continue
             if in_place and shard_indexes[row] < k:
                 landed.append((position, shard_indexes[row]))
+                self.num_in_place[position] += 1
             start = row * entry_bytes + header_start
             shard = SplitShard(raw[start : start + 48], payload)
             # Late shards are kept too (no hashing, a dict entry): a block that fails its

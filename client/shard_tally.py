@@ -78,7 +78,10 @@ class ShardCollector:
         if num_shards > self.best_count:
             self.best_count = num_shards
         if not checked:
-            self._unchecked.setdefault(version, set()).add(index)
+            unchecked = self._unchecked.get(version)
+            if unchecked is None:
+                unchecked = self._unchecked[version] = set()
+            unchecked.add(index)
         return version if num_shards == self.codec.k else None
 
     def recheck(self, version: bytes) -> int:
