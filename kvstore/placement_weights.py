@@ -133,12 +133,14 @@ def rebalance_slots(
     groups: Sequence[Sequence[str]],
     node_to_domain: Mapping[str, str],
     node_to_weight: Mapping[str, float],
+    max_hand_overs: int | None = None,
 ) -> list[tuple[str, ...]]:
     """The groups with slots handed from nodes above their weight's share of the slots to
-    nodes below it, one slot at a time, until no hand-over brings the two closer: moving an
-    existing map to weights. Each hand-over moves the shards of one slot, only those; a node
-    never enters a group twice, nor a group that already has its failure domain (unless it
-    had the leaving node's). Deterministic: ties go to the lowest node id, then group index.
+    nodes below it, one slot at a time, until no hand-over brings the two closer (or after
+    ``max_hand_overs``): moving an existing map to weights. Each hand-over moves the shards
+    of one slot, only those; a node never enters a group twice, nor a group that already has
+    its failure domain (unless it had the leaving node's). Deterministic: ties go to the
+    lowest node id, then group index.
     """
     new = [list(g) for g in groups]
     members = sorted({n for g in groups for n in g})
@@ -146,10 +148,13 @@ def rebalance_slots(
     num_slots = sum(len(g) for g in groups)
     target = {n: num_slots * node_to_weight[n] / total for n in members}
     count = {n: sum(g.count(n) for g in new) for n in members}
-    while True:
+    num_left = num_slots if max_hand_overs is None else max_hand_overs
+    while num_left > 0:
         over = max(members, key=lambda n: (count[n] - target[n], n))
         if not _hand_over(new, over, count, target, node_to_domain):
-            return [tuple(g) for g in new]
+            break
+        num_left -= 1
+    return [tuple(g) for g in new]
 
 
 def _hand_over(
