@@ -14,11 +14,12 @@ then, for each change, the shards whose node differs are counted (kvstore.map_ch
 * drain: one node's slots given away (its own shards are the ideal);
 * out: the same for a node marked out after ``down_out_s``;
 * to weights: 4 nodes get half the byte limit of the others (kvstore/placement_weights.py),
-  by the limits alone (groups weighted in rendezvous) and with slots handed over in the same
-  change, and those slots with the groups kept equal (the map records weights of 1: only
-  the slots move, and whole slots leave the small nodes somewhat over their weight); the
-  ideal is the shards the nodes whose share grows gain in the fully weighted map (the
-  ``worst_share_over_weight`` field says how close each gets);
+  by the limits alone (groups weighted in rendezvous), and by each fit of ``kvstore cluster
+  reweight`` (kvstore/reweight.py: slots handed over in the same change, then group weights
+  fitted exactly, kept equal, or, the default, corrected within the ideal's budget), once
+  for the last 4 nodes and once for 4 spread over the ring; the ideal is the shards the
+  nodes whose share grows gain in the fully weighted map (the ``worst_share_over_weight``
+  field says how close each gets);
 * in a weighted map (the same 4 half nodes, groups drawn by weight): a join, a drain and an
   out, each with the map's group weights kept (what kvstore/map_changes.py does) and refitted
   to the new slots (what placement did before maps kept them: keys change group). The ideal
@@ -49,12 +50,8 @@ from kvstore.map_changes import (
     shards_moved,
 )
 from kvstore.placement import make_groups
-from kvstore.placement_weights import (
-    map_group_weights,
-    node_weights,
-    rebalance_slots,
-    share_report,
-)
+from kvstore.placement_weights import map_group_weights, node_weights, share_report
+from kvstore.reweight import FITS, reweight, share_gain
 
 GiB = 1 << 30
 WEIGHTED_SMALL = 4  # nodes given half the byte limit in the weight rows
@@ -138,41 +135,34 @@ def measure_moves(num_nodes: int, num_keys: int, seed: int) -> list[dict[str, An
 
 
 def measure_weight_moves(num_nodes: int, num_keys: int, seed: int) -> list[dict[str, Any]]:
-    """Moving a map to capacity weights (kvstore/placement_weights.py): the last
-    ``WEIGHTED_SMALL`` of ``num_nodes`` equal nodes get half the byte limit. The ideal is
-    the shards the nodes' shares gain, summed; rows: the limits alone (groups weighted in
-    rendezvous, slots kept), and slots handed over in the same change (``rebalance_slots``)."""
+    """Moving a map to capacity weights: ``WEIGHTED_SMALL`` of ``num_nodes`` equal nodes get
+    half the byte limit, the last ones (neighbours in the ring, so some groups hold all of
+    them) and then ones spread over the ring. The ideal is the shards the nodes' shares gain
+    in the fully weighted map (``--fit exact``), summed; rows: the limits alone (groups
+    weighted in rendezvous, slots kept), then each ``kvstore cluster reweight --fit``
+    (kvstore/reweight.py)."""
     codec = CodecConfig()
     keys = np.random.default_rng(seed).integers(0, 256, (num_keys, 16), dtype=np.uint8)
     nodes = tuple(_node(i) for i in range(num_nodes))
     groups = make_groups([(n.id, n.failure_domain) for n in nodes], codec.num_shards)
     before = ClusterConfig(epoch=1, nodes=nodes, groups=tuple(groups), codec=codec)
-    half = GiB // 2
-    limited = tuple(
-        dataclasses.replace(n, max_bytes=half if i >= num_nodes - WEIGHTED_SMALL else GiB)
-        for i, n in enumerate(nodes)
-    )
-    weighted = dataclasses.replace(before, nodes=limited, epoch=2)
-    domains = {n.id: n.failure_domain for n in limited}
-    rebalanced = dataclasses.replace(
-        weighted, groups=tuple(rebalance_slots(groups, domains, node_weights(limited)))
-    )
-    # The same slots with the groups left equal (recorded weights of 1): only the handed-over
-    # slots move, and the small nodes keep what whole slots leave over their weight.
-    slots_only = dataclasses.replace(rebalanced, group_weights=(1,) * len(groups))
-    required = _share_gain(before, rebalanced, keys)  # what the change in weights requires
+    last = range(num_nodes - WEIGHTED_SMALL, num_nodes)
+    spread = range(3, num_nodes, num_nodes // WEIGHTED_SMALL)
     rows = []
-    for name, new, ideal in (
-        ("limits only", weighted, _share_gain(before, weighted, keys)),
-        ("slots handed over", rebalanced, required),
-        ("slots handed over, groups kept equal", slots_only, required),
-    ):
-        row = _row(
-            f"to weights ({WEIGHTED_SMALL} half nodes), {name}",
-            shards_moved(before, new, keys, ideal),
-        )
-        row["worst_share_over_weight"] = round(_worst_share_over_weight(new), 4)
-        rows.append(row)
+    for layout, small in (("", last), (", spread", spread)):
+        limits = {n.id: GiB // 2 if i in small else GiB for i, n in enumerate(nodes)}
+        exact = reweight(before, limits, "exact")
+        ideal = share_gain(before, exact, keys)  # what the change in weights requires
+        changes = [(f"--fit {fit}", reweight(before, limits, fit), ideal) for fit in FITS]
+        if not layout:
+            weighted = dataclasses.replace(exact, groups=before.groups, group_weights=())
+            limits_only = ("limits only", weighted, share_gain(before, weighted, keys))
+            changes.insert(0, limits_only)
+        for name, new, row_ideal in changes:
+            label = f"to weights ({WEIGHTED_SMALL} half nodes{layout}), {name}"
+            row = _row(label, shards_moved(before, new, keys, row_ideal))
+            row["worst_share_over_weight"] = round(_worst_share_over_weight(new), 4)
+            rows.append(row)
     return rows
 
 
@@ -210,13 +200,6 @@ def measure_weighted_changes(num_nodes: int, num_keys: int, seed: int) -> list[d
             label = f"weighted map: {name}, {how}"
             rows.append(_row(label, shards_moved(cfg, after, keys, ideal)))
     return rows
-
-
-def _share_gain(old: ClusterConfig, new: ClusterConfig, keys: np.ndarray) -> int:
-    """Shards the nodes that gain share gain, summed: the fewest any move could move."""
-    nodes = [n.id for n in old.nodes]
-    gain = [held_shards(new, n, keys) - held_shards(old, n, keys) for n in nodes]
-    return sum(g for g in gain if g > 0)
 
 
 def _row(name: str, count: MoveCount) -> dict[str, Any]:
