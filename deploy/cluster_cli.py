@@ -1,4 +1,5 @@
-"""The ``kvstore cluster`` commands: up, status, down, join, drain, remove, add-tenant.
+"""The ``kvstore cluster`` commands: up, status, down, join, drain, remove, add-tenant
+(reweight: deploy/reweight_cli.py).
 
 ::
 
@@ -117,7 +118,7 @@ def _add_membership_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    return _report_errors(_up, args)
+    return report_errors(_up, args)
 
 
 def configure_add_tenant(parser: argparse.ArgumentParser) -> None:
@@ -173,12 +174,12 @@ def _class_cap(text: str) -> tuple[str, float]:
 
 
 def run_add_tenant(args: argparse.Namespace) -> int:
-    return _report_errors(_add_tenant, args)
+    return report_errors(_add_tenant, args)
 
 
 def _add_tenant(args: argparse.Namespace) -> int:
     if args.credentials is None:
-        _existing_map(args.dir / "cluster.toml")
+        existing_map(args.dir / "cluster.toml")
     path = args.credentials or args.dir / CREDENTIALS_FILE
     role = Role(args.role)
     token = add_principal(
@@ -224,13 +225,13 @@ def configure_status(parser: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    return _report_errors(_status, args)
+    return report_errors(_status, args)
 
 
 def _status(args: argparse.Namespace) -> int:
     cluster_toml = args.cluster or args.dir / "cluster.toml"
     root = cluster_toml.parent
-    config = load_cluster(_existing_map(cluster_toml))
+    config = load_cluster(existing_map(cluster_toml))
     status = partial(
         print_status,
         root,
@@ -248,7 +249,7 @@ def _status(args: argparse.Namespace) -> int:
         return status()
 
 
-def _existing_map(cluster_toml: Path) -> Path:
+def existing_map(cluster_toml: Path) -> Path:
     """``cluster_toml``, or InvalidArgument saying what is missing (no traceback)."""
     if cluster_toml.is_file():
         return cluster_toml
@@ -277,7 +278,7 @@ def configure_join(parser: argparse.ArgumentParser) -> None:
 
 
 def run_join(args: argparse.Namespace) -> int:
-    return _report_errors(_join, args)
+    return report_errors(_join, args)
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -327,7 +328,7 @@ def configure_drain(parser: argparse.ArgumentParser) -> None:
 
 
 def run_drain(args: argparse.Namespace) -> int:
-    return _report_errors(_drain, args)
+    return report_errors(_drain, args)
 
 
 def _drain(args: argparse.Namespace) -> int:
@@ -354,7 +355,7 @@ def configure_remove(parser: argparse.ArgumentParser) -> None:
 
 
 def run_remove(args: argparse.Namespace) -> int:
-    return _report_errors(_remove, args)
+    return report_errors(_remove, args)
 
 
 def _remove(args: argparse.Namespace) -> int:
@@ -372,7 +373,7 @@ def _remove(args: argparse.Namespace) -> int:
 
 def _attached(root: Path) -> LocalCluster:
     """The cluster of ``root`` as the CLI sees it (its processes are not ours)."""
-    return LocalCluster(root, load_cluster(_existing_map(root / "cluster.toml")))
+    return LocalCluster(root, load_cluster(existing_map(root / "cluster.toml")))
 
 
 def configure_down(parser: argparse.ArgumentParser) -> None:
@@ -381,10 +382,10 @@ def configure_down(parser: argparse.ArgumentParser) -> None:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    return _report_errors(_down, args)
+    return report_errors(_down, args)
 
 
-def _report_errors(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+def report_errors(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one cluster action; errors are printed, not raised."""
     try:
         return action(args)
@@ -394,7 +395,7 @@ def _report_errors(action: Callable[[argparse.Namespace], int], args: argparse.N
 
 
 def _down(args: argparse.Namespace) -> int:
-    _existing_map(args.dir / "cluster.toml")
+    existing_map(args.dir / "cluster.toml")
     node_to_pid = read_pids(args.dir)
     running = {n: pid for n, pid in node_to_pid.items() if is_node_process(pid, n)}
     stop_pids(node_to_pid)

@@ -49,6 +49,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "move a node's shards to other nodes (verified) until it has none",
     ),
     ("cluster", "remove"): ("deploy.cluster_cli:remove", "remove a drained node from the map"),
+    ("cluster", "reweight"): (
+        "deploy.reweight_cli:reweight",
+        "move an etcd cluster map to its nodes' byte limits (--dry-run: what would move)",
+    ),
     ("cluster", "add-tenant"): (
         "deploy.cluster_cli:add_tenant",
         "add a tenant (or service) principal and print its new token",
