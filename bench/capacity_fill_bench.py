@@ -20,7 +20,10 @@ be sent 3x what it holds) is placed with the store's own placement
   kvstore/placement_weights.py ``rebalance_slots``), as an existing cluster would be;
 * small nodes, rebalanced, groups equal: the same slots with the groups left equal (the map
   records weights of 1): only the slots move (``kvstore bench map-moves``), and whole slots
-  leave the small nodes a little over their weight.
+  leave the small nodes a little over their weight;
+* small nodes, cluster reweight (budget): the capacity-blind map moved by ``kvstore cluster
+  reweight``'s default fit (kvstore/reweight.py): the slots the ideal pays for, the residual
+  corrected within it.
 
 Each row gives the hit ratio and its distance in points from the equal-nodes row, and the
 fraction of the raw space placement lets the cluster fill before its first node evicts.
@@ -51,9 +54,16 @@ from client import KVClient
 from deploy.local_cluster import LocalCluster, local_config, with_local_reserves
 from erasure.config import CodecConfig
 from kvstore.cli.args import size_arg
-from kvstore.config import NodeConfig
+from kvstore.config import ClusterConfig, NodeConfig
 from kvstore.placement import groups_of_keys, make_groups
-from kvstore.placement_weights import group_weights, node_weights, rebalance_slots, share_report
+from kvstore.placement_weights import (
+    group_weights,
+    map_group_weights,
+    node_weights,
+    rebalance_slots,
+    share_report,
+)
+from kvstore.reweight import reweight
 from ttl.cluster_fill import fill_hit_ratio, usable_fraction
 
 FILL_OVER_SMALL_SHARE = 3
@@ -145,6 +155,9 @@ def measure(num_nodes: int, num_small: int, small_shards: int, seed: int) -> dic
         _row("small nodes, weighted groups", _nodes(num_nodes, hetero), keys, "weighted"),
         _row("small nodes, rebalanced map", _nodes(num_nodes, hetero), keys, "rebalanced"),
         _row("small nodes, rebalanced, groups equal", _nodes(num_nodes, hetero), keys, "slots"),
+        _row(
+            "small nodes, cluster reweight (budget)", _nodes(num_nodes, hetero), keys, "reweighted"
+        ),
     ]
     for row in rows:
         row["points_vs_equal"] = round(100 * (row["hit_ratio"] - rows[0]["hit_ratio"]), 2)
@@ -169,6 +182,8 @@ def _row(name: str, nodes: list[NodeConfig], keys: np.ndarray, how: str) -> dict
     if how in ("rebalanced", "slots"):
         groups = rebalance_slots(groups, dict(pairs), weights)
     fitted = None if how in ("blind", "slots") else group_weights(groups, weights)
+    if how == "reweighted":
+        groups, fitted = _reweighted(nodes, groups)
     index = {n.id: i for i, n in enumerate(nodes)}
     members = [[index[n] for n in g] for g in groups]
     block_groups = groups_of_keys(keys, len(groups), fitted).tolist()
@@ -178,6 +193,16 @@ def _row(name: str, nodes: list[NodeConfig], keys: np.ndarray, how: str) -> dict
         {n.id: float(n.max_bytes) for n in nodes}, {n: s for n, (s, _) in shares.items()}
     )
     return {"cluster": name, "hit_ratio": round(hit_ratio, 4), "usable_fraction": round(usable, 4)}
+
+
+def _reweighted(
+    nodes: list[NodeConfig], groups: list[tuple[str, ...]]
+) -> tuple[list[tuple[str, ...]], tuple[int, ...] | None]:
+    """The capacity-blind map moved by ``kvstore cluster reweight``'s default fit."""
+    unlimited = tuple(dataclasses.replace(n, max_bytes=0) for n in nodes)
+    blind = ClusterConfig(epoch=1, nodes=unlimited, groups=tuple(groups))
+    moved = reweight(blind, {n.id: n.max_bytes for n in nodes})
+    return list(moved.groups), map_group_weights(moved)
 
 
 def measure_local(

@@ -40,6 +40,7 @@ def test_weighted_placement_keeps_the_hit_ratio_of_equal_nodes() -> None:
         "small nodes, weighted groups",
         "small nodes, rebalanced map",
         "small nodes, rebalanced, groups equal",
+        "small nodes, cluster reweight (budget)",
     ):
         assert abs(rows[name]["points_vs_equal"]) <= 5, f"{name}: {rows[name]}"
     assert rows["small nodes, capacity-blind"]["points_vs_equal"] < -5
