@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from deploy.cluster_cli import existing_map, report_errors
 from deploy.local_cluster import LocalCluster
@@ -93,7 +94,7 @@ def _reweight(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_applied(before: ClusterConfig, after: ClusterConfig, report: dict) -> None:
+def _print_applied(before: ClusterConfig, after: ClusterConfig, report: dict[str, Any]) -> None:
     print(
         f"map epoch {before.epoch} -> {after.epoch}: {report['slots_moved']} of "
         f"{report['slots']} group slots move ({report['ratio_to_ideal']:.3f} of the shards the "
