@@ -394,7 +394,15 @@ class _FetchChunks:
 
     Only the leading run of arrived blocks is used, so the first miss ends the fetch past it:
     chunks after it that have not started are skipped and those in flight cancelled (a
-    10%-cached prompt asks for the 10% and a chunk of misses, not for every block)."""
+    10%-cached prompt asks for the 10% and a chunk of misses, not for every block).
+
+    The first chunk goes out alone, the others once a data shard of its last block landed
+    (the cached prefix goes on past it) or it ended: a prompt the store lacks, or holds
+    only the start of, costs one chunk's requests, not every chunk's. On one H100 a fetch of
+    256 missing blocks cost 23-36 ms in 48 requests, 64 of them 4-5 ms in 12: slower than
+    recomputing at 0% and 10% cached. What the wait costs a fetch that hits: its later
+    chunks start one node answer later, while the nodes still serve the first.
+    """
 
     def __init__(
         self,
@@ -413,11 +421,28 @@ class _FetchChunks:
         self.block_fetch_s: list[float] = []  # each arrived block's chunk's seconds
         self.first_miss = len(slots)  # the lowest block index known missing
         self.tasks: dict[int, asyncio.Task[Landing]] = {}  # chunk start -> its task
+        self._first_chunk_end = 0  # its last block landing a shard releases the others
+        self._prefix_goes_on = asyncio.Event()
 
     async def run(self, chunk: int, gate: asyncio.Semaphore) -> tuple[int, str | None]:
         """(leading blocks arrived, why the first that did not failed, or None); ``gate``
         admits the chunks in flight."""
-        for start in range(0, len(self.slots), chunk):
+        starts = list(range(0, len(self.slots), chunk))
+        if not starts:
+            return 0, None
+        self._first_chunk_end = min(chunk, len(self.slots))
+        first = self.tasks[0] = asyncio.create_task(self._chunk(0, self._first_chunk_end, gate))
+        if len(starts) > 1:
+            goes_on = asyncio.ensure_future(self._prefix_goes_on.wait())
+            try:
+                await asyncio.wait(
+                    (first, goes_on),
+                    timeout=max(self.deadline - time.perf_counter(), 0.0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                goes_on.cancel()
+        for start in starts[1:]:  # past a miss already known they return at once
             end = min(start + chunk, len(self.slots))
             self.tasks[start] = asyncio.create_task(self._chunk(start, end, gate))
         timeout_s = max(self.deadline - time.perf_counter(), 0.0)
@@ -436,7 +461,7 @@ class _FetchChunks:
             landing = await self.kv.land_batch(
                 self.keys[start:end],
                 [slot.view for slot in self.slots[start:end]],
-                on_landed=lambda pairs: self.readiness.landed([(start + p, i) for p, i in pairs]),
+                on_landed=lambda pairs: self._landed([(start + p, i) for p, i in pairs]),
                 timeout_s=remaining_s,
             )
             elapsed_s = time.perf_counter() - started
@@ -452,6 +477,14 @@ class _FetchChunks:
         if not all(landing.landed):
             self._missed(start + landing.landed.index(False))
         return landing
+
+    def _landed(self, pairs: list[tuple[int, int]]) -> None:
+        """Data shards (block, shard index) in place: to Readiness, and the first chunk's
+        last block among them lets the other chunks go."""
+        self.readiness.landed(pairs)
+        last = self._first_chunk_end - 1
+        if not self._prefix_goes_on.is_set() and any(block == last for block, _ in pairs):
+            self._prefix_goes_on.set()
 
     def _missed(self, index: int) -> None:
         self.first_miss = min(self.first_miss, index)

@@ -124,6 +124,27 @@ async def test_a_fetch_stops_asking_past_its_first_miss(cluster, small_model):
     assert 0 < misses <= 2 * 12, f"{misses} shard misses: blocks past the first miss were asked"
 
 
+async def test_a_prompt_the_store_lacks_asks_for_its_first_chunk_only(cluster, small_model):
+    # Every chunk may be in flight at once (6 chunks of 2 blocks), yet the first goes out
+    # alone until its last block lands a shard: the store lacks it, so no other is asked.
+    # A prompt the store holds still comes whole through every chunk.
+    config = dataclasses.replace(CONFIG, fetch_chunk_blocks=2, fetch_concurrency=12)
+    engine = make_engine(small_model, cluster, dataclasses.replace(config, write_back=False))
+    kv = await engine.connector.client("lacking")
+    before = await _cluster_misses(kv)
+    cold, _ = await prefill_kv(engine, PROMPT, tenant="lacking")
+    misses = await _cluster_misses(kv) - before
+    assert (cold.num_matched_tokens, cold.fallback) == (0, "miss")
+    assert 0 < misses <= 2 * 12, f"{misses} shard misses: chunks past the first were asked"
+    writer = make_engine(small_model, cluster)
+    await prefill_kv(writer, PROMPT, tenant="held")
+    await writer.close()
+    cached, _ = await prefill_kv(engine, PROMPT, tenant="held")
+    await engine.close()
+    assert (cached.num_matched_tokens, cached.fallback) == (192, None)
+    assert torch.equal(cached.logits, cold.logits)
+
+
 async def test_fetch_deadline_exceeded_falls_back_to_compute(cluster, small_model):
     writer = make_engine(small_model, cluster)
     cold, _ = await prefill_kv(writer, PROMPT, tenant="deadline", use_cache=False)
