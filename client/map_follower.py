@@ -24,6 +24,7 @@ from kvstore.membership import EtcdMembership
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # how long connect waits for etcd before starting on the cached map
+CLOSE_WAIT_S = 2.0  # how long close waits for the map's watch to end
 
 
 class MapFollower:
@@ -95,6 +96,10 @@ class MapFollower:
         """Stop following, then close the etcd connection. Safe before :meth:`start`."""
         if self._follow is not None:
             self._follow.cancel()
-            await asyncio.gather(self._follow, return_exceptions=True)
+            # Bounded: a watch may take its time to end (kvstore/membership.py _watched);
+            # closing the etcd client below ends whatever is left of it.
+            await asyncio.wait({self._follow}, timeout=CLOSE_WAIT_S)
         if self._membership is not None:
             await self._membership.close()
+        if self._follow is not None and self._follow.done() and not self._follow.cancelled():
+            self._follow.exception()  # retrieved: the follower's end is not the close's error

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 ETCD_TIMEOUT_S = 5
 RETRY_S = 1.0
+WATCH_CANCEL_S = 1.0  # the longest a watch's cancel is waited for (it may never answer)
 MAX_CAS_ATTEMPTS = 20
 
 
@@ -182,8 +183,7 @@ class EtcdMembership:
                             epoch = cfg.epoch
                             yield cfg
                 finally:
-                    with contextlib.suppress(Exception):
-                        await watch.cancel()
+                    await _unless_stuck(watch.cancel(), WATCH_CANCEL_S)
             except Unavailable as exc:  # an outage: logged once when it began
                 log.debug("watching the cluster map: %s; reading it again", exc)
                 await asyncio.sleep(RETRY_S)
@@ -195,12 +195,26 @@ class EtcdMembership:
                 await asyncio.sleep(RETRY_S)
 
     async def _watched(self, watch: Any) -> AsyncIterator[ClusterConfig]:
-        """Maps from a watch's events; ends after ``lease_ttl_s`` without one (a re-read)."""
+        """Maps from a watch's events; ends after ``lease_ttl_s`` without one (a re-read).
+
+        Each event is awaited as a task that is cancelled, not waited for, when the wait
+        ends: aetcd's watch iterator does not always end on a cancel, and ``wait_for`` then
+        waits for it for ever (a client's close hung so, about one in four times, right after
+        a map change). Closing the etcd client ends it.
+        """
         events = watch.__aiter__()
         while True:
+            step = asyncio.ensure_future(events.__anext__())
             try:
-                event = await asyncio.wait_for(events.__anext__(), self.membership.lease_ttl_s)
-            except (TimeoutError, StopAsyncIteration):
+                await asyncio.wait({step}, timeout=self.membership.lease_ttl_s)
+            finally:
+                if not step.done():
+                    step.cancel()
+            if step.cancelled() or not step.done():
+                return
+            try:
+                event = step.result()
+            except StopAsyncIteration:
                 return
             if event.kind == "PUT":
                 yield cluster_from_toml(event.kv.value.decode(), "etcd watch event")
@@ -309,3 +323,17 @@ async def follow_map(
         if cfg.epoch > epoch:
             epoch = cfg.epoch
             apply(cfg)
+
+
+async def _unless_stuck(call: Awaitable[Any], timeout_s: float) -> None:
+    """Await ``call`` for at most ``timeout_s``, ignoring its errors, and leave it cancelled
+    past that without waiting for it (``wait_for`` would wait for a call that ignores a
+    cancel)."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait({task}, timeout=timeout_s)
+    finally:
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: an error here is ignored
