@@ -209,11 +209,16 @@ def _integrity_key_file(args: argparse.Namespace) -> str:
     return load_cluster(toml).integrity.key_file if toml.exists() else ""
 
 
-def configure_status(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``kvstore cluster status``."""
+def add_cluster_location(parser: argparse.ArgumentParser) -> None:
+    """``--dir DIR`` (a local cluster's) or ``--cluster PATH`` (any cluster.toml), one of."""
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--dir", type=Path, help="the cluster's directory (cluster up)")
     where.add_argument("--cluster", type=Path, help="or any cluster: its cluster.toml")
+
+
+def configure_status(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``kvstore cluster status``."""
+    add_cluster_location(parser)
     parser.add_argument(
         "--json",
         nargs="?",

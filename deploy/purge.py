@@ -30,6 +30,7 @@ import grpc
 from rich.table import Table
 
 from client.keyring import open_keyring
+from deploy.cluster_cli import add_cluster_location
 from deploy.local_secrets import local_admin_token, local_client_cert
 from kvstore.auth import client_token
 from kvstore.cli.args import duration_arg, write_json
@@ -117,9 +118,7 @@ def _table(tenant: str, results: dict[str, NodePurge]) -> Table:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant", required=True, help="the tenant whose blocks go")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--dir", type=Path, help="a local cluster's directory (cluster up)")
-    where.add_argument("--cluster", type=Path, help="path of the cluster's cluster.toml")
+    add_cluster_location(parser)
     parser.add_argument(
         "--wait", action="store_true", help="keep asking nodes that did not answer (--timeout)"
     )

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-from deploy.cluster_cli import existing_map, report_errors
+from deploy.cluster_cli import add_cluster_location, existing_map, report_errors
 from deploy.local_cluster import LocalCluster
 from kvstore.cli.args import list_arg
 from kvstore.config import ClusterConfig, load_cluster
@@ -33,9 +32,7 @@ from ttl.units import parse_size_bytes
 
 def configure_reweight(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``kvstore cluster reweight``."""
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--dir", type=Path, help="the cluster's directory (cluster up)")
-    where.add_argument("--cluster", type=Path, help="or any cluster: its cluster.toml")
+    add_cluster_location(parser)
     parser.add_argument(
         "--max-bytes",
         type=list_arg(_node_limit),
