@@ -63,13 +63,9 @@ class BlockChecks:
         lot, in the decode pool."""
         pool = self.read.decode_pool
         whole = [
-            (position, version, out)
+            (position, self.complete[position], out)
             for position in positions
-            if (out := self.outs[position]) is not None
-            and (version := self.complete[position]) is not None
-            # cheap, first: too few data shards landed for it to be whole yet
-            and self.num_in_place[position] >= self._data_shards(position, version)
-            and self._whole(position)
+            if (out := self.outs[position]) is not None and self._whole(position)
         ]
         if pool is None or not whole:
             return
@@ -107,6 +103,8 @@ class BlockChecks:
         header = self.collectors[position].version_to_header[version]
         return (
             len(out) == header.block_len
+            # cheap, first: too few data shards landed for it to be whole yet
+            and self.num_in_place[position] >= self._data_shards(position, version)
             and all(self._placed(position, version))
             and not self._tainted(position, count=False)
         )
