@@ -148,12 +148,12 @@ def rebalance_slots(
     num_slots = sum(len(g) for g in groups)
     target = {n: num_slots * node_to_weight[n] / total for n in members}
     count = {n: sum(g.count(n) for g in new) for n in members}
-    num_left = num_slots if max_hand_overs is None else max_hand_overs
-    while num_left > 0:
+    num_hand_overs = 0
+    while max_hand_overs is None or num_hand_overs < max_hand_overs:
         over = max(members, key=lambda n: (count[n] - target[n], n))
         if not _hand_over(new, over, count, target, node_to_domain):
             break
-        num_left -= 1
+        num_hand_overs += 1
     return [tuple(g) for g in new]
 
 
