@@ -183,7 +183,9 @@ class EtcdMembership:
                             epoch = cfg.epoch
                             yield cfg
                 finally:
-                    await _unless_stuck(watch.cancel(), WATCH_CANCEL_S)
+                    ending = await _bounded(watch.cancel(), WATCH_CANCEL_S)
+                    if ending.done() and not ending.cancelled():
+                        ending.exception()  # retrieved: a failed cancel is ignored
             except Unavailable as exc:  # an outage: logged once when it began
                 log.debug("watching the cluster map: %s; reading it again", exc)
                 await asyncio.sleep(RETRY_S)
@@ -204,12 +206,7 @@ class EtcdMembership:
         """
         events = watch.__aiter__()
         while True:
-            step = asyncio.ensure_future(events.__anext__())
-            try:
-                await asyncio.wait({step}, timeout=self.membership.lease_ttl_s)
-            finally:
-                if not step.done():
-                    step.cancel()
+            step = await _bounded(events.__anext__(), self.membership.lease_ttl_s)
             if step.cancelled() or not step.done():
                 return
             try:
@@ -325,15 +322,14 @@ async def follow_map(
             apply(cfg)
 
 
-async def _unless_stuck(call: Awaitable[Any], timeout_s: float) -> None:
-    """Await ``call`` for at most ``timeout_s``, ignoring its errors, and leave it cancelled
-    past that without waiting for it (``wait_for`` would wait for a call that ignores a
-    cancel)."""
+async def _bounded(call: Awaitable[Any], timeout_s: float) -> asyncio.Future[Any]:
+    """``call`` as a task, awaited for at most ``timeout_s`` and cancelled past that (or when
+    the caller is) without waiting for it: ``wait_for`` would wait for a call that ignores a
+    cancel. The caller reads the task's outcome."""
     task = asyncio.ensure_future(call)
     try:
         await asyncio.wait({task}, timeout=timeout_s)
     finally:
         if not task.done():
             task.cancel()
-    if task.done() and not task.cancelled():
-        task.exception()  # retrieved: an error here is ignored
+    return task
