@@ -106,6 +106,14 @@ async def _cluster_misses(kv) -> int:
     return sum(reply.misses for reply in (await kv.node_stats()).values() if reply is not None)
 
 
+async def prefill_counting_misses(engine: Engine, prompt: list[int], tenant: str):
+    """(result, shard misses the cluster's nodes counted during it) of one prefill."""
+    kv = await engine.connector.client(tenant)
+    before = await _cluster_misses(kv)
+    result, _ = await prefill_kv(engine, prompt, tenant=tenant)
+    return result, await _cluster_misses(kv) - before
+
+
 async def test_a_fetch_stops_asking_past_its_first_miss(cluster, small_model):
     # Only the leading run of cached blocks is used: after the chunk that holds the first
     # miss, no node is asked for the blocks beyond it (one chunk of 2 blocks in flight).
@@ -114,10 +122,7 @@ async def test_a_fetch_stops_asking_past_its_first_miss(cluster, small_model):
     await writer.close()
     config = dataclasses.replace(CONFIG, fetch_chunk_blocks=2, fetch_concurrency=2)
     engine = make_engine(small_model, cluster, dataclasses.replace(config, write_back=False))
-    kv = await engine.connector.client("first-miss")
-    before = await _cluster_misses(kv)
-    cached, _ = await prefill_kv(engine, PROMPT, tenant="first-miss")
-    misses = await _cluster_misses(kv) - before
+    cached, misses = await prefill_counting_misses(engine, PROMPT, "first-miss")
     await engine.close()
     assert (cached.num_matched_tokens, cached.fallback) == (96, "miss")
     # Blocks 6 and 7 miss on the (at most 12) nodes asked; blocks 8-11 are never asked.
@@ -130,10 +135,7 @@ async def test_a_prompt_the_store_lacks_asks_for_its_first_chunk_only(cluster, s
     # A prompt the store holds still comes whole through every chunk.
     config = dataclasses.replace(CONFIG, fetch_chunk_blocks=2, fetch_concurrency=12)
     engine = make_engine(small_model, cluster, dataclasses.replace(config, write_back=False))
-    kv = await engine.connector.client("lacking")
-    before = await _cluster_misses(kv)
-    cold, _ = await prefill_kv(engine, PROMPT, tenant="lacking")
-    misses = await _cluster_misses(kv) - before
+    cold, misses = await prefill_counting_misses(engine, PROMPT, "lacking")
     assert (cold.num_matched_tokens, cold.fallback) == (0, "miss")
     assert 0 < misses <= 2 * 12, f"{misses} shard misses: chunks past the first were asked"
     writer = make_engine(small_model, cluster)
