@@ -8,7 +8,6 @@
 set -u
 source docs/runs/wave6-gpu/run_setup.sh
 source docs/runs/stop50-gpu/build_old.sh
-source docs/runs/stop51-gpu/build_tree.sh
 build_tree .whl/new || exit 1
 echo "== CUDA tests, new"
 (cd .whl/new && PYTHONPATH=$PWD:/tmp/site timeout 90 python3 -m pytest -q -p no:cacheprovider tests/engine_adapter/test_engine_cuda.py 2>&1 | tail -3)

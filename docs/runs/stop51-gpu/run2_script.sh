@@ -5,7 +5,6 @@
 # local on one machine).
 set -u
 source docs/runs/wave6-gpu/run_setup.sh
-source docs/runs/stop51-gpu/build_tree.sh
 build_tree .whl/new || exit 1
 cd .whl/new && export PYTHONPATH=$PWD:/tmp/site
 E="engine --model random:1b --device cuda --prompt-lengths 4096,16384 --cached-fractions 0,0.1,0.9 --repeats 3"

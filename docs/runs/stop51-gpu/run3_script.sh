@@ -6,7 +6,6 @@
 # default (5 ms) and at 0.5 ms (every process: .whl/sw/sitecustomize.py), alternating.
 set -u
 source docs/runs/wave6-gpu/run_setup.sh
-source docs/runs/stop51-gpu/build_tree.sh
 build_tree .whl/new || exit 1
 PROBE=$PWD/docs/runs/stop51-gpu/miss_probe.py
 SW=$PWD/.whl/sw

@@ -5,7 +5,6 @@
 # connector (miss_probe.py) on new2.
 set -u
 source docs/runs/wave6-gpu/run_setup.sh
-source docs/runs/stop51-gpu/build_tree.sh
 build_tree .whl/new || exit 1
 build_tree .whl/new2 || exit 1
 PROBE=$PWD/docs/runs/stop51-gpu/miss_probe.py
