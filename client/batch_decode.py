@@ -22,9 +22,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from client.node_conn import finish_despite_cancel
 from client.read_timeline import CLIENT, ReadTimeline
-from client.shard_tally import ShardCollector
+from client.shard_table import ShardTable
 from erasure.shard import SplitShard, shard_payload
 from kvstore.errors import CodecError, InvalidArgument
 
@@ -44,12 +46,12 @@ class BlockChecks:
     keys: Sequence[bytes]
     outs: Sequence[memoryview | None]
     k: int
-    collectors: list[ShardCollector]
+    table: ShardTable
     complete: list[bytes | None]  # per key, the version that reached k shards
     verified: dict[int, bool]  # positions checked early (False until the check said so)
     rewritten: set[int]
     pool_offsets: list[int | None] | None
-    num_in_place: list[int]  # per key, data shards that landed at their place (any version)
+    num_in_place: np.ndarray  # per key, data shards that landed at their place (any version)
     _checks: list[asyncio.Future[None]]
 
     def timed_out(self) -> list[bool]:
@@ -90,8 +92,8 @@ class BlockChecks:
 
     def _data_shards(self, position: int, version: bytes) -> int:
         """How many data shards hold bytes of the key's block of ``version``."""
-        header = self.collectors[position].version_to_header[version]
-        return min(self.k, -(-header.block_len // max(header.payload_len, 1)))
+        block_len, payload_len = self.table.lengths(position, version)
+        return min(self.k, -(-block_len // max(payload_len, 1)))
 
     def _whole(self, position: int) -> bool:
         """Whether every data shard of the key's complete version lies in its buffer, the
@@ -100,9 +102,8 @@ class BlockChecks:
         out = self.outs[position]
         if version is None or out is None:
             return False
-        header = self.collectors[position].version_to_header[version]
         return (
-            len(out) == header.block_len
+            len(out) == self.table.lengths(position, version)[0]
             # cheap, first: too few data shards landed for it to be whole yet
             and self.num_in_place[position] >= self._data_shards(position, version)
             and all(self._placed(position, version))
@@ -131,7 +132,8 @@ class BlockChecks:
         unchecked = [(p, v) for p, v in todo if p not in self.verified]
         position_to_block.update(await self._verify_assembled(self._assembled(unchecked), pool))
         rest = [(p, v) for p, v in todo if p not in position_to_block]
-        num_bytes = sum(self.collectors[p].version_to_header[v].block_len for p, v in rest)
+        self.table.collectors_for([p for p, _ in rest])  # their shards, in one pass
+        num_bytes = sum(self.table.lengths(p, v)[0] for p, v in rest)
         if pool is not None and len(rest) > 1 and num_bytes >= DECODE_POOL_MIN_BYTES:
             calls = [functools.partial(self._decode_one, p, v) for p, v in rest]
             decoded = await run_in_pool(pool, calls)
@@ -150,8 +152,7 @@ class BlockChecks:
                 counters.num_timeouts += 1
             else:
                 counters.num_misses += 1
-        for collector in self.collectors:
-            counters.num_corrupt_shards += collector.num_corrupt
+        counters.num_corrupt_shards += self.table.num_corrupt()
         return blocks
 
     def _assembled(self, todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes, memoryview]]:
@@ -162,20 +163,23 @@ class BlockChecks:
         assembled = []
         for position, version in todo:
             out = self.outs[position]
-            collector = self.collectors[position]
-            header = collector.version_to_header[version]
-            if out is None or len(out) != header.block_len or self._tainted(position, count=False):
+            block_len, payload_len = self.table.lengths(position, version)
+            if out is None or len(out) != block_len or self._tainted(position, count=False):
                 continue
-            shards = collector.version_to_shards[version]
-            payload_len = max(header.payload_len, 1)
-            needed = range(min(self.k, -(-header.block_len // payload_len)))
-            if any(i not in shards for i in needed):
+            payload_len = max(payload_len, 1)
+            needed = range(min(self.k, -(-block_len // payload_len)))
+            held = self.table.indexes(position, version)
+            if any(i not in held for i in needed):
                 continue
+            if all(self._placed(position, version)):
+                assembled.append((position, version, out))
+                continue
+            shards = self.table.collectors_for([position])[position].version_to_shards[version]
             for i in needed:
                 payload = shard_payload(shards[i])
                 if not is_in(payload, out):
                     start = i * payload_len
-                    piece = payload[: min(payload_len, header.block_len - start)]
+                    piece = payload[: min(payload_len, block_len - start)]
                     out[start : start + len(piece)] = piece
                     self.rewritten.add(position)
             assembled.append((position, version, out))
@@ -201,7 +205,7 @@ class BlockChecks:
         }
 
     def _decode_one(self, position: int, version: bytes) -> bytes | memoryview | None:
-        collector = self.collectors[position]
+        collector = self.table.collectors_for([position])[position]
         out = self.outs[position]
         block_len = collector.version_to_header[version].block_len
         if out is not None and len(out) != block_len:
@@ -236,11 +240,15 @@ class BlockChecks:
 
     def _placed(self, position: int, version: bytes) -> list[bool]:
         """Per data shard the block needs, whether a shard of ``version`` landed in place."""
-        shards = self.collectors[position].version_to_shards[version]
         out = self.outs[position]
+        num_data_shards = self._data_shards(position, version)
+        placed = self.table.placed(position, version, num_data_shards)
+        if placed is not None:
+            return [out is not None and p for p in placed]
+        shards = self.table.collectors[position].version_to_shards[version]
         return [
             out is not None and i in shards and is_in(shards[i], out)
-            for i in range(self._data_shards(position, version))
+            for i in range(num_data_shards)
         ]
 
     def _tainted(self, position: int, *, count: bool = True) -> bool:

@@ -29,9 +29,9 @@ computed) matches; shard checksums are a node's own claim and only point at the 
 A slow or dead node never holds the batch: each key needs any k of the 11 asked, so the
 batch ends when the other ten have answered, and the slow node's request is cancelled. Two
 hung nodes among the 11 cost the hedge delay: then the 12th is asked. The
-client's Python work per batch is per node (a request, an answer, a table decoded with numpy)
-plus a short loop per shard (one tally update); it never creates a future or a message per
-shard, and hashes nothing but the blocks.
+client's Python work per batch is per node: a request, an answer, its table decoded and
+tallied with numpy (client/shard_table.py); it never creates a future, a message or an object
+per shard in a healthy read, and hashes nothing but the blocks.
 
 This is the module's one dense hot path. The block checks and decoding are
 client/batch_decode.py (where they run, and why a tainted landing pool slot is a miss).
@@ -40,6 +40,7 @@ client/batch_decode.py (where they run, and why a tainted landing pool slot is a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -47,22 +48,29 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from client.batch_decode import BlockChecks
 from client.integrity import XXH3_CHECK, BlockCheck
-from client.landing import NodeAnswer, Wanted, header_rows
+from client.landing import NodeAnswer, Wanted
 from client.landing_pool import LandingPool
 from client.node_conn import NodeConn, NodeReader, consume_result
 from client.read_plan import healthy_plan, plan_read
 from client.read_timeline import CLIENT, ReadTimeline
-from client.shard_tally import ShardCollector, can_complete
+from client.shard_table import ShardTable, headers_fit
+from client.shard_tally import can_complete
 from erasure.codec import Codec
-from erasure.shard import SplitShard
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied
 from kvstore.wire import batch_answer
 
 log = logging.getLogger(__name__)
 
-MAX_KEYS_PER_REQUEST = 64  # keys of one request to one node (more: several requests)
+# Keys of one request to one node (more: several requests; the node's max_batch_bytes splits
+# first). 256: a fetch of a 16k prompt in one land_batch is one request per node. The tally
+# costs per answer, not per shard (client/shard_table.py), so fewer, larger answers are
+# cheaper: 256 blocks of random:1b in chunks of 256 moved 3.9 GB/s on 2 cores with 256 keys
+# a request, 2.9 with 64 (docs/runs/swapin-2core/stop52/README.md).
+MAX_KEYS_PER_REQUEST = 256
 DATA_GRACE = 0.5  # of a batch's time, waited for data shards once every key has k shards
 
 
@@ -114,6 +122,11 @@ class _Request:
     keys: list[bytes]
     wanted: Wanted
     sent_ns: int = 0  # when it was sent (CLOCK_MONOTONIC), for the read timeline
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """``wanted.positions`` as an array: request key i -> batch position."""
+        return np.asarray(self.wanted.positions, np.int64)
 
 
 class BatchRead:
@@ -236,10 +249,10 @@ class _State(BlockChecks):
             None if pool is None else [None if out is None else pool.locate(out) for out in outs]
         )
         k = read.codec.k
-        self.collectors = [ShardCollector(read.codec) for _ in keys]
+        self.table = ShardTable(read.codec, len(keys))
         self.complete: list[bytes | None] = [None] * len(keys)  # the version that reached k
         self.decided = [False] * len(keys)
-        self.num_in_place = [0] * len(keys)
+        self.num_in_place = np.zeros(len(keys), np.int64)
         self.num_undecided = len(keys)
         self.pending = [0] * len(keys)  # requests out that cover each key
         self.tasks: dict[asyncio.Task[NodeAnswer], _Request] = {}
@@ -421,60 +434,43 @@ class _State(BlockChecks):
             heard[wanted.positions[key_index]].add(wanted.shard_indexes[key_index])
 
     def _tally(self, answer: NodeAnswer, request: _Request) -> None:
-        """Count every HIT shard of one node's answer by version (the per-shard loop): its
-        header checked, its checksum left to the block's unless the transport checked it."""
+        """Count every HIT shard of one node's answer by version, in numpy per answer
+        (client/shard_table.py): its header checked, its checksum left to the block's
+        unless the transport checked it."""
         entries = answer.entries
         statuses = entries["status"]
         self.read.counters.num_corrupt_shards += int((statuses == batch_answer.CORRUPT).sum())
-        hit_rows = (statuses == batch_answer.HIT).nonzero()[0].tolist()
-        if not hit_rows:
+        is_hit = statuses == batch_answer.HIT
+        if not is_hit.any():
             return
-        raw = entries.tobytes()
-        key_indexes = entries["key_index"].tolist()
-        shard_indexes = entries["shard_index"].tolist()
-        positions = request.wanted.positions
-        header_start = batch_answer.ENTRY_BYTES - 48
-        headers = (
-            answer.headers if answer.headers is not None else header_rows(self.read.codec, entries)
+        hits = entries[is_hit]
+        positions = request.positions[hits["key_index"]]
+        valid = headers_fit(self.read.codec, hits)
+        if answer.failed is not None:
+            valid &= ~answer.failed
+        in_place = np.asarray(answer.in_place, bool)
+        checked = answer.checked if answer.checked is not None else np.zeros(len(hits), bool)
+        reached = self.table.add(
+            hits, positions, valid, in_place, checked, answer.payloads.__getitem__
         )
-        checked = answer.checked or [answer.headers is not None] * len(hit_rows)
-        landed: list[tuple[int, int]] = []
+        landing = valid & in_place & (hits["shard_index"] < self.k)
+        landed_positions = positions[landing]
+        self.num_in_place += np.bincount(landed_positions, minlength=len(self.num_in_place))
+        if self.on_landed is not None and len(landed_positions):
+            indexes = hits["shard_index"][landing].tolist()
+            self.on_landed(list(zip(landed_positions.tolist(), indexes, strict=True)))
         completed: list[int] = []
-        collectors, decided, k, entry_bytes = (
-            self.collectors,
-            self.decided,
-            self.k,
-            batch_answer.ENTRY_BYTES,
-        )
-        for i, (row, payload, in_place) in enumerate(
-            zip(hit_rows, answer.payloads, answer.in_place, strict=True)
-        ):
-            position = positions[key_indexes[row]]
-            header = headers[i]
-            collector = collectors[position]
-            if header is None:
-                collector.num_corrupt += 1
-                continue
-            if in_place and shard_indexes[row] < k:
-                landed.append((position, shard_indexes[row]))
-                self.num_in_place[position] += 1
-            start = row * entry_bytes + header_start
-            shard = SplitShard(raw[start : start + 48], payload)
-            # Late shards are kept too (no hashing, a dict entry): a block that fails its
-            # checksum is decoded again from them once the bad shard is found.
-            version = collector.add_verified(header, shard, checked=checked[i])
-            if version is not None and not decided[position]:
+        for position, version in reached:
+            if not self.decided[position]:
                 self.complete[position] = version
                 self._decide(position)
                 completed.append(position)
-        if landed and self.on_landed is not None:
-            self.on_landed(landed)
         # Check blocks as soon as they are whole: those just completed, and those completed
         # earlier (by a parity shard) whose last data shard came now.
         fresh = set(completed)
         completed += (
             p
-            for p, _ in landed
+            for p in landed_positions.tolist()
             if p not in fresh and p not in self.verified and self.complete[p] is not None
         )
         if completed:
@@ -484,7 +480,7 @@ class _State(BlockChecks):
         """The requests still out for this key cannot give it k shards of one version."""
         if self.decided[position]:
             return False
-        best = self.collectors[position].best_count
+        best = self.table.best_count(position)
         return not can_complete(best, self.pending[position], self.k)
 
     def _reserve_helps(self, position: int) -> bool:
@@ -496,7 +492,7 @@ class _State(BlockChecks):
             not self.reserve_asked[position]
             and bool(reserve)
             and can_complete(
-                self.collectors[position].best_count, self.pending[position] + len(reserve), self.k
+                self.table.best_count(position), self.pending[position] + len(reserve), self.k
             )
         )
 
@@ -517,7 +513,7 @@ class _State(BlockChecks):
             # A key no node has a shard of yet waits for its other answers before its
             # reserves are asked: MISS from everyone is a key the store lacks (a prefix
             # past what is cached), decided by its answers alone (_reserve_helps).
-            unheard = not self.collectors[position].best_count and self.pending[position]
+            unheard = not self.table.best_count(position) and self.pending[position]
             wanted = (hopeless and not unheard and self._reserve_helps(position)) or (
                 every_undecided and not hopeless and not self.decided[position]
             )
@@ -574,14 +570,8 @@ class _State(BlockChecks):
             ]
             if unheard:
                 sink.touch(unheard, key, version)
-            has_version = self.collectors[position].version_to_shards.get(version, {})
-            other_versions = {
-                index
-                for v, shards in self.collectors[position].version_to_shards.items()
-                if v != version
-                for index in shards
-            }
-            if self.heard_miss[position] or other_versions - set(has_version):
+            other_versions = self.table.other_indexes(position, version)
+            if self.heard_miss[position] or other_versions - self.table.indexes(position, version):
                 sink.hint_repair(group, key)
 
     def release(self) -> None:

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from erasure.codec import Codec
-from erasure.shard import BACKEND_IDS, FORMAT_VERSION, MAGIC, ShardHeader
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.wire import batch_answer
 
@@ -81,49 +79,8 @@ def landing_regions(
     return regions
 
 
-_MAGIC = int.from_bytes(MAGIC, "little")
 _FIELDS_START = batch_answer.ENTRY_BYTES - 48  # the shard header's place in an entry
 _FIELDS_END = _FIELDS_START + 40  # the bytes the shard checksum covers before the payload
-
-
-def header_rows(codec: Codec, entries: np.ndarray) -> list[ShardHeader | None]:
-    """Per HIT entry (table order), its shard header if its fields are one of this codec's
-    shards (one numpy pass for the table), else None. The shard checksum is not checked
-    here: the block checksum covers every byte of a block that decodes (client/batch_read.py
-    checks the shards only to find a bad one after a block mismatch)."""
-    hits = entries[entries["status"] == batch_answer.HIT]
-    raw = hits.tobytes()
-    columns = zip(
-        _headers_fit(codec, hits),
-        hits["shard_index"].tolist(),
-        hits["block_len"].tolist(),
-        hits["payload_len"].tolist(),
-        strict=True,
-    )
-    headers: list[ShardHeader | None] = []
-    for row, (fit, index, block_len, payload_len) in enumerate(columns):
-        if not fit:
-            headers.append(None)
-            continue
-        start = row * batch_answer.ENTRY_BYTES + _FIELDS_START
-        version = raw[start + 20 : start + 36]
-        headers.append(
-            ShardHeader(codec.backend, codec.k, codec.m, index, block_len, version, payload_len)
-        )
-    return headers
-
-
-def _headers_fit(codec: Codec, hits: np.ndarray) -> list[bool]:
-    """Per HIT entry, whether its shard header is one of this codec's (one numpy pass)."""
-    return (
-        (hits["magic"].view("<u4") == _MAGIC)
-        & (hits["format"] == FORMAT_VERSION)
-        & (hits["backend"] == BACKEND_IDS[codec.backend])
-        & (hits["k"] == codec.k)
-        & (hits["m"] == codec.m)
-        & (hits["shard_index"] < codec.k + codec.m)
-        & (hits["payload_len"] == (hits["block_len"] + (codec.k - 1)) // codec.k)
-    ).tolist()
 
 
 def checksum_fields(entries: np.ndarray, rows: Sequence[int]) -> tuple[bytes, np.ndarray]:
@@ -152,18 +109,17 @@ class NodeAnswer:
     """A node's answer as the batch read uses it: the table, each HIT payload's bytes (in
     table order, where they landed), and the scratch to release after decoding.
 
-    ``headers``: per HIT payload, its header once the transport checked it (None = it failed
-    a check), or None for the whole list when the transport left that to the batch read;
-    ``checked``: per HIT payload, whether that check included its shard checksum (else the
-    block checksum is its one check, client/batch_read.py).
+    ``checked``: per HIT payload, whether the transport verified its shard checksum (else
+    the block checksum is its one check, client/batch_read.py); ``failed``: per HIT payload,
+    whether that check failed (the shard is corrupt). None: the transport checked none.
     """
 
     entries: np.ndarray
-    payloads: list[memoryview]
+    payloads: Sequence[memoryview]
     in_place: list[bool]  # per HIT payload: it landed at its place in the caller's block
     scratch: list[Region] = field(default_factory=list)
-    headers: list[ShardHeader | None] | None = None
-    checked: list[bool] | None = None
+    checked: np.ndarray | None = None
+    failed: np.ndarray | None = None
     # CLOCK_MONOTONIC ns, for the read timeline (client/read_timeline.py), where known: the
     # node's read (start, end), and the client's landing of the answer (start, end).
     node_read_ns: tuple[int, int] | None = None

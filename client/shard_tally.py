@@ -63,7 +63,7 @@ class ShardCollector:
         """:meth:`add` for a shard whose header the caller parsed and checked already
         (``header`` describes exactly these bytes); ``checked=False``: its shard checksum
         was not verified (the block checksum will be, and :meth:`recheck` after a failure)."""
-        # Called once per shard a batch read tallies: lookups kept to the few needed.
+        # Called per shard of a key off the batch read's fast path (client/shard_table.py).
         version, index = header.block_checksum, header.index
         shards = self.version_to_shards.get(version)
         if shards is None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -461,7 +462,7 @@ class _FetchChunks:
             landing = await self.kv.land_batch(
                 self.keys[start:end],
                 [slot.view for slot in self.slots[start:end]],
-                on_landed=lambda pairs: self._landed([(start + p, i) for p, i in pairs]),
+                on_landed=functools.partial(self._landed, start),
                 timeout_s=remaining_s,
             )
             elapsed_s = time.perf_counter() - started
@@ -478,12 +479,13 @@ class _FetchChunks:
             self._missed(start + landing.landed.index(False))
         return landing
 
-    def _landed(self, pairs: list[tuple[int, int]]) -> None:
-        """Data shards (block, shard index) in place: to Readiness, and the first chunk's
-        last block among them lets the other chunks go."""
-        self.readiness.landed(pairs)
-        last = self._first_chunk_end - 1
-        if not self._prefix_goes_on.is_set() and any(block == last for block, _ in pairs):
+    def _landed(self, start: int, pairs: list[tuple[int, int]]) -> None:
+        """Data shards (block, shard index) of the chunk at block ``start`` are in place:
+        to Readiness, and a shard of the first chunk's last block lets the other chunks go."""
+        self.readiness.landed(pairs, base=start)
+        if not self._prefix_goes_on.is_set() and self.readiness.any_landed(
+            self._first_chunk_end - 1
+        ):
             self._prefix_goes_on.set()
 
     def _missed(self, index: int) -> None:

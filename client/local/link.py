@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
 
@@ -51,14 +52,12 @@ from client.landing import (
     NodeAnswer,
     Wanted,
     checksum_fields,
-    header_rows,
     landing_regions,
     shard_checksums_ok,
 )
 from client.landing_pool import LandingPool
 from erasure import fastsum
 from erasure.codec import Codec
-from erasure.shard import ShardHeader
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.grpc_errors import code_from_value, from_grpc_status
@@ -366,13 +365,13 @@ class LocalLink:
             raise ValueError(f"{payload_bytes} payload bytes for a {len(region.view)}-byte region")
         hits = entries[entries["status"] == batch_answer.HIT]
         placed = hits["placed"] != 0
-        payloads: list[memoryview] = [memoryview(b"")] * len(hits)
         in_place = placed.tolist()
-        for row, view in self._placed_payloads(pending, hits, placed):
-            payloads[row] = view
+        payloads = _Payloads(
+            self.pool, self._placed_starts(pending, hits, placed), hits["payload_len"]
+        )
         streamed = (~placed).nonzero()[0].tolist()
-        headers = header_rows(self._codec, entries)
-        checked = [False] * len(hits)
+        checked = np.zeros(len(hits), bool)
+        failed = np.zeros(len(hits), bool)
         scratch = [region]
         if streamed:
             destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
@@ -384,28 +383,28 @@ class LocalLink:
                 sources.append(source + start)
                 targets.append(0 if destination is None else _address(destination))
                 in_place[row] = destination is not None
-                payloads[row] = (
+                payloads.streamed[row] = (
                     destination if destination is not None else region.view[start : start + size]
                 )
                 sizes.append(size)
                 start += size
-            self._copy_streamed(
-                entries, streamed, sources, targets, sizes, payloads, headers, checked
-            )
+            self._copy_streamed(entries, streamed, sources, targets, sizes, payloads, failed)
+            checked[streamed] = True
         if all(in_place):  # nothing stays in the region: it is free again now
             region.release()
             scratch = []
-        return NodeAnswer(entries, payloads, in_place, scratch, headers, checked)
+        return NodeAnswer(entries, payloads, in_place, scratch, checked, failed)
 
-    def _placed_payloads(
+    def _placed_starts(
         self, pending: PendingRead, hits: np.ndarray, placed: np.ndarray
-    ) -> list[tuple[int, memoryview]]:
-        """(HIT row, view of the pool) of each placed payload: the range of its key's place
-        for its shard, checked for the whole answer at once (a node that placed any other
-        shard there answered against its own request: refused)."""
+    ) -> np.ndarray:
+        """Per HIT row, where its payload starts in the pool (-1: not placed): the range of
+        its key's place for its shard, checked for the whole answer at once (a node that
+        placed any other shard there answered against its own request: refused)."""
+        starts = np.full(len(hits), -1, np.int64)
         rows = placed.nonzero()[0]
         if not len(rows):
-            return []
+            return starts
         if pending.places is None or self.pool is None:
             raise ValueError("the node placed payloads in a READ that named no places")
         mine = hits[rows]
@@ -421,12 +420,8 @@ class LocalLink:
         )
         if not fits.all():
             raise ValueError("the node placed a shard where its request had no place for it")
-        starts = (place["offset"] + index * payload).tolist()
-        memory = self.pool.memory
-        return [
-            (row, memory[start : start + size])
-            for row, start, size in zip(rows.tolist(), starts, payload.tolist(), strict=True)
-        ]
+        starts[rows] = place["offset"] + index * payload
+        return starts
 
     def _copy_streamed(
         self,
@@ -435,13 +430,13 @@ class LocalLink:
         sources: list[int],
         targets: list[int],
         sizes: list[int],
-        payloads: list[memoryview],
-        headers: list[ShardHeader | None],
-        checked: list[bool],
+        payloads: _Payloads,
+        failed: np.ndarray,
     ) -> None:
         """Copy the streamed payloads (HIT rows ``rows``) that have a place to it and verify
-        each one's shard checksum: one native call without the GIL, copying and hashing each
-        payload while it is in cache (ctypes.memmove and python-xxhash without the helper)."""
+        each one's shard checksum (``failed[row]`` where it does not match): one native call
+        without the GIL, copying and hashing each payload while it is in cache
+        (ctypes.memmove and python-xxhash without the helper)."""
         if not rows:
             return
         fields, checksums = checksum_fields(entries, rows)
@@ -452,10 +447,7 @@ class LocalLink:
                 if target:
                     ctypes.memmove(target, from_address, size)
             verdicts = shard_checksums_ok(fields, checksums, [payloads[row] for row in rows])
-        for row, ok in zip(rows, verdicts, strict=True):
-            checked[row] = True
-            if not ok:
-                headers[row] = None
+        failed[rows] = ~np.asarray(verdicts, bool)
 
 
 # The event loop sends its READ frames through libc with the GIL held (ctypes.PyDLL): the
@@ -476,6 +468,32 @@ def send_holding_gil(fd: int, data: bytes) -> None:
         raise OSError(error, os.strerror(error))
     if sent != len(data):
         raise BlockingIOError("partial send")
+
+
+class _Payloads(Sequence[memoryview]):
+    """Per HIT row of an answer, its payload: a view of the pool made when asked (a healthy
+    read asks for none: its blocks are checked whole), or the streamed payload's view."""
+
+    def __init__(self, pool: LandingPool | None, starts: np.ndarray, sizes: np.ndarray) -> None:
+        self._pool, self._starts, self._sizes = pool, starts, sizes  # starts: -1 if not placed
+        self.streamed: dict[int, memoryview] = {}
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, row: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, row: slice) -> Sequence[memoryview]: ...
+    def __getitem__(self, row: int | slice) -> memoryview | Sequence[memoryview]:
+        if isinstance(row, slice):
+            return [self[i] for i in range(len(self))[row]]
+        if row in self.streamed:
+            return self.streamed[row]
+        start = int(self._starts[row])
+        if start < 0 or self._pool is None:
+            return memoryview(b"")
+        return self._pool.memory[start : start + int(self._sizes[row])]
 
 
 def _resolve(pending: PendingRead, result: NodeAnswer | KVStoreError) -> None:

@@ -56,5 +56,14 @@ def test_layer_counts_match_their_definition_in_any_arrival_order(segment_bytes)
         for block, index in batch:
             if index < readiness.num_data_shards:
                 held[block].add(index)
-        assert readiness.num_blocks_with_segment == _segments_by_brute_force(readiness, held)
+        expected = _segments_by_brute_force(readiness, held)
+        assert readiness.num_blocks_with_segment == expected
     assert all(readiness.segment_everywhere(s) for s in range(readiness.num_segments))
+
+
+def test_pairs_may_count_blocks_from_a_base() -> None:
+    readiness = Readiness(50, 1000, 10)  # pairs of a chunk that starts at block 40
+    assert readiness.landed([(1, i) for i in range(10)], base=40) == [41]
+    assert readiness.any_landed(41) and not readiness.any_landed(40)
+    assert readiness.landed([(2, 0), (0, 0)], base=40) == []
+    assert readiness.any_landed(40) and readiness.any_landed(42) and not readiness.any_landed(1)
