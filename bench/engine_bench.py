@@ -5,7 +5,7 @@
     kvstore bench engine --json PATH [--model default|random:<size>|PATH] [--device cpu|cuda]
         [--prompt-lengths 1024,4096,8192] [--cached-fractions 0,0.5,0.9,1.0]
         [--cluster DIR/cluster.toml] [--repeats 3] [--block-tokens 64] [--chunk-tokens N]
-        [--fetch-policy always|cost] [--fetch-deadline-s 10]
+        [--fetch-policy always|cost] [--fetch-deadline-s 10] [--fetch-chunk-blocks 64]
         [--store-transport auto|local|ucx|grpc] [--plot PNG]
 
 Without ``--cluster`` a 12-node local cluster is started in a temporary directory (fsync off:
@@ -430,6 +430,7 @@ def engine_config(args: argparse.Namespace, max_model_len: int, num_fractions: i
         max_model_len=max_model_len,
         fetch_policy=args.fetch_policy,
         fetch_deadline_s=args.fetch_deadline_s,
+        fetch_chunk_blocks=args.fetch_chunk_blocks,
         store_transport=args.store_transport,
         seed=args.seed,
     )
@@ -498,6 +499,7 @@ def describe(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         "kv_format": engine.layout.stored_format,
         "kv_bytes_per_token": engine.layout.bytes_per_token,
         "fetch_policy": engine.config.fetch_policy,
+        "fetch_chunk_blocks": engine.config.fetch_chunk_blocks,
         "store_transport": engine.config.store_transport,
         "store_transport_used": engine.connector.transport_used() if engine.connector else "",
         "cluster": str(args.cluster) if args.cluster else f"local, {args.nodes} nodes, fsync off",
@@ -544,12 +546,7 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_FRACTIONS,
         help=f"comma-separated (default {DEFAULT_FRACTIONS})",
     )
-    parser.add_argument(
-        "--cluster",
-        type=Path,
-        default=None,
-        help="DIR/cluster.toml (default: start a local cluster)",
-    )
+    parser.add_argument("--cluster", type=Path, help="DIR/cluster.toml (default: a local cluster)")
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
 
@@ -573,10 +570,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "the front while fetching the rest where the cost model predicts that is faster",
     )
     parser.add_argument(
-        "--fetch-deadline-s",
-        type=float,
-        default=10.0,
-        help="longest a prefill waits for cached blocks before computing them",
+        "--fetch-deadline-s", type=float, default=10.0, help="longest wait for cached blocks"
+    )
+    parser.add_argument(
+        "--fetch-chunk-blocks", type=int, default=64, help="blocks per land_batch call of a fetch"
     )
     add_store_transport_argument(parser)
 
