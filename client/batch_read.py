@@ -325,6 +325,7 @@ class _State(BlockChecks):
                 positions,
                 [s for _, s in chunk],
                 None if offsets is None else [offsets[p] for p in positions],
+                num_bytes,
             )
             request = _Request(node, [self.keys[p] for p in positions], wanted, time.monotonic_ns())
             for position in positions:

@@ -35,11 +35,13 @@ class Wanted:
     """What one request asks a node for: request key i is batch key ``positions[i]``, of
     which this node holds shard ``shard_indexes[i]``; ``pool_offsets[i]``: where that key's
     buffer starts in the client's landing pool (None: not in the pool; the whole list None
-    when the client has no pool), located once per batch."""
+    when the client has no pool), located once per batch; ``payload_bytes``: the payloads'
+    bytes the request can bring, as the batch read sized it (None: not given)."""
 
     positions: list[int]
     shard_indexes: list[int]
     pool_offsets: list[int | None] | None = None
+    payload_bytes: int | None = None
 
 
 def landing_regions(

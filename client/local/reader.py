@@ -225,6 +225,8 @@ class LocalReader:
         return places
 
     def _estimate(self, wanted: Wanted, outs: Sequence[memoryview | None]) -> int:
+        if wanted.payload_bytes is not None:  # the batch read summed it already
+            return wanted.payload_bytes
         codec = self._shared.codec
         return sum(
             codec.payload_bytes(len(out) if out is not None else codec.max_block_bytes)
