@@ -68,8 +68,8 @@ log = logging.getLogger(__name__)
 # Keys of one request to one node (more: several requests; the node's max_batch_bytes splits
 # first). 256: a fetch of a 16k prompt in one land_batch is one request per node. The tally
 # costs per answer, not per shard (client/shard_table.py), so fewer, larger answers are
-# cheaper: 256 blocks of random:1b in chunks of 256 moved 3.9 GB/s on 2 cores with 256 keys
-# a request, 2.9 with 64 (docs/runs/swapin-2core/stop52/README.md).
+# cheaper: 256 blocks of random:1b in chunks of 256 moved 3.51 GB/s on 2 cores against 2.95
+# for 64-key requests and the per-shard tally (docs/runs/swapin-2core/stop52/README.md).
 MAX_KEYS_PER_REQUEST = 256
 DATA_GRACE = 0.5  # of a batch's time, waited for data shards once every key has k shards
 
