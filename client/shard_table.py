@@ -82,8 +82,10 @@ class ShardTable:
         self.version = np.zeros(num_keys, "V16")
         self.block_len = np.zeros(num_keys, np.int64)
         self.payload_len = np.zeros(num_keys, np.int64)
-        self.mask = np.zeros(num_keys, np.uint32)  # shard indexes held of the version
-        self.placed_mask = np.zeros(num_keys, np.uint32)  # ... of which at their place
+        self.mask = np.zeros(num_keys, np.uint64)  # shard indexes held of the version
+        self.placed_mask = np.zeros(num_keys, np.uint64)  # ... of which at their place
+        # Codes of more than 64 shards (k + m may reach 255) take the per-shard path.
+        self._masks_fit = codec.k + codec.m <= 64
         self.count = np.zeros(num_keys, np.int32)
         self.corrupt = np.zeros(num_keys, np.int32)
         self.collectors: dict[int, ShardCollector] = {}  # keys off the fast path
@@ -113,6 +115,8 @@ class ShardTable:
         clash = self.has_version[pos] & (self.version[pos] != hits["version"][rows])
         off = set(pos[clash].tolist()) if clash.any() else set()
         listed = pos.tolist()
+        if not self._masks_fit:
+            off |= set(listed)
         if len(set(listed)) < len(listed):
             off |= {p for p, n in Counter(listed).items() if n > 1}
         if off - self.collectors.keys():
@@ -150,11 +154,11 @@ class ShardTable:
             self.version[new_pos] = hits["version"][new_rows]
             self.block_len[new_pos] = hits["block_len"][new_rows]
             self.payload_len[new_pos] = hits["payload_len"][new_rows]
-        bits = np.left_shift(np.uint32(1), hits["shard_index"][rows].astype(np.uint32))
+        bits = np.left_shift(np.uint64(1), hits["shard_index"][rows].astype(np.uint64))
         new = (self.mask[pos] & bits) == 0  # a second shard of an index is ignored
         pos, rows, bits = pos[new], rows[new], bits[new]
         self.mask[pos] |= bits
-        self.placed_mask[pos] |= np.where(in_place[rows], bits, np.uint32(0))
+        self.placed_mask[pos] |= np.where(in_place[rows], bits, np.uint64(0))
         self.count[pos] += 1
         reached = pos[self.count[pos] == self.k]
         return [(p, self.version[p].tobytes()) for p in reached.tolist()]

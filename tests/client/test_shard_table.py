@@ -99,3 +99,23 @@ def test_the_numpy_tally_counts_as_the_per_shard_one(seed: int) -> None:
             for index, shard in index_to_shard.items():
                 assert bytes(shard_payload(got[index])) == bytes(shard_payload(shard))
             assert collector.recheck(version) == 0, "a good shard failed its recheck"
+
+
+def test_a_code_of_more_than_64_shards_is_tallied_per_shard() -> None:
+    codec = make_codec(CodecConfig(k=60, m=10, backend="zfec"))
+    shards = codec.encode(bytes(range(256)) * 40)
+    table = ShardTable(codec, 1)
+    reached = []
+    for shard in shards[10:]:  # one node's answer each; shard indexes 64-69 among them
+        hits = _entries([(0, shard, False)])
+        reached += table.add(
+            hits,
+            np.zeros(1, np.int64),
+            headers_fit(codec, hits),
+            np.ones(1, bool),
+            np.zeros(1, bool),
+            [shard_payload(shard)].__getitem__,
+        )
+    assert reached == [(0, parse_header(shards[0]).block_checksum)]
+    assert table.best_count(0) == 60
+    assert table.indexes(0, reached[0][1]) == set(range(10, 70))
