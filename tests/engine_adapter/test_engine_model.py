@@ -312,3 +312,32 @@ def test_model_config_refuses_half_mla_shapes():
         ModelConfig(64, 64, 1, 2, 2, 16, 64, attention="mla")
     with pytest.raises(ValueError, match="MLA fields"):
         ModelConfig(64, 64, 1, 2, 2, 16, 64, kv_lora_rank=32)
+
+
+@pytest.mark.parametrize("num_queries", [5, 40, 63, 64])
+def test_queries_after_a_prefix_attend_as_with_the_lower_right_mask(num_queries, monkeypatch):
+    """A long suffix's attention runs as plain causal attention of padded queries (the GPU's
+    faster kernel); a short one keeps the lower-right mask: either way each query sees the
+    prefix and the suffix up to itself."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from engine_adapter import model
+    from engine_adapter.model import PAD_QUERIES_ABOVE, _grouped_attention
+
+    monkeypatch.setattr(model, "PAD_MIN_KEYS", 64)  # a short context takes the padded path
+    generator = torch.Generator().manual_seed(num_queries)
+    num_keys, heads, kv_heads, dim = 64, 8, 2, 16
+    q = torch.randn(1, heads, num_queries, dim, generator=generator)
+    k = torch.randn(1, kv_heads, num_keys, dim, generator=generator)
+    v = torch.randn(1, kv_heads, num_keys, dim, generator=generator)
+    got = _grouped_attention(q, k, v, causal_lower_right(num_queries, num_keys))
+    visible = torch.arange(num_keys)[None, :] <= torch.arange(num_queries)[:, None] + (
+        num_keys - num_queries
+    )
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible, enable_gqa=True
+    )
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    padded = PAD_QUERIES_ABOVE * num_keys < num_queries < num_keys
+    assert padded == (num_queries in (40, 63)), "the cases cover both kernels"
