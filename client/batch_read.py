@@ -455,11 +455,11 @@ class _State(BlockChecks):
             hits, positions, valid, in_place, checked, answer.payloads.__getitem__
         )
         landing = valid & in_place & (hits["shard_index"] < self.k)
-        landed_positions = positions[landing]
-        self.num_in_place += np.bincount(landed_positions, minlength=len(self.num_in_place))
-        if self.on_landed is not None and len(landed_positions):
+        self.num_in_place += np.bincount(positions[landing], minlength=len(self.num_in_place))
+        landed_positions = positions[landing].tolist()
+        if self.on_landed is not None and landed_positions:
             indexes = hits["shard_index"][landing].tolist()
-            self.on_landed(list(zip(landed_positions.tolist(), indexes, strict=True)))
+            self.on_landed(list(zip(landed_positions, indexes, strict=True)))
         completed: list[int] = []
         for position, version in reached:
             if not self.decided[position]:
@@ -471,7 +471,7 @@ class _State(BlockChecks):
         fresh = set(completed)
         completed += (
             p
-            for p in landed_positions.tolist()
+            for p in landed_positions
             if p not in fresh and p not in self.verified and self.complete[p] is not None
         )
         if completed:

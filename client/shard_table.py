@@ -121,16 +121,13 @@ class ShardTable:
             off |= {p for p, n in Counter(listed).items() if n > 1}
         if off - self.collectors.keys():
             self._leave_fast_path(sorted(off - self.collectors.keys()))
-        if self.collectors:
-            fast = ~np.isin(pos, np.fromiter(self.collectors, np.int64, len(self.collectors)))
-            fast_rows = rows[fast]
-        else:
-            fast, fast_rows = None, rows
+        slow = np.isin(pos, np.fromiter(self.collectors, np.int64, len(self.collectors)))
+        fast_rows = rows[~slow]
         done = self._add_fast(hits, fast_rows, positions[fast_rows], in_place)
         fast_all = np.zeros(len(hits), bool)
         fast_all[fast_rows] = True
         self._rows.append(TallyRows(hits, positions, fast_all, checked, payload))
-        for row in [] if fast is None else rows[~fast].tolist():
+        for row in rows[slow].tolist():
             position = int(positions[row])
             shard = self._shard(hits, row, payload)
             version = self.collectors[position].add_verified(
