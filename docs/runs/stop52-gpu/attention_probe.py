@@ -35,8 +35,9 @@ def main() -> None:
     device = torch.device("cuda")
     generator = torch.Generator(device).manual_seed(0)
     for n, s in [(14848, 16384), (2048, 16384), (16384, 16384), (512, 4096), (4096, 4096)]:
-        q = torch.randn(1, HEADS, n, DIM, device=device, dtype=torch.bfloat16, generator=generator)
-        k = torch.randn(1, KV_HEADS, s, DIM, device=device, dtype=torch.bfloat16, generator=generator)
+        like = {"device": device, "dtype": torch.bfloat16, "generator": generator}
+        q = torch.randn(1, HEADS, n, DIM, **like)
+        k = torch.randn(1, KV_HEADS, s, DIM, **like)
         v = torch.randn_like(k)
         params = SDPAParams(q, k, v, None, 0.0, False, True)
         flash_ok = can_use_flash_attention(params, debug=True)
@@ -60,10 +61,12 @@ def main() -> None:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k_all, v_all, 0.0, True)[0]
 
         flash_ms, direct = timed(flash)
+        padded_diff = (padded - today).abs().max().item()
+        direct_diff = (direct - today).abs().max().item()
         print(
             f"n={n:6d} S={s:6d}: lower-right bias {today_ms:7.2f} ms | padded causal "
-            f"{padded_ms:7.2f} ms (max diff {(padded - today).abs().max().item():.3g}) | flash "
-            f"op, expanded KV {flash_ms:7.2f} ms (max diff {(direct - today).abs().max().item():.3g})"
+            f"{padded_ms:7.2f} ms (max diff {padded_diff:.3g}) | flash "
+            f"op, expanded KV {flash_ms:7.2f} ms (max diff {direct_diff:.3g})"
             f" | can use flash (GQA): {flash_ok}, efficient: {efficient_ok}",
             flush=True,
         )
