@@ -273,7 +273,7 @@ def _add_system_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument(
         "--transport",
-        type=transport_list(("grpc", "ucx", "local")),
+        type=transport_list(("grpc", "ucx", "local", "stream")),
         default=["grpc"],
         help="kvstore read transports to bench in one run, e.g. grpc,ucx,local (the straggler "
         "phase runs on the first)",

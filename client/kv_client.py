@@ -68,6 +68,7 @@ from client.node_conn import NodeConn, NodeReader
 from client.read_outcome import BatchResult
 from client.read_timeline import ReadTimeline
 from client.sealer import BlockSealer
+from client.stream.reader import StreamReads
 from client.transports import NodeTransports
 from client.ucx.reader import UcxReads
 from client.write_path import WriteCounters
@@ -77,7 +78,7 @@ from kvstore.config import READ_TRANSPORTS, ClusterConfig, load_cluster
 from kvstore.errors import InvalidArgument
 from kvstore.placement import Placement
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.tls import channel_credentials
+from kvstore.tls import channel_credentials, stream_client_context
 from ttl.clock import Clock, make_clock
 
 __all__ = ["TRANSPORTS", "Buffer", "KVClient", "Key", "Landing"]
@@ -104,6 +105,7 @@ class KVClient:
         try:
             token = client_token(token)
             credentials = channel_credentials(config, tls_cert_file, tls_key_file)
+            stream_tls = stream_client_context(config, tls_cert_file, tls_key_file)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.config = config
@@ -114,7 +116,9 @@ class KVClient:
         # Buffers in this pool land in place: local nodes write their shards there.
         self.landing_pool = landing_pool
         # Each node's connection and read transport (client/transports.py).
-        self.transports = NodeTransports(self.codec, tenant, token, credentials, landing_pool)
+        self.transports = NodeTransports(
+            self.codec, tenant, token, credentials, landing_pool, stream_tls
+        )
         self._place(config)
         self.read_counters = ReadCounters()
         self.read_times = ReadTimes()
@@ -168,6 +172,11 @@ class KVClient:
     def local(self) -> LocalReads | None:
         """The local read path (same-host nodes), when connect() enabled it."""
         return self.transports.local
+
+    @property
+    def stream(self) -> StreamReads | None:
+        """The stream read path (the local frames over TCP), when connect() enabled it."""
+        return self.transports.stream
 
     def _place(self, config: ClusterConfig) -> None:
         """Channels to every node of ``config`` (kept for nodes already known) and its groups
@@ -224,8 +233,12 @@ class KVClient:
         failed RPC later.
         ``transport`` picks how reads travel (client/transports.py): "grpc"; "ucx"
         (Unavailable at connect unless ucxx is installed and some node answers with a UCX
-        address this client reaches); "auto" = UCX to each node a shared-memory/RDMA UCX
-        worker reaches (learned in the background), gRPC to the rest. Results are identical.
+        address this client reaches); "local" (shared memory with the nodes on this host);
+        "stream" (the local channel's frames over TCP, TLS when the cluster's is on: one
+        copy into the client per payload); "auto" = local to the nodes on this host, UCX to
+        each node a shared-memory/RDMA UCX worker reaches, the stream channel to the rest
+        (learned at connect and in the background), gRPC where none works. Results are
+        identical.
         The default is "grpc": on the 2-core machine we measure on, with 12 nodes sharing the
         cores, the UCX path was slower at every block size (docs/data-paths.md).
 
@@ -470,11 +483,14 @@ class KVClient:
         await self.key_ops.wait_until_accepted(timeout_s)
 
     def replies_by_transport(self) -> dict[str, int]:
-        """How many node read requests each transport answered: local, ucx, grpc (the rest)."""
+        """How many node read requests each transport answered: local, stream, ucx, grpc (the
+        rest)."""
+        stream_path = self.stream
         local = self.local.counters.num_local_replies if self.local else 0
+        stream = stream_path.counters.num_local_replies if stream_path else 0
         ucx = self.ucx.counters.num_ucx_replies if self.ucx else 0
-        grpc = self.read_counters.num_node_requests - local - ucx
-        return {"local": local, "ucx": ucx, "grpc": max(grpc, 0)}
+        grpc = self.read_counters.num_node_requests - local - stream - ucx
+        return {"local": local, "stream": stream, "ucx": ucx, "grpc": max(grpc, 0)}
 
     def counters(self) -> dict[str, int]:
         """This client's read, write and follow-up counters (ReadCounters, WriteCounters and

@@ -75,7 +75,7 @@ KEY_BYTES = 16  # block keys are xxh3-128 digests
 
 
 # How a client's reads travel (KVClient.connect's transport; docs/data-paths.md).
-READ_TRANSPORTS = ("grpc", "auto", "ucx", "local")
+READ_TRANSPORTS = ("grpc", "auto", "ucx", "local", "stream")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ class NodeConfig:
     # Local read channel for clients on this host (kvstore/node/local_server.py):
     # "auto" = on (Linux), "off"
     local_reads: str = "auto"
+    # Stream read channel for clients on other hosts (kvstore/node/stream_server.py): "auto" =
+    # on, "off"; its TCP port on the address's host (0 = any free port, told in Health).
+    stream_reads: str = "auto"
+    stream_port: int = 0
 
     def __post_init__(self) -> None:
         self._check_identity()
@@ -77,9 +81,15 @@ class NodeConfig:
             )
         if self.ucx not in ("auto", "off"):
             raise ValueError(f"node {self.id}: ucx must be 'auto' or 'off', got {self.ucx!r}")
-        if self.local_reads not in ("auto", "off"):
+        for name in ("local_reads", "stream_reads"):
+            if getattr(self, name) not in ("auto", "off"):
+                raise ValueError(
+                    f"node {self.id}: {name} must be 'auto' or 'off', got {getattr(self, name)!r}"
+                )
+        if not 0 <= self.stream_port <= MAX_PORT:
             raise ValueError(
-                f"node {self.id}: local_reads must be 'auto' or 'off', got {self.local_reads!r}"
+                f"node {self.id}: stream_port {self.stream_port} must be in 1..{MAX_PORT} "
+                "(0: any free port)"
             )
 
     def _check_limits(self) -> None:

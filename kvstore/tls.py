@@ -22,6 +22,9 @@ Certificates are reloaded without a restart: before each handshake gRPC asks
 modification times changed (replace both files, new connections get the new pair; open
 connections keep theirs). Clients read their files when they connect.
 
+The stream read channel (kvstore/node/stream_server.py) uses the same files through Python's
+ssl (:func:`stream_server_context`, :func:`stream_client_context`), read at each connection.
+
 The UCX read path (kvstore/wire/ucx_frames.py) carries no TLS: with encryption at rest on
 (client/sealer.py) its payloads are ciphertext, but the token in a UCX request frame
 travels in the clear, so use UCX only inside a trusted network (docs/security.md says so).
@@ -32,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +160,40 @@ def sync_channel(
     if credentials is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, credentials, options=_named(options, node_id))
+
+
+def stream_server_context(cluster: ClusterConfig, node: NodeConfig) -> ssl.SSLContext | None:
+    """The stream read channel's server context (kvstore/node/stream_server.py), read from
+    the files now (a new connection after a certificate change gets the new pair), or None
+    when TLS is off. The same certificate, key and client-certificate rule as gRPC's."""
+    if not cluster.tls_enabled:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(node.tls_cert_file, node.tls_key_file)
+    if cluster.tls.client_certs == "require":
+        context.load_verify_locations(cluster.tls.ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def stream_client_context(
+    cluster: ClusterConfig, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext | None:
+    """The client's context for stream connections, or None when TLS is off: the node's
+    certificate must chain to ``ca_file`` and name the node (connect with
+    ``server_hostname=node_server_name(node_id)``); the client certificate as in
+    :func:`channel_credentials`."""
+    if not cluster.tls_enabled:
+        return None
+    cert_file = cert_file or os.environ.get(CLIENT_CERT_ENV)
+    key_file = key_file or os.environ.get(CLIENT_KEY_ENV)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cluster.tls.ca_file)
+    if cert_file and key_file:
+        context.load_cert_chain(cert_file, key_file)
+    return context
 
 
 NODE_NAME_SUFFIX = ".node.kvstore"

@@ -89,10 +89,10 @@ class KVStoreTarget:
         if op == "put":
             return {"grpc": client.write_counters.num_put_requests}
         counts = {"grpc": 0}
-        for name, path in (("local", client.local), ("ucx", client.ucx)):
+        replies = client.replies_by_transport()
+        for name, path in (("local", client.local), ("stream", client.stream), ("ucx", client.ucx)):
             if path is not None:
-                replies = getattr(path.counters, f"num_{name}_replies")
-                counts[name] = replies
+                counts[name] = replies[name]
                 counts["grpc"] += path.counters.num_fallbacks
         if len(counts) == 1:
             counts["grpc"] = client.read_counters.num_node_requests

@@ -109,6 +109,7 @@ class LocalLink:
         arena: ByteArena,
         codec: Codec,
         pool: LandingPool | None = None,
+        node_pid: int | None = None,
     ) -> None:
         self.node_id = node_id
         self.arena = arena
@@ -124,7 +125,7 @@ class LocalLink:
         assert self._permits.offset == 0, "permit words must open the arena"
         self._free_permits = list(range(frames.NUM_PERMITS - 1, -1, -1))
         self._generations = [0] * frames.NUM_PERMITS
-        self.node_pid = _peer_pid(sock)
+        self.node_pid = _peer_pid(sock) if node_pid is None else node_pid
         self.alive = True
         self._receiver = threading.Thread(
             target=self._receive_forever, name=f"local-recv-{node_id}", daemon=True
@@ -233,7 +234,7 @@ class LocalLink:
             permit,
         )
         try:
-            send_holding_gil(self._sock.fileno(), frame)
+            self._send_frame(frame)
         except OSError as exc:  # BlockingIOError: the node stopped reading its socket
             self._forget(pending)
             self._shut(f"send failed: {exc}")
@@ -252,8 +253,12 @@ class LocalLink:
             pending.state = _CANCELLED
         # If the send fails the node learns nothing; its late answer is dropped all the same.
         with contextlib.suppress(OSError):
-            self._sock.send(frames.encode_cancel(pending.request_id), socket.MSG_DONTWAIT)
+            self._send_frame(frames.encode_cancel(pending.request_id))
         return not self._revoke(pending)
+
+    def _send_frame(self, frame: bytes) -> None:
+        """Send one frame from the event loop, never blocking it (OSError if it cannot)."""
+        send_holding_gil(self._sock.fileno(), frame)
 
     def _revoke(self, pending: PendingRead) -> bool:
         """Revoke a request's permit; whether no pool write of it can still happen."""
@@ -308,6 +313,9 @@ class LocalLink:
                     raise ValueError(f"unexpected frame kind {kind}")
                 request_id, status, rest = frames.decode_answer(memoryview(body))
                 with self._lock:
+                    pending = self._pending.get(request_id)
+                self._receive_payloads(pending, status, rest)
+                with self._lock:
                     pending = self._pending.pop(request_id, None)
                     if pending is not None and pending.permit_index >= 0:
                         # The node answered: it is done with the permit and the pool.
@@ -324,6 +332,10 @@ class LocalLink:
             error = Unavailable(f"node {self.node_id}: local connection lost ({reason})")
             for pending in lost:  # their regions stay taken: the arena goes with the link
                 _resolve(pending, error)
+
+    def _receive_payloads(self, pending: PendingRead | None, status: int, body: memoryview) -> None:
+        """What follows an ANSWER on the connection: here nothing (the payloads are in the
+        shared arena already); the stream link receives them (client/stream/link.py)."""
 
     def _complete(self, pending: PendingRead, status: int, body: memoryview) -> None:
         """One ANSWER: land it (this thread) and hand the outcome to the event loop."""

@@ -151,8 +151,12 @@ class LocalReader:
         except KVStoreError as exc:
             log.info("node %s: no local link: %s", self.node_id, exc)
             return
+        self._adopt(link)
+
+    def _adopt(self, link: LocalLink) -> None:
+        """Read over ``link`` from now on; the link it replaces is closed in the background."""
         old, self.link = self.link, link
-        shared.counters.num_links += 1
+        self._shared.counters.num_links += 1
         if old is not None:
             self._shared.background.start(asyncio.to_thread(old.close))
 

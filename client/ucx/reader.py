@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from client.landing import NodeAnswer, Wanted, fill_apart, landing_regions
-from client.node_conn import BackgroundTasks, NodeConn, finish_despite_cancel
+from client.node_conn import BackgroundTasks, NodeConn, NodeReader, finish_despite_cancel
 from client.ucx.transport import UcxTransport
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.errors import BadReply, KVStoreError, PermissionDenied, Unavailable
@@ -93,8 +93,8 @@ class UcxReads:
         self.counters = UcxCounters()
         self.background = BackgroundTasks()
 
-    def reader(self, conn: NodeConn) -> UcxReader:
-        return UcxReader(conn, self)
+    def reader(self, conn: NodeConn, fallback: NodeReader | None = None) -> UcxReader:
+        return UcxReader(conn, self, fallback)
 
     async def close(self) -> None:
         """Stop background Health asks and close the UCX worker."""
@@ -103,10 +103,14 @@ class UcxReads:
 
 
 class UcxReader:
-    """One node's read transport: UCX where it works, else (and on failure) gRPC."""
+    """One node's read transport: UCX where it works, else (and on failure) ``fallback``
+    (the stream channel, or gRPC)."""
 
-    def __init__(self, conn: NodeConn, shared: UcxReads) -> None:
+    def __init__(
+        self, conn: NodeConn, shared: UcxReads, fallback: NodeReader | None = None
+    ) -> None:
         self.conn = conn
+        self.fallback: NodeReader = conn if fallback is None else fallback
         self.node_id = conn.node_id
         self.health = conn.health
         self._shared = shared
@@ -171,7 +175,7 @@ class UcxReader:
         """As :meth:`NodeConn.read_batch`, over UCX when the node is usable."""
         deadline_s = time.monotonic() + timeout_s
         if not self.usable():
-            return await self.conn.read_batch(keys, wanted, outs, timeout_s)
+            return await self.fallback.read_batch(keys, wanted, outs, timeout_s)
         try:
             answer = await self._read_ucx(keys, wanted, outs, deadline_s)
         except (Unavailable, TimeoutError) as exc:
@@ -260,7 +264,7 @@ class UcxReader:
         self._shared.counters.num_fallbacks += 1
         self._next_health_ask_s = 0.0
         self._ask_health_later()
-        return await self.conn.read_batch(keys, wanted, outs, _left(deadline_s))
+        return await self.fallback.read_batch(keys, wanted, outs, _left(deadline_s))
 
     def _ask_health_later(self) -> None:
         now_s = time.monotonic()

@@ -42,11 +42,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvstore.byte_arena import SHARED_SEALS
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.grpc_errors import status_code
 from kvstore.wire import local_frames as frames
+from kvstore.wire.stream_socket import StreamSocket
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,11 @@ class LocalSession:
         assert self.arena_address and index < frames.NUM_PERMITS
         return self.arena_address + 4 * index
 
+
+# What a connection's frames travel on: the accepted socket, or its TLS wrapping (the stream
+# channel's StreamSocket). What a READ is answered with: buffers sent in order, at once.
+Connection = socket.socket | StreamSocket
+Answer = tuple[bytes | memoryview, ...]
 
 # read(session, request, region) -> the ANSWER body for OK: the batch answer's table, the
 # payloads written to the region; raises KVStoreError (answered ERROR) or RegionTooSmall.
@@ -98,13 +105,11 @@ class LocalServer:
         loop: asyncio.AbstractEventLoop | None = None,
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
-        self.socket_name = f"@kvstore-{node_id}-{secrets.token_hex(6)}"
         self._open_session, self._read = open_session, read
         self._delay_s, self._loop, self._executor = delay_s, loop, executor
         if delay_s and (loop is None or executor is None):
             raise InvalidArgument("a local server with a straggler delay needs loop and executor")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind("\0" + self.socket_name[1:])
+        self._listener = self._listen(node_id)
         self._listener.listen(ACCEPT_BACKLOG)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -115,6 +120,13 @@ class LocalServer:
             target=self._accept_forever, name=f"local-accept-{node_id}", daemon=True
         )
         self._accept_thread.start()
+
+    def _listen(self, node_id: str) -> socket.socket:
+        """The bound listening socket (here: a fresh name in the abstract namespace)."""
+        self.socket_name = f"@kvstore-{node_id}-{secrets.token_hex(6)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + self.socket_name[1:])
+        return listener
 
     def close(self) -> None:
         """Stop accepting, end every connection and wait for the reads in progress."""
@@ -157,10 +169,12 @@ class LocalServer:
                 self._threads.add(thread)
             thread.start()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _serve_connection(self, accepted: socket.socket) -> None:
         send_lock = threading.Lock()
         session: LocalSession | None = None
+        conn: Connection = accepted
         try:
+            conn = self._wrap(accepted)
             session = self._handshake(conn)
             if session is None:
                 return
@@ -179,13 +193,18 @@ class LocalServer:
             log.info("local connection ended: %s", exc)
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.discard(accepted)
                 self._threads.discard(threading.current_thread())
             conn.close()
             # The mapping goes with the session once the delayed reads let go of it.
 
-    def _handshake(self, conn: socket.socket) -> LocalSession | None:
+    def _wrap(self, conn: socket.socket) -> Connection:
+        """The accepted connection as the frames travel on it (here: as it is)."""
+        return conn
+
+    def _handshake(self, conn: Connection) -> LocalSession | None:
         """HELLO with the arena's memfd -> a session (WELCOME), or REFUSED and None."""
+        assert isinstance(conn, socket.socket)
         head = bytearray(frames.HEAD_BYTES)
         fds: list[int] = []
         try:
@@ -227,7 +246,7 @@ class LocalServer:
 
     def _on_read(
         self,
-        conn: socket.socket,
+        conn: Connection,
         send_lock: threading.Lock,
         session: LocalSession,
         request: frames.ReadRequest,
@@ -240,7 +259,7 @@ class LocalServer:
             wrapped = asyncio.wrap_future(future, loop=self._loop)
             self._loop.call_soon_threadsafe(self._track, wrapped)
             return
-        _send(conn, send_lock, self._answer(session, request))
+        _send(conn, send_lock, self._answer(session, request, inline=True))
 
     def _track(self, future: asyncio.Future[None]) -> None:
         self._delayed.add(future)
@@ -248,22 +267,27 @@ class LocalServer:
 
     async def _read_delayed(
         self,
-        conn: socket.socket,
+        conn: Connection,
         send_lock: threading.Lock,
         session: LocalSession,
         request: frames.ReadRequest,
     ) -> None:
         await asyncio.sleep(self._delay_s)
         if _take_cancel(session, request.request_id):
-            answer = frames.encode_answer(request.request_id, frames.CANCELLED)
+            answer: Answer = (frames.encode_answer(request.request_id, frames.CANCELLED),)
         else:
             loop = asyncio.get_running_loop()
-            answer = await loop.run_in_executor(self._executor, self._answer, session, request)
+            answer = await loop.run_in_executor(
+                self._executor, partial(self._answer, session, request, inline=False)
+            )
         with contextlib.suppress(OSError):  # the client is gone
             _send(conn, send_lock, answer)
 
-    def _answer(self, session: LocalSession, request: frames.ReadRequest) -> bytes:
-        """The ANSWER frame of one READ (the payloads land in the session's arena)."""
+    def _answer(
+        self, session: LocalSession, request: frames.ReadRequest, *, inline: bool
+    ) -> Answer:
+        """What one READ is answered with, in order: here the ANSWER frame (the payloads
+        land in the session's arena). ``inline``: on the connection's thread."""
         assert session.arena is not None
         start, end = request.region_offset, request.region_offset + request.region_bytes
         try:
@@ -273,15 +297,20 @@ class LocalServer:
                 )
             started_ns = time.monotonic_ns()
             table = self._read(session, request, session.arena[start:end])
-        except RegionTooSmall as exc:
-            return frames.encode_too_big(request.request_id, exc.payload_bytes)
         except Exception as exc:
-            error = exc if isinstance(exc, KVStoreError) else None
-            if error is None:
-                log.exception("local read request failed")
-                error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
-            return frames.encode_error(request.request_id, status_code(error).value[0], str(error))
-        return frames.encode_timed(request.request_id, started_ns, time.monotonic_ns(), table)
+            return (answer_failure(request.request_id, exc),)
+        return (frames.encode_timed(request.request_id, started_ns, time.monotonic_ns(), table),)
+
+
+def answer_failure(request_id: int, exc: Exception) -> bytes:
+    """The ANSWER frame of a READ whose read raised ``exc``: TOO_BIG or ERROR."""
+    if isinstance(exc, RegionTooSmall):
+        return frames.encode_too_big(request_id, exc.payload_bytes)
+    error = exc if isinstance(exc, KVStoreError) else None
+    if error is None:
+        log.exception("local read request failed", exc_info=exc)
+        error = KVStoreError(f"{type(exc).__name__}: {exc}")  # INTERNAL
+    return frames.encode_error(request_id, status_code(error).value[0], str(error))
 
 
 MAX_CANCELLED_IDS = 1024  # CANCELs kept for READs not seen yet (or answered already)
@@ -298,9 +327,10 @@ def _take_cancel(session: LocalSession, request_id: int) -> bool:
     return cancelled
 
 
-def _send(conn: socket.socket, lock: threading.Lock, data: bytes) -> None:
+def _send(conn: Connection, lock: threading.Lock, answer: Answer) -> None:
     with lock:
-        conn.sendall(data)
+        for data in answer:
+            conn.sendall(data)
 
 
 def _recv_with_fds(conn: socket.socket, max_bytes: int) -> tuple[bytes, list[int]]:

@@ -59,13 +59,14 @@ from kvstore.node.repair_service import RepairService
 from kvstore.node.scrubber import scrub_forever
 from kvstore.node.servicer import SERVICE_NAME, NodeServicer
 from kvstore.node.store_holder import PlacedMap, StoreHolder, open_store
+from kvstore.node.stream_server import StreamServer
 from kvstore.node.tombstones import TombstoneSync, sync_forever
 from kvstore.node.ucx_face import UcxFace
 from kvstore.node.ucx_server import UcxServer
 from kvstore.node.upkeep import upkeep_forever, upkeep_period_s
 from kvstore.store.scrub import ScrubStep
 from kvstore.store.shard_store import ShardStore
-from kvstore.tls import server_credentials
+from kvstore.tls import server_credentials, stream_server_context
 from kvstore.wire.ucx_worker import ucx_available
 from ttl.clock import Clock, make_clock
 
@@ -133,6 +134,7 @@ class _NodeProcess:
         self.ucx_face = self._ucx_face()
         self.servicer = self._servicer()
         self.local: LocalServer | None = None
+        self.stream: StreamServer | None = None
         self.drops: set[asyncio.Future[int]] = set()
 
     def repair_ready(self) -> bool:
@@ -174,6 +176,11 @@ class _NodeProcess:
         self.local = _start_local(self.node, LocalFace(self.reads, self.metrics), self.executor)
         if self.local is not None:
             self.servicer.local_socket = self.local.socket_name
+        self.stream = _start_stream(
+            self.cluster, self.node, LocalFace(self.reads, self.metrics), self.executor
+        )
+        if self.stream is not None:
+            self.servicer.stream_port = self.stream.port
 
     async def start(self) -> None:
         """Listen (Health answers serving = false meanwhile), then open the store."""
@@ -256,9 +263,10 @@ class _NodeProcess:
         """UCX and local reads end before the store closes under them."""
         if self.ucx_face is not None:
             await self.ucx_face.close()
-        if self.local is not None:  # no more local reads; close waits for those in progress
-            await asyncio.get_running_loop().run_in_executor(None, self.local.close)
-            await self.local.finish_delayed()
+        for server in (self.local, self.stream):  # no more local or stream reads; close
+            if server is not None:  # waits for those in progress
+                await asyncio.get_running_loop().run_in_executor(None, server.close)
+                await server.finish_delayed()
 
 
 def _open(
@@ -378,6 +386,30 @@ def _start_local(
         )
     except OSError as exc:
         log.warning("node %s serves no local reads: %s", node.id, exc)
+        return None
+
+
+def _start_stream(
+    cluster: ClusterConfig, node: NodeConfig, face: LocalFace, executor: ThreadPoolExecutor
+) -> StreamServer | None:
+    """The node's stream read server on its address's host, unless ``node.stream_reads`` is
+    "off" or it cannot start (Health then tells no port and clients read over gRPC)."""
+    if node.stream_reads == "off":
+        return None
+    try:
+        return StreamServer(
+            node.id,
+            node.address.rpartition(":")[0],
+            node.stream_port,
+            face.open_session,
+            face.read,
+            partial(stream_server_context, cluster, node),
+            delay_s=node.inject_delay_ms / 1000.0,
+            loop=asyncio.get_running_loop(),
+            executor=executor,
+        )
+    except OSError as exc:
+        log.warning("node %s serves no stream reads: %s", node.id, exc)
         return None
 
 

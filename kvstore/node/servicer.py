@@ -121,6 +121,7 @@ class NodeServicer:
         self._executor = executor
         self._delay_s = node.inject_delay_ms / 1000.0
         self.local_socket = ""  # the local read server's socket, once the node started it
+        self.stream_port = 0  # the stream read server's TCP port, once the node started it
         self._boot_id = local_frames.boot_id()
         self.admission = Admission(node.id)  # sheds data RPCs that would outlast their deadline
         self._unary = {
@@ -479,6 +480,7 @@ class NodeServicer:
             local_socket=self.local_socket,
             boot_id=self._boot_id if self.local_socket else "",
             node_pid=os.getpid() if self.local_socket else 0,
+            stream_port=self.stream_port,
             last_tombstone_seq=store.tombstones(0, 0)[1] if store is not None else 0,
         )
 

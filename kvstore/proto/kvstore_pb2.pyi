@@ -433,7 +433,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready", "local_socket", "boot_id", "last_tombstone_seq", "node_pid")
+    __slots__ = ("node_id", "epoch", "serving", "now_s", "ucx_worker_address", "state", "incarnation", "repair_ready", "local_socket", "boot_id", "last_tombstone_seq", "node_pid", "stream_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +446,7 @@ class HealthReply(_message.Message):
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_TOMBSTONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     NODE_PID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     serving: bool
@@ -458,4 +459,5 @@ class HealthReply(_message.Message):
     boot_id: str
     last_tombstone_seq: int
     node_pid: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: bool = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: bool = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., last_tombstone_seq: _Optional[int] = ..., node_pid: _Optional[int] = ...) -> None: ...
+    stream_port: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., serving: bool = ..., now_s: _Optional[float] = ..., ucx_worker_address: _Optional[bytes] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., repair_ready: bool = ..., local_socket: _Optional[str] = ..., boot_id: _Optional[str] = ..., last_tombstone_seq: _Optional[int] = ..., node_pid: _Optional[int] = ..., stream_port: _Optional[int] = ...) -> None: ...

@@ -221,7 +221,7 @@ class ShardStoreServicer(object):
         """Tenant or service: a session for batch reads over UCX, which has no TLS. Handed out over
         this identity-checked channel, its key signs each UCX request and the node's reply, so
         the bearer token never crosses UCX and a process that took the node's UCX address
-        cannot answer as the node (kvstore/wire/ucx_frames.py). FAILED_PRECONDITION without UCX.
+        cannot answer as the node (kvstore/wire/ucx_frames.py). UNAVAILABLE without UCX.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -181,6 +181,32 @@ async def test_local_reads_derive_the_tenant_too(cluster: LocalCluster, tokens: 
                 await kv.get(KEY)
 
 
+async def test_stream_reads_are_tls_and_derive_the_tenant_too(
+    cluster: LocalCluster, tokens: dict
+) -> None:
+    """The stream channel on a TLS cluster: its connections verify the node's certificate,
+    and HELLO and every READ are authenticated like a gRPC call; a token that may not act
+    for the tenant gets no link, and no node or admin credential reads over it."""
+    toml = cluster.cluster_toml
+    await _wait_for_reload(cluster, tokens["serving"])
+    async with KVClient.connect(toml, tenant="acme", token=tokens["acme"]) as kv:
+        await kv.put(KEY, BLOCK)
+    for token in (tokens["acme"], tokens["serving"]):
+        async with KVClient.connect(toml, tenant="acme", token=token, transport="stream") as kv:
+            assert await kv.get_batch([KEY]) == [BLOCK]
+            assert kv.stream is not None and kv.stream.counters.num_local_replies > 0, (
+                "read not over the stream channel"
+            )
+            assert kv.stream.tls is not None, "a TLS cluster's stream connection is plaintext"
+            link = next(r.link for r in kv.stream.readers if r.link is not None)
+            assert link._sock.tls, "the link's socket is not TLS"
+    node_token = read_token_file(cluster.root / NODE_TOKEN_FILE)
+    for token in (None, "wrong", tokens["evil"], node_token, tokens["admin"]):
+        with pytest.raises(PermissionDenied):
+            async with KVClient.connect(toml, tenant="acme", token=token, transport="stream") as kv:
+                await kv.get(KEY)
+
+
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
 async def test_reads_over_ucx_derive_the_tenant_too(cluster: LocalCluster, tokens: dict) -> None:
     toml = cluster.cluster_toml
