@@ -67,7 +67,7 @@ from kvstore.wire import local_frames as frames
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
-_WAITING, _LANDING, _CANCELLED = 0, 1, 2
+WAITING, LANDING, CANCELLED = 0, 1, 2
 GENERATION_MASK = (1 << 30) - 1
 
 
@@ -90,12 +90,15 @@ class PendingRead:
     permit_index: int = -1  # the permit word guarding the places (-1: none)
     permit_armed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    state: int = _WAITING
+    state: int = WAITING
+    # Per HIT row of the answer, its place in the caller's block (or None), when the payloads
+    # were received straight there (the stream link) rather than into the region.
+    received_in_place: list[memoryview | None] | None = None
 
     @property
     def landing(self) -> bool:
         """Whether the receiver is landing this request's answer right now."""
-        return self.state == _LANDING
+        return self.state == LANDING
 
 
 class LocalLink:
@@ -248,9 +251,9 @@ class LocalLink:
         for ``pending.future`` (or :meth:`pool_write_over`) before the buffers are touched
         again."""
         with pending.lock:
-            if pending.state == _LANDING:
+            if pending.state == LANDING:
                 return True
-            pending.state = _CANCELLED
+            pending.state = CANCELLED
         # If the send fails the node learns nothing; its late answer is dropped all the same.
         with contextlib.suppress(OSError):
             self._send_frame(frames.encode_cancel(pending.request_id))
@@ -340,10 +343,10 @@ class LocalLink:
     def _complete(self, pending: PendingRead, status: int, body: memoryview) -> None:
         """One ANSWER: land it (this thread) and hand the outcome to the event loop."""
         with pending.lock:
-            if pending.state == _CANCELLED:
+            if pending.state == CANCELLED:
                 pending.region.release()  # the node is done with it
                 return
-            pending.state = _LANDING
+            pending.state = LANDING
         result: NodeAnswer | KVStoreError
         try:
             if status == frames.TIMED:
@@ -386,14 +389,21 @@ class LocalLink:
         failed = np.zeros(len(hits), bool)
         scratch = [region]
         if streamed:
-            destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
+            destinations = pending.received_in_place
+            received = destinations is not None  # those in place: checked where they are
+            if destinations is None:
+                destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
             sources, targets, sizes = [], [], []
             source, start = self.arena.address + region.offset, 0
             sizes_all = hits["payload_bytes"].tolist()
             for row in streamed:
                 size, destination = sizes_all[row], destinations[row]
-                sources.append(source + start)
-                targets.append(0 if destination is None else _address(destination))
+                if received and destination is not None:
+                    sources.append(_address(destination))
+                    targets.append(0)
+                else:
+                    sources.append(source + start)
+                    targets.append(0 if destination is None else _address(destination))
                 in_place[row] = destination is not None
                 payloads.streamed[row] = (
                     destination if destination is not None else region.view[start : start + size]

@@ -1,20 +1,23 @@
 """One connection to a node's stream read server (kvstore/node/stream_server.py): the local
 link's requests, regions and landing (client/local/link.py), over TCP, with each answer's
-payloads received from the connection into the request's region.
+payloads received from the connection.
 
 Per request::
 
     event loop    take a region of this link's arena, send READ(id, region, keys)
     node          reads the payloads into its own buffer, sends ANSWER(id, table) and them
-    receiver      ANSWER -> recv_into the region, the payloads' bytes only (the GIL is let go
-    thread          during each recv), then as on the local link: copy each payload to its
-                    place in the caller's block while verifying its shard checksum (one
-                    native call), the rest stays in the region -> the NodeAnswer to the loop
+    receiver      ANSWER -> the payloads straight from the socket to where they belong: a
+    thread          data shard with a place in the caller's block there, the rest into the
+                    region (scattered ``recvmsg_into`` calls, the GIL let go in each); then
+                    as on the local link, every payload's shard checksum verified where it
+                    lies (one native call) -> the NodeAnswer to the event loop
 
-So the client's Python work is per answer, not per shard or per byte, as locally. A region
-stays the client's until its ANSWER and payloads came, so a late answer to a cancelled
-request lands only in memory nobody reads. No landing pool: the node cannot write into the
-client's memory, so ``places`` are never named.
+So a payload is copied once on the client (by the kernel), and the client's Python work is
+per answer and per payload's view, not per byte. A region stays the client's until its
+ANSWER and payloads came, so a late answer to a cancelled request lands only in memory nobody
+reads; the caller's buffers are written only by a receiver that marked the request as landing
+first (``PendingRead.lock``), as on the local link. No landing pool: the node cannot write
+into the client's memory, so ``places`` are never named.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from __future__ import annotations
 import socket
 import ssl
 
-from client.local.link import LocalLink, PendingRead
+from client.landing import landing_regions
+from client.local.link import CANCELLED, LANDING, LocalLink, PendingRead
 from erasure.codec import Codec
 from kvstore.byte_arena import ByteArena
 from kvstore.errors import Unavailable
@@ -34,6 +38,7 @@ from kvstore.wire.stream_socket import StreamSocket
 
 CONNECT_TIMEOUT_S = 5.0
 DISCARD_BYTES = 1 << 20
+MAX_IOVECS = 1024  # Linux's IOV_MAX
 
 
 class StreamLink(LocalLink):
@@ -94,7 +99,10 @@ class StreamLink(LocalLink):
             super()._send_frame(frame)
 
     def _receive_payloads(self, pending: PendingRead | None, status: int, body: memoryview) -> None:
-        """An OK answer's payloads into its request's region (a request forgotten: drained)."""
+        """An OK answer's payloads: each data shard with a place in the caller's block
+        straight there (its checksum is verified there by ``_land``), the rest into the
+        request's region at its offset; a cancelled request's all into its region, a
+        forgotten one's drained."""
         if status not in (frames.OK, frames.TIMED):
             return
         table = frames.decode_timed(body)[2] if status == frames.TIMED else body
@@ -102,15 +110,62 @@ class StreamLink(LocalLink):
             raise ValueError(f"stream answer table of {len(table)} bytes has no head")
         _, payload_bytes = batch_answer.TABLE_HEAD.unpack_from(table)
         stream = self._sock
+        assert isinstance(stream, StreamSocket)
         if pending is None:
             _drain(stream, payload_bytes)
             return
-        if payload_bytes > len(pending.region.view):
-            raise ValueError(
-                f"{payload_bytes} payload bytes for a {len(pending.region.view)}-byte region"
-            )
-        if not frames.recv_exactly(stream, pending.region.view[:payload_bytes]):  # type: ignore[arg-type]
+        region = pending.region.view
+        if payload_bytes > len(region):
+            raise ValueError(f"{payload_bytes} payload bytes for a {len(region)}-byte region")
+        views = self._targets(pending, table, region)
+        if views is None:
+            views = [region[:payload_bytes]]
+        _recv_all(stream, views)
+
+    def _targets(
+        self, pending: PendingRead, table: memoryview, region: memoryview
+    ) -> list[memoryview] | None:
+        """Where each payload of the answer goes, in order; None: all into the region (a
+        malformed table, which ``_land`` then refuses, or a request already cancelled)."""
+        try:
+            entries, _ = batch_answer.decode_table(table, pending.num_keys)
+        except ValueError:
+            return None
+        destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
+        with pending.lock:  # once cancelled, nothing more lands in the caller's buffers
+            if pending.state == CANCELLED:
+                return None
+            pending.state = LANDING
+        pending.received_in_place = destinations
+        hits = entries[entries["status"] == batch_answer.HIT]
+        views, start = [], 0
+        for size, destination in zip(hits["payload_bytes"].tolist(), destinations, strict=True):
+            views.append(region[start : start + size] if destination is None else destination)
+            start += size
+        return views
+
+
+def _recv_all(stream: StreamSocket, views: list[memoryview]) -> None:
+    """Fill every view in order from ``stream``: a plain socket scatters into up to
+    ``MAX_IOVECS`` of them per ``recvmsg_into`` (the GIL let go), TLS fills one at a time."""
+    if stream.tls:
+        for view in views:
+            if not frames.recv_exactly(stream, view):  # type: ignore[arg-type]
+                raise ValueError("the node closed the stream connection mid-answer")
+        return
+    pending = [view for view in views if len(view)]
+    while pending:
+        count = stream.sock.recvmsg_into(pending[:MAX_IOVECS])[0]
+        if not count:
             raise ValueError("the node closed the stream connection mid-answer")
+        while count:
+            head = pending[0]
+            if count >= len(head):
+                count -= len(head)
+                pending.pop(0)
+            else:
+                pending[0] = head[count:]
+                count = 0
 
 
 def _drain(stream: object, num_bytes: int) -> None:

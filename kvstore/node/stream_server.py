@@ -45,6 +45,7 @@ from kvstore.node.local_server import (
     LocalServer,
     LocalSession,
     ReadHandler,
+    RegionTooSmall,
     SessionOpener,
     answer_failure,
 )
@@ -149,5 +150,7 @@ class StreamServer(LocalServer):
         except Exception as exc:
             return (answer_failure(request.request_id, exc),)
         _, payload_bytes = batch_answer.TABLE_HEAD.unpack_from(table)
+        if payload_bytes > request.region_bytes:  # never send bytes that were not read
+            return (answer_failure(request.request_id, RegionTooSmall(payload_bytes)),)
         answer = frames.encode_timed(request.request_id, started_ns, time.monotonic_ns(), table)
         return (answer, region[:payload_bytes])

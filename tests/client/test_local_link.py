@@ -1,6 +1,8 @@
 """The local read channel's client link against a real LocalServer whose reads the test
 writes: an honest node, a node that sends wrong bytes or a lying table, a node that refuses,
-one that dies with a read in flight, and a read cancelled before its late answer.
+one that dies with a read in flight, and a read cancelled before its late answer. The same
+tests run over the stream channel (a StreamServer and a StreamLink, over TCP), except those
+about the shared arena and the socket's name, which only the local channel has.
 
 Whatever the node does, the link never reports a shard it did not verify, and nothing lands
 in the caller's buffer after a cancel. Each verifying test runs with the native checksum
@@ -20,12 +22,14 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from client.landing import Wanted
-from client.local.link import LocalLink, PendingRead
+from client.local.link import LocalLink, PendingRead, RegionTooSmall
+from client.stream.link import StreamLink
 from erasure.codec import make_codec
 from erasure.config import CodecConfig
 from kvstore.byte_arena import Region
 from kvstore.errors import BadReply, InvalidArgument, PermissionDenied, Unavailable
-from kvstore.node.local_server import LocalServer, LocalSession
+from kvstore.node.local_server import LocalServer, LocalSession, ReadHandler
+from kvstore.node.stream_server import StreamServer
 from kvstore.wire import batch_answer
 from kvstore.wire import local_frames as frames
 
@@ -45,23 +49,31 @@ Read = Callable[[frames.ReadRequest, memoryview], bytes]
 
 
 class Node:
-    """A LocalServer whose READs ``self.read`` answers (replace it per test)."""
+    """A LocalServer (``kind`` "local") or a StreamServer ("stream") whose READs
+    ``self.read`` answers (replace it per test)."""
 
-    def __init__(self, open_session: Callable[[str, str], LocalSession] | None = None) -> None:
+    def __init__(
+        self,
+        open_session: Callable[[str, str], LocalSession] | None = None,
+        kind: str = "local",
+    ) -> None:
         self.read: Read = honest
-        self.server = LocalServer(
-            "n00",
-            open_session or (lambda token, tenant: LocalSession(token, tenant)),
-            lambda session, request, region: self.read(request, region),
+        self.kind = kind
+        opener = open_session or (lambda token, tenant: LocalSession(token, tenant))
+        answer: ReadHandler = lambda session, request, region: self.read(request, region)  # noqa: E731
+        self.server: LocalServer = (
+            LocalServer("n00", opener, answer)
+            if kind == "local"
+            else StreamServer("n00", "127.0.0.1", 0, opener, answer, lambda: None)
         )
 
     def close(self) -> None:
         self.server.close()
 
 
-@pytest.fixture
-def node() -> Iterator[Node]:
-    node = Node()
+@pytest.fixture(params=["local", "stream"])
+def node(request: pytest.FixtureRequest) -> Iterator[Node]:
+    node = Node(kind=request.param)
     yield node
     node.close()
 
@@ -76,6 +88,18 @@ def honest(request: frames.ReadRequest, region: memoryview) -> bytes:
 
 
 async def _open(node: Node, tenant: str = "acme") -> LocalLink:
+    if isinstance(node.server, StreamServer):
+        return await asyncio.to_thread(
+            StreamLink.open_stream,
+            "n00",
+            "127.0.0.1",
+            node.server.port,
+            None,
+            tenant,
+            ARENA_BYTES,
+            CODEC,
+            None,
+        )
     return await asyncio.to_thread(
         LocalLink.open,
         "n00",
@@ -141,14 +165,17 @@ async def test_a_table_larger_than_the_region_is_a_bad_reply(node: Node) -> None
     node.read = too_long
     link = await _open(node)
     try:
-        with pytest.raises(BadReply, match="region"):
+        # The stream node sends no payload bytes it did not read: the answer is TOO_BIG.
+        refusal = BadReply if node.kind == "local" else RegionTooSmall
+        with pytest.raises(refusal, match=r"region|needs"):
             await asyncio.wait_for((await _read(link, bytearray(len(BLOCK)))).future, WAIT_S)
         assert link.alive, "one bad answer must not end the link"
     finally:
         await asyncio.to_thread(link.close)
 
 
-async def test_a_region_outside_the_arena_is_refused_by_the_node(node: Node) -> None:
+async def test_a_region_outside_the_arena_is_refused_by_the_node() -> None:
+    node = Node()
     link = await _open(node)
     try:
         outside = Region(None, ARENA_BYTES - 4096, memoryview(bytearray(1 << 20)))
@@ -157,13 +184,15 @@ async def test_a_region_outside_the_arena_is_refused_by_the_node(node: Node) -> 
             await asyncio.wait_for(pending.future, WAIT_S)
     finally:
         await asyncio.to_thread(link.close)
+        node.close()
 
 
-async def test_the_node_refuses_a_tenant_the_token_may_not_act_for() -> None:
+@pytest.mark.parametrize("kind", ["local", "stream"])
+async def test_the_node_refuses_a_tenant_the_token_may_not_act_for(kind: str) -> None:
     def open_session(token: str, tenant: str) -> LocalSession:
         raise PermissionDenied(f"token may not act for tenant {tenant!r}")
 
-    node = Node(open_session)
+    node = Node(open_session, kind)
     try:
         with pytest.raises(PermissionDenied, match="acme"):
             await _open(node)
@@ -171,8 +200,9 @@ async def test_the_node_refuses_a_tenant_the_token_may_not_act_for() -> None:
         node.close()
 
 
-def test_the_node_refuses_an_arena_that_is_not_sealed(node: Node) -> None:
+def test_the_node_refuses_an_arena_that_is_not_sealed() -> None:
     """An unsealed memfd could shrink under the node's mapping (SIGBUS): REFUSED."""
+    node = Node()
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -189,9 +219,11 @@ def test_the_node_refuses_an_arena_that_is_not_sealed(node: Node) -> None:
     finally:
         sock.close()
         os.close(fd)
+        node.close()
 
 
-async def test_a_node_that_dies_mid_read_fails_the_read_and_the_link() -> None:
+@pytest.mark.parametrize("kind", ["local", "stream"])
+async def test_a_node_that_dies_mid_read_fails_the_read_and_the_link(kind: str) -> None:
     reading = threading.Event()
     hold = threading.Event()
 
@@ -200,7 +232,7 @@ async def test_a_node_that_dies_mid_read_fails_the_read_and_the_link() -> None:
         hold.wait(WAIT_S)
         return honest(request, region)
 
-    node = Node()
+    node = Node(kind=kind)
     node.read = stuck
     link = await _open(node)
     try:
