@@ -43,7 +43,8 @@ def add_store_transport_argument(parser: argparse.ArgumentParser) -> None:
         choices=STORE_TRANSPORTS,
         default="auto",
         help="how fetched KV blocks travel from the store: auto = the local channel to "
-        "nodes on this host, UCX where it reaches, gRPC for the rest (docs/data-paths.md)",
+        "nodes on this host, UCX where it reaches, the stream channel (TCP) to the rest, "
+        "gRPC as the last (docs/data-paths.md)",
     )
 
 

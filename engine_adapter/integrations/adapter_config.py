@@ -13,8 +13,9 @@ same everywhere::
                    named by $KVSTORE_TOKEN_FILE (never cluster.toml, never the engine config:
                    engines log their configs)
     tls_cert_file, tls_key_file   client certificate for mutual TLS (or $KVSTORE_TLS_*)
-    transport      "auto" | "grpc" | "ucx" | "local" (KVClient.connect's; default "auto": the
-                   local channel to this host's nodes, UCX or gRPC to the rest)
+    transport      "auto" | "grpc" | "ucx" | "local" | "stream" (KVClient.connect's; default
+                   "auto": the local channel to this host's nodes, UCX where it reaches over
+                   shared memory or RDMA, the stream channel to the rest, gRPC as the last)
     model_id       names the model in the key namespace instead of the engine's model path
                    (set it when replicas load one model from different paths)
     kv_format      "dtype" (default: the engine's KV bytes as they are, fp8 caches included)

@@ -1,0 +1,14 @@
+#!/bin/bash
+# Stop 53's GPU run, call 1: the stream read channel beside gRPC and local, swap-in on the GPU
+# (bf16, random:1b, 256 blocks), twice; then the storage benchmark's GETs on the 16-core host.
+set -u
+source docs/runs/wave6-gpu/run_setup.sh
+python3 -m pytest -q -p no:cacheprovider tests/kvstore/test_stream_reads.py 2>&1 | tail -2
+S="swapin --device cuda --model random:1b --num-blocks 256 --no-fsync --rounds 3"
+for round in 1 2; do
+    echo "== swap-in over gRPC, the stream channel and local, round $round"
+    timeout 150 python3 -m kvstore.cli bench $S --transport grpc,stream,local --json $OUT/swapin_$round.json | grep -E "^│ +(grpc|stream|local)"
+done
+echo "== storage GETs and PUTs, 4 MiB blocks"
+timeout 200 python3 -m kvstore.cli bench storage --nodes 12 --block-sizes 4MiB --concurrency 8 --batch 1,8 --transport grpc,stream,local --no-fsync --seconds 3 --json $OUT/storage.json | grep -E "^│ +kvstore" | head -20
+uptime
