@@ -124,8 +124,9 @@ class NodeTransports:
         )
 
     async def _start_stream(self, config: ClusterConfig, *, forced: bool) -> list[NodeReader]:
-        """Every node's stream reader over its gRPC connection; with ``forced`` ("stream")
-        the links are made now and at least one must work, else in the background."""
+        """Every node's stream reader over its gRPC connection, linked now: with ``forced``
+        ("stream") every node and at least one must work; for "auto" the nodes not on this
+        host (a node that does not answer in time is linked in the background later)."""
         arena_bytes = 4 * min(n.max_batch_bytes for n in config.nodes)
         self.stream = StreamReads(
             self.codec,
@@ -157,7 +158,8 @@ class NodeTransports:
             if forced:
                 raise Unavailable(f"transport='ucx' but ucxx is not installed; {INSTALL_HINT}")
             return fallbacks
-        # "auto" uses UCX only where it beats the stream: shared memory, CMA or RDMA, never TCP.
+        # "auto" uses UCX only where it needs no TCP: shared memory, CMA or RDMA (over TCP the
+        # stream channel serves, or gRPC).
         self.ucx = UcxReads(UcxTransport(transports=None if forced else "^tcp"))
         readers = [
             self.ucx.reader(conn, fallback)
