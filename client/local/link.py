@@ -63,6 +63,7 @@ from kvstore.errors import BadReply, KVStoreError, Unavailable
 from kvstore.grpc_errors import code_from_value, from_grpc_status
 from kvstore.wire import batch_answer, landing
 from kvstore.wire import local_frames as frames
+from kvstore.wire.stream_socket import StreamSocket
 
 log = logging.getLogger(__name__)
 
@@ -175,15 +176,7 @@ class LocalLink:
             shared = [arena.fd] if pool is None else [arena.fd, pool.fd]
             fds = array.array("i", shared).tobytes()
             sock.sendmsg([hello], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-            received = frames.recv_frame(sock, bytearray(frames.HEAD_BYTES))
-            if received is None:
-                raise Unavailable(f"node {node_id} closed the local connection at HELLO")
-            kind, body = received
-            if kind == frames.REFUSED:
-                code, message = frames.decode_status(body)
-                raise from_grpc_status(code_from_value(code), f"node {node_id}: {message}")
-            if kind != frames.WELCOME:
-                raise Unavailable(f"node {node_id} answered HELLO with frame kind {kind}")
+            await_welcome(node_id, sock)
             sock.settimeout(None)
         except OSError as exc:
             sock.close()
@@ -470,6 +463,20 @@ class LocalLink:
                     ctypes.memmove(target, from_address, size)
             verdicts = shard_checksums_ok(fields, checksums, [payloads[row] for row in rows])
         failed[rows] = ~np.asarray(verdicts, bool)
+
+
+def await_welcome(node_id: str, sock: socket.socket | StreamSocket) -> None:
+    """The node's answer to HELLO: return on WELCOME; raise its refusal as its kvstore.errors
+    exception, Unavailable for anything else."""
+    received = frames.recv_frame(sock, bytearray(frames.HEAD_BYTES))  # type: ignore[arg-type]
+    if received is None:
+        raise Unavailable(f"node {node_id} closed the connection at HELLO")
+    kind, body = received
+    if kind == frames.REFUSED:
+        code, message = frames.decode_status(body)
+        raise from_grpc_status(code_from_value(code), f"node {node_id}: {message}")
+    if kind != frames.WELCOME:
+        raise Unavailable(f"node {node_id} answered HELLO with frame kind {kind}")
 
 
 # The event loop sends its READ frames through libc with the GIL held (ctypes.PyDLL): the

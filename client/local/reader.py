@@ -27,9 +27,10 @@ it decoded (client/batch_read.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,8 @@ class LocalReads:
 class LocalReader:
     """One node's read transport: the local channel where it works, else ``fallback``."""
 
+    kind = "local"  # what the links are, for logs
+
     def __init__(self, conn: NodeConn, shared: LocalReads, fallback: NodeReader) -> None:
         self.conn = conn
         self.node_id = conn.node_id
@@ -129,29 +132,37 @@ class LocalReader:
         try:
             reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
         except KVStoreError as exc:
-            log.debug("node %s: no Health reply for its local socket: %s", self.node_id, exc)
+            log.debug("node %s: no Health reply to link it: %s", self.node_id, exc)
             return
-        shared = self._shared
-        if not reply.local_socket or not reply.boot_id or reply.boot_id != shared.boot_id:
+        opener = self._opener(reply)
+        if opener is None:
             return
         try:
-            link = await asyncio.to_thread(
-                LocalLink.open,
-                self.node_id,
-                reply.local_socket,
-                shared.token,
-                shared.tenant,
-                shared.arena_bytes,
-                shared.codec,
-                shared.pool,
-                node_pid=reply.node_pid,
-            )
+            link = await asyncio.to_thread(opener)
         except PermissionDenied:
             raise
         except KVStoreError as exc:
-            log.info("node %s: no local link: %s", self.node_id, exc)
+            log.info("node %s: no %s link: %s", self.node_id, self.kind, exc)
             return
         self._adopt(link)
+
+    def _opener(self, reply: pb.HealthReply) -> Callable[[], LocalLink] | None:
+        """How to link the node its Health ``reply`` describes (blocking), or None: here
+        over its local socket, when it runs on this host."""
+        shared = self._shared
+        if not reply.local_socket or not reply.boot_id or reply.boot_id != shared.boot_id:
+            return None
+        return functools.partial(
+            LocalLink.open,
+            self.node_id,
+            reply.local_socket,
+            shared.token,
+            shared.tenant,
+            shared.arena_bytes,
+            shared.codec,
+            shared.pool,
+            node_pid=reply.node_pid,
+        )
 
     def _adopt(self, link: LocalLink) -> None:
         """Read over ``link`` from now on; the link it replaces is closed in the background."""

@@ -26,11 +26,10 @@ import socket
 import ssl
 
 from client.landing import landing_regions
-from client.local.link import CANCELLED, LANDING, LocalLink, PendingRead
+from client.local.link import CANCELLED, LANDING, LocalLink, PendingRead, await_welcome
 from erasure.codec import Codec
 from kvstore.byte_arena import ByteArena
 from kvstore.errors import Unavailable
-from kvstore.grpc_errors import code_from_value, from_grpc_status
 from kvstore.tls import node_server_name
 from kvstore.wire import batch_answer
 from kvstore.wire import local_frames as frames
@@ -71,15 +70,7 @@ class StreamLink(LocalLink):
             wrapped.settimeout(None)
             stream = StreamSocket(wrapped)
             stream.sendall(frames.encode_hello(token, tenant, arena.capacity_bytes))
-            received = frames.recv_frame(stream, bytearray(frames.HEAD_BYTES))  # type: ignore[arg-type]
-            if received is None:
-                raise Unavailable(f"node {node_id} closed the stream connection at HELLO")
-            kind, body = received
-            if kind == frames.REFUSED:
-                code, message = frames.decode_status(body)
-                raise from_grpc_status(code_from_value(code), f"node {node_id}: {message}")
-            if kind != frames.WELCOME:
-                raise Unavailable(f"node {node_id} answered HELLO with frame kind {kind}")
+            await_welcome(node_id, stream)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             if stream is not None:
                 stream.close()

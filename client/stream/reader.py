@@ -11,9 +11,9 @@ late answers are the local reader's.
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import functools
 import ssl
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,10 +23,7 @@ from client.local.reader import LocalReader, LocalReads
 from client.node_conn import NodeConn, NodeReader
 from client.stream.link import StreamLink
 from erasure.codec import Codec
-from kvstore.errors import KVStoreError, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
-
-log = logging.getLogger(__name__)
 
 
 class StreamReads(LocalReads):
@@ -56,41 +53,27 @@ class StreamReads(LocalReads):
 class StreamReader(LocalReader):
     """One node's read transport: the stream channel where it works, else ``fallback``."""
 
-    async def observe(self, timeout_s: float = 2.0) -> None:
-        """Ask the node's Health for its stream port, and open a link if it has one.
+    kind = "stream"
 
-        A node that refuses the link (a bad token, a tenant the token may not act for)
-        raises PermissionDenied; anything else leaves the node on its fallback.
-        """
-        try:
-            reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
-        except KVStoreError as exc:
-            log.debug("node %s: no Health reply for its stream port: %s", self.node_id, exc)
-            return
+    def _opener(self, reply: pb.HealthReply) -> Callable[[], LocalLink] | None:
+        """Over TCP to the node's stream port on its address's host, unless it has none
+        (or, for "auto", runs on this host: the local channel serves it)."""
         shared = self._shared
         assert isinstance(shared, StreamReads)
         same_host = bool(reply.local_socket) and reply.boot_id == shared.boot_id
         if not reply.stream_port or (shared.skip_same_host and same_host):
-            return
-        host = self.conn.address.rpartition(":")[0]
-        try:
-            link = await asyncio.to_thread(
-                StreamLink.open_stream,
-                self.node_id,
-                host,
-                reply.stream_port,
-                shared.token,
-                shared.tenant,
-                shared.arena_bytes,
-                shared.codec,
-                shared.tls,
-            )
-        except PermissionDenied:
-            raise
-        except KVStoreError as exc:
-            log.info("node %s: no stream link: %s", self.node_id, exc)
-            return
-        self._adopt(link)
+            return None
+        return functools.partial(
+            StreamLink.open_stream,
+            self.node_id,
+            self.conn.address.rpartition(":")[0],
+            reply.stream_port,
+            shared.token,
+            shared.tenant,
+            shared.arena_bytes,
+            shared.codec,
+            shared.tls,
+        )
 
     def _places(self, link: LocalLink, wanted: Wanted, outs: object) -> np.ndarray | None:
         return None  # the node shares no memory with this client
