@@ -137,8 +137,11 @@ class StreamLink(LocalLink):
 
 
 def _recv_all(stream: StreamSocket, views: list[memoryview]) -> None:
-    """Fill every view in order from ``stream``: a plain socket scatters into up to
-    ``MAX_IOVECS`` of them per ``recvmsg_into`` (the GIL let go), TLS fills one at a time."""
+    """Fill every view in order from ``stream``. A plain socket scatters into up to
+    ``MAX_IOVECS`` of them per ``recvmsg_into`` with MSG_WAITALL: the kernel returns once
+    they are all full, so a receiver takes the GIL back once per answer, not once per socket
+    buffer's worth (a signal may cut a call short: the loop goes on). TLS fills one view at
+    a time."""
     if stream.tls:
         for view in views:
             if not frames.recv_exactly(stream, view):  # type: ignore[arg-type]
@@ -146,17 +149,17 @@ def _recv_all(stream: StreamSocket, views: list[memoryview]) -> None:
         return
     pending = [view for view in views if len(view)]
     while pending:
-        count = stream.sock.recvmsg_into(pending[:MAX_IOVECS])[0]
+        batch = pending[:MAX_IOVECS]
+        count = stream.sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         if not count:
             raise ValueError("the node closed the stream connection mid-answer")
-        while count:
-            head = pending[0]
-            if count >= len(head):
-                count -= len(head)
-                pending.pop(0)
-            else:
-                pending[0] = head[count:]
-                count = 0
+        done = 0
+        while count and count >= len(batch[done]):
+            count -= len(batch[done])
+            done += 1
+        if count:
+            batch[done] = batch[done][count:]
+        pending = batch[done:] + pending[len(batch) :]
 
 
 def _drain(stream: object, num_bytes: int) -> None:

@@ -192,16 +192,11 @@ class LocalServer:
         except (OSError, InvalidArgument) as exc:
             log.info("local connection ended: %s", exc)
         finally:
-            if session is not None:
-                self._end_session(session)
             with self._lock:
                 self._connections.discard(accepted)
                 self._threads.discard(threading.current_thread())
             conn.close()
             # The mapping goes with the session once the delayed reads let go of it.
-
-    def _end_session(self, session: LocalSession) -> None:
-        """The connection's frames ended (here: nothing to finish)."""
 
     def _wrap(self, conn: socket.socket) -> Connection:
         """The accepted connection as the frames travel on it (here: as it is)."""
@@ -264,7 +259,7 @@ class LocalServer:
             wrapped = asyncio.wrap_future(future, loop=self._loop)
             self._loop.call_soon_threadsafe(self._track, wrapped)
             return
-        send_answer(conn, send_lock, self._answer(session, request, inline=True))
+        _send(conn, send_lock, self._answer(session, request, inline=True))
 
     def _track(self, future: asyncio.Future[None]) -> None:
         self._delayed.add(future)
@@ -286,7 +281,7 @@ class LocalServer:
                 self._executor, partial(self._answer, session, request, inline=False)
             )
         with contextlib.suppress(OSError):  # the client is gone
-            send_answer(conn, send_lock, answer)
+            _send(conn, send_lock, answer)
 
     def _answer(
         self, session: LocalSession, request: frames.ReadRequest, *, inline: bool
@@ -332,7 +327,7 @@ def _take_cancel(session: LocalSession, request_id: int) -> bool:
     return cancelled
 
 
-def send_answer(conn: Connection, lock: threading.Lock, answer: Answer) -> None:
+def _send(conn: Connection, lock: threading.Lock, answer: Answer) -> None:
     with lock:
         for data in answer:
             conn.sendall(data)

@@ -30,12 +30,9 @@ plaintext, as gRPC is then.
 
 from __future__ import annotations
 
-import logging
 import mmap
-import queue
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,82 +48,27 @@ from kvstore.node.local_server import (
     RegionTooSmall,
     SessionOpener,
     answer_failure,
-    send_answer,
 )
 from kvstore.wire import batch_answer
 from kvstore.wire import local_frames as frames
 from kvstore.wire.stream_socket import StreamSocket
 
 HANDSHAKE_TIMEOUT_S = 10.0
-MAX_REGION_BYTES = 1 << 30
-NUM_BUFFERS = 2  # answers read per connection ahead of the one being sent
-
-log = logging.getLogger(__name__)  # a READ's region: what one answer may make the node buffer
-
-
-class ReadBuffer:
-    """Node memory one answer's payloads are read into (grown on demand, kept)."""
-
-    def __init__(self) -> None:
-        self._memory: mmap.mmap | None = None
-
-    def region(self, num_bytes: int) -> memoryview:
-        if self._memory is None or len(self._memory) < num_bytes:
-            if self._memory is not None:
-                self._memory.close()
-            self._memory = mmap.mmap(-1, max(num_bytes, mmap.PAGESIZE))
-        return memoryview(self._memory)[:num_bytes]
+MAX_REGION_BYTES = 1 << 30  # a READ's region: what one answer may make the node buffer
 
 
 @dataclass
 class StreamSession(LocalSession):
-    """A stream connection's session, and its sender: the connection's thread reads a READ's
-    payloads into one of ``NUM_BUFFERS`` buffers while the sender sends the answer before
-    it from another, so the disk reads of one answer overlap the sending of the last."""
+    """A stream connection's session: the buffer its inline reads land in (grown on demand)."""
 
-    free: queue.Queue[ReadBuffer] = field(default_factory=queue.Queue, repr=False)
-    outbox: queue.Queue[_Outgoing | None] = field(default_factory=queue.Queue, repr=False)
-    sender: threading.Thread | None = field(default=None, repr=False)
+    buffer: mmap.mmap | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        for _ in range(NUM_BUFFERS):
-            self.free.put(ReadBuffer())
-
-    def send_later(
-        self, conn: Connection, lock: threading.Lock, answer: Answer, buffer: ReadBuffer
-    ) -> None:
-        if self.sender is None:
-            self.sender = threading.Thread(
-                target=self._send_forever, name="stream-send", daemon=True
-            )
-            self.sender.start()
-        self.outbox.put(_Outgoing(conn, lock, answer, buffer))
-
-    def finish(self) -> None:
-        """Send what is queued (or fail to: the client left), then stop the sender."""
-        if self.sender is not None:
-            self.outbox.put(None)
-            self.sender.join()
-
-    def _send_forever(self) -> None:
-        broken = False
-        while (item := self.outbox.get()) is not None:
-            try:
-                if not broken:
-                    send_answer(item.conn, item.lock, item.answer)
-            except OSError as exc:  # the client is gone: the connection's thread sees EOF
-                log.info("stream connection ended while sending: %s", exc)
-                broken = True
-            finally:
-                self.free.put(item.buffer)
-
-
-@dataclass
-class _Outgoing:
-    conn: Connection
-    lock: threading.Lock
-    answer: Answer
-    buffer: ReadBuffer
+    def region(self, num_bytes: int) -> memoryview:
+        if self.buffer is None or len(self.buffer) < num_bytes:
+            if self.buffer is not None:
+                self.buffer.close()
+            self.buffer = mmap.mmap(-1, max(num_bytes, mmap.PAGESIZE))
+        return memoryview(self.buffer)[:num_bytes]
 
 
 class StreamServer(LocalServer):
@@ -186,36 +128,12 @@ class StreamServer(LocalServer):
         conn.sendall(frames.frame(frames.WELCOME, b""))
         return StreamSession(opened.token, opened.tenant)
 
-    def _on_read(
-        self,
-        conn: Connection,
-        send_lock: threading.Lock,
-        session: LocalSession,
-        request: frames.ReadRequest,
-    ) -> None:
-        """Read into a free buffer here, and let the session's sender send the answer."""
-        if self._delay_s:
-            super()._on_read(conn, send_lock, session, request)
-            return
-        assert isinstance(session, StreamSession)
-        buffer = session.free.get()  # at most NUM_BUFFERS answers read ahead of the socket
-        answer = self._answer_into(session, request, buffer)
-        session.send_later(conn, send_lock, answer, buffer)
-
-    def _end_session(self, session: LocalSession) -> None:
-        assert isinstance(session, StreamSession)
-        session.finish()
-
     def _answer(
         self, session: LocalSession, request: frames.ReadRequest, *, inline: bool
     ) -> Answer:
-        """A delayed read's answer (off the connection's thread), in a buffer of its own."""
-        return self._answer_into(session, request, ReadBuffer())
-
-    def _answer_into(
-        self, session: LocalSession, request: frames.ReadRequest, buffer: ReadBuffer
-    ) -> Answer:
-        """The ANSWER frame and then the payloads, read into ``buffer``."""
+        """The ANSWER frame and then the payloads: read into the connection's buffer (a
+        delayed read, off the connection's thread, into one of its own)."""
+        assert isinstance(session, StreamSession)
         try:
             if request.places is not None:
                 raise InvalidArgument("a stream READ names no places: nothing is shared")
@@ -223,7 +141,10 @@ class StreamServer(LocalServer):
                 raise InvalidArgument(
                     f"a region of {request.region_bytes} bytes exceeds {MAX_REGION_BYTES}"
                 )
-            region = buffer.region(request.region_bytes)
+            if inline:
+                region = session.region(request.region_bytes)
+            else:
+                region = memoryview(mmap.mmap(-1, max(request.region_bytes, 1)))
             started_ns = time.monotonic_ns()
             table = self._read(session, request, region[: request.region_bytes])
         except Exception as exc:
