@@ -48,6 +48,7 @@ CHANNEL_OPTIONS = (
 )
 
 REDIAL_EVERY_S = 0.05  # a failed channel is dialed afresh at most this often
+HEALTH_REUSE_S = 0.5  # a Health reply this recent serves another read transport's ask
 REDIAL_GRACE_S = 10.0  # calls in flight on a replaced channel get this long to finish
 FIRST_BACKOFF_S = 0.01  # a put's first retry; then x4, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 0.16
@@ -105,6 +106,7 @@ class NodeConn:
         self._redialed_at_s = -math.inf
         self._closing: set[asyncio.Task[None]] = set()  # replaced channels, closing
         self.num_redials = 0
+        self._health_reply: tuple[float, pb.HealthReply] | None = None  # (when, reply)
 
     def _open_channel(self) -> None:
         # TLS when the cluster has it on (kvstore/tls.py); plaintext only on loopback. The
@@ -197,6 +199,17 @@ class NodeConn:
     async def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """Run one unary RPC (``method`` names a ShardStore RPC); raise KVStoreError on failure."""
         return await self._call(getattr(self.stub, method), method, request, timeout_s)
+
+    async def recent_health(self, timeout_s: float) -> pb.HealthReply:
+        """The node's Health reply, asked now unless one came in the last
+        ``HEALTH_REUSE_S``: at connect, "auto" asks it once for every read transport that
+        learns from it (stream, then local), not once per transport."""
+        now_s = time.monotonic()
+        if self._health_reply is not None and now_s - self._health_reply[0] < HEALTH_REUSE_S:
+            return self._health_reply[1]
+        reply = await self.call("Health", pb.HealthRequest(), timeout_s)
+        self._health_reply = (time.monotonic(), reply)
+        return reply
 
     async def _call(self, stub: Any, method: str, request: Any, timeout_s: float) -> Any:
         try:

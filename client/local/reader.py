@@ -130,7 +130,7 @@ class LocalReader:
         raises PermissionDenied; anything else leaves the node on its fallback.
         """
         try:
-            reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
+            reply = await self.conn.recent_health(timeout_s)
         except KVStoreError as exc:
             log.debug("node %s: no Health reply to link it: %s", self.node_id, exc)
             return
