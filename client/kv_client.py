@@ -160,7 +160,7 @@ class KVClient:
 
     @property
     def readers(self) -> list[NodeReader]:
-        """The read transport of each node, in ``conns`` order: gRPC, UCX or local."""
+        """The read transport of each node, in ``conns`` order: gRPC, UCX, local or stream."""
         return self.transports.readers
 
     @property

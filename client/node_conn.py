@@ -203,7 +203,7 @@ class NodeConn:
     async def recent_health(self, timeout_s: float) -> pb.HealthReply:
         """The node's Health reply, asked now unless one came in the last
         ``HEALTH_REUSE_S``: at connect, "auto" asks it once for every read transport that
-        learns from it (stream, then local), not once per transport."""
+        learns from it (stream, UCX, local), not once per transport."""
         now_s = time.monotonic()
         if self._health_reply is not None and now_s - self._health_reply[0] < HEALTH_REUSE_S:
             return self._health_reply[1]

@@ -61,7 +61,8 @@ class NodeTransports:
         self._token, self._credentials, self._stream_tls = token, credentials, stream_tls
         self.conns: dict[str, NodeConn] = {}
         self.conn_list: list[NodeConn] = []
-        # The read transport of each node, in conn_list order: gRPC, UCX or local (start()).
+        # The read transport of each node, in conn_list order: gRPC, UCX, local or stream
+        # (start()).
         self.readers: list[NodeReader] = []
         self.ucx: UcxReads | None = None  # the UCX read path, when start() enabled it
         self.local: LocalReads | None = None  # the local read path (same-host nodes)

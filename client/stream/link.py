@@ -41,8 +41,8 @@ MAX_IOVECS = 1024  # Linux's IOV_MAX
 
 
 class StreamLink(LocalLink):
-    """A connected, authenticated stream read channel to one node. Create with :meth:`open`
-    (blocking: call it in a thread); ``close()`` when done."""
+    """A connected, authenticated stream read channel to one node. Create with
+    :meth:`open_stream` (blocking: call it in a thread); ``close()`` when done."""
 
     @classmethod
     def open_stream(

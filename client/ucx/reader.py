@@ -139,7 +139,7 @@ class UcxReader:
         """Ask the node's Health for its UCX address and record it, then open a session with
         that process if there is none or it is due for renewal (errors: unknown)."""
         try:
-            reply = await self.conn.call("Health", pb.HealthRequest(), timeout_s)
+            reply = await self.conn.recent_health(timeout_s)
         except KVStoreError as exc:
             log.debug("node %s: no Health reply for its UCX address: %s", self.node_id, exc)
             return

@@ -18,8 +18,9 @@ back to back in the table's order::
 
 Why not gRPC for these bytes: a gRPC GET builds a message per answer on both sides and
 copies each payload through gRPC's buffers and a Python bytes object; here the client
-receives each answer's payloads with one ``recv_into`` loop into its own region (issue 37's
-numbers are in docs/data-paths.md). gRPC stays the control plane: Health tells the port.
+receives each answer's payloads straight into the caller's blocks, a few scattered
+``recvmsg_into`` calls per answer (client/stream/link.py; issue 37's numbers are in
+docs/data-paths.md). gRPC stays the control plane: Health tells the port.
 
 Security as on gRPC: with the cluster's TLS on, the connection is TLS with the node's own
 certificate (which names ``<id>.node.kvstore``, kvstore/tls.py) and, under ``client_certs =
