@@ -43,7 +43,8 @@ transport is ``auto``: the local channel to this host's nodes.
   client's waits, tallies and checks summed).
 - ``limits``: the same bytes in the same run, copied from a pinned host buffer to the device
   (``pinned_h2d_gb_per_s``, CUDA) and by one host memcpy (``host_copy_gb_per_s``): the
-  ceilings the fetch is measured against.
+  ceilings the fetch is measured against; with the stream transport, the same bytes over
+  ``--nodes`` loopback TCP connections at once (``loopback_tcp_gb_per_s``, bench/limits.py).
 - ``kv_format``: what the blocks hold (the compute dtype, or e4m3x16: FP8 with a scale per 16
   values, dequantised into the cache by the swap-in); ``kv_bytes_per_token``: stored bytes of
   one token's KV; ``tokens_per_s``: tokens through to the paged KV cache per second, median
@@ -94,7 +95,7 @@ import torch
 import xxhash
 
 from bench.common import bench_cluster, process_cpu_s, transport_list
-from bench.limits import copy_limits
+from bench.limits import copy_limits, loopback_tcp_gb_per_s
 from bench.swapin_report import (
     GB,
     Record,
@@ -340,8 +341,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     compare_formats(records)
     codec = [codec_cpu_s_per_gb(b.layout, args) for b in benches if b.layout.quantized]
     num_bytes = args.num_blocks * layout.block_bytes
+    limits = copy_limits(num_bytes, torch.device(args.device), args.rounds)
+    if "stream" in args.transport:
+        limits["loopback_tcp_gb_per_s"] = loopback_tcp_gb_per_s(num_bytes, args.nodes, args.rounds)
     return {
-        "limits": copy_limits(num_bytes, torch.device(args.device), args.rounds),
+        "limits": limits,
         "config": {
             "model": args.model,
             "kv_shape": list(layout.shape),

@@ -10,6 +10,9 @@ where its payload goes (:func:`landing_regions`)::
       anything else (parity, the zero-padded last data shard, -> None: it lands apart (scratch
       another version of the same length, plain get)            or the received chunk)
 
+The zero-padded last data shard of key j lands apart, and the local and stream links then copy
+its real bytes to the block's tail (:func:`fill_tails`), so the block is whole in place.
+
 Over UCX each payload is received into its region (one group receive per node); over
 gRPC :class:`StreamLander` copies each chunk's bytes into them as chunks arrive. With every
 data shard present the block is then complete without a copy by the decoder
@@ -20,12 +23,14 @@ into a block it does not belong to; the shard checksum is still verified once it
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
+from erasure.isal_backend import buffer_address
 from kvstore.byte_arena import ByteArena, Region
 from kvstore.wire import batch_answer
 
@@ -49,36 +54,65 @@ def landing_regions(
     wanted: Wanted,
     outs: Sequence[memoryview | None],
     k: int,
+    *,
+    tails: list[tuple[int, memoryview]] | None = None,
 ) -> list[memoryview | None]:
-    """Per HIT entry (in table order), its place in the caller's block or None (apart)."""
+    """Per HIT entry (in table order), its place in the caller's block or None (apart).
+
+    ``tails``, when given, collects ``(row, the block's tail)`` for each key's zero-padded
+    last data shard (a block whose length is not a multiple of k): it lands apart, since
+    its padding would run past the block, and :func:`fill_tails` copies its real bytes to
+    the tail once its checksum held."""
     regions: list[memoryview | None] = []
     placed: set[int] = set()
     hits = entries[entries["status"] == batch_answer.HIT]
-    for key_index, shard_index, payload_len, block_len in zip(
-        hits["key_index"].tolist(),
-        hits["shard_index"].tolist(),
-        hits["payload_len"].tolist(),
-        hits["block_len"].tolist(),
-        strict=True,
+    for row, (key_index, shard_index, payload_len, block_len) in enumerate(
+        zip(
+            hits["key_index"].tolist(),
+            hits["shard_index"].tolist(),
+            hits["payload_len"].tolist(),
+            hits["block_len"].tolist(),
+            strict=True,
+        )
     ):
         out = outs[wanted.positions[key_index]]
         start = shard_index * payload_len
-        fits = (
+        ours = (
             out is not None
             and key_index not in placed
             and shard_index == wanted.shard_indexes[key_index]
             and shard_index < k
             and block_len == len(out)
             and payload_len == -(-block_len // k)
-            and start + payload_len <= block_len
         )
-        if fits:
+        region = None
+        if ours and start + payload_len <= block_len:
             assert out is not None
             placed.add(key_index)
-            regions.append(out[start : start + payload_len])
-        else:
-            regions.append(None)
+            region = out[start : start + payload_len]
+        elif ours and tails is not None and start < block_len:
+            assert out is not None
+            placed.add(key_index)
+            tails.append((row, out[start:block_len]))
+        regions.append(region)
     return regions
+
+
+def fill_tails(
+    tails: Sequence[tuple[int, memoryview]],
+    payloads: Sequence[memoryview],
+    failed: np.ndarray,
+    in_place: list[bool],
+) -> None:
+    """Copy each padded last data shard's real bytes (``tails``, from :func:`landing_regions`),
+    verified where they landed apart, to its block's tail, and count it in place: the block
+    is then whole, so its check starts while the read goes on (client/batch_decode.py), not
+    in one pass after it. The payload itself stays where it is (a parity decode may need it
+    whole). ctypes.memmove lets the GIL go."""
+    for row, tail in tails:
+        if not failed[row]:
+            ctypes.memmove(buffer_address(tail), buffer_address(payloads[row]), len(tail))
+            in_place[row] = True
 
 
 _FIELDS_START = batch_answer.ENTRY_BYTES - 48  # the shard header's place in an entry

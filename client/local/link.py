@@ -52,6 +52,7 @@ from client.landing import (
     NodeAnswer,
     Wanted,
     checksum_fields,
+    fill_tails,
     landing_regions,
     shard_checksums_ok,
 )
@@ -92,9 +93,10 @@ class PendingRead:
     permit_armed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     state: int = WAITING
-    # Per HIT row of the answer, its place in the caller's block (or None), when the payloads
-    # were received straight there (the stream link) rather than into the region.
-    received_in_place: list[memoryview | None] | None = None
+    # Per HIT row of the answer, its place in the caller's block (or None), and the padded
+    # tails (client/landing.py), when the payloads were received straight there (the stream
+    # link) rather than into the region.
+    received_in_place: tuple[list[memoryview | None], list[tuple[int, memoryview]]] | None = None
 
     @property
     def landing(self) -> bool:
@@ -382,10 +384,13 @@ class LocalLink:
         failed = np.zeros(len(hits), bool)
         scratch = [region]
         if streamed:
-            destinations = pending.received_in_place
-            received = destinations is not None  # those in place: checked where they are
-            if destinations is None:
-                destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
+            received = pending.received_in_place is not None  # checked where they are
+            tails: list[tuple[int, memoryview]] = []
+            if pending.received_in_place is None:
+                wanted, outs, k = pending.wanted, pending.outs, self._codec.k
+                destinations = landing_regions(entries, wanted, outs, k, tails=tails)
+            else:
+                destinations, tails = pending.received_in_place
             sources, targets, sizes = [], [], []
             source, start = self.arena.address + region.offset, 0
             sizes_all = hits["payload_bytes"].tolist()
@@ -408,6 +413,8 @@ class LocalLink:
         if all(in_place):  # nothing stays in the region: it is free again now
             region.release()
             scratch = []
+        elif streamed:
+            fill_tails(tails, payloads, failed, in_place)
         return NodeAnswer(entries, payloads, in_place, scratch, checked, failed)
 
     def _placed_starts(

@@ -122,12 +122,14 @@ class StreamLink(LocalLink):
             entries, _ = batch_answer.decode_table(table, pending.num_keys)
         except ValueError:
             return None
-        destinations = landing_regions(entries, pending.wanted, pending.outs, self._codec.k)
+        tails: list[tuple[int, memoryview]] = []
+        k = self._codec.k
+        destinations = landing_regions(entries, pending.wanted, pending.outs, k, tails=tails)
         with pending.lock:  # once cancelled, nothing more lands in the caller's buffers
             if pending.state == CANCELLED:
                 return None
             pending.state = LANDING
-        pending.received_in_place = destinations
+        pending.received_in_place = destinations, tails
         hits = entries[entries["status"] == batch_answer.HIT]
         views, start = [], 0
         for size, destination in zip(hits["payload_bytes"].tolist(), destinations, strict=True):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from client.landing import StreamLander, Wanted, landing_regions
+from client.landing import StreamLander, Wanted, fill_tails, landing_regions
 from erasure.codec import Codec
 from erasure.config import CodecConfig
 from kvstore.wire import batch_answer
@@ -40,6 +41,27 @@ def test_data_shards_land_in_place_and_the_rest_apart() -> None:
     assert landing_regions(entries, Wanted([0, 1, 2, 3], indexes), wrong_size, K)[0] is None
     assert landing_regions(entries, wrong_place, outs, K)[0] is None
     assert landing_regions(entries, Wanted([0, 1, 2, 3], indexes), [None] * 4, K) == [None] * 4
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_padded_last_data_shard_fills_its_blocks_tail_once_it_checked(corrupt: bool) -> None:
+    rng = random.Random(2)
+    blocks = [rng.randbytes(4001), rng.randbytes(3), rng.randbytes(4001)]
+    indexes = [3, 3, 4]  # the padded last data shard; a shard of padding only; parity
+    table, payloads = _answer(blocks, indexes)
+    entries, _ = batch_answer.decode_table(table, len(blocks))
+    outs = [memoryview(bytearray(len(b))) for b in blocks]
+    tails: list[tuple[int, memoryview]] = []
+    regions = landing_regions(entries, Wanted([0, 1, 2], indexes), outs, K, tails=tails)
+    assert regions == [None, None, None], "a padded shard must not land whole in the block"
+    assert [(row, len(tail)) for row, tail in tails] == [(0, 4001 - 3 * 1001)]
+    apart = [memoryview(bytearray(payloads[:1001]))]  # row 0's payload, where it landed
+    in_place, failed = [False, False, False], np.array([corrupt, False, False])
+    fill_tails(tails, apart, failed, in_place)
+    assert in_place == [not corrupt, False, False]
+    expected = blocks[0][3 * 1001 :] if not corrupt else bytes(4001 - 3 * 1001)
+    assert bytes(outs[0][3 * 1001 :]) == expected, "the tail holds the wrong bytes"
+    assert bytes(outs[0][: 3 * 1001]) == bytes(3 * 1001), "bytes before the tail were written"
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 1 << 20])
