@@ -45,6 +45,13 @@ void kv_copy_verify(size_t n, const uint8_t *const *src, uint8_t *const *dst,
     }
 }
 
+/* n copies in one call (without the GIL): len[i] bytes src[i] -> dst[i]. */
+void kv_copy_many(size_t n, const uint8_t *const *src, uint8_t *const *dst, const uint64_t *len) {
+    for (size_t i = 0; i < n; i++) {
+        memcpy(dst[i], src[i], len[i]);
+    }
+}
+
 /* xxh3-64 of fields (40 bytes) || payload: the shard checksum (erasure/shard.py). */
 uint64_t kv_shard_checksum(const uint8_t *fields, const uint8_t *payload, size_t len) {
     XXH3_state_t state;

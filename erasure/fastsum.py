@@ -7,6 +7,8 @@ Two things run here:
 - :func:`copy_verify` (native only; ``NATIVE`` says whether it is there): copy a batch of
   payloads to their places and check each one's shard checksum, in one call without the GIL.
   The local read path lands a node's streamed payloads with it (client/local/link.py).
+- :func:`copy_many`: a batch of copies in one call without the GIL (the padded last data
+  shards' real bytes to their blocks' tails, client/landing.py).
 - :func:`verify_blocks`: the block checksums of a whole batch read's blocks against their
   versions, in one call spread over threads without the GIL (client/batch_read.py's one pass
   over every byte); python-xxhash one block at a time without the helper.
@@ -44,8 +46,13 @@ def _load() -> ctypes.CDLL | None:
     except OSError as exc:
         log.warning("not using %s (%s): checksums run through python-xxhash", LIBRARY_PATH, exc)
         return None
+    if not hasattr(lib, "kv_copy_many"):  # built from an older fastsum.c
+        log.warning("not using %s: it predates fastsum.c (run make native)", LIBRARY_PATH)
+        return None
     lib.kv_copy_verify.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 6]
     lib.kv_copy_verify.restype = None
+    lib.kv_copy_many.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 3]
+    lib.kv_copy_many.restype = None
     lib.kv_shard_checksum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     lib.kv_shard_checksum.restype = ctypes.c_uint64
     lib.kv_xxh3_128.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
@@ -103,6 +110,19 @@ def copy_verify(
         n, base, base + 8 * n, base + 16 * n, fields, checksums.ctypes.data, ok.ctypes.data
     )
     return ok.astype(bool).tolist()
+
+
+def copy_many(sources: Sequence[int], destinations: Sequence[int], lengths: Sequence[int]) -> None:
+    """Copy ``lengths[i]`` bytes from address ``sources[i]`` to ``destinations[i]``, for every
+    i: one native call without the GIL (ctypes.memmove each without the helper: a call, and
+    a wait for the GIL, per copy). The caller keeps every buffer alive across the call."""
+    if _lib is None:
+        for source, destination, length in zip(sources, destinations, lengths, strict=True):
+            ctypes.memmove(destination, source, length)
+        return
+    addresses = np.array([*sources, *destinations, *lengths], dtype=np.uint64)
+    base, n = addresses.ctypes.data, len(lengths)
+    _lib.kv_copy_many(n, base, base + 8 * n, base + 16 * n)
 
 
 VERIFY_THREADS = min(8, os.cpu_count() or 1)

@@ -46,6 +46,18 @@ def _address(buffer: bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
+def test_copy_many_copies_each_range_and_nothing_else(checksum_backend: str) -> None:
+    rng = np.random.default_rng(3)
+    sources = [bytearray(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in SIZES[1:]]
+    targets = [bytearray(len(source) + 8) for source in sources]
+    lengths = [len(source) - len(source) // 3 for source in sources]  # a prefix of each
+    fastsum.copy_many([_address(s) for s in sources], [_address(t) for t in targets], lengths)
+    for source, target, length in zip(sources, targets, lengths, strict=True):
+        assert target[:length] == source[:length], f"{checksum_backend}: wrong bytes copied"
+        assert target[length:] == bytes(len(target) - length), "bytes past the range written"
+    fastsum.copy_many([], [], [])  # an empty batch is a no-op
+
+
 @native_only
 def test_copy_verify_copies_and_flags_each_mismatch() -> None:
     rng = np.random.default_rng(7)
