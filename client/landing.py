@@ -110,7 +110,9 @@ def fill_tails(
     in one pass after it. The payload itself stays where it is (a parity decode may need it
     whole). One native call for the lot (erasure.fastsum.copy_many): a receiver that took
     the GIL back after each copy waited for it behind the other receivers and the event loop."""
-    rows = [(row, tail) for row, tail in tails if not failed[row]]
+    rows = [(row, tail) for row, tail in tails if not failed[row] and not in_place[row]]
+    if not rows:  # in place already: the node placed it in a landing pool slot (its slack)
+        return
     sources = [buffer_address(payloads[row]) for row, _ in rows]
     targets = [buffer_address(tail) for _, tail in rows]
     fastsum.copy_many(sources, targets, [len(tail) for _, tail in rows])

@@ -62,6 +62,9 @@ def test_a_padded_last_data_shard_fills_its_blocks_tail_once_it_checked(corrupt:
     expected = blocks[0][3 * 1001 :] if not corrupt else bytes(4001 - 3 * 1001)
     assert bytes(outs[0][3 * 1001 :]) == expected, "the tail holds the wrong bytes"
     assert bytes(outs[0][: 3 * 1001]) == bytes(3 * 1001), "bytes before the tail were written"
+    placed = memoryview(bytearray(4001))  # a tail the node placed itself: not copied again
+    fill_tails([(0, placed[3 * 1001 :])], apart, np.array([False]), [True])
+    assert bytes(placed) == bytes(4001), "a payload already in place was copied over"
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 1 << 20])
