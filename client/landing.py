@@ -11,10 +11,12 @@ where its payload goes (:func:`landing_regions`)::
       another version of the same length, plain get)            or the received chunk)
 
 The zero-padded last data shard of key j lands apart, and the local and stream links then copy
-its real bytes to the block's tail (:func:`fill_tails`), so the block is whole in place.
+its real bytes to the block's tail (:func:`fill_tails`), gRPC's :class:`StreamLander` too, so
+the block is whole in place.
 
 Over UCX each payload is received into its region (one group receive per node); over
-gRPC :class:`StreamLander` copies each chunk's bytes into them as chunks arrive. With every
+gRPC :class:`StreamLander` copies each chunk's bytes into them as chunks arrive (and a padded
+last data shard's real bytes to its block's tail once it is whole). With every
 data shard present the block is then complete without a copy by the decoder
 (erasure/codec.py skips payloads already in place).
 The decision is made from the header before any byte lands, so a payload is never written
@@ -198,6 +200,7 @@ class StreamLander:
         self._head = bytearray()  # the table's bytes until it is complete
         self._entries: np.ndarray | None = None
         self._regions: list[memoryview | None] = []
+        self._tails: dict[int, memoryview] = {}  # row -> its block's tail (landing_regions)
         self._sizes: list[int] = []
         self._payloads: list[memoryview] = []
         self._partial: list[memoryview] = []  # pieces of the payload being received
@@ -224,7 +227,9 @@ class StreamLander:
         entries, _ = batch_answer.decode_table(bytes(self._head), len(self._wanted.positions))
         hits = entries["status"] == batch_answer.HIT
         self._entries = entries
-        self._regions = landing_regions(entries, self._wanted, self._outs, self._k)
+        tails: list[tuple[int, memoryview]] = []
+        self._regions = landing_regions(entries, self._wanted, self._outs, self._k, tails=tails)
+        self._tails = dict(tails)
         self._sizes = entries["payload_bytes"][hits].tolist()
         return data[size - before :]
 
@@ -241,7 +246,11 @@ class StreamLander:
             self._partial.append(piece)
         self._filled += take
         if self._filled == size:
-            self._payloads.append(region if region is not None else self._joined())
+            payload = region if region is not None else self._joined()
+            tail = self._tails.get(index)
+            if tail is not None:  # unchecked here, as every payload: the block check covers it
+                tail[:] = payload[: len(tail)]
+            self._payloads.append(payload)
             self._filled = 0
         return rest
 
@@ -255,5 +264,5 @@ class StreamLander:
         """The answer; ValueError if the stream ended early."""
         if self._entries is None or len(self._payloads) != len(self._sizes):
             raise ValueError("batch answer stream ended before its last payload")
-        in_place = [region is not None for region in self._regions]
+        in_place = [r is not None or row in self._tails for row, r in enumerate(self._regions)]
         return NodeAnswer(self._entries, self._payloads, in_place)

@@ -84,6 +84,19 @@ def test_a_chunked_stream_lands_every_payload_whatever_the_chunking(chunk_bytes:
     assert bytes(answer.payloads[1]) == CODEC.encode(blocks[1])[5][48:], "parity payload lost"
 
 
+def test_a_chunked_stream_fills_a_padded_blocks_tail() -> None:
+    block = random.Random(4).randbytes(4001)  # 4 data shards of 1001 bytes, the last padded
+    table, payloads = _answer([block], [3])
+    out = memoryview(bytearray(4001))
+    lander = StreamLander(Wanted([0], [3]), [out], K)
+    for chunk in batch_answer.encode_chunks(table, memoryview(payloads), 100):
+        lander.feed(batch_answer.chunk_data(chunk))
+    answer = lander.finish()
+    assert answer.in_place == [True], "the padded shard's block was not made whole"
+    assert bytes(out[3 * 1001 :]) == block[3 * 1001 :] and bytes(out[: 3 * 1001]) == bytes(3003)
+    assert bytes(answer.payloads[0]) == CODEC.encode(block)[3][48:], "the payload itself changed"
+
+
 def test_a_stream_that_ends_early_or_runs_long_is_refused() -> None:
     table, payloads = _answer([bytes(4000)], [0])
     lander = StreamLander(Wanted([0], [0]), [None], K)
