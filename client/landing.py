@@ -113,7 +113,7 @@ def fill_tails(
     whole). One native call for the lot (erasure.fastsum.copy_many): a receiver that took
     the GIL back after each copy waited for it behind the other receivers and the event loop."""
     rows = [(row, tail) for row, tail in tails if not failed[row] and not in_place[row]]
-    if not rows:  # in place already: the node placed it in a landing pool slot (its slack)
+    if not rows:  # no tails, or each failed or in place already (a pool slot's slack took it)
         return
     sources = [buffer_address(payloads[row]) for row, _ in rows]
     targets = [buffer_address(tail) for _, tail in rows]
