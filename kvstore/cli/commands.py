@@ -26,7 +26,9 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -242,6 +244,11 @@ def run_command(command: tuple[str, ...], run: Callable[..., Any], args: argpars
     name = " ".join(("kvstore", *command))
     json_to_stdout = is_stdout(getattr(args, "json", None))
     heartbeat = contextlib.nullcontext() if command in SERVICES else Heartbeat(" ".join(command))
+    if command not in SERVICES and threading.current_thread() is threading.main_thread():
+        # SIGTERM (kill, timeout, a CI runner) ends a command as Ctrl-C does, through its
+        # finally blocks: without this a benchmark or demo died at once and left the nodes of
+        # its embedded cluster running, orphaned. Services stop on SIGTERM their own way.
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with heartbeat, contextlib.redirect_stdout(sys.stderr if json_to_stdout else sys.stdout):
             return int(run(args) or 0)
@@ -251,9 +258,20 @@ def run_command(command: tuple[str, ...], run: Callable[..., Any], args: argpars
         log.debug("%s failed", name, exc_info=True)
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
+    except Terminated:
+        print(f"{name}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is (``run_command``)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def package_version() -> str:

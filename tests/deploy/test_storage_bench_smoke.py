@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from deploy.local_nodes import health
+from kvstore.config import load_cluster
 
 # Minutes on a loaded 2-core machine (a cluster, a sealed client, Redis, straggler restarts).
 pytestmark = pytest.mark.timeout(480)
@@ -61,3 +66,59 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
         best = {(row["op"], row["baseline"]) for row in report["best"]}
         assert best == {("get", "redis"), ("put", "redis")}, best
         assert "best of each" in run.stdout, "the best-of-each table was not printed"
+
+
+def _child_nodes(parent_pid: int) -> dict[int, Path]:
+    """The node processes ``parent_pid`` started: pid -> its cluster.toml."""
+    nodes = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent_pid and b"kvstore.cli" in argv and b"node" in argv:
+            nodes[int(proc.name)] = Path(argv[argv.index(b"--config") + 1].decode())
+    return nodes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
+    """`kill` (SIGTERM) of a benchmark ends it as Ctrl-C does: its embedded cluster's nodes
+    are stopped, not left running orphaned, and it exits with 128 + 15."""
+    command = [sys.executable, "-m", "kvstore.cli", "bench", "storage", "--json", "-"]
+    command += ["--block-sizes", "64KiB", "--concurrency", "1", "--seconds", "600"]
+    command += ["--straggler-ms", "0", "--idle-seconds", "0", "--no-fsync"]
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        nodes: dict[int, Path] = {}
+        while time.monotonic() < deadline and bench.poll() is None:
+            nodes = _child_nodes(bench.pid)
+            if len(nodes) == 12:  # every node up and serving: the workload runs
+                config = load_cluster(next(iter(nodes.values())))
+                if all(health(n.address, 1.0) for n in config.nodes):
+                    break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the benchmark's 12 nodes never served: {bench.poll()}")
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=120)
+        assert bench.returncode == 128 + signal.SIGTERM, stderr.decode(errors="replace")
+        stop_by = time.monotonic() + 30
+        while any(_alive(pid) for pid in nodes) and time.monotonic() < stop_by:
+            time.sleep(0.1)
+        assert not [pid for pid in nodes if _alive(pid)], "nodes outlived a SIGTERMed benchmark"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
