@@ -19,6 +19,7 @@
     origin_unix_s = 1764400000.0   # real time the virtual clock starts from
     expiry_window_s = 3600.0       # segments group shards whose expiry falls in one window
     eviction_order = "lru"         # under capacity pressure: "lru" or "expiry" (ttl/policy.py)
+    refresh_granularity_s = 60.0   # a hit this soon after the last access restarts no TTL
     [ttl.classes]
     chat = "7d"
     agent = "3d"
@@ -111,12 +112,19 @@ class TTLConfig:
     origin_unix_s: float = 0.0
     expiry_window_s: float = 3600.0
     eviction_order: str = DEFAULT_EVICTION_ORDER.value  # "lru" or "expiry" (ttl/policy.py)
+    # A hit this soon after a block's last access (or within 0.1% of its TTL, if shorter)
+    # restarts nothing: kvstore/store/read_state.py. 0: every hit restarts its TTL.
+    refresh_granularity_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if self.expiry_window_s <= 0:
             raise ValueError(f"expiry_window_s must be > 0, got {self.expiry_window_s}")
+        if self.refresh_granularity_s < 0:
+            raise ValueError(
+                f"refresh_granularity_s must be >= 0, got {self.refresh_granularity_s}"
+            )
         if self.eviction_order not in {order.value for order in EvictionOrder}:
             raise ValueError(
                 f"[ttl] eviction_order {self.eviction_order!r}: choose 'lru' (least recently "

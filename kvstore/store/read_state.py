@@ -27,6 +27,13 @@ from ttl.policy import Retention
 
 # Float rounding of ``expires_at_s - last_access_s`` stays far below this (a millisecond).
 TTL_ROUNDING_S = 1e-3
+# A hit within this share of an entry's TTL of its last access, or within the configured
+# ``[ttl] refresh_granularity_s`` (60 s) if sooner, restarts nothing: a prefix read many times
+# a second would otherwise rewrite its index entry at every flush (2-core storage bench, 12
+# nodes, the same blocks read over and over: the refreshes' index writes were a sixth of a
+# node's Python time). The price: a block may expire, and LRU may see it as idle, up to that
+# much early: 60 s of the 3-day agent class.
+REFRESH_SHARE = 1e-3
 
 
 def touched(entry: Entry, now: float, retention: Retention) -> Entry:
@@ -36,6 +43,14 @@ def touched(entry: Entry, now: float, retention: Retention) -> Entry:
     except UnknownTrafficClass:
         return entry
     return entry.accessed(now, now + entry_ttl_s(entry, ttl_s))
+
+
+def refresh_due(entry: Entry, now: float, granularity_s: float) -> bool:
+    """Whether a hit at ``now`` restarts ``entry``'s TTL (``entry`` with its buffered refresh
+    applied): not within REFRESH_SHARE of its TTL span, or ``granularity_s`` if sooner, of its
+    last access."""
+    span_s = entry.expires_at_s - entry.last_access_s
+    return now - entry.last_access_s >= min(granularity_s, span_s * REFRESH_SHARE)
 
 
 def entry_ttl_s(entry: Entry, ttl_s: float) -> float:
@@ -59,8 +74,9 @@ def quarantine(w: IndexWriter, corrupt: Iterable[Entry]) -> None:
 class ReadState:
     """Thread-safe buffers of read-side state (see the module docstring)."""
 
-    def __init__(self, retention: Callable[[], Retention]) -> None:
+    def __init__(self, retention: Callable[[], Retention], refresh_granularity_s: float) -> None:
         self._retention = retention  # the store's current TTLs and tenant caps
+        self._granularity_s = refresh_granularity_s  # refresh_due's
         self._lock = threading.Lock()
         self._refreshed: dict[bytes, tuple[Entry, float]] = {}  # index key -> (entry, hit time)
         self._counts: Counter[str] = Counter()  # hits/misses not yet persisted
@@ -94,14 +110,16 @@ class ReadState:
         with self._lock:
             for served in served_per_key:
                 for entry in served:
-                    self._refreshed[entry.index_key] = (entry, now)
+                    if refresh_due(entry, now, self._granularity_s):
+                        self._refreshed[entry.index_key] = (entry, now)
                 self._counts[class_counter(served[0].traffic_class, "hits")] += 1
 
     def record_touch(self, touched_entries: Sequence[Entry], now: float) -> None:
         """Refresh entries a client touched (its read hit was served by other nodes)."""
         with self._lock:
             for entry in touched_entries:
-                self._refreshed[entry.index_key] = (entry, now)
+                if refresh_due(entry, now, self._granularity_s):
+                    self._refreshed[entry.index_key] = (entry, now)
 
     def record_miss(self, class_names: Iterable[str]) -> None:
         """Count one miss for the node and one for each class the key had entries of."""

@@ -171,7 +171,7 @@ class ShardStore:
             raise
         self._write_lock = threading.Lock()
         self.retention = Retention(ttl.classes)
-        self._reads = ReadState(lambda: self.retention)
+        self._reads = ReadState(lambda: self.retention, ttl.refresh_granularity_s)
         self._reader = ShardReader(self._index, self._files, self._reads)
         self._appender = SegmentAppender(
             self._index,

@@ -58,6 +58,7 @@ def write_config(
     time_scale: float = 1.0,
     expiry_window_s: float = 3600.0,
     eviction_order: str = TTLConfig.eviction_order,
+    refresh_granularity_s: float = TTLConfig.refresh_granularity_s,
     data_dir: Path | None = None,
     tls: TLSConfig | None = None,
     **node_fields: Any,
@@ -78,6 +79,7 @@ def write_config(
         origin_unix_s=time.time(),
         expiry_window_s=expiry_window_s,
         eviction_order=eviction_order,
+        refresh_granularity_s=refresh_granularity_s,
     )
     cluster = ClusterConfig(
         epoch=1,

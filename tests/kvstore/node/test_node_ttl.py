@@ -230,7 +230,13 @@ async def test_eviction_order_under_a_byte_limit(tmp_path: Path, start_node) -> 
 
 
 async def test_lru_eviction_under_a_byte_limit(tmp_path: Path, start_node) -> None:
-    config = write_config(tmp_path, high_watermark=0.9, low_watermark=0.5, **_mib_of_data(tmp_path))
+    config = write_config(  # every hit counts: the read comes a moment after the puts
+        tmp_path,
+        refresh_granularity_s=0.0,
+        high_watermark=0.9,
+        low_watermark=0.5,
+        **_mib_of_data(tmp_path),
+    )
     assert load_cluster(config).ttl.eviction_order == "lru", "LRU must be the default order"
     start_node(config)
     address, _ = _node(config)

@@ -15,6 +15,8 @@ import kvstore.store.segments
 from erasure.shard import ShardHeader, block_checksum, pack_header
 from kvstore.config import NodeConfig, TTLConfig
 from kvstore.errors import CapacityExhausted, InvalidArgument, UnknownTrafficClass
+from kvstore.store.index_codec import Entry
+from kvstore.store.read_state import refresh_due
 from kvstore.store.shard_store import (
     INF_WINDOW,
     PutOptions,
@@ -31,6 +33,8 @@ from tests.kvstore.store_harness import (
     lmdb_index_bytes,
 )
 from ttl.clock import ManualClock
+
+MINUTE_S = TTLConfig.refresh_granularity_s  # a hit sooner than this after the last restarts no TTL
 
 
 def _key(i: int) -> bytes:
@@ -103,6 +107,39 @@ def test_ttl_per_class_read_refreshes_contains_does_not(
     assert store.stats().num_segments == 0
 
 
+def test_a_hit_soon_after_the_last_access_rewrites_nothing(
+    make_store: MakeStore, clock: ManualClock
+) -> None:
+    """Hits within ``[ttl] refresh_granularity_s`` (a minute) of the last access buffer no
+    refresh, so a flush writes no index entry for them; the first hit past it restarts the
+    TTL as before."""
+    store = make_store()
+    store.put("acme", "agent", [(_key(1), make_shard(b"agent"))])
+    clock.advance(30)
+    store.get("acme", [_key(1)])
+    assert store._reads._refreshed == {}, "a hit 30 s after the put buffered a refresh"
+    clock.advance(MINUTE_S - 30)  # a minute after the put
+    store.get("acme", [_key(1)])
+    store.touch("acme", [_key(1)])  # touched right after the hit: nothing more to buffer
+    assert len(store._reads._refreshed) == 1
+    store.flush()  # persisted: the entry's last access is now the hit's
+    clock.advance(MINUTE_S / 2)
+    store.touch("acme", [_key(1)])
+    assert store._reads._refreshed == {}, "a touch half a minute after a hit was buffered"
+    clock.advance(3 * DAY_S - MINUTE_S / 2 - 1)  # 1 s before the refreshed expiry
+    assert len(store.contains("acme", [_key(1)])[0]) == 1, "the minute-old hit did not refresh"
+    clock.advance(2)
+    assert store.contains("acme", [_key(1)]) == [[]]
+
+
+def test_refresh_due_scales_with_the_ttl_up_to_a_minute() -> None:
+    entry = Entry("acme", b"k" * 16, b"v" * 16, "chat", 1, 0, 5, 0, 1000.0, 1000.0, 4600.0)
+    assert not refresh_due(entry, 1003.5, 60.0) and refresh_due(entry, 1003.6, 60.0)
+    long_lived = entry.accessed(1000.0, 1000.0 + 7 * DAY_S)
+    assert not refresh_due(long_lived, 1059.9, 60.0) and refresh_due(long_lived, 1060.0, 60.0)
+    assert refresh_due(long_lived, 1000.0, 0.0), "granularity 0: every hit refreshes"
+
+
 def test_expiry_frees_whole_files_and_leaves_live_ones_alone(
     make_store: MakeStore, clock: ManualClock, tmp_path: Path
 ) -> None:
@@ -165,6 +202,7 @@ def test_eviction_order_is_earliest_expiry_first(make_store: MakeStore, clock: M
     for i in range(10, 15):
         store.put("acme", "chat", [(_key(i), shard_of[i])])
         clock.advance(1)
+    clock.advance(MINUTE_S)  # a hit sooner than this after the put refreshes nothing
     store.get("acme", [_key(0), _key(10)])  # newest accesses of their classes
     clock.advance(100)
     for i in range(20, 34):  # 24 records of 4088 bytes: over 90 kB, eviction to 50 kB
