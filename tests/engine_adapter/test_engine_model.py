@@ -14,7 +14,7 @@ from bench.reference_prefill import hf_llama_config  # noqa: E402
 from engine_adapter.config import ModelConfig  # noqa: E402
 from engine_adapter.kv_layout import KVBlockLayout  # noqa: E402
 from engine_adapter.loader import load_model  # noqa: E402
-from engine_adapter.model import Linear, rows_are_exact  # noqa: E402
+from engine_adapter.model import Linear, Rotary, rows_are_exact  # noqa: E402
 from engine_adapter.paged_kv import BlockTable, PagedKVCache  # noqa: E402
 from engine_adapter.weights import _unpermute_rope  # noqa: E402
 
@@ -232,6 +232,34 @@ def test_a_linear_layer_follows_its_weight():
     torch.testing.assert_close(layer(x), x @ layer.weight.T, msg="load_state_dict was missed")
     layer.to(torch.float64)
     torch.testing.assert_close(layer(x.double()), x.double() @ layer.weight.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_gives_the_bits_of_rotate_half(dtype):
+    """Rotary's tables cast once, with the sign on sin: the bits of Hugging Face's
+    ``x * cos + rotate_half(x) * sin`` cast per call, zeros, infinities and NaNs included, and
+    on the buffers' new values after a reset or a move."""
+
+    def rotate_half_reference(rotary, x, start):
+        cos = rotary.cos[start : start + x.shape[0], None, :].to(x.dtype)
+        sin = rotary.sin[start : start + x.shape[0], None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    int_view = torch.int32 if dtype == torch.float32 else torch.int16
+    rotary = Rotary(64, 500_000.0, 4096)
+    generator = torch.Generator().manual_seed(3)
+    for start in (0, 17, 3000):
+        x = (torch.randn(96, 4, 64, generator=generator) * 40).to(dtype)
+        x[0, 0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+        x[1, 0, 32:34] = torch.tensor([float("-inf"), -0.0])
+        expected = rotate_half_reference(rotary, x, start).view(int_view)
+        assert torch.equal(rotary(x, start).view(int_view), expected), start
+    rotary.theta = 10_000.0  # new tables: the cast copies must follow
+    rotary.reset()
+    x = torch.randn(8, 2, 64, generator=generator).to(dtype)
+    expected = rotate_half_reference(rotary, x, 100).view(int_view)
+    assert torch.equal(rotary(x, 100).view(int_view), expected), "a stale cast table was used"
 
 
 def test_seeded_random_init_is_reproducible():
