@@ -105,7 +105,7 @@ class Rotary(nn.Module):
         n, half = x.shape[0], x.shape[-1] // 2
         cos, signed_sin = self._tables(x.dtype, x.device)
         # rotate_half(x) * sin with the sign on the table: (-a) * b and a * (-b) are the same
-        # bits, and so are the casts of -s and s; two kernels fewer per call (a 512-token
+        # bits, and so are the casts of -s and s; three kernels fewer per call (a 512-token
         # suffix on the GPU is bound by its launches: docs/runs/stop48-gpu)
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return x * cos[start : start + n] + swapped * signed_sin[start : start + n]
