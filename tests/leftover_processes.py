@@ -88,6 +88,16 @@ def parent_pid(pid: int) -> int:
         return 0
 
 
+def is_gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs (absent, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def self_and_ancestors() -> set[int]:
     """This process and its ancestors: they may carry the marker, and are never swept."""
     pids, pid = set(), os.getpid()

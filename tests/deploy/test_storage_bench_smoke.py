@@ -14,6 +14,7 @@ import pytest
 
 from deploy.local_nodes import health
 from kvstore.config import load_cluster
+from tests.leftover_processes import is_gone, live_pids, parent_pid
 
 # Minutes on a loaded 2-core machine (a cluster, a sealed client, Redis, straggler restarts).
 pytestmark = pytest.mark.timeout(480)
@@ -68,28 +69,17 @@ def test_bench_storage_smoke(tmp_path: Path) -> None:
         assert "best of each" in run.stdout, "the best-of-each table was not printed"
 
 
-def _child_nodes(parent_pid: int) -> dict[int, Path]:
-    """The node processes ``parent_pid`` started: pid -> its cluster.toml."""
+def _child_nodes(parent: int) -> dict[int, Path]:
+    """The node processes ``parent`` started: pid -> its cluster.toml."""
     nodes = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for pid in live_pids():
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if ppid == parent_pid and b"kvstore.cli" in argv and b"node" in argv:
-            nodes[int(proc.name)] = Path(argv[argv.index(b"--config") + 1].decode())
+        if b"kvstore.cli" in argv and b"node" in argv and parent_pid(pid) == parent:
+            nodes[pid] = Path(argv[argv.index(b"--config") + 1].decode())
     return nodes
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
@@ -115,9 +105,9 @@ def test_sigterm_stops_the_embedded_cluster(tmp_path: Path) -> None:
         _, stderr = bench.communicate(timeout=120)
         assert bench.returncode == 128 + signal.SIGTERM, stderr.decode(errors="replace")
         stop_by = time.monotonic() + 30
-        while any(_alive(pid) for pid in nodes) and time.monotonic() < stop_by:
+        while not all(is_gone(pid) for pid in nodes) and time.monotonic() < stop_by:
             time.sleep(0.1)
-        assert not [pid for pid in nodes if _alive(pid)], "nodes outlived a SIGTERMed benchmark"
+        assert all(is_gone(pid) for pid in nodes), "nodes outlived a SIGTERMed benchmark"
     finally:
         if bench.poll() is None:
             bench.kill()

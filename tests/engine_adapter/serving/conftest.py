@@ -25,6 +25,7 @@ import pytest
 from deploy.local_cluster import LocalCluster
 from engine_adapter.serving.router import Router
 from engine_adapter.serving.worker_pool import WorkerPool
+from tests.leftover_processes import is_gone
 
 if TYPE_CHECKING:  # torch is imported only by the tests that need it
     from engine_adapter.engine import Engine
@@ -105,15 +106,6 @@ async def reference_generate(
         use_cache=False,
     )
     return generation.token_ids
-
-
-def is_gone(pid: int) -> bool:
-    """True if ``pid`` no longer runs (absent, or a zombie waiting to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def start_serve(
