@@ -436,8 +436,7 @@ class _State(BlockChecks):
 
     def _tally(self, answer: NodeAnswer, request: _Request) -> None:
         """Count every HIT shard of one node's answer by version, in numpy per answer
-        (client/shard_table.py): its header checked, its checksum left to the block's
-        unless the transport checked it."""
+        (client/shard_table.py): its header checked, its checksum left to the block's."""
         entries = answer.entries
         statuses = entries["status"]
         self.read.counters.num_corrupt_shards += int((statuses == batch_answer.CORRUPT).sum())
@@ -447,13 +446,8 @@ class _State(BlockChecks):
         hits = entries[is_hit]
         positions = request.positions[hits["key_index"]]
         valid = headers_fit(self.read.codec, hits)
-        if answer.failed is not None:
-            valid &= ~answer.failed
         in_place = np.asarray(answer.in_place, bool)
-        checked = answer.checked if answer.checked is not None else np.zeros(len(hits), bool)
-        reached = self.table.add(
-            hits, positions, valid, in_place, checked, answer.payloads.__getitem__
-        )
+        reached = self.table.add(hits, positions, valid, in_place, answer.payloads.__getitem__)
         landing = valid & in_place & (hits["shard_index"] < self.k)
         self.num_in_place += np.bincount(positions[landing], minlength=len(self.num_in_place))
         landed_positions = positions[landing].tolist()

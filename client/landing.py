@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from erasure import fastsum
 from erasure.isal_backend import buffer_address
@@ -103,17 +102,16 @@ def landing_regions(
 def fill_tails(
     tails: Sequence[tuple[int, memoryview]],
     payloads: Sequence[memoryview],
-    failed: np.ndarray,
     in_place: list[bool],
 ) -> None:
     """Copy each padded last data shard's real bytes (``tails``, from :func:`landing_regions`),
-    verified where they landed apart, to its block's tail, and count it in place: the block
+    from where they landed apart, to its block's tail, and count it in place: the block
     is then whole, so its check starts while the read goes on (client/batch_decode.py), not
     in one pass after it. The payload itself stays where it is (a parity decode may need it
     whole). One native call for the lot (erasure.fastsum.copy_many): a receiver that took
     the GIL back after each copy waited for it behind the other receivers and the event loop."""
-    rows = [(row, tail) for row, tail in tails if not failed[row] and not in_place[row]]
-    if not rows:  # no tails, or each failed or in place already (a pool slot's slack took it)
+    rows = [(row, tail) for row, tail in tails if not in_place[row]]
+    if not rows:  # no tails, or each in place already (a pool slot's slack took it)
         return
     sources = [buffer_address(payloads[row]) for row, _ in rows]
     targets = [buffer_address(tail) for _, tail in rows]
@@ -122,47 +120,17 @@ def fill_tails(
         in_place[row] = True
 
 
-_FIELDS_START = batch_answer.ENTRY_BYTES - 48  # the shard header's place in an entry
-_FIELDS_END = _FIELDS_START + 40  # the bytes the shard checksum covers before the payload
-
-
-def checksum_fields(entries: np.ndarray, rows: Sequence[int]) -> tuple[bytes, np.ndarray]:
-    """The 40 checksummed header bytes of HIT entries ``rows`` (indexes among the HITs) back
-    to back, and their checksums: what erasure.fastsum.copy_verify takes."""
-    hits = entries[entries["status"] == batch_answer.HIT][list(rows)]
-    table = np.frombuffer(hits.tobytes(), np.uint8).reshape(len(hits), batch_answer.ENTRY_BYTES)
-    return table[:, _FIELDS_START:_FIELDS_END].tobytes(), hits["checksum"]
-
-
-def shard_checksums_ok(
-    fields: bytes, checksums: np.ndarray, payloads: Sequence[memoryview]
-) -> list[bool]:
-    """Per payload, whether xxh3-64(its 40 fields + payload) is its checksum (the pure-Python
-    twin of erasure.fastsum.copy_verify's check, for machines without the helper)."""
-    verdicts = []
-    for i, (checksum, payload) in enumerate(zip(checksums.tolist(), payloads, strict=True)):
-        hasher = xxhash.xxh3_64(fields[i * 40 : i * 40 + 40])
-        hasher.update(payload)
-        verdicts.append(hasher.intdigest() == checksum)
-    return verdicts
-
-
 @dataclass
 class NodeAnswer:
     """A node's answer as the batch read uses it: the table, each HIT payload's bytes (in
-    table order, where they landed), and the scratch to release after decoding.
-
-    ``checked``: per HIT payload, whether the transport verified its shard checksum (else
-    the block checksum is its one check, client/batch_read.py); ``failed``: per HIT payload,
-    whether that check failed (the shard is corrupt). None: the transport checked none.
-    """
+    table order, where they landed), and the scratch to release after decoding. No transport
+    checks a payload's shard checksum: the block checksum is its one check unless the block
+    fails it (client/batch_read.py)."""
 
     entries: np.ndarray
     payloads: Sequence[memoryview]
     in_place: list[bool]  # per HIT payload: it landed at its place in the caller's block
     scratch: list[Region] = field(default_factory=list)
-    checked: np.ndarray | None = None
-    failed: np.ndarray | None = None
     # CLOCK_MONOTONIC ns, for the read timeline (client/read_timeline.py), where known: the
     # node's read (start, end), and the client's landing of the answer (start, end).
     node_read_ns: tuple[int, int] | None = None

@@ -69,7 +69,6 @@ class TallyRows:
     hits: np.ndarray  # the HIT entries
     positions: np.ndarray  # per HIT row: its key's batch position
     fast: np.ndarray  # per HIT row: tallied here (not corrupt, not by a collector)
-    checked: np.ndarray  # per HIT row: its shard checksum was verified
     payload: Callable[[int], memoryview]
 
 
@@ -97,12 +96,11 @@ class ShardTable:
         positions: np.ndarray,
         valid: np.ndarray,
         in_place: np.ndarray,
-        checked: np.ndarray,
         payload: Callable[[int], memoryview],
     ) -> list[tuple[int, bytes]]:
         """Tally one answer's HIT rows (``positions``: each row's batch position; ``valid``:
-        its header fits and its transport did not reject it; ``in_place``: it landed at its
-        place; ``checked``: its shard checksum was verified). Returns (position, version) of
+        its header fits; ``in_place``: it landed at its place; no shard checksum checked yet:
+        the block's check comes first). Returns (position, version) of
         the keys whose version reached k shards with this answer, in row order."""
         rows = valid.nonzero()[0]
         if len(rows) < len(valid):
@@ -126,13 +124,11 @@ class ShardTable:
         done = self._add_fast(hits, fast_rows, positions[fast_rows], in_place)
         fast_all = np.zeros(len(hits), bool)
         fast_all[fast_rows] = True
-        self._rows.append(TallyRows(hits, positions, fast_all, checked, payload))
+        self._rows.append(TallyRows(hits, positions, fast_all, payload))
         for row in rows[slow].tolist():
             position = int(positions[row])
             shard = self._shard(hits, row, payload)
-            version = self.collectors[position].add_verified(
-                shard[0], shard[1], checked=bool(checked[row])
-            )
+            version = self.collectors[position].add_verified(shard[0], shard[1], checked=False)
             if version is not None:
                 done.append((position, version))
         return done
@@ -186,7 +182,7 @@ class ShardTable:
             for row in rows.tolist():
                 header, shard = self._shard(answer.hits, row, answer.payload)
                 self.collectors[int(answer.positions[row])].add_verified(
-                    header, shard, checked=bool(answer.checked[row])
+                    header, shard, checked=False
                 )
         self.has_version[wanted] = False
         self.count[wanted] = 0

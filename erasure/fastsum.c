@@ -3,10 +3,10 @@
  *
  * Why native: on the H200 host a core copies about 5 GB/s and python-xxhash (SSE2) hashes
  * about 6-9 GB/s, and each copy and each hash is one Python call that releases and retakes the
- * GIL. A local read lands about 16 shards per node answer: here that is ONE call, without the
- * GIL, that copies each payload in cache-sized pieces and hashes each piece while it is in L1
- * (XXH3 built for this machine's SIMD, -march=native), instead of 2 x 16 calls and a second
- * pass over every byte. The results are bit-identical to python-xxhash's (tests compare them).
+ * GIL. A local read lands about 16 shards per node answer: here their copies are ONE call
+ * without the GIL, and a batch read's block checks one call over threads (XXH3 built for this
+ * machine's SIMD, -march=native). The results are bit-identical to python-xxhash's (tests
+ * compare them).
  *
  * Needs xxhash.h (Debian: libxxhash-dev), compiled inline: no library to load at run time.
  */
@@ -18,32 +18,6 @@
 #include <string.h>
 
 #define FIELDS_BYTES 40  /* the shard header bytes the checksum covers before the payload */
-#define PIECE_BYTES (32 * 1024)
-
-/* For each of n shards: when dst[i] is not NULL copy len[i] bytes src[i] -> dst[i] and hash
- * the copy piece by piece, else hash src[i] in place; ok[i] = 1 when
- * xxh3_64(fields[i*40 .. i*40+40] || payload) equals expected[i], else 0. */
-void kv_copy_verify(size_t n, const uint8_t *const *src, uint8_t *const *dst,
-                    const uint64_t *len, const uint8_t *fields, const uint64_t *expected,
-                    uint8_t *ok) {
-    XXH3_state_t state;
-    for (size_t i = 0; i < n; i++) {
-        XXH3_64bits_reset(&state);
-        XXH3_64bits_update(&state, fields + i * FIELDS_BYTES, FIELDS_BYTES);
-        const uint8_t *from = src[i];
-        uint8_t *to = dst[i];
-        for (uint64_t at = 0; at < len[i]; at += PIECE_BYTES) {
-            uint64_t piece = len[i] - at < PIECE_BYTES ? len[i] - at : PIECE_BYTES;
-            if (to != NULL) {
-                memcpy(to + at, from + at, piece);
-                XXH3_64bits_update(&state, to + at, piece);
-            } else {
-                XXH3_64bits_update(&state, from + at, piece);
-            }
-        }
-        ok[i] = XXH3_64bits_digest(&state) == expected[i];
-    }
-}
 
 /* n copies in one call (without the GIL): len[i] bytes src[i] -> dst[i]. */
 void kv_copy_many(size_t n, const uint8_t *const *src, uint8_t *const *dst, const uint64_t *len) {

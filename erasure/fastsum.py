@@ -4,17 +4,16 @@ Two things run here:
 
 - :func:`shard_checksum` and :func:`block_checksum`: xxh3-64 of a shard (its header fields,
   then its payload) and xxh3-128 of a block, bit-identical whichever way they run.
-- :func:`copy_verify` (native only; ``NATIVE`` says whether it is there): copy a batch of
-  payloads to their places and check each one's shard checksum, in one call without the GIL.
-  The local read path lands a node's streamed payloads with it (client/local/link.py).
-- :func:`copy_many`: a batch of copies in one call without the GIL (the padded last data
-  shards' real bytes to their blocks' tails, client/landing.py).
+- :func:`copy_many`: a batch of copies in one call without the GIL (a local node's streamed
+  payloads to their places, client/local/link.py; the padded last data shards' real bytes
+  to their blocks' tails, client/landing.py). No shard is checked on landing: the block
+  checksum covers every byte once, and finds a bad shard only when it fails.
 - :func:`verify_blocks`: the block checksums of a whole batch read's blocks against their
   versions, in one call spread over threads without the GIL (client/batch_read.py's one pass
   over every byte); python-xxhash one block at a time without the helper.
 
 Without the library, or with ``KVSTORE_NATIVE=0`` in the environment, the first two run
-through python-xxhash and the caller of :func:`copy_verify` takes its own pure-Python path;
+through python-xxhash and :func:`copy_many` through ctypes.memmove;
 docs/data-paths.md, "Native helper", says which runs and why it exists (measured in
 docs/runs/local-channel-h200/).
 """
@@ -49,8 +48,6 @@ def _load() -> ctypes.CDLL | None:
     if not hasattr(lib, "kv_copy_many"):  # built from an older fastsum.c
         log.warning("not using %s: it predates fastsum.c (run make native)", LIBRARY_PATH)
         return None
-    lib.kv_copy_verify.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 6]
-    lib.kv_copy_verify.restype = None
     lib.kv_copy_many.argtypes = [ctypes.c_size_t, *[ctypes.c_void_p] * 3]
     lib.kv_copy_many.restype = None
     lib.kv_shard_checksum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
@@ -87,29 +84,6 @@ def block_checksum(block: bytes | memoryview) -> bytes:
         _lib.kv_xxh3_128(buffer_address(memoryview(block)), len(block), out)
         return out.raw
     return xxhash.xxh3_128_digest(block)
-
-
-def copy_verify(
-    sources: Sequence[int],
-    destinations: Sequence[int],
-    lengths: Sequence[int],
-    fields: bytes,
-    expected: np.ndarray,
-) -> list[bool]:
-    """Copy payload i from address ``sources[i]`` to ``destinations[i]`` (0: no copy, check
-    it where it is) and check xxh3-64(``fields[40*i : 40*i+40]`` + payload) against
-    ``expected[i]`` (uint64); per payload, whether it matched. Native only (``NATIVE``); the
-    caller keeps every buffer alive across the call."""
-    assert _lib is not None, "copy_verify needs erasure/_fastsum.so (make native)"
-    n = len(lengths)
-    addresses = np.array([*sources, *destinations, *lengths], dtype=np.uint64)
-    checksums = np.ascontiguousarray(expected, dtype=np.uint64)
-    ok = np.zeros(n, dtype=np.uint8)
-    base = addresses.ctypes.data
-    _lib.kv_copy_verify(
-        n, base, base + 8 * n, base + 16 * n, fields, checksums.ctypes.data, ok.ctypes.data
-    )
-    return ok.astype(bool).tolist()
 
 
 def copy_many(sources: Sequence[int], destinations: Sequence[int], lengths: Sequence[int]) -> None:

@@ -10,9 +10,10 @@ kvstore/wire/local_frames.py has the exchange. Per request::
     thread          placed payloads: nothing to do, their bytes are where they belong (the
                     block checksum will cover them: client/batch_read.py)
                     the rest: copy arena[region + offset] -> its place in the caller's block
-                    (client/landing.py), verifying its shard checksum in the same native
-                    call while the bytes are in cache; payloads with no place (parity, a
-                    padded tail, plain get) stay in the region
+                    (client/landing.py), all in one native call; payloads with no place
+                    (parity, a padded tail, plain get) stay in the region. No shard checksum
+                    is checked here: the block checksum covers every byte once, and the
+                    shards' own are checked only when it fails (client/batch_read.py)
                   -> the NodeAnswer to the event loop
 
 So the event loop does no per-byte work: one send and one wake-up per node per batch, and a
@@ -51,10 +52,8 @@ import numpy as np
 from client.landing import (
     NodeAnswer,
     Wanted,
-    checksum_fields,
     fill_tails,
     landing_regions,
-    shard_checksums_ok,
 )
 from client.landing_pool import LandingPool
 from erasure import fastsum
@@ -368,7 +367,7 @@ class LocalLink:
 
     def _land(self, pending: PendingRead, table: memoryview) -> NodeAnswer:
         """The answer's payloads where they belong: placed ones are in the pool already;
-        copy each streamed one to its place and verify it there (see the module doc)."""
+        copy each streamed one to its place (see the module doc)."""
         entries, payload_bytes = batch_answer.decode_table(table, pending.num_keys)
         region = pending.region
         if payload_bytes > len(region.view):
@@ -380,42 +379,38 @@ class LocalLink:
             self.pool, self._placed_starts(pending, hits, placed), hits["payload_len"]
         )
         streamed = (~placed).nonzero()[0].tolist()
-        checked = np.zeros(len(hits), bool)
-        failed = np.zeros(len(hits), bool)
         scratch = [region]
         if streamed:
-            received = pending.received_in_place is not None  # checked where they are
             tails: list[tuple[int, memoryview]] = []
             if pending.received_in_place is None:
                 wanted, outs, k = pending.wanted, pending.outs, self._codec.k
                 destinations = landing_regions(entries, wanted, outs, k, tails=tails)
-            else:
+                received = False
+            else:  # the stream link received them where they belong already
                 destinations, tails = pending.received_in_place
+                received = True
             sources, targets, sizes = [], [], []
             source, start = self.arena.address + region.offset, 0
             sizes_all = hits["payload_bytes"].tolist()
             for row in streamed:
                 size, destination = sizes_all[row], destinations[row]
-                if received and destination is not None:
-                    sources.append(_address(destination))
-                    targets.append(0)
-                else:
+                if destination is not None and not received:
                     sources.append(source + start)
-                    targets.append(0 if destination is None else _address(destination))
+                    targets.append(_address(destination))
+                    sizes.append(size)
                 in_place[row] = destination is not None
                 payloads.streamed[row] = (
                     destination if destination is not None else region.view[start : start + size]
                 )
-                sizes.append(size)
                 start += size
-            self._copy_streamed(entries, streamed, sources, targets, sizes, payloads, failed)
-            checked[streamed] = True
+            if sizes:
+                fastsum.copy_many(sources, targets, sizes)
         if all(in_place):  # nothing stays in the region: it is free again now
             region.release()
             scratch = []
         elif streamed:
-            fill_tails(tails, payloads, failed, in_place)
-        return NodeAnswer(entries, payloads, in_place, scratch, checked, failed)
+            fill_tails(tails, payloads, in_place)
+        return NodeAnswer(entries, payloads, in_place, scratch)
 
     def _placed_starts(
         self, pending: PendingRead, hits: np.ndarray, placed: np.ndarray
@@ -444,32 +439,6 @@ class LocalLink:
             raise ValueError("the node placed a shard where its request had no place for it")
         starts[rows] = place["offset"] + index * payload
         return starts
-
-    def _copy_streamed(
-        self,
-        entries: np.ndarray,
-        rows: list[int],
-        sources: list[int],
-        targets: list[int],
-        sizes: list[int],
-        payloads: _Payloads,
-        failed: np.ndarray,
-    ) -> None:
-        """Copy the streamed payloads (HIT rows ``rows``) that have a place to it and verify
-        each one's shard checksum (``failed[row]`` where it does not match): one native call
-        without the GIL, copying and hashing each payload while it is in cache
-        (ctypes.memmove and python-xxhash without the helper)."""
-        if not rows:
-            return
-        fields, checksums = checksum_fields(entries, rows)
-        if fastsum.NATIVE:
-            verdicts = fastsum.copy_verify(sources, targets, sizes, fields, checksums)
-        else:
-            for target, from_address, size in zip(targets, sources, sizes, strict=True):
-                if target:
-                    ctypes.memmove(target, from_address, size)
-            verdicts = shard_checksums_ok(fields, checksums, [payloads[row] for row in rows])
-        failed[rows] = ~np.asarray(verdicts, bool)
 
 
 def await_welcome(node_id: str, sock: socket.socket | StreamSocket) -> None:

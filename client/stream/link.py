@@ -8,9 +8,9 @@ Per request::
     node          reads the payloads into its own buffer, sends ANSWER(id, table) and them
     receiver      ANSWER -> the payloads straight from the socket to where they belong: a
     thread          data shard with a place in the caller's block there, the rest into the
-                    region (scattered ``recvmsg_into`` calls, the GIL let go in each); then
-                    as on the local link, every payload's shard checksum verified where it
-                    lies (one native call) -> the NodeAnswer to the event loop
+                    region (scattered ``recvmsg_into`` calls, the GIL let go in each)
+                    -> the NodeAnswer to the event loop (as on the local link, the block
+                    checksum verifies the bytes: client/batch_read.py)
 
 So a payload is copied once on the client (by the kernel), and the client's Python work is
 per answer and per payload's view, not per byte. A region stays the client's until its
@@ -91,9 +91,8 @@ class StreamLink(LocalLink):
 
     def _receive_payloads(self, pending: PendingRead | None, status: int, body: memoryview) -> None:
         """An OK answer's payloads: each data shard with a place in the caller's block
-        straight there (its checksum is verified there by ``_land``), the rest into the
-        request's region at its offset; a cancelled request's all into its region, a
-        forgotten one's drained."""
+        straight there, the rest into the request's region at its offset; a cancelled
+        request's all into its region, a forgotten one's drained."""
         if status not in (frames.OK, frames.TIMED):
             return
         table = frames.decode_timed(body)[2] if status == frames.TIMED else body

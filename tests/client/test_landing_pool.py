@@ -256,19 +256,27 @@ async def test_shards_corrupt_on_disk_read_right(cluster: LocalCluster) -> None:
     assert found > 0, "the nodes' read loop did not notice the corrupt records"
 
 
+@pytest.mark.parametrize("landing_in", ["pool", "local", "stream"])
 async def test_bytes_changed_after_the_node_checked_them_are_caught(
-    cluster: LocalCluster,
+    cluster: LocalCluster, landing_in: str
 ) -> None:
-    """A shard's bytes change in the pool after the node verified and placed them (what a
-    faulty node or a stray write would do): the block checksum fails, the shards' own
-    checksums find the bad one, and the block decodes from parity; never wrong bytes."""
-    blocks = _blocks(5, "corrupt-pool", [2 * MiB] * 8)
+    """A shard's bytes change where they landed after the node verified them (what a faulty
+    node, a bad link or a stray write would do): in the pool, where the node placed them, or
+    in the caller's buffers, where the client copied them from the local arena or received
+    them from the stream. No transport checks a shard on its own: the block checksum fails,
+    the shards' own checksums find the bad one, and the block decodes from parity; never
+    wrong bytes."""
+    blocks = _blocks(5, f"corrupt-{landing_in}", [2 * MiB] * 8)
     await _put(cluster.cluster_toml, blocks)
-    pool = LandingPool(SLOT_BYTES, len(blocks))
+    pool = LandingPool(SLOT_BYTES, len(blocks)) if landing_in == "pool" else None
+    transport = "stream" if landing_in == "stream" else "local"
     async with KVClient.connect(
-        cluster.cluster_toml, tenant="acme", transport="local", landing_pool=pool
+        cluster.cluster_toml, tenant="acme", transport=transport, landing_pool=pool
     ) as kv:
-        views = [view for _, view in _slots(pool, blocks)]
+        if pool is None:
+            views = [memoryview(bytearray(len(block))) for block in blocks.values()]
+        else:
+            views = [view for _, view in _slots(pool, blocks)]
         payload_bytes = kv.codec.payload_bytes(2 * MiB)
         flipped: set[int] = set()
 

@@ -4,9 +4,10 @@ one that dies with a read in flight, and a read cancelled before its late answer
 tests run over the stream channel (a StreamServer and a StreamLink, over TCP), except those
 about the shared arena and the socket's name, which only the local channel has.
 
-Whatever the node does, the link never reports a shard it did not verify, and nothing lands
-in the caller's buffer after a cancel. Each verifying test runs with the native checksum
-helper (where `make native` built it) and with its python-xxhash fallback.
+Whatever the node does, nothing lands in the caller's buffer after a cancel, and a lying
+table is refused. The link checks no shard's bytes: the batch read checks each block once
+(tests/client/test_landing_pool.py changes landed bytes under it). The landing test runs with
+the native copy helper (where `make native` built it) and with its ctypes fallback.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ async def _read(link: LocalLink, out: bytearray) -> PendingRead:
     return link.submit([KEY], b"", Wanted([0], [SHARD_INDEX]), [memoryview(out)], region)
 
 
-async def test_an_honest_answer_lands_in_place_verified(node: Node, checksum_backend: str) -> None:
+async def test_an_honest_answer_lands_in_place(node: Node, checksum_backend: str) -> None:
     link = await _open(node)
     try:
         out = bytearray(len(BLOCK))
@@ -128,29 +129,7 @@ async def test_an_honest_answer_lands_in_place_verified(node: Node, checksum_bac
         assert answer.in_place == [True], "a data shard did not land at its place"
         landed = out[start : start + len(PAYLOAD)]
         assert landed == PAYLOAD, f"wrong bytes landed ({checksum_backend})"
-        assert answer.checked is not None and answer.checked.tolist() == [True], "not verified"
-        assert answer.failed is not None and answer.failed.tolist() == [False], "not verified"
         assert int(answer.entries["shard_index"][0]) == SHARD_INDEX
-        answer.release()
-    finally:
-        await asyncio.to_thread(link.close)
-
-
-async def test_wrong_payload_bytes_are_never_taken_for_a_shard(
-    node: Node, checksum_backend: str
-) -> None:
-    def flipped(request: frames.ReadRequest, region: memoryview) -> bytes:
-        table = honest(request, region)
-        region[1000] ^= 0xFF  # the payload no longer matches its header's checksum
-        return table
-
-    node.read = flipped
-    link = await _open(node)
-    try:
-        answer = await asyncio.wait_for((await _read(link, bytearray(len(BLOCK)))).future, WAIT_S)
-        assert answer.failed is not None and answer.failed.tolist() == [True], (
-            f"a corrupt payload passed verification ({checksum_backend})"
-        )
         answer.release()
     finally:
         await asyncio.to_thread(link.close)

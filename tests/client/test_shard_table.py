@@ -63,17 +63,14 @@ def test_the_numpy_tally_counts_as_the_per_shard_one(seed: int) -> None:
         payloads = [shard_payload(shard) for _, shard, _ in rows]
         valid = headers_fit(CODEC, hits)
         in_place = np.array([rng.random() < 0.8 for _ in rows])
-        checked = np.array([rng.random() < 0.5 for _ in rows])
         positions = np.array([position for position, _, _ in rows], np.int64)
-        reached = table.add(hits, positions, valid, in_place, checked, payloads.__getitem__)
+        reached = table.add(hits, positions, valid, in_place, payloads.__getitem__)
         expected = []
         for i, (position, shard, _) in enumerate(rows):
             if not valid[i]:
                 reference[position].num_corrupt += 1
                 continue
-            version = reference[position].add_verified(
-                parse_header(shard), shard, checked=bool(checked[i])
-            )
+            version = reference[position].add_verified(parse_header(shard), shard, checked=False)
             if version is not None:
                 expected.append((position, version))
         assert sorted(reached) == sorted(expected)
@@ -113,7 +110,6 @@ def test_a_code_of_more_than_64_shards_is_tallied_per_shard() -> None:
             np.zeros(1, np.int64),
             headers_fit(codec, hits),
             np.ones(1, bool),
-            np.zeros(1, bool),
             [shard_payload(shard)].__getitem__,
         )
     assert reached == [(0, parse_header(shards[0]).block_checksum)]

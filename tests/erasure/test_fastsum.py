@@ -58,36 +58,6 @@ def test_copy_many_copies_each_range_and_nothing_else(checksum_backend: str) -> 
     fastsum.copy_many([], [], [])  # an empty batch is a no-op
 
 
-@native_only
-def test_copy_verify_copies_and_flags_each_mismatch() -> None:
-    rng = np.random.default_rng(7)
-    sizes = [0, 100, (32 << 10) + 1, 300_000]
-    sources = [bytearray(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in sizes]
-    fields = rng.integers(0, 256, fastsum.FIELDS_BYTES * len(sizes), dtype=np.uint8).tobytes()
-    expected = np.array(
-        [
-            _python_shard_checksum(fields[40 * i : 40 * i + 40], bytes(src))
-            for i, src in enumerate(sources)
-        ],
-        dtype=np.uint64,
-    )
-    expected[2] ^= 1  # shard 2's stored checksum no longer matches its bytes
-    destinations = [bytearray(n) for n in sizes]
-    # Shard 3 is checked where it lies (destination 0): nothing is copied for it.
-    targets = [_address(d) if n else 0 for d, n in zip(destinations[:3], sizes, strict=False)]
-    targets.append(0)
-    ok = fastsum.copy_verify(
-        [_address(s) if n else 0 for s, n in zip(sources, sizes, strict=True)],
-        targets,
-        sizes,
-        fields,
-        expected,
-    )
-    assert ok == [True, True, False, True], "copy_verify's verdicts are wrong"
-    assert destinations[1] == sources[1] and destinations[2] == sources[2], "payload not copied"
-    assert destinations[3] == bytearray(sizes[3]), "a payload checked in place was copied"
-
-
 def test_the_fallback_runs_without_the_library() -> None:
     """KVSTORE_NATIVE=0 (or no library): python-xxhash, same results."""
     code = (
