@@ -74,6 +74,7 @@ from bench.storage.report import (
     results_table,
 )
 from bench.storage.targets import (
+    POOL_SUFFIX,
     SEALED_TENANT,
     KVStoreTarget,
     kvstore_target,
@@ -104,6 +105,11 @@ from ttl.units import size_label
 __all__ = ["Result", "bench", "best_of_each", "configure", "run", "seal_cost"]
 
 
+def pool_shape(workload: Workload) -> tuple[int, int]:
+    """A landing pool's (slot bytes, slots) for every GET of the workload at once."""
+    return max(workload.block_sizes), max(workload.concurrencies) * max(workload.batches)
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload(
         args.block_sizes, args.concurrency, args.seconds, args.straggler_ms, args.rounds, args.batch
@@ -115,7 +121,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         fsync = await asyncio.to_thread(nodes_fsync, cluster_toml)
         systems = [
             SystemUnderTest(
-                await kvstore_target(cluster_toml, transport, i, cluster, fsync), workload.rng
+                await kvstore_target(
+                    cluster_toml, transport, i, cluster, fsync, pool_shape(workload)
+                ),
+                workload.rng,
             )
             for i, transport in enumerate(args.transport)
         ]
@@ -273,7 +282,7 @@ def _add_system_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=12, help="nodes of the local cluster")
     parser.add_argument(
         "--transport",
-        type=transport_list(("grpc", "ucx", "local", "stream")),
+        type=transport_list(("grpc", "ucx", "local", "stream", "local" + POOL_SUFFIX)),
         default=["grpc"],
         help="kvstore read transports to bench in one run, e.g. grpc,ucx,local (the straggler "
         "phase runs on the first)",

@@ -40,7 +40,11 @@ class RedisTarget:
         except RedisError as exc:
             raise BaselineError(f"{self.name}: {exc}") from exc
 
-    async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool:
+    def buffers(self, count: int, block_bytes: int) -> list[memoryview]:
+        """Unused: redis-py returns new bytes per value."""
+        return [memoryview(bytearray(block_bytes)) for _ in range(count)]
+
+    async def get_into(self, keys: list[bytes], outs: list[memoryview]) -> bool:
         """GET or MGET: True if every key was found; a Redis error counts as a failed GET."""
         from redis.exceptions import RedisError
 

@@ -13,13 +13,16 @@ from typing import Protocol
 
 from bench.common import bench_node_overrides
 from client import KVClient
+from client.buffer_pool import BufferSlot
 from client.keyring import new_master_key
+from client.landing_pool import LandingPool
 from deploy.local_cluster import LocalCluster
 from deploy.local_secrets import local_client_cert
 from kvstore.config import EncryptionConfig, load_cluster
 from kvstore.errors import InvalidArgument
 
 SEALED_TENANT = "bench-sealed"
+POOL_SUFFIX = "+pool"  # a transport read into a landing pool's slots (kvstore_target)
 
 
 class BaselineError(Exception):
@@ -35,7 +38,11 @@ class Target(Protocol):
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None: ...
 
-    async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool: ...
+    async def get_into(self, keys: list[bytes], outs: list[memoryview]) -> bool: ...
+
+    def buffers(self, count: int, block_bytes: int) -> list[memoryview]:
+        """``count`` buffers of ``block_bytes`` that GETs land in (the same ones every round)."""
+        ...
 
     def server_pids(self) -> list[int]: ...
 
@@ -57,6 +64,7 @@ class KVStoreTarget:
         name: str = "kvstore",
         cluster: LocalCluster | None = None,
         fsync: str = "",
+        pool: LandingPool | None = None,
     ) -> None:
         self.client = client
         self.transport = transport
@@ -64,6 +72,8 @@ class KVStoreTarget:
         self.cluster = cluster
         self.fsync = fsync
         self.ops = ("put", "get")
+        self.pool = pool  # GETs land in its slots (the nodes write them in place), or None
+        self._slots: list[BufferSlot] = []
 
     async def put(self, keys: list[bytes], blocks: list[bytes]) -> None:
         if len(keys) == 1:
@@ -71,10 +81,21 @@ class KVStoreTarget:
         else:
             await self.client.put_batch(keys, blocks, traffic_class="chat")
 
-    async def get_into(self, keys: list[bytes], outs: list[bytearray]) -> bool:
+    async def get_into(self, keys: list[bytes], outs: list[memoryview]) -> bool:
         if len(keys) == 1:
             return await self.client.get_into(keys[0], outs[0])
         return all(await self.client.get_batch_into(keys, outs))
+
+    def buffers(self, count: int, block_bytes: int) -> list[memoryview]:
+        """Caller memory (bytearrays), or slots of the landing pool: reused across settings."""
+        if self.pool is None:
+            return [memoryview(bytearray(block_bytes)) for _ in range(count)]
+        while len(self._slots) < count:
+            slot = self.pool.try_acquire()
+            if slot is None:
+                raise InvalidArgument(f"the landing pool has no room for {count} buffers")
+            self._slots.append(slot)
+        return [slot.view[:block_bytes] for slot in self._slots[:count]]
 
     def server_pids(self) -> list[int]:
         if self.cluster is None:
@@ -100,6 +121,10 @@ class KVStoreTarget:
 
     async def close(self) -> None:
         await self.client.close()
+        for slot in self._slots:
+            slot.release()
+        if self.pool is not None:
+            self.pool.close()
 
 
 async def kvstore_target(
@@ -108,11 +133,18 @@ async def kvstore_target(
     position: int,
     cluster: LocalCluster | None,
     fsync: str,
+    pool_shape: tuple[int, int] = (0, 0),
 ) -> KVStoreTarget:
-    """A client forced onto ``transport`` (Unavailable if UCX cannot work here)."""
-    client = await KVClient.connect(cluster_toml, tenant="bench", transport=transport)
+    """A client forced onto ``transport`` (Unavailable if UCX cannot work here). A transport
+    ending in ``+pool`` (``local+pool``) reads into slots of a landing pool of ``pool_shape``
+    (block bytes, slots): the nodes on this host write the shards in place, as for an engine."""
+    read_transport = transport.removesuffix(POOL_SUFFIX)
+    pool = LandingPool(*pool_shape) if read_transport != transport else None
+    client = await KVClient.connect(
+        cluster_toml, tenant="bench", transport=read_transport, landing_pool=pool
+    )
     name = "kvstore" if position == 0 else f"kvstore/{transport}"
-    return KVStoreTarget(client, transport, name, cluster, fsync)
+    return KVStoreTarget(client, transport, name, cluster, fsync, pool)
 
 
 def nodes_fsync(cluster_toml: Path) -> str:

@@ -76,7 +76,8 @@ class SystemUnderTest:
                 return True
 
             return put
-        buffers = [[bytearray(block_bytes) for _ in range(batch)] for _ in range(concurrency)]
+        pooled = self.target.buffers(concurrency * batch, block_bytes)
+        buffers = [pooled[i * batch : (i + 1) * batch] for i in range(concurrency)]
 
         async def get(index: int) -> bool:
             wanted = [self.rng.choice(keys) for _ in range(batch)]
