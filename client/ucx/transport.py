@@ -188,7 +188,9 @@ class UcxTransport:
         endpoint = self._node_to_endpoint.get(node_id)
         if endpoint is None:
             raise Unavailable(f"node {node_id} is not reachable over UCX")
-        return self.worker.send(endpoint, REQUEST_TAG, frame)
+        sent = self.worker.send(endpoint, REQUEST_TAG, frame)
+        sent.add_done_callback(_retrieve_send_outcome)
+        return sent
 
     def node_address(self, node_id: str) -> bytes | None:
         """The UCX address last seen for ``node_id``, or None if it has none."""
@@ -215,6 +217,15 @@ class UcxTransport:
         for node_id in list(self._node_to_endpoint):
             self.forget_node(node_id)
         await self.worker.close()
+
+
+def _retrieve_send_outcome(sent: asyncio.Future[None]) -> None:
+    """A request's send is not awaited: its reader waits for the reply, which a failed send
+    never brings (the reader's deadline says so). Its outcome is still retrieved, so a send
+    cut short by closing the worker is logged here once, not reported by asyncio as "Future
+    exception was never retrieved" at exit."""
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.debug("a UCX request was not sent: %s", sent.exception())
 
 
 def _byte_count(index: int, future: asyncio.Future[int], tag_base: int) -> int | None:

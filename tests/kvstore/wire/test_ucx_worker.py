@@ -8,6 +8,7 @@ test_ucx_processes.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -131,6 +132,28 @@ async def test_server_reports_a_client_that_never_takes_its_message() -> None:
         assert server.num_endpoints == 0, "the endpoint of a silent client must be dropped"
         assert server.worker.num_pending == 0, "given-up sends must not be tracked forever"
     finally:
+        await server.close()
+
+
+async def test_a_request_cut_short_by_closing_the_client_is_no_stray_error() -> None:
+    """A request's send is not awaited (its reader waits for the reply): when the client closes
+    mid-send, the send's failure is retrieved, not reported by asyncio at exit."""
+    server, client = UcxServer(), UcxTransport(transports="^tcp", seed=5)
+    stray: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: stray.append(context))
+    try:
+        await server.worker.close()  # nobody progresses the node's side: the send cannot end
+        client.observe_node("n00", server.address)
+        assert client.reachable("n00")
+        sent = client.send_request("n00", b"z" * (4 << 20))
+        await client.close()
+        assert sent.done(), "closing the worker must end its sends"
+        del sent  # its exception unread here, as a reader leaves it
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not stray, f"asyncio reported a request's send: {stray}"
+    finally:
+        await client.close()
         await server.close()
 
 
