@@ -39,8 +39,9 @@ from deploy.local_cluster import LocalCluster
 from engine_adapter.config import add_store_transport_argument
 from engine_adapter.serving.request_api import Completion
 from engine_adapter.serving.router import Router
-from engine_adapter.serving.worker_pool import WorkerPool, cancel_on_signals, sigterm_as_interrupt
+from engine_adapter.serving.worker_pool import WorkerPool, cancel_on_signals
 from kvstore.cli.progress import ProgressReporter
+from kvstore.cli.signals import sigterm_as_interrupt
 from kvstore.cli.tables import make_console
 from kvstore.errors import KVStoreError
 

@@ -56,13 +56,9 @@ from engine_adapter.serving.front_config import FrontConfig, configure, front_co
 from engine_adapter.serving.http_limits import guarded_h11_protocol
 from engine_adapter.serving.request_log import ServingStats
 from engine_adapter.serving.worker_flags import tuning_argv
-from engine_adapter.serving.worker_pool import (
-    POLL_S,
-    WorkerPool,
-    cancel_on_signals,
-    sigterm_as_interrupt,
-)
+from engine_adapter.serving.worker_pool import POLL_S, WorkerPool, cancel_on_signals
 from engine_adapter.serving.worker_tls import WorkerTLS, worker_tls_for
+from kvstore.cli.signals import sigterm_as_interrupt
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:

@@ -35,6 +35,7 @@ from typing import Any
 from erasure.allocator import tune_glibc_malloc
 from kvstore.cli.args import HelpFormatter, apply_conventions, is_stdout
 from kvstore.cli.progress import Heartbeat
+from kvstore.cli.signals import Terminated, sigterm_as_interrupt
 from kvstore.errors import ERRORS
 
 log = logging.getLogger("kvstore.cli")
@@ -244,13 +245,15 @@ def run_command(command: tuple[str, ...], run: Callable[..., Any], args: argpars
     name = " ".join(("kvstore", *command))
     json_to_stdout = is_stdout(getattr(args, "json", None))
     heartbeat = contextlib.nullcontext() if command in SERVICES else Heartbeat(" ".join(command))
-    if command not in SERVICES and threading.current_thread() is threading.main_thread():
-        # SIGTERM (kill, timeout, a CI runner) ends a command as Ctrl-C does, through its
-        # finally blocks: without this a benchmark or demo died at once and left the nodes of
-        # its embedded cluster running, orphaned. Services stop on SIGTERM their own way.
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    # Without this a benchmark or demo killed by SIGTERM died at once and left the nodes of
+    # its embedded cluster running, orphaned. Services stop on SIGTERM their own way.
+    terminable = command not in SERVICES and threading.current_thread() is threading.main_thread()
     try:
-        with heartbeat, contextlib.redirect_stdout(sys.stderr if json_to_stdout else sys.stdout):
+        with (
+            sigterm_as_interrupt() if terminable else contextlib.nullcontext(),
+            heartbeat,
+            contextlib.redirect_stdout(sys.stderr if json_to_stdout else sys.stdout),
+        ):
             return int(run(args) or 0)
     except (*ERRORS, OSError, ValueError) as exc:
         # Bad input that reached the command (a missing or malformed file, a refused value):
@@ -264,14 +267,6 @@ def run_command(command: tuple[str, ...], run: Callable[..., Any], args: argpars
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is (``run_command``)."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated
 
 
 def package_version() -> str:
