@@ -50,6 +50,7 @@ class BlockChecks:
     complete: list[bytes | None]  # per key, the version that reached k shards
     verified: dict[int, bool]  # positions checked early (False until the check said so)
     rewritten: set[int]
+    corrupt_misses: set[int]  # positions whose shards failed their block and left too few
     pool_offsets: list[int | None] | None
     num_in_place: np.ndarray  # per key, data shards that landed at their place (any version)
     _checks: list[asyncio.Future[None]]
@@ -236,6 +237,7 @@ class BlockChecks:
                 failure = exc
         log.warning("dropping version %s: %s", version.hex(), failure)
         counters.num_decode_failures += 1
+        self.corrupt_misses.add(position)
         return None
 
     def _placed(self, position: int, version: bytes) -> list[bool]:

@@ -169,6 +169,9 @@ class BatchRead:
         self.timeline = timeline  # where the stages' spans go (client/read_timeline.py)
         # After run(): positions whose bytes decoding wrote after on_landed announced them.
         self.rewritten: set[int] = set()
+        # After run(): positions that missed because shards of theirs failed their block
+        # check after the nodes' own checks (client/block_reads.py reads them once more).
+        self.corrupt_misses: set[int] = set()
 
     async def run(
         self,
@@ -217,6 +220,7 @@ class BatchRead:
         if self.follow_ups is not None:
             state.follow_up(blocks, self.follow_ups)
         self.rewritten = state.rewritten
+        self.corrupt_misses = state.corrupt_misses
         return blocks
 
 
@@ -239,6 +243,7 @@ class _State(BlockChecks):
         # Positions whose block bytes decoding wrote after shards landed there (a recovered
         # data shard, or one copied into place): engines copy those blocks again.
         self.rewritten: set[int] = set()
+        self.corrupt_misses: set[int] = set()
         # Blocks verified while the read goes on (whole in their buffers as soon as their
         # data nodes answered): the futures of their block checks, and the verdicts.
         self._checks: list[asyncio.Future[None]] = []

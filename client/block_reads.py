@@ -151,35 +151,58 @@ class BlockReads:
         timeout_s: float | None,
         on_landed: OnLanded | None = None,
     ) -> tuple[list[bytes | memoryview | None], list[bool]]:
-        """The blocks from the current placement, and which keys timed out; during a map
-        change, the keys it misses whose group changed are read again from the placement
-        before the change, within what is left of the same deadline (their blocks then count
-        as rewritten: no shard of the second read is announced)."""
+        """The blocks from the current placement, and which keys timed out, within one
+        deadline. Two kinds of miss are read once more, within what is left of it (their
+        blocks then count as rewritten: no shard of a second read is announced):
+
+        - a key whose shards failed their block check after the nodes' own checks and left
+          fewer than k (bytes changed in memory or on a link): again from the same nodes,
+          whose read stopped at the first k answers;
+        - during a map change, a key whose group changed: from the placement before it.
+        """
         config = self.c.config
         loop = asyncio.get_running_loop()
         timeout_s = self.c.resolve_timeout_s(timeout_s)
         deadline_s = loop.time() + timeout_s
         blocks = await read.run(keys, groups, outs, timeout_s, on_landed)
         timed_out = list(read.timed_out)
+        corrupt = sorted(i for i in read.corrupt_misses if blocks[i] is None)
+        if corrupt:
+            await self._read_again(read, self.batch_read(read.group_members), corrupt,
+                                   keys, groups, outs, blocks, timed_out, deadline_s)  # fmt: skip
         previous = config.moving_from
         again = [
             i
             for i, block in enumerate(blocks)
             if block is None and previous and previous[groups[i]] != config.groups[groups[i]]
         ]
-        if not again:
-            return blocks, timed_out
-        before = self.batch_read(self.c.previous_members)
-        found = await before.run(
-            [keys[i] for i in again],
-            [groups[i] for i in again],
-            [outs[i] for i in again],
-            max(0.0, deadline_s - loop.time()),
+        if again:
+            await self._read_again(read, self.batch_read(self.c.previous_members), again,
+                                   keys, groups, outs, blocks, timed_out, deadline_s)  # fmt: skip
+        return blocks, timed_out
+
+    async def _read_again(
+        self,
+        read: BatchRead,
+        second: BatchRead,
+        positions: list[int],
+        keys: Sequence[bytes],
+        groups: list[int],
+        outs: Sequence[memoryview | None],
+        blocks: list[bytes | memoryview | None],
+        timed_out: list[bool],
+        deadline_s: float,
+    ) -> None:
+        """Read ``positions`` once more with ``second``, in place in ``blocks``/``timed_out``."""
+        found = await second.run(
+            [keys[i] for i in positions],
+            [groups[i] for i in positions],
+            [outs[i] for i in positions],
+            max(0.0, deadline_s - asyncio.get_running_loop().time()),
         )
-        for i, block, late in zip(again, found, before.timed_out, strict=True):
+        for i, block, late in zip(positions, found, second.timed_out, strict=True):
             blocks[i], timed_out[i] = block, block is None and (late or timed_out[i])
             read.rewritten.add(i)
-        return blocks, timed_out
 
     def close(self) -> None:
         self.decode_pool.shutdown(wait=False)

@@ -256,17 +256,19 @@ async def test_shards_corrupt_on_disk_read_right(cluster: LocalCluster) -> None:
     assert found > 0, "the nodes' read loop did not notice the corrupt records"
 
 
+@pytest.mark.parametrize("num_changed", [1, 3])
 @pytest.mark.parametrize("landing_in", ["pool", "local", "stream"])
 async def test_bytes_changed_after_the_node_checked_them_are_caught(
-    cluster: LocalCluster, landing_in: str
+    cluster: LocalCluster, landing_in: str, num_changed: int
 ) -> None:
-    """A shard's bytes change where they landed after the node verified them (what a faulty
+    """Shards' bytes change where they landed after the node verified them (what a faulty
     node, a bad link or a stray write would do): in the pool, where the node placed them, or
     in the caller's buffers, where the client copied them from the local arena or received
     them from the stream. No transport checks a shard on its own: the block checksum fails,
-    the shards' own checksums find the bad one, and the block decodes from parity; never
-    wrong bytes."""
-    blocks = _blocks(5, f"corrupt-{landing_in}", [2 * MiB] * 8)
+    the shards' own checksums find the bad ones, and the block decodes from parity; with
+    three changed, more than parity can replace, the block is read once more. Never wrong
+    bytes, and no miss."""
+    blocks = _blocks(5 + num_changed, f"corrupt-{landing_in}-{num_changed}", [2 * MiB] * 8)
     await _put(cluster.cluster_toml, blocks)
     pool = LandingPool(SLOT_BYTES, len(blocks)) if landing_in == "pool" else None
     transport = "stream" if landing_in == "stream" else "local"
@@ -278,24 +280,24 @@ async def test_bytes_changed_after_the_node_checked_them_are_caught(
         else:
             views = [view for _, view in _slots(pool, blocks)]
         payload_bytes = kv.codec.payload_bytes(2 * MiB)
-        flipped: set[int] = set()
+        changed = range(3, 3 + num_changed)
+        flipped: set[tuple[int, int]] = set()
 
         def corrupt(pairs: list[tuple[int, int]]) -> None:
-            for position, shard_index in pairs:  # one byte of data shard 3 of each block
-                if shard_index == 3 and position not in flipped:
-                    flipped.add(position)
-                    views[position][3 * payload_bytes + 1000] ^= 0xFF
+            for position, shard_index in pairs:  # one byte of each changed data shard
+                if shard_index in changed and (position, shard_index) not in flipped:
+                    flipped.add((position, shard_index))
+                    views[position][shard_index * payload_bytes + 1000] ^= 0xFF
 
         result = await kv.land_batch(list(blocks), views, on_landed=corrupt, timeout_s=TIMEOUT_S)
-        rechecks = kv.read_counters.num_rechecks
-    assert flipped, "no data shard 3 was reported landed"
+        counters = kv.read_counters
+    positions = {position for position, _ in flipped}
+    assert positions, "no changed data shard was reported landed"
     _check(blocks, views, result.landed)
-    assert rechecks >= len(flipped & {i for i, ok in enumerate(result.landed) if ok}), (
-        "a block whose bytes changed passed without a recheck"
-    )
-    for position in flipped:
-        if result.landed[position]:
-            assert result.rewritten[position], "a repaired block must be reported rewritten"
+    assert all(result.landed), f"blocks whose bytes changed after landing missed: {counters}"
+    assert counters.num_rechecks >= len(positions), "a changed block passed without a recheck"
+    for position in positions:
+        assert result.rewritten[position], "a repaired block must be reported rewritten"
 
 
 async def test_two_writers_at_once_never_mix(cluster: LocalCluster) -> None:
