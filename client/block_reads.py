@@ -166,10 +166,21 @@ class BlockReads:
         deadline_s = loop.time() + timeout_s
         blocks = await read.run(keys, groups, outs, timeout_s, on_landed)
         timed_out = list(read.timed_out)
+
+        async def read_again(second: BatchRead, positions: list[int]) -> None:
+            found = await second.run(
+                [keys[i] for i in positions],
+                [groups[i] for i in positions],
+                [outs[i] for i in positions],
+                max(0.0, deadline_s - loop.time()),
+            )
+            for i, block, late in zip(positions, found, second.timed_out, strict=True):
+                blocks[i], timed_out[i] = block, block is None and (late or timed_out[i])
+                read.rewritten.add(i)
+
         corrupt = sorted(i for i in read.corrupt_misses if blocks[i] is None)
         if corrupt:
-            await self._read_again(read, self.batch_read(read.group_members), corrupt,
-                                   keys, groups, outs, blocks, timed_out, deadline_s)  # fmt: skip
+            await read_again(self.batch_read(read.group_members), corrupt)
         previous = config.moving_from
         again = [
             i
@@ -177,32 +188,8 @@ class BlockReads:
             if block is None and previous and previous[groups[i]] != config.groups[groups[i]]
         ]
         if again:
-            await self._read_again(read, self.batch_read(self.c.previous_members), again,
-                                   keys, groups, outs, blocks, timed_out, deadline_s)  # fmt: skip
+            await read_again(self.batch_read(self.c.previous_members), again)
         return blocks, timed_out
-
-    async def _read_again(
-        self,
-        read: BatchRead,
-        second: BatchRead,
-        positions: list[int],
-        keys: Sequence[bytes],
-        groups: list[int],
-        outs: Sequence[memoryview | None],
-        blocks: list[bytes | memoryview | None],
-        timed_out: list[bool],
-        deadline_s: float,
-    ) -> None:
-        """Read ``positions`` once more with ``second``, in place in ``blocks``/``timed_out``."""
-        found = await second.run(
-            [keys[i] for i in positions],
-            [groups[i] for i in positions],
-            [outs[i] for i in positions],
-            max(0.0, deadline_s - asyncio.get_running_loop().time()),
-        )
-        for i, block, late in zip(positions, found, second.timed_out, strict=True):
-            blocks[i], timed_out[i] = block, block is None and (late or timed_out[i])
-            read.rewritten.add(i)
 
     def close(self) -> None:
         self.decode_pool.shutdown(wait=False)
