@@ -285,7 +285,8 @@ def _add_system_arguments(parser: argparse.ArgumentParser) -> None:
         type=transport_list(("grpc", "ucx", "local", "stream", "local" + POOL_SUFFIX)),
         default=["grpc"],
         help="kvstore read transports to bench in one run, e.g. grpc,ucx,local (the straggler "
-        "phase runs on the first)",
+        "phase runs on the first); local+pool: the local channel into a landing pool's slots, "
+        "as engines read",
     )
     parser.add_argument(
         "--backend", choices=["isal", "zfec"], default="isal", help="erasure code backend"
